@@ -1,0 +1,40 @@
+# fastshare: `make demo` and `make test` set everything up from nothing (see README.md).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PROTOS := $(shell find proto -name '*.proto')
+
+.PHONY: demo test lint pytest system-deps venv protos clean
+
+## One-time set-up: a virtualenv with the package (editable) and the dev tools.
+$(STAMP): pyproject.toml setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+## Regenerate gRPC code when a .proto changes (also done by every install).
+fastshare/v1/.generated: $(PROTOS) $(STAMP)
+	$(BIN)/python setup.py -q generate_protos
+	touch $@
+
+venv: $(STAMP) fastshare/v1/.generated
+
+## Debian packages the tests need (systemd-nspawn, debootstrap, etcd, ...), installed when root.
+system-deps:
+	bash scripts/install-system-deps.sh
+
+demo: venv
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
+
+lint: venv
+	$(BIN)/ruff check .
+
+pytest: venv system-deps
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info fastshare/v1/*_pb2*.py* fastshare/v1/.generated

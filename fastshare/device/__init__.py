@@ -1,0 +1,1 @@
+"""GPU device layer: one interface over NVML (real or simulated)."""

@@ -1,0 +1,108 @@
+"""The device layer's contract: what every other component may ask of a GPU host.
+
+Only this module's types cross the boundary; callers never see pynvml handles. The one
+implementation (``NvmlDevices`` in ``nvml_backend``) runs against the real ``pynvml`` module
+or against ``fastshare.device.simnvml``, which exposes the same calls and errors.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+
+class DeviceError(Exception):
+    """A device operation failed; ``code`` is the NVML error name (e.g. ``IN_USE``)."""
+
+    def __init__(self, message: str, code: str = "UNKNOWN") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class MigProfile:
+    """A GPU-instance profile as NVML reports it for one GPU."""
+
+    profile_id: int          # the id create calls take (19, 14, 9, ...), not the enum index
+    name: str                # e.g. "3g.20gb"
+    slices: int              # compute slices
+    memory_slices: int       # placement size
+    memory_mib: int
+    sm_count: int
+    max_instances: int
+    placements: tuple[int, ...]  # allowed start memory slices
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    """A MIG device: identified by (parent GPU UUID, profile id, placement start)."""
+
+    gpu_uuid: str
+    gpu_index: int
+    profile_id: int
+    profile_name: str
+    start: int
+    size: int
+    gi_id: int
+    ci_id: int | None
+    uuid: str | None         # MIG-... once a compute instance exists
+    sm_count: int
+    memory_mib: int
+    processes: int = 0       # compute processes running on it
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str                # NVML product name, e.g. "NVIDIA A100-SXM4-40GB"
+    memory_mib: int
+    sm_count: int
+    pci_bus_id: str
+    mig_capable: bool
+    mig_current: bool
+    mig_pending: bool
+    compute_mode: str        # "DEFAULT" | "EXCLUSIVE_PROCESS" | "PROHIBITED"
+    processes: int = 0
+    mig_instances: tuple[MigInstance, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Pairwise link level between GPU indexes (lower is closer), NVML topology levels."""
+
+    levels: dict[tuple[int, int], int]
+
+
+class Devices(abc.ABC):
+    """Everything fastshare does to the GPUs of one host."""
+
+    @abc.abstractmethod
+    def driver_version(self) -> str: ...
+
+    @abc.abstractmethod
+    def gpus(self) -> list[GpuInfo]: ...
+
+    @abc.abstractmethod
+    def topology(self) -> Topology: ...
+
+    @abc.abstractmethod
+    def set_mig_mode(self, gpu_index: int, enabled: bool) -> bool:
+        """Request a MIG mode; returns True when the change is still pending a GPU reset."""
+
+    @abc.abstractmethod
+    def mig_profiles(self, gpu_index: int) -> list[MigProfile]: ...
+
+    @abc.abstractmethod
+    def mig_instances(self, gpu_index: int) -> list[MigInstance]: ...
+
+    @abc.abstractmethod
+    def create_mig_instance(self, gpu_index: int, profile_id: int, start: int) -> MigInstance:
+        """Create a GPU instance at an explicit placement plus its full compute instance."""
+
+    @abc.abstractmethod
+    def destroy_mig_instance(self, gpu_index: int, start: int) -> None:
+        """Destroy the GPU instance at ``start`` (and its compute instances)."""
+
+    @abc.abstractmethod
+    def set_compute_mode(self, gpu_index: int, mode: str) -> None: ...

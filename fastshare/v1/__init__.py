@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC modules (from proto/fastshare/v1, built at install time)."""

@@ -339,7 +339,8 @@ class Engine:
                     usable.append((n, g))
         if not usable:
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-            return f"no GPU{models} is available for {r.kind} shares (all are in MIG mode, held whole or shared otherwise)"
+            return (f"no GPU{models} is available for {r.kind} shares "
+                    "(all are in MIG mode, held whole or shared otherwise)")
         cap = self.mps_oversubscription if r.kind == "mps" else 1.0
         n, g = max(usable, key=lambda ng: (ng[1].view.memory_mib * cap - ng[1].mem_used, -ng[1].view.index))
         msg = (f"no GPU with {what} free; largest free memory is "
@@ -394,7 +395,7 @@ class Engine:
                 too_big.append((n, g, need))
                 continue
             inst = list(g.mig.values())
-            for rank, p in enumerate(profs):
+            for p in profs:
                 starts = migmath.free_starts(p, v.mig_profiles, inst)
                 if not starts:
                     continue

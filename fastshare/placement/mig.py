@@ -10,7 +10,9 @@ what still fits later; ``placement_loss`` measures that so the engine can pick t
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 
 from fastshare.device.api import MigProfile
 
@@ -33,7 +35,8 @@ def compute_slices_total(profiles: Sequence[MigProfile]) -> int:
     return max((p.slices for p in profiles), default=0)
 
 
-def free_starts(profile: MigProfile, profiles: Sequence[MigProfile], instances: Sequence[Instance]) -> list[int]:
+def free_starts(profile: MigProfile, profiles: Sequence[MigProfile],
+                instances: Sequence[Instance]) -> list[int]:
     """Allowed starts where ``profile`` can be created now, lowest first."""
     if sum(1 for pid, _s, _z in instances if pid == profile.profile_id) >= profile.max_instances:
         return []
@@ -45,31 +48,42 @@ def free_starts(profile: MigProfile, profiles: Sequence[MigProfile], instances: 
     return [s for s in profile.placements if not mask & _mask(s, profile.memory_slices)]
 
 
-def capacity_value(profiles: Sequence[MigProfile], instances: Sequence[Instance]) -> float:
-    """How much future demand a layout can still absorb: for every profile, how many more
-    instances of it could be created (greedily, lowest start first), as a fraction of how
-    many an empty GPU takes. Profiles count equally so small and large shapes both matter."""
-    total = 0.0
+def capacity_value(profiles: Sequence[MigProfile], instances: Sequence[Instance]) -> int:
+    """How much future demand a layout can still absorb: over every distinct combination
+    (multiset of profiles) that could still be added to it, the compute slices of its largest
+    member. Counting combinations rather than free slices is what tells a harmless start from
+    one that rules out a 3g or a 4g later; weighting by the largest member keeps big shapes
+    (the ones that fail first) possible."""
+    counts = Counter(pid for pid, _s, _z in instances)
+    slices = {p.profile_id: p.slices for p in profiles}
+    combos = _reachable(tuple(profiles), used_mask(instances), tuple(sorted(counts.items())))
+    return sum(max((slices[i] for i in c), default=0) for c in combos)
+
+
+@lru_cache(maxsize=8192)
+def _reachable(profiles: tuple[MigProfile, ...], mask: int,
+               counts: tuple[tuple[int, int], ...]) -> frozenset[tuple[int, ...]]:
+    by_id = {p.profile_id: p for p in profiles}
+    have = dict(counts)
+    compute_left = compute_slices_total(profiles) - sum(by_id[pid].slices * n for pid, n in counts)
+    out = {()}
     for p in profiles:
-        empty = _greedy_count(p, profiles, [])
-        if empty:
-            total += _greedy_count(p, profiles, list(instances)) / empty
-    return total
-
-
-def _greedy_count(p: MigProfile, profiles: Sequence[MigProfile], instances: list[Instance]) -> int:
-    n = 0
-    while True:
-        starts = free_starts(p, profiles, instances)
-        if not starts:
-            return n
-        instances.append((p.profile_id, starts[0], p.memory_slices))
-        n += 1
+        if have.get(p.profile_id, 0) >= p.max_instances or p.slices > compute_left:
+            continue
+        for s in p.placements:
+            m = _mask(s, p.memory_slices)
+            if mask & m:
+                continue
+            more = dict(have)
+            more[p.profile_id] = more.get(p.profile_id, 0) + 1
+            sub = _reachable(profiles, mask | m, tuple(sorted(more.items())))
+            out.update(tuple(sorted((*c, p.profile_id))) for c in sub)
+    return frozenset(out)
 
 
 def placement_loss(profile: MigProfile, start: int, profiles: Sequence[MigProfile],
-                   instances: Sequence[Instance]) -> float:
-    """Future capacity destroyed by creating ``profile`` at ``start`` (lower is better)."""
+                   instances: Sequence[Instance]) -> int:
+    """Future combinations destroyed by creating ``profile`` at ``start`` (lower is better)."""
     after = [*instances, (profile.profile_id, start, profile.memory_slices)]
     return capacity_value(profiles, instances) - capacity_value(profiles, after)
 

@@ -85,8 +85,10 @@ class Request:
             p = self.sm_percent
             _check(p is not None and 0 < p <= 100 and math.isfinite(p),
                    f"sm_percent: fastpod needs an SM share in (0, 100] percent (got {p})")
-            _check(self.gpu_memory_mib > 0, "gpu_memory_mib: fastpod needs a GPU memory limit > 0 MiB")
-            _check(0 < self.quota_request <= 1, f"quota_request: must be in (0, 1] (got {self.quota_request})")
+            _check(self.gpu_memory_mib > 0,
+                   "gpu_memory_mib: fastpod needs a GPU memory limit > 0 MiB")
+            _check(0 < self.quota_request <= 1,
+                   f"quota_request: must be in (0, 1] (got {self.quota_request})")
             _check(0 < self.quota_limit <= 1, f"quota_limit: must be in (0, 1] (got {self.quota_limit})")
             _check(self.quota_request <= self.quota_limit,
                    f"quota_request: must be <= quota_limit ({self.quota_request} > {self.quota_limit})")
@@ -101,7 +103,8 @@ class Request:
             _check(p is not None or self.sm_count is not None or self.gpu_memory_mib > 0,
                    "exclusive: give sm_count, sm_percent or gpu_memory_mib to size the MIG slice")
         else:  # whole
-            _check(isinstance(self.gpus, int) and self.gpus >= 1, f"gpus: must be an integer >= 1 (got {self.gpus})")
+            _check(isinstance(self.gpus, int) and self.gpus >= 1,
+                   f"gpus: must be an integer >= 1 (got {self.gpus})")
         if self.kind != "whole":
             _check(self.gpus == 1, f"gpus: only kind 'whole' takes several GPUs (got {self.gpus})")
 

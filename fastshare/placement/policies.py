@@ -190,8 +190,9 @@ class DotProductPolicy(Policy):
                     if s > best:
                         best, idx = s, i
             return int(100 * best), (idx,)
-        s = 1 - ((cpu_left / cap) * (task.cpu / cap)
-                 + (sum(gpus) / (MILLI * max(1, len(gpus)))) * (task.num_gpu * task.milli / (MILLI * max(1, len(gpus))))) / 2
+        slots = MILLI * max(1, len(gpus))
+        dot = (cpu_left / cap) * (task.cpu / cap) + (sum(gpus) / slots) * (task.num_gpu * task.milli / slots)
+        s = 1 - dot / 2
         return int(100 * s), default_gpus(gpus, task)
 
 
@@ -252,8 +253,8 @@ def _sigmoid_score(delta: float) -> int:
 
 
 class FGDPolicy(Policy):
-    """Fragmentation Gradient Descent as in the artifact: score = int(100·sigmoid(ΔF/1000)),
-    ΔF = F(before) − F(after); for shares the GPU with the best integer score (lowest index
+    """Fragmentation Gradient Descent as in the artifact: score = int(100*sigmoid(dF/1000)),
+    dF = F(before) - F(after); for shares the GPU with the best integer score (lowest index
     on ties) is used."""
 
     name = "fgd"

@@ -130,7 +130,7 @@ def node_tie_order(nodes: list[SimNode], seed: int) -> list[int]:
 
 def arrival_order(pods: list[SimPod], seed: int, tune: float, capacity_milli: int) -> list[SimPod]:
     """Tasks sorted by name, shuffled with the seed, then random copies appended until the next
-    copy would push the requested GPU total past ``tune`` × capacity (checked with the copy's
+    copy would push the requested GPU total past ``tune`` x capacity (checked with the copy's
     per-GPU milli, as the artifact does). ``tune`` <= 0 means no copies."""
     rng = random.Random(seed)
     order = sorted(pods, key=lambda p: p.name)
@@ -154,11 +154,13 @@ def read_reference_order(path: str | Path) -> list[SimPod]:
     """The exact arrival order of a published run (reference/*_order.csv)."""
     path = Path(path)
     out = []
-    for line, r in _rows(path, ("seq", "name", "tuned_clone", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")):
+    cols = ("seq", "name", "tuned_clone", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
+    for line, r in _rows(path, cols):
         num = _int(path, line, r, "num_gpu", 0, 64)
         spec = frozenset(s for s in (r.get("gpu_spec") or "").strip().split("|") if s)
-        out.append(SimPod(r["name"], _int(path, line, r, "cpu_milli", 0), _int(path, line, r, "memory_mib", 0),
-                          num, _int(path, line, r, "gpu_milli", 0, MILLI), spec, r["tuned_clone"] == "1"))
+        out.append(SimPod(r["name"], _int(path, line, r, "cpu_milli", 0),
+                          _int(path, line, r, "memory_mib", 0), num,
+                          _int(path, line, r, "gpu_milli", 0, MILLI), spec, r["tuned_clone"] == "1"))
     return out
 
 

@@ -48,16 +48,15 @@ class Spec:
     gpu_count: int = 0
     models: tuple[str, ...] = ()
     node_selector: tuple[tuple[str, str], ...] = ()
-    affinity: tuple[str, ...] = ()
-    anti_affinity: tuple[str, ...] = ()
-    exclusion: tuple[str, ...] = ()
+    affinity: str = ""
+    anti_affinity: str = ""
+    exclusion: str = ""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["kind"] = self.kind.value
         data["node_selector"] = dict(self.node_selector)
-        for key in ("models", "affinity", "anti_affinity", "exclusion"):
-            data[key] = list(data[key])
+        data["models"] = list(self.models)
         return data
 
     @classmethod
@@ -65,8 +64,7 @@ class Spec:
         data = dict(data)
         data["kind"] = Kind(data["kind"])
         data["node_selector"] = tuple(sorted(dict(data.get("node_selector") or {}).items()))
-        for key in ("models", "affinity", "anti_affinity", "exclusion"):
-            data[key] = tuple(data.get(key) or ())
+        data["models"] = tuple(data.get("models") or ())
         return cls(**data)
 
 

@@ -56,15 +56,11 @@ def _unused(spec: Spec, kind: Kind, names: Iterable[str]) -> None:
             raise ValidationError(f"spec.{name}", f"does not apply to kind {kind.value}; leave it unset")
 
 
-def _strings(field: str, values: Sequence[str], pattern: re.Pattern[str] | None = None) -> None:
+def _strings(field: str, values: Sequence[str]) -> None:
     if len(values) > 64:
         raise ValidationError(field, f"at most 64 entries, got {len(values)}")
-    for value in values:
-        if not value:
-            raise ValidationError(field, "entries must not be empty")
-        if pattern is not None and not pattern.match(value):
-            raise ValidationError(field, f"entry {value!r} is invalid: 1-63 characters of letters, "
-                                         "digits, '.', '_', '/', '-'")
+    if not all(values):
+        raise ValidationError(field, "entries must not be empty")
 
 
 def _mig_models(gpus: Sequence[Gpu]) -> list[catalog.GpuModel]:
@@ -158,9 +154,11 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
     for key, _value in spec.node_selector:
         if not key:
             raise ValidationError("spec.node_selector", "keys must not be empty")
-    _strings("spec.affinity", spec.affinity, _TAG_RE)
-    _strings("spec.anti_affinity", spec.anti_affinity, _TAG_RE)
-    _strings("spec.exclusion", spec.exclusion, _TAG_RE)
+    for name in ("affinity", "anti_affinity", "exclusion"):
+        tag = getattr(spec, name)
+        if tag and not _TAG_RE.match(tag):
+            raise ValidationError(f"spec.{name}", f"tag {tag!r} is invalid: 1-63 characters of letters, "
+                                                  "digits, '.', '_', '/', '-'")
     if len(request.owner) > 253:
         raise ValidationError("owner", f"at most 253 characters, got {len(request.owner)}")
     if request.idempotency_key and not _KEY_RE.match(request.idempotency_key):

@@ -1,0 +1,206 @@
+"""A small cluster CA: ECDSA P-256 keys, a self-signed CA and short-lived leaf certificates.
+
+Leaf certificates are short-lived on purpose (rotation is the revocation mechanism); the
+servers reload them from disk when they change (see ``tls``), so re-issuing is enough.
+
+Directory layout (stable, the Ansible roles and the CLI rely on it):
+  CA dir:   ca.crt, ca.key (0600)
+  out dir:  NAME.crt, NAME.key (0600), ca.crt (copy of the CA certificate, for peers)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+DEFAULT_CA_DAYS = 3650
+DEFAULT_LEAF_DAYS = 30
+MAX_LEAF_DAYS = 825  # browsers' historic cap; longer leaves defeat rotation
+USAGES = ("server", "client", "both")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+# Clocks on a cluster drift; a certificate valid "from now" fails on a node a few seconds behind.
+_BACKDATE = dt.timedelta(minutes=5)
+
+
+class CertError(ValueError):
+    """Bad input or an unusable CA directory; the message names the field."""
+
+
+@dataclass(frozen=True)
+class IssuedCert:
+    cert_path: Path
+    key_path: Path
+    ca_path: Path
+    not_after: dt.datetime
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """Write via temp + fsync + rename so a crash never leaves a half-written key."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _validate_name(field: str, name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise CertError(f"{field} {name!r} is invalid: use 1-63 characters of letters, digits, '.', '_', '-'"
+                        " starting with a letter or digit")
+
+
+def _validate_days(field: str, days: int, maximum: int) -> None:
+    if not 1 <= days <= maximum:
+        raise CertError(f"{field} must be between 1 and {maximum} days, got {days}")
+
+
+def init_ca(ca_dir: Path, name: str = "fastshare-ca", days: int = DEFAULT_CA_DAYS,
+            force: bool = False) -> Path:
+    """Create a CA in ``ca_dir``; refuses to overwrite an existing one unless ``force``."""
+    _validate_name("name", name)
+    _validate_days("days", days, 36500)
+    ca_dir = Path(ca_dir)
+    if (ca_dir / CA_KEY).exists() and not force:
+        raise CertError(f"{ca_dir / CA_KEY} already exists; refusing to replace the cluster CA"
+                        " (every issued certificate would stop working); pass --force to do it anyway")
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fastshare"),
+                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE).not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    ca_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(ca_dir, 0o700)
+    _write_atomic(ca_dir / CA_KEY, _key_pem(key), 0o600)
+    _write_atomic(ca_dir / CA_CERT, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return ca_dir / CA_CERT
+
+
+def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    ca_dir = Path(ca_dir)
+    try:
+        cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT).read_bytes())
+        key = serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), password=None)
+    except FileNotFoundError as exc:
+        raise CertError(f"--ca {ca_dir}: {exc.filename} not found; create a CA with"
+                        " `fastshare certs init DIR` first") from exc
+    except ValueError as exc:
+        raise CertError(f"--ca {ca_dir}: cannot parse the CA files: {exc}") from exc
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise CertError(f"--ca {ca_dir}: {CA_KEY} is not an ECDSA key")
+    return cert, key
+
+
+def _san_entry(value: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(value))
+    except ValueError:
+        pass
+    if not re.match(r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$", value):
+        raise CertError(f"--san {value!r} is neither an IP address nor a DNS name")
+    return x509.DNSName(value)
+
+
+def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[str] = (),
+          usage: str = "both", days: int = DEFAULT_LEAF_DAYS) -> IssuedCert:
+    """Issue ``NAME.crt``/``NAME.key`` signed by the CA; CN = name, SAN = name + ``sans``.
+
+    ``usage`` both (default) suits agents: they serve RPCs and also call the controller.
+    """
+    _validate_name("--name", name)
+    _validate_days("--days", days, MAX_LEAF_DAYS)
+    if usage not in USAGES:
+        raise CertError(f"--usage must be one of {', '.join(USAGES)}, got {usage!r}")
+    entries: list[x509.GeneralName] = []
+    for value in (name, *sans):
+        entry = _san_entry(value)
+        if entry not in entries:
+            entries.append(entry)
+    ca_cert, ca_key = load_ca(ca_dir)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    ekus = {"server": [ExtendedKeyUsageOID.SERVER_AUTH], "client": [ExtendedKeyUsageOID.CLIENT_AUTH],
+            "both": [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]}[usage]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fastshare"),
+                                 x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE).not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
+                                     content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=True,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(ekus), critical=False)
+        .add_extension(x509.SubjectAlternativeName(entries), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                       critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key_path, cert_path, ca_path = out_dir / f"{name}.key", out_dir / f"{name}.crt", out_dir / CA_CERT
+    # Key first: a reader that sees the new certificate must also find the matching key.
+    _write_atomic(key_path, _key_pem(key), 0o600)
+    _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    _write_atomic(ca_path, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return IssuedCert(cert_path, key_path, ca_path, not_after)
+
+
+def describe(cert_path: Path) -> dict[str, object]:
+    """Subject, SANs and validity of a certificate (for `fastshare certs show`)."""
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        sans = [str(v) for v in san.get_values_for_type(x509.DNSName)] + \
+               [str(v) for v in san.get_values_for_type(x509.IPAddress)]
+    except x509.ExtensionNotFound:
+        sans = []
+    cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return {"path": str(cert_path), "common_name": cn[0].value if cn else "",
+            "issuer": cert.issuer.rfc4514_string(), "sans": sans,
+            "not_before": cert.not_valid_before_utc.isoformat(),
+            "not_after": cert.not_valid_after_utc.isoformat(),
+            "serial": format(cert.serial_number, "x")}

@@ -1,0 +1,158 @@
+"""gRPC credentials from certificate paths, and the caller's identity inside a servicer.
+
+Two server modes exist because gRPC Python cannot *request* a client certificate without
+*requiring* it: ``require_client_cert=True`` (mTLS; a peer without a certificate signed by the
+cluster CA fails the TLS handshake) or ``False`` (server-only TLS; no client certificate is
+even asked for, so every caller is anonymous). A service that wants anonymous read-only
+access next to mTLS mutations therefore listens on two ports (see the node agent).
+
+Server certificates are re-read from disk when their files change, so short-lived
+certificates can be rotated by re-issuing them in place, without a restart.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+@dataclass(frozen=True)
+class TlsPaths:
+    """Where a process finds its certificate, its key and the cluster CA certificate."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    @classmethod
+    def in_dir(cls, directory: Path, name: str) -> TlsPaths:
+        """The layout `fastshare certs issue --out DIR --name NAME` writes."""
+        directory = Path(directory)
+        return cls(directory / f"{name}.crt", directory / f"{name}.key", directory / "ca.crt")
+
+    def check(self) -> None:
+        """Fail early, naming the missing file, instead of an opaque handshake error later."""
+        for field, path in (("cert", self.cert), ("key", self.key), ("ca", self.ca)):
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"tls.{field}: {path} does not exist or is not a file")
+            if not os.access(path, os.R_OK):
+                raise PermissionError(f"tls.{field}: {path} is not readable by this process")
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
+
+
+class _Reloader:
+    """gRPC certificate fetcher: returns a new configuration only when a file changed."""
+
+    def __init__(self, paths: TlsPaths, require_client_cert: bool) -> None:
+        self._paths = paths
+        self._require = require_client_cert
+        self._lock = threading.Lock()
+        self._stamp = self._current_stamp()
+
+    def _current_stamp(self) -> tuple[tuple[int, int], ...]:
+        out = []
+        for p in (self._paths.cert, self._paths.key, self._paths.ca):
+            st = os.stat(p)
+            out.append((st.st_mtime_ns, st.st_ino))
+        return tuple(out)
+
+    def config(self) -> grpc.ServerCertificateConfiguration:
+        cert, key, ca = self._paths.read()
+        return grpc.ssl_server_certificate_configuration(
+            [(key, cert)], root_certificates=ca if self._require else None)
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        try:
+            stamp = self._current_stamp()
+        except OSError:
+            return None  # mid-rotation (file replaced): keep serving with the old pair
+        with self._lock:
+            if stamp == self._stamp:
+                return None
+            try:
+                cfg = self.config()
+            except (OSError, ValueError):
+                return None
+            self._stamp = stamp
+            return cfg
+
+
+def server_credentials(paths: TlsPaths, require_client_cert: bool = True) -> grpc.ServerCredentials:
+    """TLS server credentials that follow certificate rotation on disk."""
+    paths.check()
+    reloader = _Reloader(paths, require_client_cert)
+    return grpc.dynamic_ssl_server_credentials(reloader.config(), reloader,
+                                               require_client_authentication=require_client_cert)
+
+
+def channel_credentials(ca: Path, cert: Path | None = None,
+                        key: Path | None = None) -> grpc.ChannelCredentials:
+    """Client credentials: verify the server against ``ca``; present ``cert``/``key`` if given."""
+    if (cert is None) != (key is None):
+        raise ValueError("cert and key must be given together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes(),
+        private_key=Path(key).read_bytes() if key else None,
+        certificate_chain=Path(cert).read_bytes() if cert else None)
+
+
+def secure_channel(target: str, ca: Path, cert: Path | None = None, key: Path | None = None,
+                   server_name: str | None = None,
+                   options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
+    """A TLS channel; ``server_name`` checks the server certificate for that name instead of
+    the host in ``target`` (useful when dialling an IP the certificate does not list)."""
+    opts = list(options)
+    if server_name:
+        opts.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.secure_channel(target, channel_credentials(ca, cert, key), options=opts)
+
+
+def mtls_channel(target: str, paths: TlsPaths, server_name: str | None = None,
+                 options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
+    return secure_channel(target, paths.ca, paths.cert, paths.key, server_name, options)
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """Who is calling, from the verified client certificate."""
+
+    common_name: str
+    sans: tuple[str, ...]
+
+    def names(self) -> set[str]:
+        return {self.common_name, *self.sans}
+
+
+def peer_identity(context: grpc.ServicerContext) -> PeerIdentity | None:
+    """The verified client certificate's CN and SANs, or None (no TLS or no client cert).
+
+    gRPC only fills these keys after it verified the chain against the server's CA.
+    """
+    auth = context.auth_context() or {}
+    cns = auth.get("x509_common_name") or []
+    sans = auth.get("x509_subject_alternative_name") or []
+    if not cns and not sans:
+        return None
+    cn = cns[0].decode() if cns else ""
+    return PeerIdentity(cn, tuple(s.decode() for s in sans))
+
+
+def require_peer(context: grpc.ServicerContext, allowed: Iterable[str] = ()) -> PeerIdentity:
+    """Abort with UNAUTHENTICATED unless the caller has a verified client certificate, and
+    PERMISSION_DENIED if ``allowed`` is non-empty and none of its names is in it."""
+    peer = peer_identity(context)
+    if peer is None:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      "this call needs a client certificate signed by the cluster CA (mTLS)")
+    allowed_set = set(allowed)
+    if allowed_set and not (peer.names() & allowed_set):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      f"client {peer.common_name!r} is not in the allowed client names")
+    return peer

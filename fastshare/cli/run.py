@@ -22,8 +22,8 @@ import uuid
 import click
 import grpc
 
-from fastshare.cli._client_options import client_options
 from fastshare.cli._output import fail
+from fastshare.controller.client import client_options
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}

@@ -7,8 +7,8 @@ import time
 import click
 import grpc
 
-from fastshare.cli._client_options import client_options
 from fastshare.cli._output import fail, print_json, print_table
+from fastshare.controller.client import client_options
 
 GiB = 1024**3
 BAR = 10

@@ -126,6 +126,10 @@ def run(client_config, kind, sm_percent, memory, quota, gpu_count, mig_profile, 
                  grpc.StatusCode.INVALID_ARGUMENT: "invalid request",
                  grpc.StatusCode.UNAUTHENTICATED: "not authenticated"}.get(exc.code(), exc.code().name)
         fail(f"{label}: {exc.details()}")
+    if allocation.state != pb.ALLOCATION_STATE_ACTIVE:
+        why = f": {allocation.reason}" if allocation.reason else ""
+        fail(f"{_describe(allocation)} is not usable{why}",
+             "run again without --key for a new allocation" if allocation.reason else None)
     if not quiet:
         click.echo(f"fastshare: {_describe(allocation)}", err=True)
     code = _run_child(client, allocation, command, lease_ttl, quiet)

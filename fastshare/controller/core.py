@@ -111,6 +111,7 @@ class ControllerCore:
         self._registered: set[str] = set()    # nodes that registered with THIS process
         self._last_seen: dict[str, float] = {}
         self._nodes_lock = threading.Lock()
+        self._gpus: tuple[list[Gpu], int] | None = None
 
     # -- per-allocation exclusion ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -144,8 +145,13 @@ class ControllerCore:
 
     # -- queries ---------------------------------------------------------------------------------
     def known_gpus(self) -> tuple[list[Gpu], int]:
-        nodes = self.store.list_nodes()
-        return [g for n in nodes for g in n.gpus], max((len(n.gpus) for n in nodes), default=0)
+        """Every GPU the controller knows, and the most on one node (cached; nodes change rarely)."""
+        cached = self._gpus
+        if cached is None:
+            nodes = self.store.list_nodes()
+            cached = ([g for n in nodes for g in n.gpus], max((len(n.gpus) for n in nodes), default=0))
+            self._gpus = cached
+        return cached
 
     def get(self, allocation_id: str) -> Allocation:
         found = self.store.get_allocation(allocation_id)
@@ -194,10 +200,17 @@ class ControllerCore:
             return self.complete(record)
 
     def _same_request(self, existing: Allocation, request: Request) -> Allocation:
+        """A retry: the same allocation, driven to active if a crash left it half-done."""
         if existing.spec != request.spec or existing.owner != request.owner:
             raise KeyConflict(f"idempotency key {request.idempotency_key!r} was used by allocation "
                               f"{existing.id} with a different request")
-        return existing
+        if existing.state not in (State.PENDING, State.PREPARED):
+            return existing
+        with self.claim(existing.id, wait=self.settings.busy_wait) as got:
+            current = self.get(existing.id)
+            if got and current.state in (State.PENDING, State.PREPARED) and self.is_available(current.node):
+                return self.complete(current)
+            return current
 
     def share_for(self, allocation: Allocation) -> agent_pb2.Share:
         spec = allocation.spec
@@ -314,6 +327,7 @@ class ControllerCore:
         now = self.clock()
         node = node_from_inventory(name, address, labels, inventory, now)
         self.store.put_node(node)
+        self._gpus = None
         with self._nodes_lock:
             self._registered.add(name)
             self._last_seen[name] = now
@@ -361,6 +375,7 @@ class ControllerCore:
                 self._registered.add(node.name)
                 self._last_seen[node.name] = now
         self.store.put_node(replace(node, available=inventory is not None))
+        self._gpus = None
 
 
 def _devices(assignment: Assignment, node: Node | None) -> list[Device]:

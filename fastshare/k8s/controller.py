@@ -372,8 +372,9 @@ class KubeController:
             same = previous is not None and previous["status"] == condition["status"]
             conditions.append({**condition, "observedGeneration": meta.get("generation", 0),
                                "lastTransitionTime": previous["lastTransitionTime"] if same else _now()})
-        status = {"replicas": len(live), "readyReplicas": ready,
-                  "selector": selector_string(spec["selector"]), "observedGeneration": meta.get("generation", 0), "conditions": conditions}
+        selector = selector_string(spec["selector"])
+        status = {"replicas": len(live), "readyReplicas": ready, "selector": selector,
+                  "observedGeneration": meta.get("generation", 0), "conditions": conditions}
         current = fastpod.get("status") or {}
         if all(current.get(k) == v for k, v in status.items()):
             return

@@ -105,8 +105,10 @@ class KubeController:
         self.sync_nodes()
         report = self.reconciler.start()
         log.info("state rebuilt from the cluster: %s", report)
-        self._spawn("watch-fastpods", self._watch_fastpods)
-        self._spawn("watch-pods", self._watch_pods)
+        # Watch threads are not joined on stop: they block in a read for up to watch_timeout and
+        # then see the stop flag; until then their events go to the closed queue and are dropped.
+        for name, target in (("watch-fastpods", self._watch_fastpods), ("watch-pods", self._watch_pods)):
+            threading.Thread(target=target, name=name, daemon=True).start()
         self._spawn("housekeeping", self._housekeeping)
         for i in range(self.settings.workers):
             self._spawn(f"worker-{i}", self._worker)

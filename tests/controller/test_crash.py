@@ -9,7 +9,7 @@ import pytest
 from fastshare.controller import faults
 from fastshare.v1 import controller_pb2 as pb
 
-from .conftest import GiB, allocate, assert_consistent, states
+from .conftest import GiB, allocate, assert_consistent, states, wait_for
 
 ALLOCATE_POINTS = [p for p in faults.POINTS if "release" not in p]
 RELEASE_POINTS = [p for p in faults.POINTS if "release" in p]
@@ -93,7 +93,5 @@ def test_expired_lease_is_released(node):
     a = allocate(cluster.client(), "mps", ttl=5, memory_bytes=GiB, models=["L4"])
     renewed = cluster.client().call("RenewLease", pb.RenewLeaseRequest(allocation_id=a.id))
     assert renewed.lease_expires_at >= a.lease_expires_at
-    from .conftest import wait_for
-
     wait_for(lambda: states(cluster)[a.id] == "released", 60, "lease expiry")
     assert_consistent(cluster)

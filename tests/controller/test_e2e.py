@@ -140,3 +140,25 @@ def test_reconciler_repairs_what_happened_behind_its_back(two_nodes):
              "reconciler to free the orphan and re-prepare the lost share")
     assert_consistent(cluster)
     c.call("Release", pb.ReleaseAllocationRequest(allocation_id=a.id))
+
+
+def test_concurrent_allocations_never_overcommit(two_nodes):
+    """16 clients race for 30 % shares of one L4: exactly 3 win, the rest are rejected cleanly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    clients = [two_nodes.client() for _ in range(8)]
+
+    def attempt(i: int) -> str:
+        try:
+            allocate(clients[i % 8], "fastpod", sm_percent=30, memory_bytes=GiB, models=["L4"])
+            return "ok"
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(attempt, range(16)))
+    assert results.count("ok") == 3, results
+    assert set(results) == {"ok", "RESOURCE_EXHAUSTED"}
+    l4 = next(g for n in two_nodes.status().nodes for g in n.gpus if g.model == "L4")
+    assert l4.sm_percent_used == 90 and len(l4.allocation_ids) == 3
+    assert_consistent(two_nodes)

@@ -91,7 +91,7 @@ class NodeConfig:
             raise ConfigError("listen/readonly_listen need tls.cert, tls.key and tls.ca (mTLS is required "
                               "on TCP); create them with `fastshare certs issue`, or serve only the "
                               "unix socket by leaving listen empty")
-        if self.readonly_listen and self.readonly_listen == self.listen:
+        if self.readonly_listen and self.readonly_listen == self.listen and not self.listen.endswith(":0"):
             raise ConfigError("readonly_listen must differ from listen")
         if not 0 <= self.unix_socket_mode <= 0o777:
             raise ConfigError(f"unix_socket_mode must be an octal permission like 0o660, got "

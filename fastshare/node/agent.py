@@ -28,7 +28,7 @@ from fastshare.device.api import DeviceError, Devices, GpuInfo, MigInstance, Mig
 from fastshare.mps.control import MpsControl, MpsError
 from fastshare.node import faults, sharefiles
 from fastshare.node.config import NodeConfig
-from fastshare.node.journal import Journal, ShareRow
+from fastshare.node.journal import Journal, MpsRow, ShareRow
 from fastshare.node.model import InvalidShare, Prepared, ShareSpec
 
 log = logging.getLogger("fastshare.node")
@@ -334,16 +334,34 @@ class Agent:
         return prepared
 
     def _prepare_mps(self, spec: ShareSpec, deadline: Deadline) -> Prepared:
+        """fastpod / mps. Fast path (daemon already running, its limits already cover the new
+        share): ONE journal commit of the finished share, then the share files, which the
+        reconciler rewrites from the journal anyway. Otherwise write-ahead in two phases."""
         dev = self._device(spec.device_uuids[0])
         if dev.mig is None and dev.gpu.mig_current:
             raise AgentError("FAILED_PRECONDITION", f"GPU {dev.uuid} is in MIG mode: MPS runs per MIG "
                                                     "device; name a MIG device UUID (MIG-…) instead")
-        port = None
         with self._device_locks.hold(dev.uuid, deadline):
-            self._check_mps_capacity(spec, dev)
+            holders = self._check_mps_capacity(spec, dev)
+            port = self._allocate_port() if spec.kind == "fastpod" else None
+            prepared = self._mps_prepared(spec, dev.uuid, port)
+            try:
+                with self._mps_locks.hold(dev.uuid, deadline):
+                    daemon = self.journal.mps(dev.uuid)
+                    sm, mem = self._ceilings([*(r.spec for r in holders), spec])
+                    fast = daemon is not None and daemon.state == "running" and not _raises(daemon, sm, mem)
+                    if fast:
+                        self.journal.insert_ready_share(spec, dev.uuid, port, prepared)
+                if not fast:
+                    self.journal.begin_share(spec, dev.uuid, port)
+            except BaseException:
+                self._free_port(port)
+                raise
+        if fast:
+            faults.point("agent.after_share_committed")
             if spec.kind == "fastpod":
-                port = self._allocate_port()
-            self.journal.begin_share(spec, dev.uuid, port)
+                self._write_share_files(dev.uuid, deadline)
+            return prepared
         try:
             faults.point("agent.after_share_journaled")
             self._ensure_mps(dev, deadline)
@@ -357,8 +375,12 @@ class Agent:
                     self._undo(row, Deadline(self.config.mps_timeout_s * 2))
                     self.journal.delete_share(spec.id)
             raise
-        paths = self.mps.paths(dev.uuid)
-        env = {"NVIDIA_VISIBLE_DEVICES": dev.uuid, "CUDA_VISIBLE_DEVICES": dev.uuid,
+        self.journal.share_ready(spec.id, dev.uuid, prepared)
+        return prepared
+
+    def _mps_prepared(self, spec: ShareSpec, device_uuid: str, port: int | None) -> Prepared:
+        paths = self.mps.paths(device_uuid)
+        env = {"NVIDIA_VISIBLE_DEVICES": device_uuid, "CUDA_VISIBLE_DEVICES": device_uuid,
                "CUDA_MPS_PIPE_DIRECTORY": str(paths.pipe_dir)}
         host_paths = {"mps_pipe_dir": str(paths.pipe_dir)}
         if spec.memory_bytes:
@@ -367,13 +389,13 @@ class Agent:
             env.update(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(spec.sm_percent), FASTSHARE_SHARE_ID=spec.id,
                        FASTSHARE_POD_MANAGER_PORT=str(port), FASTSHARE_QUOTA_REQUEST=repr(spec.quota_request),
                        FASTSHARE_QUOTA_LIMIT=repr(spec.quota_limit))
-            host_paths.update(share_config=str(sharefiles.config_path(self.config.share_root, dev.uuid)),
-                              share_ports=str(sharefiles.port_path(self.config.share_root, dev.uuid)))
-        prepared = Prepared(env=env, host_paths=host_paths, device_uuids=(dev.uuid,), port=port or 0)
-        self.journal.share_ready(spec.id, dev.uuid, prepared)
-        return prepared
+            host_paths.update(share_config=str(sharefiles.config_path(self.config.share_root, device_uuid)),
+                              share_ports=str(sharefiles.port_path(self.config.share_root, device_uuid)))
+        return Prepared(env=env, host_paths=host_paths, device_uuids=(device_uuid,), port=port or 0)
 
-    def _check_mps_capacity(self, spec: ShareSpec, dev: _DeviceView) -> None:
+    def _check_mps_capacity(self, spec: ShareSpec, dev: _DeviceView) -> list[ShareRow]:
+        """Raise RESOURCE_EXHAUSTED (saying what is free) unless ``spec`` fits; returns the
+        shares already on the device."""
         holders = self._live_shares(dev.uuid)
         blocking = [r for r in holders if r.spec.kind in ("whole", "exclusive")]
         if blocking:
@@ -399,11 +421,12 @@ class Agent:
         for name, value, too_big in checks:
             if too_big:
                 raise AgentError("RESOURCE_EXHAUSTED", f"share.{name} {value} does not fit; {free}")
+        return holders
 
-    def _ceilings(self, device_uuid: str) -> tuple[float, int | None]:
+    @staticmethod
+    def _ceilings(shares: list[ShareSpec]) -> tuple[float, int | None]:
         """Daemon-wide limits: the largest share on the device (a client that ignores its env
         still cannot exceed them); memory-only shares without a limit lift the memory cap."""
-        shares = [r.spec for r in self._live_shares(device_uuid)]
         sm = max((s.sm_percent for s in shares if s.kind == "fastpod"), default=0)
         if any(s.kind == "mps" for s in shares) or not sm:
             sm = 100
@@ -413,7 +436,7 @@ class Agent:
     def _ensure_mps(self, dev: _DeviceView, deadline: Deadline) -> None:
         with self._mps_locks.hold(dev.uuid, deadline):
             row = self.journal.mps(dev.uuid)
-            sm, mem = self._ceilings(dev.uuid)
+            sm, mem = self._ceilings([r.spec for r in self._live_shares(dev.uuid)])
             if row is not None and row.state == "running":
                 raise_sm = row.sm_ceiling is None or sm > row.sm_ceiling
                 raise_mem = mem is not None and (row.mem_ceiling is not None and mem > row.mem_ceiling)
@@ -442,12 +465,12 @@ class Agent:
             self.journal.update_mps(dev.uuid, state="running", pid=pid, sm_ceiling=sm, mem_ceiling=mem)
             self._mps_health[dev.uuid] = True
 
-    def _write_share_files(self, device_uuid: str, deadline: Deadline) -> None:
+    def _write_share_files(self, device_uuid: str, deadline: Deadline, exclude: str | None = None) -> None:
         """Rewrite the device's files from the journal (the one source), under its file lock."""
         with self._file_locks.hold(device_uuid, deadline):
             entries = [sharefiles.ShareEntry(r.spec.id, r.spec.quota_request, r.spec.quota_limit,
                                              r.spec.memory_bytes, r.port or 0)
-                       for r in self._live_shares(device_uuid) if r.spec.kind == "fastpod"]
+                       for r in self._live_shares(device_uuid, exclude) if r.spec.kind == "fastpod"]
             sharefiles.write(self.config.share_root, device_uuid, entries)
 
     # --- release -----------------------------------------------------------------------------
@@ -459,13 +482,37 @@ class Agent:
             row = self.journal.share(share_id)
             if row is None:
                 return ReleaseResult(False)
-            self.journal.set_share_state(share_id, "releasing")
-            faults.point("agent.after_release_journaled")
-            destroyed, stopped = self._undo(row, deadline)
-            self.journal.delete_share(share_id)
+            if row.state == "ready" and self._release_fast(row, deadline):
+                destroyed, stopped = [], []
+            else:
+                destroyed, stopped = self._release_slow(row, deadline)
         self._share_locks.discard(share_id)
         self._changed()
         return ReleaseResult(True, tuple(destroyed), tuple(stopped))
+
+    def _release_fast(self, row: ShareRow, deadline: Deadline) -> bool:
+        """An MPS share whose daemon stays (other shares use it): ONE commit, then the share
+        files (derived from the journal, rewritten by the reconciler after a crash)."""
+        if row.spec.kind not in ("fastpod", "mps"):
+            return False
+        with self._mps_locks.hold(row.device_uuid, deadline):
+            if not any(r.spec.kind in ("fastpod", "mps")
+                       for r in self._live_shares(row.device_uuid, exclude=row.spec.id)):
+                return False
+            self.journal.delete_share(row.spec.id)
+        faults.point("agent.after_share_committed")
+        self._free_port(row.port)
+        if row.spec.kind == "fastpod":
+            self._write_share_files(row.device_uuid, deadline)
+        return True
+
+    def _release_slow(self, row: ShareRow, deadline: Deadline) -> tuple[list[str], list[str]]:
+        """Write-ahead release: mark 'releasing', free each resource, then forget the share."""
+        self.journal.set_share_state(row.spec.id, "releasing")
+        faults.point("agent.after_release_journaled")
+        destroyed, stopped = self._undo(row, deadline)
+        self.journal.delete_share(row.spec.id)
+        return destroyed, stopped
 
     def _undo(self, row: ShareRow, deadline: Deadline) -> tuple[list[str], list[str]]:
         """Free what ``row`` holds (idempotent: safe to repeat after a crash at any step)."""
@@ -478,7 +525,7 @@ class Agent:
                     destroyed.append(m.mig_uuid or f"{m.gpu_uuid}@{m.start}")
         elif spec.kind in ("fastpod", "mps"):
             if spec.kind == "fastpod":
-                self._write_share_files(row.device_uuid, deadline)
+                self._write_share_files(row.device_uuid, deadline, exclude=spec.id)
             if self._stop_mps_if_unused(row.device_uuid, deadline, exclude=spec.id):
                 stopped.append(row.device_uuid)
         return destroyed, stopped
@@ -736,6 +783,13 @@ class Snapshot:
     mps_daemons: list
     shares: list[ShareRow]
     share_files: list[tuple[str, str, str, int]]
+
+
+def _raises(daemon: MpsRow, sm: float, mem: int | None) -> bool:
+    """Would these ceilings raise the daemon's current limits (which needs the control pipe)?"""
+    if daemon.sm_ceiling is None or sm > daemon.sm_ceiling:
+        return True
+    return mem is not None and daemon.mem_ceiling is not None and mem > daemon.mem_ceiling
 
 
 def _kinds(rows: list[ShareRow]) -> str:

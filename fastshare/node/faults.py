@@ -17,6 +17,7 @@ POINTS = (
     "agent.after_mig_create",       # MIG instance exists, journal still says 'creating'
     "agent.after_mps_start",        # MPS daemon answers, journal still says 'starting'
     "agent.after_share_files",      # share files rewritten, share still 'preparing'
+    "agent.after_share_committed",  # fast path: share stored/forgotten in one commit, files not yet
     "agent.after_release_journaled",  # share row 'releasing', nothing freed yet
     "agent.after_mig_destroy",      # MIG instance gone, journal still says 'destroying'
 )

@@ -131,6 +131,14 @@ class Journal:
                        "VALUES (?, ?, 'preparing', ?, ?, ?)",
                        (spec.id, spec.to_json(), device_uuid, port, time.time()))
 
+    def insert_ready_share(self, spec: ShareSpec, device_uuid: str, port: int | None,
+                           prepared: Prepared) -> None:
+        """One-commit prepare, for shares whose only side effect is derived (share files)."""
+        with self._tx() as db:
+            db.execute("INSERT INTO shares (id, spec, state, device_uuid, port, prepared, updated) "
+                       "VALUES (?, ?, 'ready', ?, ?, ?, ?)",
+                       (spec.id, spec.to_json(), device_uuid, port, prepared.to_json(), time.time()))
+
     def share_ready(self, share_id: str, device_uuid: str, prepared: Prepared) -> None:
         with self._tx() as db:
             db.execute("UPDATE shares SET state='ready', device_uuid=?, prepared=?, updated=? WHERE id=?",

@@ -93,7 +93,8 @@ class AgentProcess:
                 message = notify.recv(4096).decode()
             except TimeoutError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{self.log.read_text()}")
+                    raise RuntimeError(f"agent exited with {self.proc.returncode}:\n"
+                                       f"{self.log.read_text()}") from None
                 continue
             fields = dict(line.split("=", 1) for line in message.splitlines() if "=" in line)
             if fields.get("READY") == "1":

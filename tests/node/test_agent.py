@@ -207,8 +207,8 @@ def test_concurrent_requests_on_one_gpu_never_overcommit(agent, devices):
     uuids = _uuids(agent)
     stub = agent.unix()
     # 8 fastpods of 20 % SM race for one GPU: exactly 5 fit.
-    results, errors = _parallel(8, lambda i: stub.PrepareShare(fastpod(f"p{i}", uuids[GPU_A], sm=20, mem_gib=1,
-                                                                       req=0.1, lim=0.2), timeout=120))
+    results, errors = _parallel(8, lambda i: stub.PrepareShare(
+        fastpod(f"p{i}", uuids[GPU_A], sm=20, mem_gib=1, req=0.1, lim=0.2), timeout=120))
     assert sum(r is not None for r in results) == 5
     assert {e.code() for e in errors if e is not None} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert len(sharefiles.read(agent.rundir / "shares", uuids[GPU_A])) == 5

@@ -69,6 +69,31 @@ def test_kill9_during_release_is_finished_by_the_restart(agent, devices, kind, p
     _assert_clean(agent, devices, uuids)
 
 
+@pytest.mark.parametrize("phase", ["prepare", "release"])
+def test_kill9_on_the_one_commit_fast_path_rewrites_share_files(agent, phase):
+    """With a daemon already serving the GPU, prepare/release of a fastpod is one journal
+    commit then the share files; a crash between the two is repaired from the journal."""
+    agent.start(env={"FASTSHARE_FAULT": "agent.after_share_committed"})
+    gpu = _inv(agent).gpus[GPU_A].uuid
+    agent.unix().PrepareShare(fastpod("resident", gpu), timeout=60)  # slow path: starts the daemon
+    if phase == "release":
+        agent.kill9()
+        agent.start()
+        agent.unix().PrepareShare(fastpod("job", gpu), timeout=60)  # fast path without the fault
+        agent.kill9()
+        agent.start(env={"FASTSHARE_FAULT": "agent.after_share_committed"})
+        rpc_error(agent.unix().ReleaseShare, agent_pb2.ReleaseShareRequest(share_id="job"))
+    else:
+        rpc_error(agent.unix().PrepareShare, fastpod("job", gpu))
+    assert agent.wait_exit() == -9
+    agent.start()
+    expected = ["resident", "job"] if phase == "prepare" else ["resident"]
+    assert sorted(s.id for s in _inv(agent).shares) == sorted(expected)
+    assert sorted(e.key for e in sharefiles.read(agent.rundir / "shares", gpu)) == sorted(expected)
+    if phase == "prepare":  # the committed share is the answer to the retry
+        assert not agent.unix().PrepareShare(fastpod("job", gpu), timeout=60).created
+
+
 def test_orphan_destroyed_in_use_adopted_foreign_untouched(agent, devices, sim_machine):
     """Crash right after creating a MIG instance, twice: once while it is idle (orphan: destroyed),
     once after a process started on it (in use: adopted). An instance the agent did not create
@@ -104,7 +129,8 @@ def test_prepared_shares_survive_kill9_and_busy_instances_outlive_their_release(
     agent.settings["reconcile_interval_s"] = 1
     agent.start()
     uuids = [g.uuid for g in _inv(agent).gpus]
-    ex = agent.unix().PrepareShare(share("ex", "exclusive", [uuids[GPU_MIG]], mig_profile="3g.40gb"), timeout=60)
+    ex = agent.unix().PrepareShare(share("ex", "exclusive", [uuids[GPU_MIG]], mig_profile="3g.40gb"),
+                                   timeout=60)
     fp = agent.unix().PrepareShare(fastpod("fp", uuids[GPU_A]), timeout=60)
     mps = MpsControl(STANDIN, agent.rundir / "mps")
     daemon_pid = mps.daemon_pid(uuids[GPU_A])

@@ -1,0 +1,124 @@
+"""The controller's records: what a request asks for, what a node has, what an allocation holds.
+
+Plain dataclasses with JSON round-trips, so that any state store (SQLite here, the Kubernetes
+API in-cluster) can persist them without knowing the protobuf or the engine types.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class Kind(enum.StrEnum):
+    FASTPOD = "fastpod"
+    MPS = "mps"
+    EXCLUSIVE = "exclusive"
+    WHOLE = "whole"
+
+
+class State(enum.StrEnum):
+    """Life cycle: pending -> prepared -> active -> releasing -> released | failed."""
+
+    PENDING = "pending"
+    PREPARED = "prepared"
+    ACTIVE = "active"
+    RELEASING = "releasing"
+    RELEASED = "released"
+    FAILED = "failed"
+
+
+# States in which an allocation holds capacity on its node (the engine must count it).
+HOLDING = frozenset({State.PENDING, State.PREPARED, State.ACTIVE, State.RELEASING})
+FINISHED = frozenset({State.RELEASED, State.FAILED})
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a workload asks for; which fields apply depends on ``kind`` (see validation)."""
+
+    kind: Kind
+    sm_percent: int = 0
+    memory_bytes: int = 0
+    quota_request: float = 0.0
+    quota_limit: float = 0.0
+    mig_profile: str = ""
+    sm_count: int = 0
+    gpu_count: int = 0
+    models: tuple[str, ...] = ()
+    node_selector: tuple[tuple[str, str], ...] = ()
+    affinity: str = ""
+    anti_affinity: str = ""
+    exclusion: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["kind"] = self.kind.value
+        data["node_selector"] = dict(self.node_selector)
+        data["models"] = list(self.models)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Spec:
+        data = dict(data)
+        data["kind"] = Kind(data["kind"])
+        data["node_selector"] = tuple(sorted(dict(data.get("node_selector") or {}).items()))
+        data["models"] = tuple(data.get("models") or ())
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device an allocation holds: a GPU, or a MIG slice of one."""
+
+    gpu_index: int
+    gpu_uuid: str
+    model: str = ""
+    mig_profile: str = ""
+    mig_start: int = 0
+    mig_size: int = 0
+    mig_uuid: str = ""
+
+
+@dataclass
+class Allocation:
+    id: str
+    spec: Spec
+    owner: str
+    state: State
+    node: str
+    idempotency_key: str = ""
+    devices: list[Device] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+    assignment: dict[str, Any] = field(default_factory=dict)  # the engine's serialised reservation
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    lease_ttl: int = 0
+    lease_expires_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU as the node agent last reported it."""
+
+    index: int
+    uuid: str
+    model: str
+    memory_bytes: int
+    sm_count: int
+    mig_capable: bool = False
+    mig_enabled: bool = False
+
+
+@dataclass
+class Node:
+    name: str
+    address: str
+    labels: dict[str, str] = field(default_factory=dict)
+    gpus: list[Gpu] = field(default_factory=list)
+    available: bool = False
+    last_heartbeat: float = 0.0
+    registered_at: float = 0.0
+    inventory: dict[str, Any] = field(default_factory=dict)  # the agent's raw inventory, for the engine

@@ -1,0 +1,259 @@
+"""SQLite state of record for the standalone controller.
+
+WAL mode, one connection used by one writer at a time (a lock), schema versioned through
+``PRAGMA user_version`` with forward-only migrations. ``synchronous=NORMAL``: every commit
+survives a crash of the process (kill -9); a power loss may drop the last commits, which the
+reconciler repairs like any other half-done step (the agent holds a share the store does not
+know -> it is released).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastshare.controller.model import Allocation, Device, Gpu, Node, Spec, State
+from fastshare.controller.store import Conflict, DuplicateKey, StateStore, StoreError
+
+SCHEMA_VERSION = 1
+
+_MIGRATIONS: dict[int, str] = {
+    1: """
+    CREATE TABLE nodes (
+        name TEXT PRIMARY KEY,
+        address TEXT NOT NULL,
+        labels TEXT NOT NULL,
+        inventory TEXT NOT NULL,
+        available INTEGER NOT NULL,
+        last_heartbeat REAL NOT NULL,
+        registered_at REAL NOT NULL
+    );
+    CREATE TABLE gpus (
+        node TEXT NOT NULL REFERENCES nodes(name) ON DELETE CASCADE,
+        idx INTEGER NOT NULL,
+        uuid TEXT NOT NULL,
+        model TEXT NOT NULL,
+        memory_bytes INTEGER NOT NULL,
+        sm_count INTEGER NOT NULL,
+        mig_capable INTEGER NOT NULL,
+        mig_enabled INTEGER NOT NULL,
+        PRIMARY KEY (node, idx)
+    );
+    CREATE TABLE allocations (
+        id TEXT PRIMARY KEY,
+        idempotency_key TEXT UNIQUE,
+        owner TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        state TEXT NOT NULL,
+        node TEXT NOT NULL,
+        devices TEXT NOT NULL,
+        env TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        assignment TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        lease_ttl INTEGER NOT NULL,
+        lease_expires_at REAL NOT NULL
+    );
+    CREATE INDEX allocations_state ON allocations(state);
+    CREATE INDEX allocations_node ON allocations(node);
+    """,
+}
+
+_JSON_FIELDS = {"devices", "env", "assignment", "spec"}
+_COLUMNS = ("id", "idempotency_key", "owner", "kind", "spec", "state", "node", "devices", "env",
+            "reason", "assignment", "created_at", "updated_at", "lease_ttl", "lease_expires_at")
+_MUTABLE = set(_COLUMNS) - {"id", "idempotency_key", "owner", "kind", "spec", "created_at"}
+
+
+def _encode(name: str, value: Any) -> Any:
+    if name == "spec":
+        return json.dumps(value.to_json(), sort_keys=True)
+    if name == "devices":
+        return json.dumps([asdict(d) for d in value])
+    if name in _JSON_FIELDS:
+        return json.dumps(value, sort_keys=True)
+    if name == "state":
+        return State(value).value
+    if name == "idempotency_key":
+        return value or None
+    return value
+
+
+def _allocation(row: sqlite3.Row) -> Allocation:
+    return Allocation(
+        id=row["id"], spec=Spec.from_json(json.loads(row["spec"])), owner=row["owner"],
+        state=State(row["state"]), node=row["node"], idempotency_key=row["idempotency_key"] or "",
+        devices=[Device(**d) for d in json.loads(row["devices"])], env=json.loads(row["env"]),
+        reason=row["reason"], assignment=json.loads(row["assignment"]),
+        created_at=row["created_at"], updated_at=row["updated_at"], lease_ttl=row["lease_ttl"],
+        lease_expires_at=row["lease_expires_at"])
+
+
+class SqliteStore(StateStore):
+    """The standalone controller's state of record (one file in the state directory)."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
+                                   timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._lock:
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has schema version {version}, this fastshare knows up to "
+                                 f"{SCHEMA_VERSION}; upgrade fastshare or use another --state-dir")
+            for target in range(version + 1, SCHEMA_VERSION + 1):
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for statement in filter(str.strip, _MIGRATIONS[target].split(";")):
+                        self._db.execute(statement)
+                    self._db.execute(f"PRAGMA user_version = {target}")
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+
+    def schema_version(self) -> int:
+        with self._lock:
+            return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- nodes -------------------------------------------------------------------------------
+    def put_node(self, node: Node) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "INSERT INTO nodes (name, address, labels, inventory, available, last_heartbeat, "
+                    "registered_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                    "address=excluded.address, labels=excluded.labels, inventory=excluded.inventory, "
+                    "available=excluded.available, last_heartbeat=excluded.last_heartbeat, "
+                    "registered_at=excluded.registered_at",
+                    (node.name, node.address, json.dumps(node.labels, sort_keys=True),
+                     json.dumps(node.inventory, sort_keys=True), int(node.available),
+                     node.last_heartbeat, node.registered_at))
+                self._db.execute("DELETE FROM gpus WHERE node = ?", (node.name,))
+                self._db.executemany(
+                    "INSERT INTO gpus (node, idx, uuid, model, memory_bytes, sm_count, mig_capable, "
+                    "mig_enabled) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(node.name, g.index, g.uuid, g.model, g.memory_bytes, g.sm_count,
+                      int(g.mig_capable), int(g.mig_enabled)) for g in node.gpus])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _node(self, row: sqlite3.Row) -> Node:
+        gpus = [Gpu(index=g["idx"], uuid=g["uuid"], model=g["model"], memory_bytes=g["memory_bytes"],
+                    sm_count=g["sm_count"], mig_capable=bool(g["mig_capable"]),
+                    mig_enabled=bool(g["mig_enabled"]))
+                for g in self._db.execute("SELECT * FROM gpus WHERE node = ? ORDER BY idx", (row["name"],))]
+        return Node(name=row["name"], address=row["address"], labels=json.loads(row["labels"]),
+                    gpus=gpus, available=bool(row["available"]), last_heartbeat=row["last_heartbeat"],
+                    registered_at=row["registered_at"], inventory=json.loads(row["inventory"]))
+
+    def get_node(self, name: str) -> Node | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM nodes WHERE name = ?", (name,)).fetchone()
+            return self._node(row) if row else None
+
+    def list_nodes(self) -> list[Node]:
+        with self._lock:
+            return [self._node(r) for r in self._db.execute("SELECT * FROM nodes ORDER BY name")]
+
+    def mark_node(self, name: str, *, available: bool, last_heartbeat: float | None = None) -> None:
+        with self._lock:
+            if last_heartbeat is None:
+                self._db.execute("UPDATE nodes SET available = ? WHERE name = ?", (int(available), name))
+            else:
+                self._db.execute("UPDATE nodes SET available = ?, last_heartbeat = ? WHERE name = ?",
+                                 (int(available), last_heartbeat, name))
+
+    # -- allocations ---------------------------------------------------------------------------
+    def create_allocation(self, allocation: Allocation) -> None:
+        values = [_encode(c, getattr(allocation, c)) if c != "kind" else allocation.spec.kind.value
+                  for c in _COLUMNS]
+        with self._lock:
+            try:
+                self._db.execute(f"INSERT INTO allocations ({', '.join(_COLUMNS)}) "
+                                 f"VALUES ({', '.join('?' * len(_COLUMNS))})", values)
+            except sqlite3.IntegrityError as exc:
+                existing = self._by_key(allocation.idempotency_key) if allocation.idempotency_key else None
+                if existing is None:
+                    raise StoreError(f"cannot store allocation {allocation.id}: {exc}") from exc
+                raise DuplicateKey(existing) from exc
+
+    def _set(self, allocation_id: str, where: str, params: list[Any], changes: dict[str, object]) -> int:
+        unknown = set(changes) - _MUTABLE
+        if unknown:
+            raise StoreError(f"cannot change {sorted(unknown)} of an allocation")
+        changes = {**changes, "updated_at": changes.get("updated_at", time.time())}
+        assignments = ", ".join(f"{c} = ?" for c in changes)
+        values = [_encode(c, v) for c, v in changes.items()]
+        return self._db.execute(f"UPDATE allocations SET {assignments} WHERE id = ?{where}",
+                                [*values, allocation_id, *params]).rowcount
+
+    def transition(self, allocation_id: str, expected: Iterable[State], new_state: State,
+                   **changes: object) -> Allocation:
+        expected = [State(s) for s in expected]
+        with self._lock:
+            marks = ", ".join("?" * len(expected))
+            count = self._set(allocation_id, f" AND state IN ({marks})", [s.value for s in expected],
+                              {**changes, "state": new_state})
+            row = self._db.execute("SELECT * FROM allocations WHERE id = ?", (allocation_id,)).fetchone()
+        if count != 1:
+            raise Conflict(allocation_id, State(row["state"]) if row else None, expected)
+        return _allocation(row)
+
+    def update(self, allocation_id: str, **changes: object) -> Allocation:
+        with self._lock:
+            count = self._set(allocation_id, "", [], changes)
+            row = self._db.execute("SELECT * FROM allocations WHERE id = ?", (allocation_id,)).fetchone()
+        if count != 1 or row is None:
+            raise Conflict(allocation_id, None, [])
+        return _allocation(row)
+
+    def get_allocation(self, allocation_id: str) -> Allocation | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM allocations WHERE id = ?", (allocation_id,)).fetchone()
+        return _allocation(row) if row else None
+
+    def _by_key(self, key: str) -> Allocation | None:
+        row = self._db.execute("SELECT * FROM allocations WHERE idempotency_key = ?", (key,)).fetchone()
+        return _allocation(row) if row else None
+
+    def find_by_key(self, idempotency_key: str) -> Allocation | None:
+        with self._lock:
+            return self._by_key(idempotency_key)
+
+    def list_allocations(self, states: Iterable[State] | None = None,
+                         node: str | None = None) -> list[Allocation]:
+        query, params = "SELECT * FROM allocations WHERE 1=1", []
+        if states is not None:
+            states = [State(s).value for s in states]
+            query += f" AND state IN ({', '.join('?' * len(states))})"
+            params += states
+        if node is not None:
+            query += " AND node = ?"
+            params.append(node)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY created_at, id", params).fetchall()
+        return [_allocation(r) for r in rows]

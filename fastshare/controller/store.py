@@ -1,0 +1,83 @@
+"""The state-of-record interface the controller core needs, and its errors.
+
+Kept small on purpose: the standalone controller implements it with SQLite
+(:mod:`fastshare.controller.sqlite_store`); the Kubernetes front end implements it over the
+Kubernetes API and reuses the core, the agent client and the reconciler unchanged.
+Every method is one atomic step: a crash between two calls leaves a state the reconciler
+knows how to finish.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+
+from fastshare.controller.model import Allocation, Node, State
+
+
+class StoreError(Exception):
+    """The store could not do what was asked."""
+
+
+class DuplicateKey(StoreError):
+    """An allocation with this idempotency key exists already (``existing``)."""
+
+    def __init__(self, existing: Allocation) -> None:
+        super().__init__(f"idempotency key {existing.idempotency_key!r} is used by {existing.id}")
+        self.existing = existing
+
+
+class Conflict(StoreError):
+    """A state transition lost a race: the allocation is not in an expected state."""
+
+    def __init__(self, allocation_id: str, current: State | None, expected: Iterable[State]) -> None:
+        wanted = ", ".join(sorted(s.value for s in expected))
+        now = current.value if current else "missing"
+        super().__init__(f"allocation {allocation_id} is {now}, expected one of: {wanted}")
+        self.current = current
+
+
+class StateStore(abc.ABC):
+    """Nodes and allocations, durably."""
+
+    # -- nodes -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def put_node(self, node: Node) -> None:
+        """Create or replace a node (and its GPUs)."""
+
+    @abc.abstractmethod
+    def get_node(self, name: str) -> Node | None: ...
+
+    @abc.abstractmethod
+    def list_nodes(self) -> list[Node]: ...
+
+    @abc.abstractmethod
+    def mark_node(self, name: str, *, available: bool, last_heartbeat: float | None = None) -> None:
+        """Record liveness without touching the node's inventory."""
+
+    # -- allocations ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def create_allocation(self, allocation: Allocation) -> None:
+        """Insert a new allocation; raises :class:`DuplicateKey` if its idempotency key is taken."""
+
+    @abc.abstractmethod
+    def transition(self, allocation_id: str, expected: Iterable[State], new_state: State,
+                   **changes: object) -> Allocation:
+        """Compare-and-set the state (plus other fields); raises :class:`Conflict`."""
+
+    @abc.abstractmethod
+    def update(self, allocation_id: str, **changes: object) -> Allocation:
+        """Change fields other than the state (e.g. the lease expiry)."""
+
+    @abc.abstractmethod
+    def get_allocation(self, allocation_id: str) -> Allocation | None: ...
+
+    @abc.abstractmethod
+    def find_by_key(self, idempotency_key: str) -> Allocation | None: ...
+
+    @abc.abstractmethod
+    def list_allocations(self, states: Iterable[State] | None = None,
+                         node: str | None = None) -> list[Allocation]: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
+        """Release resources (connections, files)."""

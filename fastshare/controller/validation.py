@@ -1,0 +1,169 @@
+"""Request validation at the API: every error names the field and the allowed range.
+
+Runs before anything is placed or stored, so a bad request leaves no state behind. Checks
+that depend on the cluster (largest GPU, MIG profiles of the models present) take the GPUs
+the controller knows about; with no GPU registered those checks are left to placement, which
+then rejects with "no node".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from fastshare.controller.model import Gpu, Kind, Spec
+from fastshare.device import catalog
+
+MAX_LEASE_TTL = 7 * 24 * 3600
+MIN_LEASE_TTL = 5
+_KEY_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9._/-]{1,63}$")
+GiB = 1024**3
+MiB = 1024**2
+
+
+class ValidationError(ValueError):
+    """A request field is out of range; ``field`` is its name in the API."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Request:
+    """One Allocate call, decoded from the wire."""
+
+    spec: Spec
+    owner: str = ""
+    idempotency_key: str = ""
+    lease_ttl: int = 0
+
+
+def _fraction(field: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValidationError(field, f"must be a fraction in (0, 1], got {value:g}")
+
+
+def _human(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def _unused(spec: Spec, kind: Kind, names: Iterable[str]) -> None:
+    for name in names:
+        if getattr(spec, name):
+            raise ValidationError(f"spec.{name}", f"does not apply to kind {kind.value}; leave it unset")
+
+
+def _strings(field: str, values: Sequence[str]) -> None:
+    if len(values) > 64:
+        raise ValidationError(field, f"at most 64 entries, got {len(values)}")
+    if not all(values):
+        raise ValidationError(field, "entries must not be empty")
+
+
+def _mig_models(gpus: Sequence[Gpu]) -> list[catalog.GpuModel]:
+    found: dict[str, catalog.GpuModel] = {}
+    for gpu in gpus:
+        model = catalog.find_model(gpu.model)
+        if model is not None and model.mig_capable:
+            found[model.key] = model
+    return list(found.values())
+
+
+def _exclusive(spec: Spec, gpus: Sequence[Gpu]) -> None:
+    shapes = [n for n in ("mig_profile", "sm_count", "sm_percent") if getattr(spec, n)]
+    if len(shapes) != 1:
+        raise ValidationError("spec.mig_profile", "kind exclusive needs exactly one of mig_profile, "
+                                                  f"sm_count or sm_percent, got {shapes or 'none'}")
+    if spec.sm_percent and not 1 <= spec.sm_percent <= 100:
+        raise ValidationError("spec.sm_percent", f"must be in 1..100, got {spec.sm_percent}")
+    if not gpus:
+        return
+    models = _mig_models(gpus)
+    if not models:
+        present = sorted({g.model for g in gpus})
+        raise ValidationError("spec.kind", f"no MIG-capable GPU model is present (present: {present}); "
+                                           "use kind fastpod, mps or whole")
+    memory_mib = -(-spec.memory_bytes // MiB)
+    reasons = []
+    for model in models:
+        try:
+            if spec.mig_profile:
+                profile = model.profile(spec.mig_profile)
+                if profile.memory_mib < memory_mib:
+                    raise catalog.CatalogError(f"{profile.name} on {model.key} has {profile.memory_mib} MiB")
+            else:
+                catalog.choose_profile(model, sm_count=spec.sm_count or None,
+                                       sm_percent=spec.sm_percent or None, memory_mib=memory_mib)
+            return
+        except catalog.CatalogError as exc:
+            reasons.append(str(exc))
+    field = "spec.mig_profile" if spec.mig_profile else (
+        "spec.sm_count" if spec.sm_count else "spec.sm_percent")
+    raise ValidationError(field, "no MIG profile of a GPU model present fits: " + "; ".join(reasons))
+
+
+def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) -> None:
+    """Raise :class:`ValidationError` for the first bad field of ``request``.
+
+    ``gpus``: every GPU the controller knows about (for ranges that depend on the cluster).
+    """
+    spec = request.spec
+    if not isinstance(spec.kind, Kind):
+        raise ValidationError("spec.kind", "must be one of fastpod, mps, exclusive, whole")
+    kind = spec.kind
+    largest = max((g.memory_bytes for g in gpus), default=0)
+    if spec.memory_bytes < 0:
+        raise ValidationError("spec.memory_bytes", f"must be > 0, got {spec.memory_bytes}")
+    if spec.memory_bytes and largest and spec.memory_bytes > largest:
+        raise ValidationError("spec.memory_bytes", f"must be <= the largest GPU's memory "
+                                                   f"({_human(largest)}), got {_human(spec.memory_bytes)}")
+    if kind is Kind.FASTPOD:
+        if not 1 <= spec.sm_percent <= 100:
+            raise ValidationError("spec.sm_percent", f"must be in 1..100, got {spec.sm_percent}")
+        if spec.memory_bytes <= 0:
+            raise ValidationError("spec.memory_bytes", "must be > 0 for kind fastpod (a memory limit)")
+        if spec.quota_request or spec.quota_limit:
+            _fraction("spec.quota_request", spec.quota_request)
+            _fraction("spec.quota_limit", spec.quota_limit)
+            if spec.quota_limit < spec.quota_request:
+                raise ValidationError("spec.quota_limit", f"must be >= quota_request "
+                                      f"({spec.quota_request:g}), got {spec.quota_limit:g}")
+        _unused(spec, kind, ("mig_profile", "sm_count"))
+    elif kind is Kind.MPS:
+        if spec.memory_bytes <= 0:
+            raise ValidationError("spec.memory_bytes", "must be > 0 for kind mps")
+        _unused(spec, kind, ("sm_percent", "quota_request", "quota_limit", "mig_profile", "sm_count"))
+    elif kind is Kind.EXCLUSIVE:
+        _unused(spec, kind, ("quota_request", "quota_limit"))
+        _exclusive(spec, gpus)
+    elif kind is Kind.WHOLE:
+        if spec.gpu_count < 1:
+            raise ValidationError("spec.gpu_count", f"must be >= 1 for kind whole, got {spec.gpu_count}")
+        if max_gpus_per_node and spec.gpu_count > max_gpus_per_node:
+            raise ValidationError("spec.gpu_count", f"must be <= {max_gpus_per_node} (the most GPUs any "
+                                                    f"node has), got {spec.gpu_count}")
+        _unused(spec, kind, ("sm_percent", "quota_request", "quota_limit", "mig_profile", "sm_count",
+                             "memory_bytes"))
+    if kind is not Kind.WHOLE and spec.gpu_count > 1:
+        raise ValidationError("spec.gpu_count", f"kind {kind.value} uses one GPU; use kind whole for "
+                                                f"{spec.gpu_count} GPUs")
+    _strings("spec.models", spec.models)
+    for key, _value in spec.node_selector:
+        if not key:
+            raise ValidationError("spec.node_selector", "keys must not be empty")
+    for name in ("affinity", "anti_affinity", "exclusion"):
+        tag = getattr(spec, name)
+        if tag and not _TAG_RE.match(tag):
+            raise ValidationError(f"spec.{name}", f"tag {tag!r} is invalid: 1-63 characters of letters, "
+                                                  "digits, '.', '_', '/', '-'")
+    if len(request.owner) > 253:
+        raise ValidationError("owner", f"at most 253 characters, got {len(request.owner)}")
+    if request.idempotency_key and not _KEY_RE.match(request.idempotency_key):
+        raise ValidationError("idempotency_key",
+                              "must be 1-128 characters of letters, digits, '.', '_', ':', '/', '-'")
+    if request.lease_ttl and not MIN_LEASE_TTL <= request.lease_ttl <= MAX_LEASE_TTL:
+        raise ValidationError("lease_ttl_seconds", f"must be 0 (no lease) or in {MIN_LEASE_TTL}.."
+                                                   f"{MAX_LEASE_TTL}, got {request.lease_ttl}")

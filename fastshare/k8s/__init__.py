@@ -1,0 +1,1 @@
+"""Kubernetes integration: FastPod CRD, manifests, in-cluster controller, test control plane."""

@@ -1,0 +1,87 @@
+"""Render the Kubernetes manifests (CRD, namespace, RBAC, controller, node agent) from jinja2.
+
+The templates in ``templates/`` are the single source: the Ansible role ``roles/controller``
+renders the same files (it has the same ``to_nice_yaml`` filter), and ``fastshare k8s
+manifests`` prints them. Values are ``templates/defaults.yaml`` deep-merged with the user's.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from typing import Any
+
+import jinja2
+import yaml
+
+# Apply order: the namespace and CRD first, workloads last.
+TEMPLATES = (
+    "namespace.yaml.j2",
+    "crd-fastpods.yaml.j2",
+    "rbac.yaml.j2",
+    "controller.yaml.j2",
+    "node-agent.yaml.j2",
+)
+
+
+class ValuesError(ValueError):
+    """A values file has a key the templates do not know, or a value of the wrong type."""
+
+
+def _templates():
+    return resources.files("fastshare.k8s") / "templates"
+
+
+def default_values() -> dict[str, Any]:
+    return yaml.safe_load((_templates() / "defaults.yaml").read_text())
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """Deep merge; a key absent from the defaults is a typo, so it is refused by name."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        where = f"{path}{key}"
+        if key not in base:
+            raise ValuesError(f"{where}: unknown value (known: {', '.join(sorted(base))})")
+        if isinstance(base[key], dict):
+            if not isinstance(value, dict):
+                raise ValuesError(f"{where}: must be a mapping, got {type(value).__name__}")
+            # Free-form maps (labels, resources) take the user's keys as they are.
+            free_form = key in ("labels", "resources")
+            merged[key] = {**base[key], **value} if free_form else _merge(base[key], value, f"{where}.")
+        else:
+            merged[key] = value
+    return merged
+
+
+def _to_nice_yaml(value: Any, indent: int = 2) -> str:
+    """Block-style YAML, like Ansible's filter of the same name (so both render alike)."""
+    return yaml.safe_dump(value, default_flow_style=False, indent=indent, sort_keys=True)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FunctionLoader(lambda name: (_templates() / name).read_text()),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,  # YAML, not HTML
+    )
+    env.filters["to_nice_yaml"] = _to_nice_yaml
+    return env
+
+
+def render_text(values: dict[str, Any] | None = None) -> str:
+    """All manifests as one multi-document YAML stream."""
+    merged = _merge(default_values(), values or {})
+    env = _environment()
+    return "---\n".join(env.get_template(name).render(**merged).strip() + "\n" for name in TEMPLATES)
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """All manifests as Kubernetes objects, in apply order."""
+    return [doc for doc in yaml.safe_load_all(render_text(values)) if doc]
+
+
+def crd(values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The FastPod CustomResourceDefinition alone."""
+    return next(d for d in render(values) if d["kind"] == "CustomResourceDefinition")

@@ -1,0 +1,439 @@
+"""The placement engine: a capacity ledger over the cluster view plus the decision procedure.
+
+One ``Engine`` owns the ledger (who holds what on which GPU). ``place`` either commits a
+request to the ledger and returns an :class:`Assignment`, or changes nothing and returns a
+:class:`Rejection` that says why. ``release`` gives back exactly what ``place`` took.
+``restore`` re-applies persisted assignments after a restart (no policy involved).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastshare.placement import mig as migmath
+from fastshare.placement.model import (
+    MILLI,
+    Assignment,
+    GpuView,
+    InvalidRequest,
+    MigSlot,
+    NodeView,
+    Rejection,
+    Request,
+)
+from fastshare.placement.policies import Policy, Task
+
+
+@dataclass
+class _Gpu:
+    view: GpuView
+    sm_used: int = 0            # fastpod SM share, thousandths
+    mem_used: int = 0           # fastpod + mps GPU memory, MiB
+    share_kind: str | None = None  # "fastpod" | "mps" while sharers exist
+    sharers: dict[str, Request] = field(default_factory=dict)
+    mig: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # request id -> instance
+    whole: str | None = None
+
+    @property
+    def mig_mode(self) -> bool:
+        return self.view.mig_enabled or bool(self.mig)
+
+    @property
+    def idle(self) -> bool:
+        return not self.sharers and not self.mig and self.whole is None and not self.view.mig_enabled
+
+    def label(self, node: str) -> str:
+        return f"{node} GPU {self.view.index}"
+
+
+@dataclass
+class _Node:
+    view: NodeView
+    gpus: list[_Gpu]
+    cpu_used: int = 0
+    mem_used: int = 0
+
+    @property
+    def cpu_left(self) -> int:
+        return self.view.cpu_milli - self.cpu_used
+
+    @property
+    def mem_left(self) -> int:
+        return self.view.memory_mib - self.mem_used
+
+
+def _fmt_mib(mib: float) -> str:
+    return f"{mib / 1024:.1f} GiB" if mib >= 1024 and mib % 1024 else (
+        f"{int(mib // 1024)} GiB" if mib >= 1024 else f"{int(mib)} MiB")
+
+
+class Engine:
+    """Placement over a cluster view. Deterministic: same view + same calls = same answers.
+
+    ``policy`` scores nodes for ``fastpod`` and ``whole`` requests (default: fastshare's own
+    policy learning typical shapes from the requests it sees); ``mps_oversubscription`` lets
+    memory-only MPS shares promise up to that factor of a GPU's memory (1.0 = none)."""
+
+    def __init__(self, nodes: Iterable[NodeView] = (), policy: Policy | None = None,
+                 mps_oversubscription: float = 1.0) -> None:
+        if not (1.0 <= mps_oversubscription <= 16.0) or not math.isfinite(mps_oversubscription):
+            raise InvalidRequest(f"mps_oversubscription: must be in [1, 16] (got {mps_oversubscription})")
+        self.mps_oversubscription = mps_oversubscription
+        if policy is None:
+            from fastshare.placement.fastshare_policy import AdaptivePolicy
+            policy = AdaptivePolicy()
+        self.policy = policy
+        self._nodes: dict[str, _Node] = {}
+        self._assignments: dict[str, Assignment] = {}
+        self._affinity: dict[str, tuple[str, int]] = {}  # affinity tag -> (node, gpu)
+        for n in nodes:
+            self.add_node(n)
+
+    # ---- cluster view ------------------------------------------------------------------------
+    def add_node(self, view: NodeView) -> None:
+        if view.name in self._nodes:
+            raise InvalidRequest(f"node {view.name}: already in the cluster view")
+        self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus])
+
+    def remove_node(self, name: str) -> None:
+        """Forget a node; refused while assignments still live on it."""
+        held = [a.request.id for a in self._assignments.values() if a.node == name]
+        if held:
+            raise InvalidRequest(f"node {name}: still holds {len(held)} assignment(s), e.g. {held[0]}")
+        del self._nodes[name]
+
+    @property
+    def nodes(self) -> list[NodeView]:
+        return [n.view for n in self._nodes.values()]
+
+    @property
+    def assignments(self) -> dict[str, Assignment]:
+        return dict(self._assignments)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": [n.view.to_dict() for n in self._nodes.values()],
+            "assignments": [a.to_dict() for a in self._assignments.values()],
+            "mps_oversubscription": self.mps_oversubscription,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], policy: Policy | None = None) -> Engine:
+        eng = cls((NodeView.from_dict(n) for n in d["nodes"]), policy=policy,
+                  mps_oversubscription=d.get("mps_oversubscription", 1.0))
+        for a in d.get("assignments", ()):
+            eng.restore(Assignment.from_dict(a))
+        return eng
+
+    def usage(self) -> list[dict[str, Any]]:
+        """Per-GPU ledger, for status displays and tests."""
+        out = []
+        for n in self._nodes.values():
+            for g in n.gpus:
+                out.append({
+                    "node": n.view.name, "gpu": g.view.index, "model": g.view.model,
+                    "sm_used_percent": g.sm_used / 10, "memory_used_mib": g.mem_used,
+                    "share_kind": g.share_kind, "sharers": sorted(g.sharers),
+                    "mig": sorted((s, z, pid, rid) for rid, (pid, s, z) in g.mig.items()),
+                    "whole": g.whole,
+                })
+        return out
+
+    # ---- decisions ---------------------------------------------------------------------------
+    def place(self, request: Request) -> Assignment | Rejection:
+        if request.id in self._assignments:
+            raise InvalidRequest(f"id: request {request.id} is already placed")
+        hook = getattr(self.policy, "observe", None)
+        if hook is not None:
+            hook(request)
+        nodes, why = self._filter_nodes(request)
+        if not nodes:
+            return Rejection(why)
+        result = getattr(self, f"_place_{request.kind}")(request, nodes)
+        if isinstance(result, Assignment):
+            self._apply(result)
+        return result
+
+    def release(self, assignment: Assignment | str) -> Assignment:
+        """Give back what an assignment holds; returns it. Unknown ids raise KeyError."""
+        rid = assignment if isinstance(assignment, str) else assignment.request.id
+        a = self._assignments.pop(rid)
+        node = self._nodes[a.node]
+        r = a.request
+        node.cpu_used -= r.cpu_milli
+        node.mem_used -= r.memory_mib
+        for i in a.gpus:
+            g = node.gpus[i]
+            if r.kind in ("fastpod", "mps"):
+                del g.sharers[rid]
+                g.sm_used -= r.sm_milli if r.kind == "fastpod" else 0
+                g.mem_used -= r.gpu_memory_mib
+                if not g.sharers:
+                    g.share_kind = None
+                if r.affinity and not any(s.affinity == r.affinity for s in g.sharers.values()):
+                    self._affinity.pop(r.affinity, None)
+            elif r.kind == "exclusive":
+                del g.mig[rid]
+            else:
+                g.whole = None
+        return a
+
+    def restore(self, assignment: Assignment) -> None:
+        """Re-apply a persisted assignment (controller restart). Refuses one that no longer fits."""
+        r = assignment.request
+        if r.id in self._assignments:
+            raise InvalidRequest(f"id: request {r.id} is already placed")
+        node = self._nodes.get(assignment.node)
+        if node is None:
+            raise InvalidRequest(f"node: {assignment.node} is not in the cluster view")
+        if r.cpu_milli > node.cpu_left or r.memory_mib > node.mem_left:
+            raise InvalidRequest(f"assignment {r.id}: node {node.view.name} lacks CPU/memory for it")
+        for i in assignment.gpus:
+            if not 0 <= i < len(node.gpus):
+                raise InvalidRequest(f"gpus: {node.view.name} has no GPU {i}")
+            g = node.gpus[i]
+            problem = self._gpu_problem(r, g, node.view.name, check_affinity=False)
+            if r.kind == "exclusive":
+                m = assignment.mig
+                prof = next((p for p in g.view.mig_profiles if m and p.profile_id == m.profile_id), None)
+                if prof is None or m.start not in migmath.free_starts(prof, g.view.mig_profiles,
+                                                                       list(g.mig.values())):
+                    problem = f"MIG placement {m} is not free on {g.label(node.view.name)}"
+            if problem:
+                raise InvalidRequest(f"assignment {r.id}: {problem}")
+        self._apply(assignment)
+
+    def _apply(self, a: Assignment) -> None:
+        r = a.request
+        node = self._nodes[a.node]
+        node.cpu_used += r.cpu_milli
+        node.mem_used += r.memory_mib
+        for i in a.gpus:
+            g = node.gpus[i]
+            if r.kind in ("fastpod", "mps"):
+                g.sharers[r.id] = r
+                g.share_kind = r.kind
+                g.sm_used += r.sm_milli if r.kind == "fastpod" else 0
+                g.mem_used += r.gpu_memory_mib
+                if r.affinity:
+                    self._affinity[r.affinity] = (a.node, i)
+            elif r.kind == "exclusive":
+                g.mig[r.id] = (a.mig.profile_id, a.mig.start, a.mig.size)
+            else:
+                g.whole = r.id
+        self._assignments[r.id] = a
+
+    # ---- filters -----------------------------------------------------------------------------
+    def _filter_nodes(self, r: Request) -> tuple[list[_Node], str]:
+        sel = dict(r.node_selector)
+        out, no_sel, no_cpu, no_mem = [], 0, [], []
+        for n in self._nodes.values():
+            labels = dict(n.view.labels)
+            if any(labels.get(k) != v for k, v in sel.items()):
+                no_sel += 1
+            elif r.cpu_milli > n.cpu_left:
+                no_cpu.append(n)
+            elif r.memory_mib > n.mem_left:
+                no_mem.append(n)
+            else:
+                out.append(n)
+        if out:
+            return out, ""
+        if not self._nodes:
+            return [], "the cluster view has no nodes"
+        parts = []
+        if no_sel:
+            parts.append(f"{no_sel} node(s) do not match node_selector {sel}")
+        if no_cpu:
+            best = max(no_cpu, key=lambda n: n.cpu_left)
+            parts.append(f"no node has {r.cpu_milli} milli-CPU free; most free is {best.cpu_left} "
+                         f"on {best.view.name}")
+        if no_mem:
+            best = max(no_mem, key=lambda n: n.mem_left)
+            parts.append(f"no node has {_fmt_mib(r.memory_mib)} host memory free; most free is "
+                         f"{_fmt_mib(best.mem_left)} on {best.view.name}")
+        return [], "; ".join(parts)
+
+    def _gpu_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
+        """Why GPU ``g`` cannot take a share ``r`` (None when it can)."""
+        v = g.view
+        if r.gpu_models and v.model not in r.gpu_models:
+            return f"model {v.model} not in {list(r.gpu_models)}"
+        if r.kind in ("fastpod", "mps"):
+            if g.whole is not None:
+                return "held whole"
+            if g.mig_mode:
+                return "in MIG mode (MPS shares need the whole device)"
+            if g.share_kind not in (None, r.kind):
+                return f"already shared as {g.share_kind}"
+            if check_affinity and r.affinity and r.affinity in self._affinity \
+                    and self._affinity[r.affinity] != (node, v.index):
+                return f"affinity {r.affinity} is bound to another GPU"
+            for s in g.sharers.values():
+                if s.exclusion != r.exclusion:
+                    return "exclusion tags differ"
+                if r.anti_affinity and s.anti_affinity == r.anti_affinity:
+                    return f"anti-affinity {r.anti_affinity} already on it"
+            if r.kind == "fastpod":
+                if g.sm_used + r.sm_milli > MILLI:
+                    return f"only {(MILLI - g.sm_used) / 10:g} % SMs free"
+                if g.mem_used + r.gpu_memory_mib > v.memory_mib:
+                    return f"only {_fmt_mib(v.memory_mib - g.mem_used)} free"
+            elif g.mem_used + r.gpu_memory_mib > v.memory_mib * self.mps_oversubscription:
+                return f"only {_fmt_mib(v.memory_mib * self.mps_oversubscription - g.mem_used)} free"
+            return None
+        if r.kind == "whole":
+            return None if g.idle else "not idle"
+        if not v.mig_capable:
+            return "not MIG-capable"
+        if g.sharers or g.whole is not None:
+            return "in use by MPS shares or whole"
+        return None
+
+    # ---- per kind ----------------------------------------------------------------------------
+    def _shares(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
+        task = Task(r.cpu_milli, r.sm_milli if r.kind == "fastpod" else 1, 1)
+        best_key, best = None, None
+        for order, n in enumerate(nodes):
+            free = []
+            for g in n.gpus:
+                ok = self._gpu_problem(r, g, n.view.name) is None
+                free.append((MILLI - g.sm_used if r.kind == "fastpod" else MILLI) if ok else 0)
+            if not any(free):
+                continue
+            if r.kind == "mps":
+                # Memory-only: pack by memory (least free memory that fits), no SM arithmetic.
+                i = min((i for i, f in enumerate(free) if f),
+                        key=lambda i: (n.gpus[i].view.memory_mib * self.mps_oversubscription
+                                       - n.gpus[i].mem_used, i))
+                slack = n.gpus[i].view.memory_mib * self.mps_oversubscription - n.gpus[i].mem_used
+                key = (-slack, -order)
+                chosen = (i,)
+            else:
+                model = n.gpus[0].view.model if n.gpus else ""
+                score, chosen = self.policy.score(model, n.cpu_left, tuple(free), task)
+                key = (score, -order)
+            if best_key is None or key > best_key:
+                best_key, best = key, (n, chosen)
+        if best is None:
+            return Rejection(self._share_reason(r, nodes))
+        n, chosen = best
+        return Assignment(r, n.view.name, tuple(chosen))
+
+    _place_fastpod = _shares
+    _place_mps = _shares
+
+    def _share_reason(self, r: Request, nodes: list[_Node]) -> str:
+        what = (f"{r.sm_percent:g} % SMs and {_fmt_mib(r.gpu_memory_mib)}" if r.kind == "fastpod"
+                else _fmt_mib(r.gpu_memory_mib))
+        usable = []
+        for n in nodes:
+            for g in n.gpus:
+                if r.gpu_models and g.view.model not in r.gpu_models:
+                    continue
+                if g.whole is None and not g.mig_mode and g.share_kind in (None, r.kind):
+                    usable.append((n, g))
+        if not usable:
+            models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
+            return (f"no GPU{models} is available for {r.kind} shares "
+                    "(all are in MIG mode, held whole or shared otherwise)")
+        cap = self.mps_oversubscription if r.kind == "mps" else 1.0
+        n, g = max(usable, key=lambda ng: (ng[1].view.memory_mib * cap - ng[1].mem_used, -ng[1].view.index))
+        msg = (f"no GPU with {what} free; largest free memory is "
+               f"{_fmt_mib(g.view.memory_mib * cap - g.mem_used)} on {g.label(n.view.name)}")
+        if r.kind == "fastpod":
+            n2, g2 = min(usable, key=lambda ng: (ng[1].sm_used, ng[1].view.index))
+            msg += f", largest free SM share is {(MILLI - g2.sm_used) / 10:g} % on {g2.label(n2.view.name)}"
+        if r.affinity and r.affinity in self._affinity:
+            node, idx = self._affinity[r.affinity]
+            msg += f"; affinity tag {r.affinity!r} binds it to {node} GPU {idx}"
+        if r.anti_affinity or r.exclusion:
+            msg += " (tags anti_affinity/exclusion also rule out GPUs)"
+        return msg
+
+    def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
+        task = Task(r.cpu_milli, MILLI, r.gpus)
+        best_key, best = None, None
+        most = (0, None)
+        for order, n in enumerate(nodes):
+            idle = [g.view.index for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
+            most = max(most, (len(idle), n.view.name), key=lambda x: x[0])
+            if len(idle) < r.gpus:
+                continue
+            free = tuple(MILLI if g.view.index in idle else 0 for g in n.gpus)
+            model = n.gpus[0].view.model
+            score, _ = self.policy.score(model, n.cpu_left, free, task)
+            key = (score, -order)
+            if best_key is None or key > best_key:
+                best_key, best = key, (n, idle)
+        if best is None:
+            models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
+            where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
+            return Rejection(f"no node has {r.gpus} idle{models} GPU(s){where}")
+        n, idle = best
+        return Assignment(r, n.view.name, _tightest_group(n.view, idle, r.gpus))
+
+    def _place_exclusive(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
+        candidates = [(n, g) for n in nodes for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
+        if not candidates:
+            models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
+            return Rejection(f"no MIG-capable GPU{models} is free of MPS shares and whole-GPU use")
+        if r.sm_percent is not None and r.sm_percent >= 100:
+            return Rejection("100 % of the SMs can only be a whole GPU (kind 'whole'): the largest MIG "
+                             "slice has fewer SMs than the GPU (e.g. A100: 98 of 108)")
+        best_key, best = None, None
+        too_big = []
+        for order, (n, g) in enumerate(candidates):
+            v = g.view
+            need = r.sm_count or (math.ceil(r.sm_percent / 100 * v.sm_count) if r.sm_percent else 0)
+            profs = migmath.smallest_profiles(v.mig_profiles, need, r.gpu_memory_mib)
+            if not profs:
+                too_big.append((n, g, need))
+                continue
+            inst = list(g.mig.values())
+            for p in profs:
+                starts = migmath.free_starts(p, v.mig_profiles, inst)
+                if not starts:
+                    continue
+                for s in starts:
+                    loss = migmath.placement_loss(p, s, v.mig_profiles, inst)
+                    key = (p.memory_slices, p.slices, not g.mig_mode, round(loss, 9), order, s)
+                    if best_key is None or key < best_key:
+                        best_key, best = key, (n, g, p, s)
+                break  # smallest placeable profile on this GPU
+        if best is None:
+            if too_big and len(too_big) == len(candidates):
+                n, g, need = too_big[0]
+                top = max(g.view.mig_profiles, key=lambda p: p.sm_count, default=None)
+                largest = f"; the largest slice of {g.view.model} is {top.name} ({top.sm_count} SMs, " \
+                          f"{_fmt_mib(top.memory_mib)})" if top else ""
+                return Rejection(f"no MIG profile has {need} SMs and {_fmt_mib(r.gpu_memory_mib)}{largest}; "
+                                 "use kind 'whole' for a full GPU")
+            return Rejection(f"no MIG-capable GPU has a free placement for a slice of "
+                             f"{r.sm_count or r.sm_percent or 0}{' SMs' if r.sm_count else ' % SMs'} and "
+                             f"{_fmt_mib(r.gpu_memory_mib)}; {len(candidates)} candidate GPU(s) are full")
+        n, g, p, s = best
+        slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
+        return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)
+
+
+def _tightest_group(view: NodeView, idle: list[int], k: int) -> tuple[int, ...]:
+    """The ``k`` idle GPUs with the closest links (max level, then sum), lowest indexes on ties."""
+    if k == len(idle):
+        return tuple(idle)
+
+    def cost(group: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
+        levels = [view.link_level(a, b) for a, b in itertools.combinations(group, 2)]
+        return (max(levels, default=0), sum(levels), group)
+
+    if math.comb(len(idle), k) <= 5000:
+        return min(itertools.combinations(idle, k), key=cost)
+    group = [idle[0]]  # large nodes: greedy growth from the first idle GPU
+    while len(group) < k:
+        group.append(min((i for i in idle if i not in group),
+                         key=lambda i: (max(view.link_level(i, j) for j in group), i)))
+    return tuple(sorted(group))

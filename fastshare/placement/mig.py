@@ -1,0 +1,96 @@
+"""MIG slice arithmetic: which placements are free, and which choice keeps the most future shapes.
+
+A GPU's MIG layout is a set of GPU instances, each ``(start, size)`` in memory slices. A
+profile can be created at an allowed start when its memory range is free, its instance count
+is below ``max_instances`` and enough compute slices remain. Because later requests need
+particular starts (a 3g only at 0 or 4, a 7g only at 0), the position chosen now decides
+what still fits later; ``placement_loss`` measures that so the engine can pick the start
+(and the GPU) that destroys the least future capacity.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+
+from fastshare.device.api import MigProfile
+
+Instance = tuple[int, int, int]  # (profile_id, start, size)
+
+
+def _mask(start: int, size: int) -> int:
+    return ((1 << size) - 1) << start
+
+
+def used_mask(instances: Iterable[Instance]) -> int:
+    m = 0
+    for _pid, start, size in instances:
+        m |= _mask(start, size)
+    return m
+
+
+def compute_slices_total(profiles: Sequence[MigProfile]) -> int:
+    """Compute slices of the GPU: the largest profile's (7 on A100/H100, 4 on A30)."""
+    return max((p.slices for p in profiles), default=0)
+
+
+def free_starts(profile: MigProfile, profiles: Sequence[MigProfile],
+                instances: Sequence[Instance]) -> list[int]:
+    """Allowed starts where ``profile`` can be created now, lowest first."""
+    if sum(1 for pid, _s, _z in instances if pid == profile.profile_id) >= profile.max_instances:
+        return []
+    by_id = {p.profile_id: p for p in profiles}
+    used_compute = sum(by_id[pid].slices if pid in by_id else size for pid, _s, size in instances)
+    if used_compute + profile.slices > compute_slices_total(profiles):
+        return []
+    mask = used_mask(instances)
+    return [s for s in profile.placements if not mask & _mask(s, profile.memory_slices)]
+
+
+def capacity_value(profiles: Sequence[MigProfile], instances: Sequence[Instance]) -> int:
+    """How much future demand a layout can still absorb: over every distinct combination
+    (multiset of profiles) that could still be added to it, the compute slices of its largest
+    member. Counting combinations rather than free slices is what tells a harmless start from
+    one that rules out a 3g or a 4g later; weighting by the largest member keeps big shapes
+    (the ones that fail first) possible."""
+    counts = Counter(pid for pid, _s, _z in instances)
+    slices = {p.profile_id: p.slices for p in profiles}
+    combos = _reachable(tuple(profiles), used_mask(instances), tuple(sorted(counts.items())))
+    return sum(max((slices[i] for i in c), default=0) for c in combos)
+
+
+@lru_cache(maxsize=8192)
+def _reachable(profiles: tuple[MigProfile, ...], mask: int,
+               counts: tuple[tuple[int, int], ...]) -> frozenset[tuple[int, ...]]:
+    by_id = {p.profile_id: p for p in profiles}
+    have = dict(counts)
+    compute_left = compute_slices_total(profiles) - sum(by_id[pid].slices * n for pid, n in counts)
+    out = {()}
+    for p in profiles:
+        if have.get(p.profile_id, 0) >= p.max_instances or p.slices > compute_left:
+            continue
+        for s in p.placements:
+            m = _mask(s, p.memory_slices)
+            if mask & m:
+                continue
+            more = dict(have)
+            more[p.profile_id] = more.get(p.profile_id, 0) + 1
+            sub = _reachable(profiles, mask | m, tuple(sorted(more.items())))
+            out.update(tuple(sorted((*c, p.profile_id))) for c in sub)
+    return frozenset(out)
+
+
+def placement_loss(profile: MigProfile, start: int, profiles: Sequence[MigProfile],
+                   instances: Sequence[Instance]) -> int:
+    """Future combinations destroyed by creating ``profile`` at ``start`` (lower is better)."""
+    after = [*instances, (profile.profile_id, start, profile.memory_slices)]
+    return capacity_value(profiles, instances) - capacity_value(profiles, after)
+
+
+def smallest_profiles(profiles: Sequence[MigProfile], sm_needed: int, memory_mib: int) -> list[MigProfile]:
+    """Profiles that satisfy the request, smallest first (memory slices, then SMs, then memory).
+    The ``+me`` media-extension variants are kept last because they are scarce (max 1)."""
+    fit = [p for p in profiles if p.sm_count >= sm_needed and p.memory_mib >= memory_mib]
+    return sorted(fit, key=lambda p: (p.memory_slices, p.slices, p.memory_mib, p.max_instances == 1 and
+                                      "+me" in p.name, p.profile_id))

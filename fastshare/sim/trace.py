@@ -1,0 +1,174 @@
+"""openb trace files: strict readers and the published arrival order (sort, shuffle, tune).
+
+Readers reject a malformed file with the line and column at fault rather than guessing,
+because a silently skipped row changes every later decision of a replay.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+MILLI = 1000
+
+
+class TraceError(ValueError):
+    """A trace file is unreadable or malformed; the message names file, line and field."""
+
+
+@dataclass(frozen=True)
+class SimNode:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    gpus: int
+    model: str
+
+
+@dataclass(frozen=True)
+class SimPod:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    num_gpu: int
+    gpu_milli: int
+    gpu_spec: frozenset[str] = frozenset()
+    clone: bool = False
+
+    @property
+    def gpu_request(self) -> int:
+        """Milli-GPU this task asks for in total (a share counts by its size)."""
+        return self.num_gpu * self.gpu_milli if self.num_gpu else 0
+
+
+def _rows(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            missing = [c for c in required if c not in header]
+            if missing:
+                raise TraceError(f"{path}: missing column(s) {', '.join(missing)} "
+                                 f"(header has {', '.join(header) or 'nothing'})")
+            rows = [(i + 2, r) for i, r in enumerate(reader)]
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read ({e.strerror})") from e
+    except (csv.Error, UnicodeDecodeError) as e:
+        raise TraceError(f"{path}: not a CSV file ({e})") from e
+    if not rows:
+        raise TraceError(f"{path}: no data rows")
+    return rows
+
+
+def _int(path: Path, line: int, row: dict[str, str], col: str, lo: int, hi: int | None = None) -> int:
+    raw = (row.get(col) or "").strip()
+    try:
+        v = int(raw)
+    except ValueError:
+        raise TraceError(f"{path} line {line}: {col} must be an integer (got {raw!r})") from None
+    if v < lo or (hi is not None and v > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise TraceError(f"{path} line {line}: {col} must be {rng} (got {v})")
+    return v
+
+
+def read_nodes(path: str | Path) -> list[SimNode]:
+    """GPU nodes (``sn, cpu_milli, memory_mib, gpu, model``); GPU-less rows are kept (they
+    never take GPU tasks)."""
+    path = Path(path)
+    out, seen = [], set()
+    for line, r in _rows(path, ("sn", "cpu_milli", "memory_mib", "gpu", "model")):
+        name = (r["sn"] or "").strip()
+        if not name:
+            raise TraceError(f"{path} line {line}: sn (node name) is empty")
+        if name in seen:
+            raise TraceError(f"{path} line {line}: node {name} appears twice")
+        seen.add(name)
+        out.append(SimNode(name, _int(path, line, r, "cpu_milli", 0), _int(path, line, r, "memory_mib", 0),
+                           _int(path, line, r, "gpu", 0, 64), (r["model"] or "").strip()))
+    return out
+
+
+def read_pods(path: str | Path) -> list[SimPod]:
+    """Tasks (``name, cpu_milli, memory_mib, num_gpu, gpu_milli, gpu_spec, ...``)."""
+    path = Path(path)
+    out, seen = [], set()
+    cols = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
+    for line, r in _rows(path, cols):
+        name = (r["name"] or "").strip()
+        if not name:
+            raise TraceError(f"{path} line {line}: name is empty")
+        if name in seen:
+            raise TraceError(f"{path} line {line}: task {name} appears twice")
+        seen.add(name)
+        num = _int(path, line, r, "num_gpu", 0, 64)
+        milli = _int(path, line, r, "gpu_milli", 0, MILLI)
+        if num > 1 and milli != MILLI:
+            raise TraceError(f"{path} line {line}: gpu_milli must be 1000 for a multi-GPU task "
+                             f"(num_gpu {num}, got {milli})")
+        if num == 1 and milli == 0:
+            raise TraceError(f"{path} line {line}: gpu_milli must be 1..1000 when num_gpu is 1")
+        spec = frozenset(s for s in (r.get("gpu_spec") or "").strip().split("|") if s)
+        out.append(SimPod(name, _int(path, line, r, "cpu_milli", 0), _int(path, line, r, "memory_mib", 0),
+                          num, milli if num else 0, spec))
+    return out
+
+
+def node_tie_order(nodes: list[SimNode], seed: int) -> list[int]:
+    """Rank of every node in score ties: the artifact prefixes sorted node names with a
+    random 4-digit index from the seed, so ties go to a seeded permutation."""
+    by_name = sorted(range(len(nodes)), key=lambda i: nodes[i].name)
+    prefixes = list(range(len(nodes)))
+    random.Random(seed).shuffle(prefixes)
+    rank = [0] * len(nodes)
+    for i, p in zip(by_name, prefixes, strict=True):
+        rank[i] = p
+    return rank
+
+
+def arrival_order(pods: list[SimPod], seed: int, tune: float, capacity_milli: int) -> list[SimPod]:
+    """Tasks sorted by name, shuffled with the seed, then random copies appended until the next
+    copy would push the requested GPU total past ``tune`` x capacity (checked with the copy's
+    per-GPU milli, as the artifact does). ``tune`` <= 0 means no copies."""
+    rng = random.Random(seed)
+    order = sorted(pods, key=lambda p: p.name)
+    rng.shuffle(order)
+    total = sum(p.gpu_request for p in order)
+    target = tune * capacity_milli
+    copies: list[SimPod] = []
+    while tune > 0:
+        base = order[rng.randrange(len(order))]
+        if total + base.gpu_milli > target:
+            break
+        copies.append(SimPod(f"{base.name}-tuned-{len(copies)}", base.cpu_milli, base.memory_mib,
+                             base.num_gpu, base.gpu_milli, base.gpu_spec, clone=True))
+        total += base.gpu_request
+        if len(copies) > 50 * len(order) + 1000:  # a trace of CPU-only tasks never reaches the target
+            break
+    return order + copies
+
+
+def read_reference_order(path: str | Path) -> list[SimPod]:
+    """The exact arrival order of a published run (reference/*_order.csv)."""
+    path = Path(path)
+    out = []
+    cols = ("seq", "name", "tuned_clone", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
+    for line, r in _rows(path, cols):
+        num = _int(path, line, r, "num_gpu", 0, 64)
+        spec = frozenset(s for s in (r.get("gpu_spec") or "").strip().split("|") if s)
+        out.append(SimPod(r["name"], _int(path, line, r, "cpu_milli", 0),
+                          _int(path, line, r, "memory_mib", 0), num,
+                          _int(path, line, r, "gpu_milli", 0, MILLI), spec, r["tuned_clone"] == "1"))
+    return out
+
+
+def read_reference_ranks(path: str | Path, nodes: list[SimNode]) -> list[int]:
+    """Tie ranks from a published run's node prefixes (reference/*_node_prefix.csv)."""
+    path = Path(path)
+    prefix = {r["node"]: int(r["prefix"]) for _line, r in _rows(path, ("node", "prefix"))}
+    missing = [n.name for n in nodes if n.name not in prefix]
+    if missing:
+        raise TraceError(f"{path}: no prefix for node(s) {', '.join(missing[:3])}")
+    return [prefix[n.name] for n in nodes]

@@ -1,0 +1,142 @@
+"""SQLite state store: durability across reopen, CAS transitions, idempotency keys, schema."""
+
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastshare.controller.model import Allocation, Device, Gpu, Kind, Node, Spec, State
+from fastshare.controller.sqlite_store import SCHEMA_VERSION, SqliteStore
+from fastshare.controller.store import Conflict, DuplicateKey, StoreError
+
+
+def _alloc(i: str, key: str = "", state: State = State.PENDING, node: str = "n1") -> Allocation:
+    now = time.time()
+    return Allocation(id=i, spec=Spec(kind=Kind.FASTPOD, sm_percent=30, memory_bytes=2**30,
+                                      models=("*A100*",), node_selector=(("zone", "a"),)),
+                      owner="alice", state=state, node=node, idempotency_key=key,
+                      devices=[Device(gpu_index=0, gpu_uuid="GPU-1", model="A100")],
+                      assignment={"gpu": 0, "sm": 30}, created_at=now, updated_at=now)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = SqliteStore(tmp_path / "state.db")
+    yield s
+    s.close()
+
+
+def test_wal_mode_and_schema_version(store):
+    assert store.schema_version() == SCHEMA_VERSION
+    db = sqlite3.connect(store.path)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_newer_schema_is_refused(tmp_path):
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(StoreError, match="schema version"):
+        SqliteStore(tmp_path / "state.db")
+
+
+def test_allocation_round_trip_survives_reopen(tmp_path):
+    s = SqliteStore(tmp_path / "state.db")
+    a = _alloc("a1", key="k1")
+    s.create_allocation(a)
+    s.close()
+    s = SqliteStore(tmp_path / "state.db")
+    got = s.get_allocation("a1")
+    assert got == a
+    assert s.find_by_key("k1").id == "a1"
+
+
+def test_commit_survives_kill_9_of_the_writer(tmp_path):
+    code = (f"from fastshare.controller.sqlite_store import SqliteStore\n"
+            f"from tests.controller.test_store import _alloc\n"
+            f"s = SqliteStore({str(tmp_path / 'state.db')!r})\n"
+            f"s.create_allocation(_alloc('a1'))\n"
+            f"s.transition('a1', ['pending'], 'active')\n"
+            f"import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(__import__("pathlib").Path(__file__)
+                                                                 .parents[2]))
+    assert proc.returncode == -9
+    s = SqliteStore(tmp_path / "state.db")
+    assert s.get_allocation("a1").state is State.ACTIVE
+
+
+def test_duplicate_idempotency_key_returns_existing(store):
+    store.create_allocation(_alloc("a1", key="same"))
+    with pytest.raises(DuplicateKey) as exc:
+        store.create_allocation(_alloc("a2", key="same"))
+    assert exc.value.existing.id == "a1"
+    assert store.get_allocation("a2") is None
+
+
+def test_empty_keys_do_not_collide(store):
+    store.create_allocation(_alloc("a1"))
+    store.create_allocation(_alloc("a2"))
+    assert len(store.list_allocations()) == 2
+
+
+def test_transition_is_compare_and_set(store):
+    store.create_allocation(_alloc("a1"))
+    got = store.transition("a1", [State.PENDING], State.PREPARED, env={"X": "1"})
+    assert got.state is State.PREPARED and got.env == {"X": "1"}
+    with pytest.raises(Conflict, match="is prepared"):
+        store.transition("a1", [State.PENDING], State.ACTIVE)
+    with pytest.raises(Conflict, match="missing"):
+        store.transition("nope", [State.PENDING], State.ACTIVE)
+    assert store.get_allocation("a1").state is State.PREPARED
+
+
+def test_immutable_fields_cannot_change(store):
+    store.create_allocation(_alloc("a1"))
+    with pytest.raises(StoreError, match="owner"):
+        store.update("a1", owner="mallory")
+
+
+def test_list_filters_by_state_and_node(store):
+    store.create_allocation(_alloc("a1", node="n1"))
+    store.create_allocation(_alloc("a2", node="n2", state=State.ACTIVE))
+    store.create_allocation(_alloc("a3", node="n2", state=State.RELEASED))
+    assert [a.id for a in store.list_allocations([State.ACTIVE, State.PENDING])] == ["a1", "a2"]
+    assert [a.id for a in store.list_allocations(node="n2")] == ["a2", "a3"]
+
+
+def test_nodes_with_gpus(store):
+    node = Node(name="n1", address="127.0.0.1:1", labels={"zone": "a"},
+                gpus=[Gpu(0, "GPU-a", "NVIDIA A100-SXM4-40GB", 40 * 2**30, 108, True, False),
+                      Gpu(1, "GPU-b", "NVIDIA L4", 22 * 2**30, 58)],
+                available=True, last_heartbeat=5.0, registered_at=4.0, inventory={"x": [1]})
+    store.put_node(node)
+    assert store.get_node("n1") == node
+    node.gpus = node.gpus[:1]
+    store.put_node(node)
+    assert len(store.get_node("n1").gpus) == 1
+    store.mark_node("n1", available=False)
+    got = store.get_node("n1")
+    assert not got.available and got.last_heartbeat == 5.0
+    assert [n.name for n in store.list_nodes()] == ["n1"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from(list(State)), min_size=1, max_size=12))
+def test_cas_follows_only_expected_states(tmp_path_factory, moves):
+    """Any sequence of CAS attempts leaves the row in the state of the last successful one."""
+    s = SqliteStore(tmp_path_factory.mktemp("s") / "state.db")
+    s.create_allocation(_alloc("a1"))
+    current = State.PENDING
+    for target in moves:
+        expected = [current] if target != current else [State.RELEASED]
+        try:
+            s.transition("a1", expected, target)
+            current = target
+        except Conflict:
+            assert expected == [State.RELEASED] and current != State.RELEASED
+    assert s.get_allocation("a1").state is current
+    s.close()

@@ -1,0 +1,90 @@
+"""Every invalid request is refused with the field name and the allowed range."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastshare.controller.model import Gpu, Kind, Spec
+from fastshare.controller.validation import Request, ValidationError, validate
+
+GiB = 1024**3
+A100 = Gpu(0, "GPU-a", "NVIDIA A100-SXM4-40GB", 40 * GiB, 108, True, True)
+L4 = Gpu(0, "GPU-l", "NVIDIA L4", 22 * GiB, 58)
+GPUS = [A100, L4]
+
+
+def _check(spec: Spec, field: str, match: str, gpus=GPUS, **kw) -> None:
+    with pytest.raises(ValidationError, match=match) as exc:
+        validate(Request(spec=spec, **kw), gpus, max_gpus_per_node=2)
+    assert exc.value.field == field
+    assert str(exc.value).startswith(field)
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=8 * GiB, quota_request=0.3, quota_limit=0.6),
+    Spec(Kind.FASTPOD, sm_percent=100, memory_bytes=40 * GiB),
+    Spec(Kind.MPS, memory_bytes=GiB),
+    Spec(Kind.EXCLUSIVE, mig_profile="3g.20gb"),
+    Spec(Kind.EXCLUSIVE, sm_count=42),
+    Spec(Kind.EXCLUSIVE, sm_percent=50, memory_bytes=10 * GiB),
+    Spec(Kind.WHOLE, gpu_count=2, models=("*A100*",), node_selector=(("zone", "a"),)),
+])
+def test_valid_requests_pass(spec):
+    validate(Request(spec=spec, owner="me", idempotency_key="job-1", lease_ttl=30), GPUS, 2)
+
+
+@pytest.mark.parametrize(("spec", "field", "match"), [
+    (Spec(Kind.FASTPOD, sm_percent=0, memory_bytes=GiB), "spec.sm_percent", r"1\.\.100, got 0"),
+    (Spec(Kind.FASTPOD, sm_percent=101, memory_bytes=GiB), "spec.sm_percent", r"1\.\.100, got 101"),
+    (Spec(Kind.FASTPOD, sm_percent=30), "spec.memory_bytes", "> 0"),
+    (Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=41 * GiB), "spec.memory_bytes",
+     r"largest GPU's memory \(40.0 GiB\)"),
+    (Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB, quota_request=0.6, quota_limit=0.3),
+     "spec.quota_limit", r">= quota_request \(0.6\)"),
+    (Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB, quota_request=1.5, quota_limit=1.5),
+     "spec.quota_request", r"\(0, 1\], got 1.5"),
+    (Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB, quota_limit=0.5), "spec.quota_request", r"\(0, 1\]"),
+    (Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB, mig_profile="1g.5gb"), "spec.mig_profile",
+     "does not apply"),
+    (Spec(Kind.MPS), "spec.memory_bytes", "> 0"),
+    (Spec(Kind.MPS, memory_bytes=GiB, sm_percent=20), "spec.sm_percent", "does not apply to kind mps"),
+    (Spec(Kind.EXCLUSIVE), "spec.mig_profile", "exactly one of"),
+    (Spec(Kind.EXCLUSIVE, mig_profile="3g.20gb", sm_count=3), "spec.mig_profile", "exactly one of"),
+    (Spec(Kind.EXCLUSIVE, mig_profile="5g.30gb"), "spec.mig_profile", "does not exist on A100-SXM4-40GB"),
+    (Spec(Kind.EXCLUSIVE, sm_percent=100), "spec.sm_percent", "never has all SMs"),
+    (Spec(Kind.EXCLUSIVE, sm_count=99), "spec.sm_count", "largest MIG slice on A100-SXM4-40GB has 98"),
+    (Spec(Kind.EXCLUSIVE, sm_count=14, quota_limit=0.5), "spec.quota_limit", "does not apply"),
+    (Spec(Kind.WHOLE), "spec.gpu_count", ">= 1"),
+    (Spec(Kind.WHOLE, gpu_count=3), "spec.gpu_count", r"<= 2 \(the most GPUs any node has\)"),
+    (Spec(Kind.WHOLE, gpu_count=1, memory_bytes=GiB), "spec.memory_bytes", "does not apply"),
+    (Spec(Kind.MPS, memory_bytes=GiB, gpu_count=2), "spec.gpu_count", "use kind whole"),
+    (Spec(Kind.MPS, memory_bytes=GiB, models=("",)), "spec.models", "empty"),
+    (Spec(Kind.MPS, memory_bytes=GiB, affinity="a b"), "spec.affinity", "invalid"),
+    (Spec(Kind.MPS, memory_bytes=GiB, node_selector=(("", "x"),)), "spec.node_selector", "empty"),
+])
+def test_invalid_requests_name_the_field(spec, field, match):
+    _check(spec, field, match)
+
+
+def test_exclusive_without_mig_capable_gpu():
+    _check(Spec(Kind.EXCLUSIVE, sm_count=10), "spec.kind", "no MIG-capable GPU", gpus=[L4])
+
+
+def test_request_level_fields():
+    ok = Spec(Kind.MPS, memory_bytes=GiB)
+    _check(ok, "lease_ttl_seconds", r"5\.\.604800, got 2", lease_ttl=2)
+    _check(ok, "idempotency_key", "1-128 characters", idempotency_key="has space")
+    _check(ok, "owner", "at most 253", owner="x" * 300)
+
+
+@given(st.integers(min_value=-10, max_value=200), st.integers(min_value=0, max_value=64))
+def test_fastpod_sm_percent_range_is_exact(sm, mem_gib):
+    """Property: accepted iff sm in 1..100 and 0 < memory <= 40 GiB."""
+    spec = Spec(Kind.FASTPOD, sm_percent=sm, memory_bytes=mem_gib * GiB)
+    ok = 1 <= sm <= 100 and 0 < mem_gib <= 40
+    try:
+        validate(Request(spec=spec), GPUS)
+        accepted = True
+    except ValidationError:
+        accepted = False
+    assert accepted == ok

@@ -1,0 +1,95 @@
+"""The rendered manifests (no API server needed): content, least privilege, values handling."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from fastshare.cli import main
+from fastshare.k8s import manifests
+
+
+def _by_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_every_namespaced_object_lands_in_the_configured_namespace():
+    docs = manifests.render({"namespace": "gpu-sharing"})
+    assert _by_kind(docs, "Namespace")[0]["metadata"]["name"] == "gpu-sharing"
+    cluster_scoped = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
+    for doc in docs:
+        if doc["kind"] not in cluster_scoped:
+            assert doc["metadata"]["namespace"] == "gpu-sharing", doc["kind"]
+    binding = _by_kind(docs, "ClusterRoleBinding")[0]
+    assert binding["subjects"][0]["namespace"] == "gpu-sharing"
+
+
+def test_rbac_has_no_wildcards_and_exactly_the_controller_needs():
+    docs = manifests.render()
+    for role in _by_kind(docs, "ClusterRole") + _by_kind(docs, "Role"):
+        for rule in role["rules"]:
+            for key in ("apiGroups", "resources", "verbs", "resourceNames"):
+                assert "*" not in rule.get(key, []), (role["metadata"]["name"], rule)
+    rules = {
+        (group, resource): set(rule["verbs"])
+        for rule in _by_kind(docs, "ClusterRole")[0]["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    assert rules == {
+        ("fastshare.io", "fastpods"): {"get", "list", "watch", "update", "patch"},
+        ("fastshare.io", "fastpods/status"): {"get", "update", "patch"},
+        ("fastshare.io", "fastpods/finalizers"): {"update"},
+        ("", "pods"): {"create", "get", "list", "watch", "delete"},
+        ("", "nodes"): {"get", "list", "watch"},
+        ("", "events"): {"create"},
+    }
+
+
+def test_only_the_node_agent_container_is_privileged_and_it_has_no_api_token():
+    docs = manifests.render()
+    agent = _by_kind(docs, "DaemonSet")[0]["spec"]["template"]["spec"]
+    assert agent["automountServiceAccountToken"] is False
+    assert [c["securityContext"].get("privileged") for c in agent["containers"]] == [True]
+    mps = next(v for v in agent["volumes"] if v["name"] == "mps")
+    assert mps["hostPath"]["path"] == "/run/fastshare/mps"
+    controller = _by_kind(docs, "Deployment")[0]
+    assert controller["spec"]["replicas"] == 2
+    pod = controller["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for container in pod["containers"]:
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert "privileged" not in container["securityContext"]
+
+
+def test_values_override_deep_and_unknown_keys_are_refused_by_name():
+    docs = manifests.render({"controller": {"replicas": 3}, "image": "registry.local/fastshare:dev"})
+    deployment = _by_kind(docs, "Deployment")[0]
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/fastshare:dev"
+    # defaults next to the overridden key survive
+    assert deployment["metadata"]["name"] == "fastshare-controller"
+    with pytest.raises(manifests.ValuesError, match=r"controller\.replica: unknown value"):
+        manifests.render({"controller": {"replica": 3}})
+    with pytest.raises(manifests.ValuesError, match="agent: must be a mapping"):
+        manifests.render({"agent": "yes"})
+
+
+def test_cli_prints_the_same_objects_as_yaml(tmp_path):
+    values = tmp_path / "values.yaml"
+    values.write_text("namespace: gpu\n")
+    result = CliRunner().invoke(main, ["k8s", "manifests", "--values", str(values)])
+    assert result.exit_code == 0, result.output
+    assert list(yaml.safe_load_all(result.output)) == manifests.render({"namespace": "gpu"})
+    crd_only = CliRunner().invoke(main, ["k8s", "manifests", "--crd-only"])
+    assert yaml.safe_load(crd_only.output)["metadata"]["name"] == "fastpods.fastshare.io"
+
+
+def test_cli_rejects_a_bad_values_file_with_the_key(tmp_path):
+    values = tmp_path / "values.yaml"
+    values.write_text("agent: {prot: 1}\n")
+    result = CliRunner().invoke(main, ["k8s", "manifests", "--values", str(values)])
+    assert result.exit_code != 0
+    assert "agent.prot: unknown value" in result.output

@@ -1,0 +1,122 @@
+"""The rendered RBAC on a real API server: the controller's service account (with a real token
+from the TokenRequest API) can do exactly what the controller needs, and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import client, utils
+
+from fastshare.k8s import manifests
+
+NAMESPACE = "fastshare-system"
+
+
+def _token(core: client.CoreV1Api, service_account: str) -> str:
+    spec = client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
+    request = client.AuthenticationV1TokenRequest(spec=spec)
+    return core.create_namespaced_service_account_token(service_account, NAMESPACE, request).status.token
+
+
+@pytest.fixture(scope="module")
+def rbac_installed(api_client, fastpod_crd):
+    docs = manifests.render({"namespace": NAMESPACE})
+    wanted = {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    for doc in docs:
+        if doc["kind"] in wanted:
+            utils.create_from_dict(api_client, doc)
+    return manifests.default_values()
+
+
+@pytest.fixture(scope="module")
+def controller_api(control_plane, api_client, rbac_installed):
+    token = _token(client.CoreV1Api(api_client), rbac_installed["controller"]["serviceAccount"])
+    api = control_plane.api_client({"token": token})
+    yield api
+    api.close()
+
+
+def _allowed(api, verb: str, resource: str, group: str = "", namespace: str = "", name: str = "",
+             subresource: str = "") -> bool:
+    review = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(
+        resource_attributes=client.V1ResourceAttributes(
+            verb=verb, resource=resource, group=group, namespace=namespace or None, name=name or None,
+            subresource=subresource or None)))
+    return client.AuthorizationV1Api(api).create_self_subject_access_review(review).status.allowed
+
+
+def test_the_token_authenticates_as_the_controller_service_account(controller_api):
+    review = client.AuthenticationV1Api(controller_api).create_self_subject_review(
+        client.V1SelfSubjectReview())
+    assert review.status.user_info.username == "system:serviceaccount:fastshare-system:fastshare-controller"
+
+
+ALLOWED = [
+    ("list", "fastpods", "fastshare.io", "", "", ""),
+    ("watch", "fastpods", "fastshare.io", "", "", ""),
+    ("update", "fastpods", "fastshare.io", "team-a", "job", ""),
+    ("patch", "fastpods", "fastshare.io", "team-a", "job", "status"),
+    ("update", "fastpods", "fastshare.io", "team-a", "job", "finalizers"),
+    ("create", "pods", "", "team-a", "", ""),
+    ("delete", "pods", "", "team-a", "job-0", ""),
+    ("watch", "pods", "", "", "", ""),
+    ("list", "nodes", "", "", "", ""),
+    ("create", "events", "", "team-a", "", ""),
+    ("create", "leases", "coordination.k8s.io", NAMESPACE, "", ""),
+    ("update", "leases", "coordination.k8s.io", NAMESPACE, "fastshare-controller", ""),
+]
+DENIED = [
+    ("get", "secrets", "", "team-a", "", ""),
+    ("list", "secrets", "", NAMESPACE, "", ""),
+    ("create", "configmaps", "", "team-a", "", ""),
+    ("delete", "fastpods", "fastshare.io", "team-a", "job", ""),
+    ("create", "fastpods", "fastshare.io", "team-a", "", ""),
+    ("update", "pods", "", "team-a", "job-0", ""),
+    ("patch", "nodes", "", "", "gpu-1", ""),
+    ("delete", "nodes", "", "", "gpu-1", ""),
+    ("create", "pods", "", "team-a", "job-0", "exec"),
+    ("update", "leases", "coordination.k8s.io", NAMESPACE, "someone-else", ""),
+    ("update", "leases", "coordination.k8s.io", "kube-system", "fastshare-controller", ""),
+    ("create", "deployments", "apps", "team-a", "", ""),
+    ("escalate", "clusterroles", "rbac.authorization.k8s.io", "", "", ""),
+    ("patch", "fastpods", "fastshare.io", "team-a", "job", "scale"),
+]
+
+
+@pytest.mark.parametrize("attrs", ALLOWED, ids=lambda a: "-".join(p for p in a if p))
+def test_controller_may(controller_api, attrs):
+    assert _allowed(controller_api, *attrs)
+
+
+@pytest.mark.parametrize("attrs", DENIED, ids=lambda a: "-".join(p for p in a if p))
+def test_controller_may_not(controller_api, attrs):
+    assert not _allowed(controller_api, *attrs)
+
+
+def test_real_requests_are_allowed_and_refused_accordingly(controller_api, api_client, namespace):
+    core = client.CoreV1Api(controller_api)
+    assert core.list_node().items == []
+    pod = client.V1Pod(metadata=client.V1ObjectMeta(name="p"),
+                       spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="busybox")]))
+    assert core.create_namespaced_pod(namespace, pod).metadata.name == "p"
+    core.delete_namespaced_pod("p", namespace)
+    client.CoreV1Api(api_client).create_namespaced_secret(
+        namespace, client.V1Secret(metadata=client.V1ObjectMeta(name="s"), string_data={"k": "v"}))
+    with pytest.raises(client.ApiException) as info:
+        core.read_namespaced_secret("s", namespace)
+    assert info.value.status == 403
+    objects = client.CustomObjectsApi(controller_api)
+    assert objects.list_cluster_custom_object("fastshare.io", "v1alpha1", "fastpods")["items"] is not None
+    with pytest.raises(client.ApiException) as info:
+        objects.delete_namespaced_custom_object("fastshare.io", "v1alpha1", namespace, "fastpods", "x")
+    assert info.value.status == 403
+
+
+def test_the_node_agent_service_account_has_no_permissions(control_plane, api_client, rbac_installed):
+    token = _token(client.CoreV1Api(api_client), rbac_installed["agent"]["serviceAccount"])
+    api = control_plane.api_client({"token": token})
+    try:
+        for attrs in [("get", "nodes", "", "", "gpu-1", ""), ("list", "pods", "", "", "", ""),
+                      ("list", "fastpods", "fastshare.io", "", "", "")]:
+            assert not _allowed(api, *attrs), attrs
+    finally:
+        api.close()

@@ -1,0 +1,187 @@
+"""Engine behaviour per request kind and constraint, rejection wording, persistence."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastshare.placement import Assignment, Engine, InvalidRequest, Rejection, Request, make_policy
+from fastshare.placement.engine import _tightest_group
+
+from .conftest import node
+
+
+def fastpod(rid: str, sm: float = 30, mem: int = 4096, **kw) -> Request:
+    return Request(rid, "fastpod", sm_percent=sm, gpu_memory_mib=mem, **kw)
+
+
+def test_fastpod_sm_shares_never_exceed_100_percent(cluster):
+    eng = Engine([node("n", n_gpus=1)])
+    assert eng.place(fastpod("a", 60))
+    rej = eng.place(fastpod("b", 50))
+    assert isinstance(rej, Rejection)
+    assert "40 % SMs" in rej.reason or "largest free SM share is 40 %" in rej.reason
+    assert eng.place(fastpod("c", 40))
+
+
+def test_fastpod_memory_must_fit_and_rejection_names_largest_free():
+    eng = Engine([node("node-3", n_gpus=2)])
+    assert eng.place(fastpod("a", 10, 30 * 1024))
+    assert eng.place(fastpod("b", 10, 28 * 1024))
+    rej = eng.place(fastpod("c", 10, 20 * 1024))
+    assert not rej
+    assert rej.reason.startswith(
+        "no GPU with 10 % SMs and 20 GiB free; largest free memory is 12 GiB on node-3 GPU 1")
+
+
+def test_quota_fields_are_validated_with_field_names():
+    with pytest.raises(InvalidRequest, match="quota_request: must be <= quota_limit"):
+        fastpod("a", quota_request=0.8, quota_limit=0.5)
+    with pytest.raises(InvalidRequest, match=r"sm_percent: fastpod needs an SM share in \(0, 100\]"):
+        fastpod("a", sm=120)
+    with pytest.raises(InvalidRequest, match="kind: must be one of"):
+        Request("a", "slice")
+    with pytest.raises(InvalidRequest, match="gpus: only kind 'whole'"):
+        Request("a", "mps", gpu_memory_mib=10, gpus=2)
+
+
+def test_mps_oversubscription_factor():
+    plain = Engine([node("n", n_gpus=1)])
+    assert plain.place(Request("a", "mps", gpu_memory_mib=30000))
+    assert not plain.place(Request("b", "mps", gpu_memory_mib=30000))
+    over = Engine([node("n", n_gpus=1)], mps_oversubscription=2.0)
+    assert over.place(Request("a", "mps", gpu_memory_mib=30000))
+    assert over.place(Request("b", "mps", gpu_memory_mib=30000))
+    with pytest.raises(InvalidRequest, match="mps_oversubscription"):
+        Engine([], mps_oversubscription=0.5)
+
+
+def test_mps_and_fastpod_do_not_mix_on_one_gpu():
+    eng = Engine([node("n", n_gpus=1)])
+    assert eng.place(Request("a", "mps", gpu_memory_mib=1000))
+    rej = eng.place(fastpod("b"))
+    assert not rej and "available for fastpod shares" in rej.reason
+
+
+def test_exclusive_takes_smallest_profile_and_explicit_placement():
+    eng = Engine([node("n", n_gpus=1)])
+    a = eng.place(Request("a", "exclusive", sm_count=20))
+    assert a and a.mig.profile_name == "2g.10gb" and a.enable_mig
+    b = eng.place(Request("b", "exclusive", gpu_memory_mib=4000))
+    assert b and b.mig.profile_name == "1g.5gb" and not b.enable_mig
+    assert b.mig.start != a.mig.start
+
+
+def test_exclusive_100_percent_is_refused_with_reason():
+    eng = Engine([node("n", n_gpus=1)])
+    rej = eng.place(Request("a", "exclusive", sm_percent=100))
+    assert not rej and "only be a whole GPU" in rej.reason
+
+
+@pytest.mark.parametrize("sizes", [(14, 56), (14, 14, 42), (14, 14, 14, 56), (28, 42, 14),
+                                   (42, 14, 14, 14, 14)])
+def test_exclusive_placement_keeps_room_for_larger_slices(sizes):
+    """Small slices go where they rule out the fewest later combinations, so a 3g or a 4g
+    still fits after them (placing a 1g at start 0 would rule out the 4g)."""
+    eng = Engine([node("n", n_gpus=1)])
+    for k, sms in enumerate(sizes):
+        assert eng.place(Request(f"r{k}", "exclusive", sm_count=sms)), (k, eng.usage())
+
+
+def test_mig_gpu_takes_no_mps_share_and_shared_gpu_takes_no_slice():
+    eng = Engine([node("n", n_gpus=1)])
+    assert eng.place(Request("a", "exclusive", sm_count=14))
+    rej = eng.place(fastpod("b"))
+    assert not rej and "available for fastpod shares" in rej.reason
+    eng2 = Engine([node("n", n_gpus=1)])
+    assert eng2.place(fastpod("a"))
+    assert not eng2.place(Request("b", "exclusive", sm_count=14))
+
+
+def test_exclusive_on_non_mig_model_is_rejected():
+    eng = Engine([node("n", n_gpus=1, key="T4")])
+    rej = eng.place(Request("a", "exclusive", sm_count=10))
+    assert not rej and "MIG-capable" in rej.reason
+
+
+def test_whole_prefers_tightest_link_group():
+    links = {(0, 1): 1, (2, 3): 1, (0, 2): 3, (0, 3): 3, (1, 2): 3, (1, 3): 3}
+    eng = Engine([node("n", n_gpus=4, links=links)])
+    assert eng.place(fastpod("s", 10, 100))  # lands on GPU 0 (least free that fits: all equal -> 0)
+    a = eng.place(Request("w", "whole", gpus=2))
+    assert a and a.gpus == (2, 3)
+    assert _tightest_group(eng.nodes[0], [0, 1, 2, 3], 2) == (0, 1)
+
+
+def test_whole_rejection_counts_idle_gpus():
+    eng = Engine([node("node-1", n_gpus=2)])
+    rej = eng.place(Request("w", "whole", gpus=3))
+    assert not rej and rej.reason == "no node has 3 idle GPU(s); most idle GPUs on one node is 2 on node-1"
+
+
+def test_node_cpu_memory_selector_and_models():
+    eng = Engine([node("a", cpu=4000, labels={"zone": "x"}), node("b", key="T4", labels={"zone": "y"})])
+    rej = eng.place(fastpod("p", cpu_milli=8000, node_selector={"zone": "x"}))
+    assert not rej and "1 node(s) do not match node_selector" in rej.reason and "4000 on a" in rej.reason
+    p = eng.place(fastpod("q", gpu_models=("T4",)))
+    assert p and p.node == "b"
+    assert eng.place(fastpod("r", node_selector={"zone": "x"})).node == "a"
+    rej = eng.place(fastpod("s", memory_mib=10**7))
+    assert not rej and "host memory" in rej.reason
+
+
+def test_affinity_anti_affinity_exclusion():
+    eng = Engine([node("n", n_gpus=4)])
+    a = eng.place(fastpod("a", affinity="team"))
+    b = eng.place(fastpod("b", affinity="team"))
+    assert a.gpus == b.gpus
+    c = eng.place(fastpod("c", anti_affinity="x"))
+    d = eng.place(fastpod("d", anti_affinity="x"))
+    assert c.gpus != d.gpus
+    e = eng.place(fastpod("e", exclusion="secret"))
+    assert e and e.gpus[0] not in {a.gpus[0], c.gpus[0], d.gpus[0]}  # only the idle GPU takes it
+    assert eng.place(fastpod("f", exclusion="secret")).gpus == e.gpus
+    rej = eng.place(fastpod("g", exclusion="other", sm=90))
+    assert not rej
+
+
+def test_release_restores_and_unknown_release_raises():
+    eng = Engine([node("n", n_gpus=2)])
+    before = eng.usage()
+    a = eng.place(fastpod("a"))
+    eng.release(a)
+    assert eng.usage() == before
+    with pytest.raises(KeyError):
+        eng.release("nope")
+
+
+def test_round_trip_through_dicts_and_restore():
+    eng = Engine([node("n1", n_gpus=3), node("n2", n_gpus=1)])
+    for r in (fastpod("a"), Request("b", "exclusive", sm_count=14), Request("c", "whole", gpus=1),
+              Request("d", "mps", gpu_memory_mib=100)):
+        assert eng.place(r), r.id
+    snap = eng.to_dict()
+    again = Engine.from_dict(snap)
+    assert again.usage() == eng.usage()
+    assert {k: v.to_dict() for k, v in again.assignments.items()} == {
+        k: v.to_dict() for k, v in eng.assignments.items()}
+    a = eng.assignments["a"]
+    assert Assignment.from_dict(a.to_dict()) == a
+    with pytest.raises(InvalidRequest, match="already placed"):
+        again.restore(a)
+
+
+def test_restore_refuses_what_no_longer_fits():
+    eng = Engine([node("n", n_gpus=1)])
+    a = eng.place(fastpod("a", 80))
+    other = Engine([node("n", n_gpus=1)])
+    assert other.place(fastpod("x", 50))
+    with pytest.raises(InvalidRequest, match="SMs free"):
+        other.restore(a)
+
+
+def test_policies_by_name():
+    for name in ("random", "dotprod", "gpuclustering", "gpupacking", "bestfit", "fastshare"):
+        eng = Engine([node("n", n_gpus=2)], policy=make_policy(name))
+        assert eng.place(fastpod("a")), name
+    with pytest.raises(InvalidRequest, match="policy: must be one of"):
+        make_policy("magic")

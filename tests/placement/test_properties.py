@@ -1,0 +1,114 @@
+"""Invariants over random request streams: capacity never exceeded, release is exact,
+decisions are deterministic."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastshare.placement import Engine, Request
+from fastshare.placement.mig import used_mask
+
+from .conftest import node
+
+kinds = st.sampled_from(["fastpod", "mps", "exclusive", "whole"])
+
+
+@st.composite
+def requests(draw, i: int) -> Request:
+    kind = draw(kinds)
+    common = {"cpu_milli": draw(st.integers(0, 20000)), "memory_mib": draw(st.integers(0, 50000)),
+              "anti_affinity": draw(st.sampled_from([None, "x"])),
+              "exclusion": draw(st.sampled_from([None, None, "e"]))}
+    if kind == "fastpod":
+        return Request(f"r{i}", kind, sm_percent=draw(st.integers(1, 100)),
+                       gpu_memory_mib=draw(st.integers(1, 45000)), **common)
+    if kind == "mps":
+        return Request(f"r{i}", kind, gpu_memory_mib=draw(st.integers(1, 45000)), **common)
+    if kind == "exclusive":
+        return Request(f"r{i}", kind, sm_count=draw(st.integers(1, 98)), **common)
+    return Request(f"r{i}", kind, gpus=draw(st.integers(1, 3)), cpu_milli=common["cpu_milli"])
+
+
+@st.composite
+def streams(draw):
+    n = draw(st.integers(1, 25))
+    reqs = [draw(requests(i)) for i in range(n)]
+    releases = draw(st.lists(st.integers(0, n - 1), max_size=n))
+    return reqs, releases
+
+
+def cluster():
+    return [node("n1", n_gpus=2, cpu=64000), node("n2", n_gpus=2, key="T4", cpu=32000), node("n3", n_gpus=1)]
+
+
+def check_capacity(eng: Engine) -> None:
+    nodes = {n.name: n for n in eng.nodes}
+    cpu = dict.fromkeys(nodes, 0)
+    mem = dict.fromkeys(nodes, 0)
+    for a in eng.assignments.values():
+        cpu[a.node] += a.request.cpu_milli
+        mem[a.node] += a.request.memory_mib
+    for name, n in nodes.items():
+        assert cpu[name] <= n.cpu_milli and mem[name] <= n.memory_mib
+    for u in eng.usage():
+        g = nodes[u["node"]].gpus[u["gpu"]]
+        assert u["sm_used_percent"] <= 100
+        assert u["memory_used_mib"] <= g.memory_mib * eng.mps_oversubscription
+        uses = bool(u["sharers"]) + bool(u["mig"]) + (u["whole"] is not None)
+        assert uses <= 1, u
+        inst = [(pid, s, z) for s, z, pid, _rid in u["mig"]]
+        assert sum(z for _p, _s, z in inst) == bin(used_mask(inst)).count("1")  # no overlap
+        for _p, s, z in inst:
+            assert s + z <= 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(streams())
+def test_capacity_never_exceeded_and_release_is_exact(stream):
+    reqs, _releases = stream
+    eng = Engine(cluster())
+    snapshots = []
+    for r in reqs:
+        before = eng.usage()
+        res = eng.place(r)
+        check_capacity(eng)
+        if res:
+            snapshots.append((res, before))
+        else:
+            assert eng.usage() == before  # a rejection changes nothing
+    # releasing the most recent placement restores the ledger exactly
+    while snapshots:
+        res, before = snapshots.pop()
+        eng.release(res)
+        assert eng.usage() == before
+        check_capacity(eng)
+    assert not eng.assignments
+
+
+@settings(max_examples=30, deadline=None)
+@given(streams())
+def test_decisions_are_deterministic(stream):
+    reqs, releases = stream
+
+    def run():
+        eng = Engine(cluster())
+        out = []
+        for k, r in enumerate(reqs):
+            res = eng.place(r)
+            out.append(res.to_dict() if res else res.reason)
+            if k in releases and res:
+                eng.release(res)
+        return out
+
+    assert run() == run()
+
+
+@settings(max_examples=30, deadline=None)
+@given(streams())
+def test_round_trip_keeps_ledger(stream):
+    reqs, _ = stream
+    eng = Engine(cluster())
+    for r in reqs:
+        eng.place(r)
+    assert Engine.from_dict(eng.to_dict()).usage() == eng.usage()

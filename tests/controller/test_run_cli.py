@@ -73,7 +73,8 @@ def test_kill_9_of_run_is_covered_by_the_lease(cluster, env):
         wait_for(lambda: len(_active(cluster)) == 1, 60, "allocation")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        wait_for(lambda: _active(cluster) == [], 60, "the lease to expire and the reconciler to release")
+        wait_for(lambda: set(states(cluster).values()) == {"released"}, 60,
+                 "the lease to expire and the reconciler to release")
         assert_consistent(cluster)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)   # the orphaned `sleep`

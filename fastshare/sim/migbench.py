@@ -6,7 +6,7 @@ Poisson(``rate``) number of requests arrives. A request asks for the SMs of one 
 drawn with weights 1g 40 %, 2g 25 %, 3g 20 %, 4g 10 %, 7g 5 % (expressed as ``sm_count``,
 so the engine picks the profile itself), and lives for a geometric number of steps with mean
 ``lifetime``. Departures are processed before arrivals. ``rate`` is set so the offered load
-is about ``load`` × the cluster's compute slices, which keeps the cluster near full so that
+is about ``load`` x the cluster's compute slices, which keeps the cluster near full so that
 placement order matters.
 
 A rejection is a *fragmentation rejection* when the cluster had, in total, at least as many
@@ -44,9 +44,13 @@ class MigStats:
         return {
             "strategy": self.strategy, "requests": self.requests, "rejected": self.rejected,
             "frag_rejected": self.frag_rejected,
-            "frag_rejection_ratio": round(self.frag_rejected / self.requests * 100, 3) if self.requests else 0.0,
-            "rejection_ratio": round(self.rejected / self.requests * 100, 3) if self.requests else 0.0,
+            "frag_rejection_ratio": _pct(self.frag_rejected, self.requests),
+            "rejection_ratio": _pct(self.rejected, self.requests),
         }
+
+
+def _pct(a: int, b: int) -> float:
+    return round(a / b * 100, 3) if b else 0.0
 
 
 def _profiles(model_key: str) -> tuple[str, int, int, tuple[MigProfile, ...]]:

@@ -151,7 +151,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
                 placements.append(Placement(pod, i, tuple(gi)))
             times.append(time.perf_counter() - start)
             arrived += pod.gpu_request
-            while next_x <= curve_points and arrived * 100 >= next_x * capacity:
+            while next_x < curve_points and arrived * 100 >= next_x * capacity:
                 curve.append((next_x, round(allocated * 100 / capacity, 2)))
                 next_x += 1
             if progress is not None and k % 256 == 0:
@@ -159,7 +159,8 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
     finally:
         if gc_was_enabled:
             gc.enable()
-    while next_x <= curve_points:  # the trace ended before reaching the last point
+    # The last point is the end of the trace (tuning stops arrivals at ~130 %): the final ratio.
+    while next_x <= curve_points:
         curve.append((next_x, round(allocated * 100 / capacity, 2)))
         next_x += 1
     frag = Fragmentation(typical) if typical else None

@@ -1,8 +1,9 @@
 """Probe, from ctl1 over the cluster network, that agents and controller enforce mTLS.
 
 For every endpoint: the TLS handshake succeeds with a server certificate issued by the cluster
-CA for that host name (so it really is TLS with our CA, not a closed port), and a mutating
-call made WITHOUT a client certificate is refused. Prints one line per endpoint; exits 1 if
+CA for that host name (so it really is TLS with our CA, not a closed port), a read-only call
+WITH a cluster client certificate succeeds (the server works), and a mutating call made
+WITHOUT a client certificate is refused. Prints one line per endpoint; exits 1 if
 any endpoint accepted the call or did not speak TLS with the cluster CA.
 
 Runs with the fastshare virtualenv's python (grpc and the generated stubs come from there).
@@ -47,16 +48,21 @@ def main() -> int:
     parser.add_argument("--agent", action="append", default=[], help="host:port (server name = host)")
     parser.add_argument("--controller", required=True, help="host:port")
     parser.add_argument("--controller-name", default="controller")
+    parser.add_argument("--cert", required=True, help="a cluster client certificate (PEM)")
+    parser.add_argument("--key", required=True, help="its key")
     args = parser.parse_args()
     ca = Path(args.ca).read_bytes()
     creds = grpc.ssl_channel_credentials(root_certificates=ca)  # no client key/cert on purpose
+    with_cert = grpc.ssl_channel_credentials(ca, Path(args.key).read_bytes(), Path(args.cert).read_bytes())
     bad = 0
     share = agent_pb2.Share(id="verify-mtls-probe", kind=common_pb2.SHARE_KIND_WHOLE)
-    for target, name, make_call, request in [
-        *[(a, a.rsplit(":", 1)[0], lambda ch: agent_pb2_grpc.NodeAgentStub(ch).PrepareShare,
-           agent_pb2.PrepareShareRequest(share=share)) for a in args.agent],
-        (args.controller, args.controller_name, lambda ch: controller_pb2_grpc.ControllerStub(ch).Allocate,
-         controller_pb2.AllocateRequest(idempotency_key="verify-mtls-probe")),
+    agent, ctl = agent_pb2_grpc.NodeAgentStub, controller_pb2_grpc.ControllerStub
+    for target, name, make_call, request, make_read, read_request in [
+        *[(a, a.rsplit(":", 1)[0], lambda ch: agent(ch).PrepareShare,
+           agent_pb2.PrepareShareRequest(share=share), lambda ch: agent(ch).GetInventory, agent_pb2.GetInventoryRequest()) for a in args.agent],
+        (args.controller, args.controller_name, lambda ch: ctl(ch).Allocate,
+         controller_pb2.AllocateRequest(idempotency_key="verify-mtls-probe"),
+         lambda ch: ctl(ch).Status, controller_pb2.ClusterStatusRequest()),
     ]:
         host, port = target.rsplit(":", 1)
         problem = server_cert_ok(args.ca, host, int(port), name)
@@ -65,6 +71,14 @@ def main() -> int:
             bad += 1
             continue
         options = [("grpc.ssl_target_name_override", name)]
+        with grpc.secure_channel(target, with_cert, options=options) as channel:
+            try:
+                make_read(channel)(read_request, timeout=15)
+            except grpc.RpcError as exc:
+                print(f"{target}: read-only call WITH a client certificate failed: {exc.code().name}: "
+                      f"{exc.details()}")
+                bad += 1
+                continue
         with grpc.secure_channel(target, creds, options=options) as channel:
             ok, what = refused(make_call(channel), request)
         print(f"{target}: TLS with the cluster CA; mutation without client certificate -> {what}")

@@ -59,7 +59,8 @@ def main() -> int:
     agent, ctl = agent_pb2_grpc.NodeAgentStub, controller_pb2_grpc.ControllerStub
     for target, name, make_call, request, make_read, read_request in [
         *[(a, a.rsplit(":", 1)[0], lambda ch: agent(ch).PrepareShare,
-           agent_pb2.PrepareShareRequest(share=share), lambda ch: agent(ch).GetInventory, agent_pb2.GetInventoryRequest()) for a in args.agent],
+           agent_pb2.PrepareShareRequest(share=share),
+           lambda ch: agent(ch).GetInventory, agent_pb2.GetInventoryRequest()) for a in args.agent],
         (args.controller, args.controller_name, lambda ch: ctl(ch).Allocate,
          controller_pb2.AllocateRequest(idempotency_key="verify-mtls-probe"),
          lambda ch: ctl(ch).Status, controller_pb2.ClusterStatusRequest()),

@@ -66,6 +66,7 @@ class GpuInfo:
     processes: int = 0
     mig_instances: tuple[MigInstance, ...] = field(default_factory=tuple)
     model: str | None = None  # catalog key ("A100-SXM4-40GB") when the catalog knows the GPU
+    pci_device_id: int = 0    # e.g. 0x20B010DE (device id << 16 | vendor id), mig-parted filters on it
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,14 @@ from fastshare.device.api import (
 _MIB = 1024 * 1024
 
 
-def error_code(nvml: Any, exc: BaseException) -> str:
-    """NVML error name of an NVMLError ("IN_USE"), from the module's own constants."""
-    value = getattr(exc, "value", None)
-    for name in dir(nvml):
-        if name.startswith("NVML_ERROR_") and getattr(nvml, name) == value:
-            return name[len("NVML_ERROR_"):]
-    return "UNKNOWN"
+def error_names(nvml: Any) -> dict[int, str]:
+    """NVML error value -> name ("IN_USE"), from the module's own constants."""
+    return {getattr(nvml, n): n[len("NVML_ERROR_"):] for n in dir(nvml) if n.startswith("NVML_ERROR_")}
+
+
+def error_code(nvml: Any, exc: BaseException, names: dict[int, str] | None = None) -> str:
+    """NVML error name of an NVMLError ("IN_USE")."""
+    return (names or error_names(nvml)).get(getattr(exc, "value", None), "UNKNOWN")  # type: ignore[arg-type]
 
 
 def _text(value: Any) -> str:
@@ -46,6 +47,8 @@ class NvmlDevices(Devices):
         self._nvml = nvml
         self._label = label
         self._profiles: dict[str, list[MigProfile]] = {}
+        self._ci_profiles: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+        self._errors = error_names(nvml)
         with self._nvml_errors(f"initialising {label}"):
             nvml.nvmlInit()
         self._open = True
@@ -57,11 +60,11 @@ class NvmlDevices(Devices):
         try:
             yield
         except self._nvml.NVMLError as exc:
-            code = error_code(self._nvml, exc)
+            code = error_code(self._nvml, exc, self._errors)
             raise DeviceError(f"{what} failed: NVML_ERROR_{code}", code) from exc
 
     def _is(self, exc: BaseException, *codes: str) -> bool:
-        return isinstance(exc, self._nvml.NVMLError) and error_code(self._nvml, exc) in codes
+        return isinstance(exc, self._nvml.NVMLError) and error_code(self._nvml, exc, self._errors) in codes
 
     def close(self) -> None:
         if self._open:
@@ -86,6 +89,11 @@ class NvmlDevices(Devices):
         with self._nvml_errors("listing GPUs"):
             return [self._gpu_info(i) for i in range(self._nvml.nvmlDeviceGetCount())]
 
+    def gpu(self, gpu_index: int) -> GpuInfo:
+        with self._nvml_errors(f"reading GPU {gpu_index}"):
+            self._handle(gpu_index)
+            return self._gpu_info(gpu_index)
+
     def _gpu_info(self, index: int) -> GpuInfo:
         nvml = self._nvml
         h = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -100,12 +108,13 @@ class NvmlDevices(Devices):
                 raise
             capable = False
         uuid = _text(nvml.nvmlDeviceGetUUID(h))
+        pci = nvml.nvmlDeviceGetPciInfo(h)
         instances = tuple(self._instances(index, h, uuid)) if current else ()
         return GpuInfo(
             index=index, uuid=uuid, name=name,
             memory_mib=nvml.nvmlDeviceGetMemoryInfo(h).total // _MIB,
             sm_count=self._sm_count(h, model),
-            pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(h).busId),
+            pci_bus_id=_text(pci.busId), pci_device_id=int(pci.pciDeviceId),
             mig_capable=capable, mig_current=current, mig_pending=pending,
             compute_mode=COMPUTE_MODES[[0, 2, 3].index(nvml.nvmlDeviceGetComputeMode(h))],
             processes=len(self._processes(h)), mig_instances=instances,
@@ -247,7 +256,11 @@ class NvmlDevices(Devices):
             for i in range(count.value):
                 yield profile, array[i], nvml.nvmlGpuInstanceGetInfo(array[i])
 
-    def _compute_instances(self, gi: Any) -> list[Any]:
+    def _ci_profiles_of(self, gi: Any, key: tuple[str, int]) -> list[tuple[int, int, int]]:
+        """(CI profile id, slice count, max instances) a GI of this profile offers (cached:
+        they depend only on the GPU and the GI profile)."""
+        if key in self._ci_profiles:
+            return self._ci_profiles[key]
         nvml = self._nvml
         found = []
         for enum_index in range(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
@@ -258,9 +271,17 @@ class NvmlDevices(Devices):
                 if self._is(exc, "NOT_SUPPORTED", "INVALID_ARGUMENT"):
                     continue
                 raise
-            array = (nvml.c_nvmlComputeInstance_t * max(1, info.instanceCount))()
+            found.append((int(info.id), int(info.sliceCount), int(info.instanceCount)))
+        self._ci_profiles[key] = found
+        return found
+
+    def _compute_instances(self, gi: Any, key: tuple[str, int]) -> list[Any]:
+        nvml = self._nvml
+        found = []
+        for ci_profile_id, _, max_instances in self._ci_profiles_of(gi, key):
+            array = (nvml.c_nvmlComputeInstance_t * max(1, max_instances))()
             count = ctypes.c_uint(0)
-            nvml.nvmlGpuInstanceGetComputeInstances(gi, info.id, array, ctypes.byref(count))
+            nvml.nvmlGpuInstanceGetComputeInstances(gi, ci_profile_id, array, ctypes.byref(count))
             found.extend(array[i] for i in range(count.value))
         return found
 
@@ -288,7 +309,8 @@ class NvmlDevices(Devices):
             gi_processes[p.gpuInstanceId] = gi_processes.get(p.gpuInstanceId, 0) + 1
         rows = []
         for profile, gi, info in self._gpu_instances(h, uuid):
-            cis = [nvml.nvmlComputeInstanceGetInfo(c) for c in self._compute_instances(gi)]
+            cis = [nvml.nvmlComputeInstanceGetInfo(c)
+                   for c in self._compute_instances(gi, (uuid, profile.profile_id))]
             ci_id = min((c.id for c in cis), default=None)
             mig_uuid, _, sms = devices.get((info.id, ci_id), (None, 0, profile.sm_count))
             rows.append(MigInstance(
@@ -334,7 +356,7 @@ class NvmlDevices(Devices):
                         f"{self._occupancy(gpu_index, h, uuid)})", "INSUFFICIENT_RESOURCES") from exc
                 raise
             try:
-                self._create_full_ci(gi, profile)
+                self._create_full_ci(gi, profile, uuid)
             except BaseException:
                 with contextlib.suppress(nvml.NVMLError):
                     nvml.nvmlGpuInstanceDestroy(gi)   # compensate: no half-made instance
@@ -358,19 +380,11 @@ class NvmlDevices(Devices):
                  for i in self._instances(gpu_index, h, uuid)]
         return "occupied: " + (", ".join(taken) if taken else "nothing")
 
-    def _create_full_ci(self, gi: Any, profile: MigProfile) -> None:
+    def _create_full_ci(self, gi: Any, profile: MigProfile, uuid: str) -> None:
         """One compute instance spanning the whole GPU instance (what a MIG device user gets)."""
-        nvml = self._nvml
-        for enum_index in range(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-            try:
-                info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi, enum_index, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-            except nvml.NVMLError as exc:
-                if self._is(exc, "NOT_SUPPORTED", "INVALID_ARGUMENT"):
-                    continue
-                raise
-            if info.sliceCount == profile.slices:
-                nvml.nvmlGpuInstanceCreateComputeInstance(gi, info.id)
+        for ci_profile_id, slices, _ in self._ci_profiles_of(gi, (uuid, profile.profile_id)):
+            if slices == profile.slices:
+                self._nvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
                 return
         raise DeviceError(f"no compute-instance profile spans all {profile.slices} slices of "
                           f"{profile.name}", "NOT_SUPPORTED")
@@ -387,7 +401,7 @@ class NvmlDevices(Devices):
                 raise DeviceError(
                     f"{what} failed: NVML_ERROR_IN_USE ({profile.name} {busy[0].uuid} has "
                     f"{busy[0].processes} running process(es))", "IN_USE")
-            for ci in self._compute_instances(gi):
+            for ci in self._compute_instances(gi, (uuid, profile.profile_id)):
                 nvml.nvmlComputeInstanceDestroy(ci)
             nvml.nvmlGpuInstanceDestroy(gi)
 

@@ -150,3 +150,22 @@ def test_real_nvml_without_driver_fails_loudly_without_fallback():
     with pytest.raises(DeviceError, match="does not fall back to simulated GPUs") as err:
         open_devices("nvml")
     assert err.value.code in {"LIBRARY_NOT_FOUND", "DRIVER_NOT_LOADED"}
+
+
+_HAS_GPU = ctypes.util.find_library("nvidia-ml") is not None and os.path.exists("/dev/nvidiactl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_GPU, reason="needs a real NVIDIA GPU and driver")
+def test_real_nvml_inventory_is_read_only_and_consistent():
+    """On a GPU host the same backend reads real NVML (read-only: changes nothing)."""
+    with open_devices("nvml") as d:
+        gpus = d.gpus()
+        assert gpus and all(g.uuid.startswith("GPU-") and g.memory_mib > 0 for g in gpus)
+        topo = d.topology()
+        assert set(topo.levels) == {(i, j) for i in range(len(gpus)) for j in range(i + 1, len(gpus))}
+        for g in gpus:
+            if g.mig_current:
+                shape_profiles = d.mig_profiles(g.index)
+                assert all(p.memory_slices > 0 and p.placements for p in shape_profiles)
+                assert all(i.size > 0 for i in d.mig_instances(g.index))

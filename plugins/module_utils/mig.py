@@ -52,7 +52,9 @@ def layout_targets(layout, gpus):
 
 
 def _is_index(value):
-    return isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, str) and value.isdigit())
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, str) and value.isdigit())
 
 
 def _count(where, profile, value):

@@ -63,7 +63,8 @@ def run_module(collections_path: Path, module: str, args: dict, *, check: bool =
         doc = json.loads(proc.stdout)
         result = doc["plays"][0]["tasks"][0]["hosts"]["localhost"]
     except (ValueError, KeyError, IndexError):
-        pytest.fail(f"no JSON result from {' '.join(cmd)} (rc {proc.returncode})\n{proc.stdout}\n{proc.stderr}")
+        pytest.fail(f"no JSON result from {' '.join(cmd)} (rc {proc.returncode})\n"
+                    f"{proc.stdout}\n{proc.stderr}")
     assert bool(result.get("failed")) == (proc.returncode != 0), (proc.returncode, result)
     return result
 
@@ -80,7 +81,8 @@ def run_tasks(collections_path: Path, tasks: list[dict], tmp_path: Path, *, pyth
              "tasks": [{"ignore_errors": True, **task} for task in tasks]}]
     playbook = tmp_path / "play.yml"
     playbook.write_text(json.dumps(play))
-    proc = run([tool("ansible-playbook"), "-i", "localhost,", str(playbook), *(extra_args or [])], check=False,
+    proc = run([tool("ansible-playbook"), "-i", "localhost,", str(playbook), *(extra_args or [])],
+               check=False,
                env={"ANSIBLE_COLLECTIONS_PATH": str(collections_path),
                     "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json",
                     "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0"})
@@ -88,4 +90,5 @@ def run_tasks(collections_path: Path, tasks: list[dict], tmp_path: Path, *, pyth
         doc = json.loads(proc.stdout)
         return [task["hosts"]["localhost"] for task in doc["plays"][0]["tasks"]]
     except (ValueError, KeyError, IndexError):
-        pytest.fail(f"no JSON result from the playbook (rc {proc.returncode})\n{proc.stdout}\n{proc.stderr}")
+        pytest.fail(f"no JSON result from the playbook (rc {proc.returncode})\n"
+                    f"{proc.stdout}\n{proc.stderr}")

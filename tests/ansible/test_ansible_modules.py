@@ -87,7 +87,8 @@ def test_modules_fail_cleanly_without_the_fastshare_package(collections_path: Pa
 
 # --- argument errors --------------------------------------------------------------------------
 BAD_ARGS = [
-    ({"sim_state": "DROP", "layout": []}, "gpu_backend is sim but all of the following are missing: sim_state"),
+    ({"sim_state": "DROP", "layout": []},
+     "gpu_backend is sim but all of the following are missing: sim_state"),
     ({"gpu_backend": "cuda", "layout": []}, "gpu_backend"),
     ({"layout": [{"devices": "some"}]}, "layout[0].devices must be 'all' or a non-empty list"),
     ({"layout": [{"devices": [7]}]}, "GPU 7 does not exist (valid: 0..2)"),
@@ -146,7 +147,8 @@ def test_changes_only_what_must_change(mig, machine):
                  ["gpus"][0]["mig_devices"]}
     result = mig([{"devices": [0], "mig_devices": {"3g.20gb": 1, "2g.10gb": 2}}])
     assert result["changed"] is True
-    assert [(s["action"], s["start"]) for s in result["steps"]] == [("destroy", 0), ("create", 0), ("create", 2)]
+    steps = [(s["action"], s["start"]) for s in result["steps"]]
+    assert steps == [("destroy", 0), ("create", 0), ("create", 2)]
     after = {d["start"]: d["uuid"] for d in result["gpus"][0]["mig_devices"]}
     assert after[4] == kept_uuid[4], "the 3g.20gb at start 4 must be kept, not re-created"
 
@@ -193,7 +195,8 @@ def _journal_with_share(path: Path, device_uuid: str) -> None:
 
     journal = Journal(path)
     try:
-        journal.begin_share(ShareSpec(id="share-1", kind="exclusive", device_uuids=(device_uuid,)), device_uuid, None)
+        spec = ShareSpec(id="share-1", kind="exclusive", device_uuids=(device_uuid,))
+        journal.begin_share(spec, device_uuid, None)
     finally:
         journal.close()
     with sqlite3.connect(path) as db:
@@ -228,8 +231,8 @@ def test_hopper_enable_and_layout_in_one_run_then_disable(tmp_path, collections_
     result = run_module(collections_path, MIG_CONFIG, base | {"layout": layout})
     assert result["changed"] and not result["reset_required"]
     assert layout_on_disk(machine, 0) == [(5, 0), (9, 4)]
-    off = run_module(collections_path, MIG_CONFIG, base | {"layout": [{"devices": [0], "mig_enabled": False}]})
+    disable = base | {"layout": [{"devices": [0], "mig_enabled": False}]}
+    off = run_module(collections_path, MIG_CONFIG, disable)
     assert off["changed"] and [s["action"] for s in off["steps"]] == ["destroy", "destroy"]
     assert simnvml.load_machine(machine)["gpus"][0]["mig_current"] == 0
-    assert run_module(collections_path, MIG_CONFIG,
-                      base | {"layout": [{"devices": [0], "mig_enabled": False}]})["changed"] is False
+    assert run_module(collections_path, MIG_CONFIG, disable)["changed"] is False

@@ -82,7 +82,8 @@ def mig_device_dict(instance):
 
 def gpu_dict(gpu):
     """A GPU as the modules return it."""
-    return dict(index=gpu.index, uuid=gpu.uuid, name=gpu.name, memory_mib=gpu.memory_mib,
+    return dict(index=gpu.index, uuid=gpu.uuid, name=gpu.name, model=getattr(gpu, "model", None),
+                memory_mib=gpu.memory_mib,
                 sm_count=gpu.sm_count, pci_bus_id=gpu.pci_bus_id, mig_capable=gpu.mig_capable,
                 mig_mode=dict(current=gpu.mig_current, pending=gpu.mig_pending),
                 compute_mode=gpu.compute_mode, processes=gpu.processes,

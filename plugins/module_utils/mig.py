@@ -13,10 +13,8 @@ from collections import Counter
 
 try:
     from fastshare.device import catalog, mig_layout
-    from fastshare.device.api import DeviceError
 except ImportError:  # the module fails with missing_required_lib before using any of this
     catalog = mig_layout = None
-    DeviceError = Exception
 
 
 class MigConfigError(Exception):

@@ -12,13 +12,13 @@ short_description: Declarative MIG layout for the NVIDIA GPUs of a host
 version_added: 0.1.0
 description:
   - Brings the MIG mode and the MIG devices of the selected GPUs to the requested layout.
-  - The difference to what exists is computed by the same planner as C(fastshare mig plan):
-    instances that already sit at a suitable placement are kept, new ones are created at
+  - The difference to what exists is computed by the same planner as C(fastshare mig plan).
+    Instances that already sit at a suitable placement are kept, new ones are created at
     explicit placements (never where NVML's default placer would put them), and only what
     must change is destroyed or created. A second run with the same layout changes nothing.
   - Every GPU is planned before anything is changed. An instance that is in use (processes
     run on it, or a fastshare share holds it according to O(agent_journal)) is never destroyed
-    or moved; the module fails naming the instance. O(force=true) lets the module destroy
+    or moved; and the module fails naming the instance. O(force=true) lets the module destroy
     instances held by fastshare shares; running processes always block destruction, because
     NVML refuses it.
   - Enabling or disabling MIG on an Ampere GPU (A100, A30) stays pending until the GPU is reset;

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import Counter
 
 try:
-    from fastshare.device import catalog, mig_layout
+    from fastshare.device import catalog, mig_layout, mig_parted
 except ImportError:  # the module fails with missing_required_lib before using any of this
-    catalog = mig_layout = None
+    catalog = mig_layout = mig_parted = None
 
 
 class MigConfigError(Exception):
@@ -59,6 +59,24 @@ def _count(where, profile, value):
     if isinstance(value, bool) or not str(value).strip().isdigit():
         raise MigConfigError(f"{where}.mig_devices[{profile!r}] must be an integer >= 0, got {value!r}")
     return int(value)
+
+
+def config_file_targets(path, name, gpus):
+    """{gpu index: (mig_enabled, {profile: count})} from a mig-parted config file.
+
+    Parsing, ``device-filter`` matching and the one-entry-per-GPU rule are fastshare's
+    (``fastshare.device.mig_parted``), as for every other consumer of these files.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise MigConfigError(f"config_file: cannot read {path}: {exc.strerror}") from None
+    try:
+        chosen = mig_parted.resolve(mig_parted.parse_config(text), name, gpus)
+    except (mig_parted.ConfigError, ValueError) as exc:
+        raise MigConfigError(f"config_file {path}: {exc}") from None
+    return {index: (spec.mig_enabled, dict(spec.mig_devices)) for index, spec in chosen.items()}
 
 
 class GpuChange:

@@ -34,9 +34,9 @@ options:
     description:
       - The wanted layout, one entry per group of GPUs. GPUs that no entry selects are left alone.
       - A GPU may be selected by one entry only.
+      - Exactly one of O(layout) and O(config_file) is required.
     type: list
     elements: dict
-    required: true
     suboptions:
       devices:
         description:
@@ -54,6 +54,18 @@ options:
             mapped to the number of MIG devices of that profile. An empty mapping means none.
         type: dict
         default: {}
+  config_file:
+    description:
+      - Path (on the managed node) of an NVIDIA mig-parted style config file (C(version=v1),
+        C(mig-configs)), so existing mig-parted configs can be used as they are.
+      - Entries select GPUs with C(devices) (V(all) or indexes) and optionally C(device-filter)
+        (PCI device ids such as C(0x20B010DE), or model names); C(mig-enabled) and C(mig-devices)
+        mean what O(layout[].mig_enabled) and O(layout[].mig_devices) mean.
+    type: path
+  config_name:
+    description:
+      - Which named config of O(config_file) to apply. Required with O(config_file).
+    type: str
   force:
     description:
       - Destroy instances held by fastshare shares when the layout needs their place.
@@ -112,6 +124,11 @@ EXAMPLES = r"""
 - name: Reboot when an Ampere mode change waits for a GPU reset
   ansible.builtin.reboot:
   when: mig.reboot_required
+
+- name: Apply a named config from an existing mig-parted file
+  fastshare.gpu.mig_config:
+    config_file: /etc/nvidia-mig-manager/config.yaml
+    config_name: all-balanced
 
 - name: Preview on a simulated machine
   fastshare.gpu.mig_config:
@@ -243,6 +260,7 @@ from ansible_collections.fastshare.gpu.plugins.module_utils.backend import (  # 
 from ansible_collections.fastshare.gpu.plugins.module_utils.mig import (  # noqa: E402
     MigConfigError,
     apply_change,
+    config_file_targets,
     describe_layout,
     layout_targets,
     plan_gpu,
@@ -254,11 +272,13 @@ from ansible_collections.fastshare.gpu.plugins.module_utils.mig import (  # noqa
 def argument_spec():
     spec = backend_argument_spec()
     spec.update(
-        layout=dict(type="list", elements="dict", required=True, options=dict(
+        layout=dict(type="list", elements="dict", options=dict(
             devices=dict(type="raw", default="all"),
             mig_enabled=dict(type="bool", default=True),
             mig_devices=dict(type="dict", default={}),
         )),
+        config_file=dict(type="path"),
+        config_name=dict(type="str"),
         force=dict(type="bool", default=False),
         agent_journal=dict(type="path"),
     )
@@ -271,7 +291,10 @@ def _devices_of(instances):
 
 def run(module, devices):
     gpus = devices.gpus()
-    targets = layout_targets(module.params["layout"], gpus)
+    if module.params["config_file"]:
+        targets = config_file_targets(module.params["config_file"], module.params["config_name"], gpus)
+    else:
+        targets = layout_targets(module.params["layout"], gpus)
     held = held_device_uuids(module.params["agent_journal"])
     before = {g.index: _devices_of(g.mig_instances) for g in gpus}
     # Plan every GPU first: any refusal happens before anything changes.
@@ -314,6 +337,9 @@ def run(module, devices):
 
 def main():
     module = AnsibleModule(argument_spec=argument_spec(), required_if=BACKEND_REQUIRED_IF,
+                           required_one_of=[("layout", "config_file")],
+                           mutually_exclusive=[("layout", "config_file")],
+                           required_together=[("config_file", "config_name")],
                            supports_check_mode=True)
     devices = open_backend(module)
     try:

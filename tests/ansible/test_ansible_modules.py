@@ -32,8 +32,10 @@ def machine(tmp_path: Path) -> Path:
 def mig(collections_path: Path, machine: Path):
     """Run mig_config on the machine; returns the module result."""
 
-    def call(layout: list[dict], *, check: bool = False, diff: bool = False, **extra) -> dict:
-        args = {"gpu_backend": "sim", "sim_state": str(machine), "layout": layout, **extra}
+    def call(layout: list[dict] | None, *, check: bool = False, diff: bool = False, **extra) -> dict:
+        args = {"gpu_backend": "sim", "sim_state": str(machine), **extra}
+        if layout is not None:
+            args["layout"] = layout
         return run_module(collections_path, MIG_CONFIG, args, check=check, diff=diff)
 
     return call
@@ -236,3 +238,36 @@ def test_hopper_enable_and_layout_in_one_run_then_disable(tmp_path, collections_
     assert off["changed"] and [s["action"] for s in off["steps"]] == ["destroy", "destroy"]
     assert simnvml.load_machine(machine)["gpus"][0]["mig_current"] == 0
     assert run_module(collections_path, MIG_CONFIG, disable)["changed"] is False
+
+
+# --- mig-parted config files ------------------------------------------------------------------
+MIG_PARTED = """\
+version: v1
+mig-configs:
+  balanced:
+    - devices: all
+      device-filter: ["0x20B010DE"]      # A100-SXM4-40GB only
+      mig-enabled: true
+      mig-devices: {"3g.20gb": 1, "2g.10gb": 1, "1g.5gb": 2}
+    - devices: [1]
+      mig-enabled: true
+      mig-devices: {"7g.80gb": 1}
+"""
+
+
+def test_mig_parted_config_file_with_device_filter(mig, machine, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(MIG_PARTED)
+    result = mig(None, config_file=str(config), config_name="balanced")
+    assert result["changed"] is True, result.get("msg")
+    assert [g["index"] for g in result["gpus"]] == [0, 1], "the filter must leave the T4 alone"
+    assert layout_on_disk(machine, 0) == [(9, 4), (14, 0), (19, 2), (19, 3)]
+    assert layout_on_disk(machine, 1) == [(0, 0)]
+    assert mig(None, config_file=str(config), config_name="balanced")["changed"] is False
+    unknown = mig(None, config_file=str(config), config_name="nope")
+    assert unknown["failed"] and "config 'nope' not found" in unknown["msg"]
+    config.write_text(MIG_PARTED.replace("mig-enabled: true", "mig-enabled: maybe", 1))
+    broken = mig(None, config_file=str(config), config_name="balanced")
+    assert broken["failed"] and "mig-configs.balanced[0].mig-enabled" in broken["msg"]
+    both = mig([], config_file=str(config), config_name="balanced")
+    assert both["failed"] and "mutually exclusive" in both["msg"]

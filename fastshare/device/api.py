@@ -65,6 +65,8 @@ class GpuInfo:
     compute_mode: str        # "DEFAULT" | "EXCLUSIVE_PROCESS" | "PROHIBITED"
     processes: int = 0
     mig_instances: tuple[MigInstance, ...] = field(default_factory=tuple)
+    model: str | None = None  # catalog key ("A100-SXM4-40GB") when the catalog knows the GPU
+    pci_device_id: int = 0    # e.g. 0x20B010DE (device id << 16 | vendor id), mig-parted filters on it
 
 
 @dataclass(frozen=True)
@@ -72,10 +74,42 @@ class Topology:
     """Pairwise link level between GPU indexes (lower is closer), NVML topology levels."""
 
     levels: dict[tuple[int, int], int]
+    nvlink: frozenset[tuple[int, int]] = frozenset()  # (i, j), i < j, joined by NVLink
+
+    def level(self, a: int, b: int) -> int:
+        """Link level between two GPUs; NVLink counts as closer than any PCIe level (-1)."""
+        if a == b:
+            return 0
+        pair = (min(a, b), max(a, b))
+        return -1 if pair in self.nvlink else self.levels[pair]
+
+
+COMPUTE_MODES = ("DEFAULT", "PROHIBITED", "EXCLUSIVE_PROCESS")
 
 
 class Devices(abc.ABC):
-    """Everything fastshare does to the GPUs of one host."""
+    """Everything fastshare does to the GPUs of one host.
+
+    Instances are context managers; ``close()`` releases the NVML library handle.
+    """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the underlying library (NVML shutdown)."""
+
+    def __enter__(self) -> Devices:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def gpu(self, gpu_index: int) -> GpuInfo:
+        """One GPU by index; DeviceError(INVALID_ARGUMENT) naming the valid range otherwise."""
+        gpus = self.gpus()
+        for info in gpus:
+            if info.index == gpu_index:
+                return info
+        raise DeviceError(f"GPU index {gpu_index} does not exist (valid: 0..{len(gpus) - 1})",
+                          "INVALID_ARGUMENT")
 
     @abc.abstractmethod
     def driver_version(self) -> str: ...
@@ -102,7 +136,9 @@ class Devices(abc.ABC):
 
     @abc.abstractmethod
     def destroy_mig_instance(self, gpu_index: int, start: int) -> None:
-        """Destroy the GPU instance at ``start`` (and its compute instances)."""
+        """Destroy the GPU instance at ``start`` (and its compute instances).
+
+        Raises DeviceError(IN_USE) and changes nothing while processes run on it."""
 
     @abc.abstractmethod
     def set_compute_mode(self, gpu_index: int, mode: str) -> None: ...

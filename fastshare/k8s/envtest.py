@@ -88,7 +88,7 @@ def find_assets(build: bool = True) -> Path:
 def _pinned_version(root: Path) -> str:
     for line in (root / "tools" / "envtest" / "go.mod").read_text().splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] == "k8s.io/kubernetes" and parts[1].startswith("v"):
+        if len(parts) >= 2 and parts[0] == "k8s.io/kubernetes" and parts[1].startswith("v"):
             return parts[1]
     raise AssetsUnavailable("tools/envtest/go.mod does not pin k8s.io/kubernetes")
 

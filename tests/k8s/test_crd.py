@@ -8,6 +8,8 @@ import json
 import pytest
 from kubernetes import client
 
+from fastshare.k8s.resources import fastpod_manifest
+
 GROUP, VERSION, PLURAL = "fastshare.io", "v1alpha1", "fastpods"
 
 VALID_GPU = {
@@ -19,21 +21,7 @@ VALID_GPU = {
 
 
 def fastpod(name: str, gpu: dict, replicas: int = 1, template: dict | None = None) -> dict:
-    labels = {"app": name}
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "FastPod",
-        "metadata": {"name": name},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": labels},
-            "template": template or {
-                "metadata": {"labels": labels},
-                "spec": {"containers": [{"name": "main", "image": "busybox", "command": ["sleep", "inf"]}]},
-            },
-            "gpu": gpu,
-        },
-    }
+    return fastpod_manifest(name, gpu, replicas, template)
 
 
 @pytest.fixture

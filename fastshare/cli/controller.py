@@ -1,0 +1,111 @@
+"""`fastshare controller serve`: the standalone controller (SQLite state, gRPC API)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from fastshare.cli._output import fail
+
+KEYS = ("state_dir", "listen", "token_listen", "tls_dir", "tls_name", "client_auth", "token_file",
+        "heartbeat_interval", "heartbeat_timeout", "reconcile_interval", "agent_deadline",
+        "mps_oversubscription", "log_level")
+
+
+def _load(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        fail(f"--config {path}: {exc}")
+    if not isinstance(data, dict):
+        fail(f"--config {path}: must be a mapping of settings")
+    unknown = sorted(set(data) - set(KEYS))
+    if unknown:
+        fail(f"--config {path}: unknown setting(s) {', '.join(unknown)}", f"known: {', '.join(KEYS)}")
+    return data
+
+
+@click.group("controller")
+def controller() -> None:
+    """The standalone controller: places requests across node agents."""
+
+
+@controller.command("serve")
+@click.option("--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="YAML file with any of the settings below (flags win).")
+@click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Directory for the SQLite state and the single-instance lock.")
+@click.option("--listen", help="host:port of the mTLS port (agents and certificate clients) "
+                               "[127.0.0.1:7070].")
+@click.option("--token-listen", help="Extra host:port with server-only TLS for bearer-token clients.")
+@click.option("--tls-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Directory with ca.crt and NAME.crt/NAME.key (from `fastshare certs issue`).")
+@click.option("--tls-name", help="Certificate name in --tls-dir [controller].")
+@click.option("--client-auth", type=click.Choice(["cert", "token", "any"]),
+              help="What API clients must present [cert].")
+@click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="Accepted bearer tokens, one per line.")
+@click.option("--heartbeat-interval", type=float, help="Seconds between agent heartbeats [2].")
+@click.option("--heartbeat-timeout", type=float, help="Silence after which a node is unavailable [8].")
+@click.option("--reconcile-interval", type=float, help="Seconds between reconciler passes [5].")
+@click.option("--agent-deadline", type=float, help="Deadline of every RPC to an agent, seconds [10].")
+@click.option("--mps-oversubscription", type=float, help="Memory factor MPS shares may promise [1.0].")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(config_path: Path | None, **flags: Any) -> None:
+    """Run the controller until SIGTERM/SIGINT. A second one on the same state dir refuses to start."""
+    from fastshare.controller.core import Settings
+    from fastshare.controller.lock import LockedError
+    from fastshare.controller.server import Config, ControllerServer
+    from fastshare.security.tls import TlsPaths
+
+    values = {**_load(config_path), **{k: v for k, v in flags.items() if v is not None}}
+    logging.basicConfig(level=str(values.get("log_level", "info")).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if "state_dir" not in values:
+        fail("--state-dir is required (or state_dir in --config)")
+    if "tls_dir" not in values:
+        fail("--tls-dir is required (or tls_dir in --config)",
+             "create certificates with `fastshare certs init` and `fastshare certs issue --name controller`")
+    tokens: tuple[str, ...] = ()
+    if values.get("token_file"):
+        try:
+            tokens = tuple(line.strip() for line in Path(values["token_file"]).read_text().splitlines()
+                           if line.strip() and not line.startswith("#"))
+        except OSError as exc:
+            fail(f"--token-file: {exc}")
+    hb = float(values.get("heartbeat_interval", 2.0))
+    settings = Settings(heartbeat_interval=hb,
+                        heartbeat_timeout=float(values.get("heartbeat_timeout", 4 * hb)),
+                        reconcile_interval=float(values.get("reconcile_interval", 5.0)))
+    for name in ("heartbeat_interval", "heartbeat_timeout", "reconcile_interval"):
+        if getattr(settings, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(settings, name)}")
+    if settings.heartbeat_timeout <= settings.heartbeat_interval:
+        fail(f"--heartbeat-timeout ({settings.heartbeat_timeout}) must be greater than --heartbeat-interval "
+             f"({settings.heartbeat_interval})")
+    config = Config(
+        state_dir=Path(values["state_dir"]),
+        tls=TlsPaths.in_dir(Path(values["tls_dir"]), values.get("tls_name", "controller")),
+        listen=values.get("listen", "127.0.0.1:7070"), token_listen=values.get("token_listen", ""),
+        client_auth=values.get("client_auth", "cert"), tokens=tokens, settings=settings,
+        agent_deadline=float(values.get("agent_deadline", 10.0)),
+        mps_oversubscription=float(values.get("mps_oversubscription", 1.0)))
+    server = ControllerServer(config)
+    try:
+        server.start()
+    except LockedError as exc:
+        fail(str(exc))
+    except (ValueError, OSError) as exc:
+        fail(f"cannot start the controller: {exc}")
+    click.echo(f"controller listening on {config.listen} (port {server.port}), state in {config.state_dir}",
+               err=True)
+    server.serve_forever()
+
+
+COMMANDS = [controller]

@@ -1,0 +1,118 @@
+"""`fastshare mig`: plan and apply MIG layouts with explicit placements."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import click
+
+from fastshare.cli._output import fail, print_json, print_table
+from fastshare.cli.gpu import backend_options, devices_from
+from fastshare.device.mig_layout import LayoutError, apply_plan, format_layout, plan_for_gpu, shape_of
+
+_LAYOUT_HELP = "profiles and counts, e.g. '3g.20gb=1,2g.10gb=1,1g.5gb=2' or profile ids '9,19,14,19'"
+
+
+@click.group("mig")
+def mig_group() -> None:
+    """MIG mode and layouts (explicit placements, incremental, busy instances left alone)."""
+
+
+def _show_plan(gpu: int, layout: str, shape_label: str, plan_dict: dict, as_json: bool, title: str) -> None:
+    if as_json:
+        print_json({"gpu": gpu, "layout": layout, **plan_dict})
+        return
+    steps = plan_dict["steps"]
+    if not steps:
+        click.echo(f"GPU {gpu} ({shape_label}) already has layout {layout!r}: nothing to do")
+        return
+    print_table(title, ["#", "step"], [[n + 1, s["description"]] for n, s in enumerate(steps)])
+
+
+@mig_group.command("plan")
+@backend_options
+@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+@click.option("--layout", required=True, help=_LAYOUT_HELP)
+@click.option("--force", is_flag=True, help="allow destroying instances that are in use")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def mig_plan(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
+             as_json: bool) -> None:
+    """Show the steps that would turn the current layout into LAYOUT (changes nothing)."""
+    with devices_from(gpu_backend, sim_state) as devices:
+        try:
+            shape, plan = plan_for_gpu(devices, gpu_index, layout, force=force)
+        except LayoutError as exc:
+            fail(f"GPU {gpu_index}: {exc}")
+    _show_plan(gpu_index, layout, shape.label, plan.to_dict(), as_json, f"plan for GPU {gpu_index}")
+
+
+@mig_group.command("apply")
+@backend_options
+@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+@click.option("--layout", required=True, help=_LAYOUT_HELP)
+@click.option("--force", is_flag=True, help="allow destroying instances that are in use")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def mig_apply(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
+              as_json: bool) -> None:
+    """Create/destroy MIG instances so GPU IDX has exactly LAYOUT."""
+    with devices_from(gpu_backend, sim_state) as devices:
+        try:
+            shape, plan = plan_for_gpu(devices, gpu_index, layout, force=force)
+        except LayoutError as exc:
+            fail(f"GPU {gpu_index}: {exc}")
+        instances = apply_plan(devices, gpu_index, plan)
+    if as_json:
+        print_json({"gpu": gpu_index, "layout": layout, **plan.to_dict(),
+                    "instances": [asdict(i) for i in instances]})
+        return
+    _show_plan(gpu_index, layout, shape.label, plan.to_dict(), False, f"applied on GPU {gpu_index}")
+    click.echo(f"GPU {gpu_index} now: {format_layout(instances, shape) or 'no MIG instances'}")
+
+
+@mig_group.command("profiles")
+@backend_options
+@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def mig_profiles(gpu_backend: str | None, sim_state: str | None, gpu_index: int, as_json: bool) -> None:
+    """MIG profiles of a GPU with their allowed placements."""
+    with devices_from(gpu_backend, sim_state) as devices:
+        try:
+            shape = shape_of(devices, gpu_index)
+        except LayoutError as exc:
+            fail(f"GPU {gpu_index}: {exc}")
+    if as_json:
+        print_json({"gpu": gpu_index, "profiles": [asdict(p) for p in shape.profiles]})
+        return
+    print_table(f"MIG profiles of {shape.label}",
+                ["id", "name", "compute slices", "memory slices", "memory MiB", "SMs", "max", "starts"],
+                [[p.profile_id, p.name, p.slices, p.memory_slices, p.memory_mib, p.sm_count, p.max_instances,
+                  ",".join(map(str, p.placements))] for p in shape.profiles])
+
+
+def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, enabled: bool) -> None:
+    with devices_from(gpu_backend, sim_state) as devices:
+        pending = devices.set_mig_mode(gpu_index, enabled)
+    state = "enabled" if enabled else "disabled"
+    if pending:
+        click.echo(f"GPU {gpu_index}: MIG {state} on next GPU reset (pending; reset the GPU or reboot)")
+    else:
+        click.echo(f"GPU {gpu_index}: MIG {state}")
+
+
+@mig_group.command("enable")
+@backend_options
+@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+def mig_enable(gpu_backend: str | None, sim_state: str | None, gpu_index: int) -> None:
+    """Enable MIG mode (Ampere: pending until the GPU is reset)."""
+    _set_mode(gpu_backend, sim_state, gpu_index, True)
+
+
+@mig_group.command("disable")
+@backend_options
+@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+def mig_disable(gpu_backend: str | None, sim_state: str | None, gpu_index: int) -> None:
+    """Disable MIG mode (refused while MIG instances or processes exist)."""
+    _set_mode(gpu_backend, sim_state, gpu_index, False)
+
+
+COMMANDS = [mig_group]

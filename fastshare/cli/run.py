@@ -1,0 +1,194 @@
+"""`fastshare run -- CMD`: hold a GPU allocation for exactly as long as CMD runs.
+
+Allocates (with a lease and an idempotency key, so a retry after a controller restart finds
+the same allocation), runs CMD with the allocation's environment, forwards signals, renews
+the lease while CMD runs, releases when CMD exits (also when it crashes or is killed) and
+exits with CMD's status. If `fastshare run` itself is killed with SIGKILL, the lease expires
+and the controller releases the allocation.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import click
+import grpc
+
+from fastshare.cli._output import fail
+from fastshare.controller.client import client_options
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def _quota(text: str | None) -> tuple[float, float]:
+    if not text:
+        return 0.0, 0.0
+    try:
+        parts = [float(p) for p in text.split(":")]
+    except ValueError:
+        fail(f"--quota {text!r}: use REQUEST:LIMIT fractions, e.g. 0.3:0.6 (or one number for both)")
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2:
+        fail(f"--quota {text!r}: use REQUEST:LIMIT, e.g. 0.3:0.6")
+    return parts[0], parts[1]
+
+
+def _retry(fn, what: str, attempts: int = 5):
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            if exc.code() not in RETRYABLE or attempt == attempts - 1:
+                raise
+            time.sleep(min(2.0 * (attempt + 1), 5.0))
+    raise AssertionError(what)
+
+
+def _describe(a) -> str:
+    from fastshare.v1 import controller_pb2 as pb
+
+    devices = ", ".join(
+        f"GPU {d.gpu_index}" + (f" MIG {d.mig_profile}@{d.mig_start}" if d.mig_profile else "")
+                        for d in a.devices)
+    state = pb.AllocationState.Name(a.state).split("_")[-1].lower()
+    return f"allocation {a.id} ({state}) on {a.node}: {devices}"
+
+
+@click.command("run", context_settings={"allow_interspersed_args": False})
+@click.option("--kind", type=click.Choice(["fastpod", "mps", "exclusive", "whole"]), default="fastpod",
+              show_default=True)
+@click.option("--sm", "sm_percent", type=int, default=0,
+              help="SM share in % (fastpod; exclusive: slice size).")
+@click.option("--mem", "memory", help="GPU memory, e.g. 8GiB (fastpod limit, mps share, exclusive minimum).")
+@click.option("--quota", help="Time quota REQUEST:LIMIT fractions of the GPU, e.g. 0.3:0.6 (fastpod).")
+@click.option("--gpus", "gpu_count", type=int, default=0, help="Number of whole GPUs (whole) [1].")
+@click.option("--mig-profile", default="", help="Exact MIG profile, e.g. 3g.20gb (exclusive).")
+@click.option("--sm-count", type=int, default=0, help="Smallest MIG slice with this many SMs (exclusive).")
+@click.option("--model", "models", multiple=True,
+              help="Allowed GPU models (globs, repeatable), e.g. 'H100*'.")
+@click.option("--selector", "selectors", multiple=True, help="Node label KEY=VALUE (repeatable).")
+@click.option("--affinity", default="", help="Share a GPU with others carrying this tag.")
+@click.option("--anti-affinity", default="", help="Never share a GPU with others carrying this tag.")
+@click.option("--exclusion", default="", help="Only share a GPU with others carrying this tag.")
+@click.option("--owner", default=None, help="Owner recorded with the allocation [user@host].")
+@click.option("--lease-ttl", type=int, default=30, show_default=True,
+              help="Seconds the allocation survives without renewal (covers kill -9 of this command).")
+@click.option("--key", "idempotency_key", default=None, help="Idempotency key [random per invocation].")
+@click.option("--quiet", "-q", is_flag=True, help="No allocation summary on stderr.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@client_options
+def run(client_config, kind, sm_percent, memory, quota, gpu_count, mig_profile, sm_count, models, selectors,
+        affinity, anti_affinity, exclusion, owner, lease_ttl, idempotency_key, quiet, command) -> None:
+    """Run COMMAND on an allocated GPU share:  fastshare run --sm 30 --mem 8GiB -- python train.py"""
+    from fastshare.controller.client import Client, ClientConfigError, parse_bytes
+    from fastshare.v1 import common_pb2
+    from fastshare.v1 import controller_pb2 as pb
+
+    try:
+        memory_bytes = parse_bytes(memory) if memory else 0
+    except ValueError as exc:
+        fail(f"--mem: {exc}")
+    selector = {}
+    for item in selectors:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"--selector {item!r}: use KEY=VALUE")
+        selector[key] = value
+    quota_request, quota_limit = _quota(quota)
+    kinds = {"fastpod": common_pb2.SHARE_KIND_FASTPOD, "mps": common_pb2.SHARE_KIND_MPS,
+             "exclusive": common_pb2.SHARE_KIND_EXCLUSIVE, "whole": common_pb2.SHARE_KIND_WHOLE}
+    spec = pb.AllocationSpec(
+        kind=kinds[kind], sm_percent=sm_percent, memory_bytes=memory_bytes, quota_request=quota_request,
+        quota_limit=quota_limit, mig_profile=mig_profile, sm_count=sm_count,
+        gpu_count=gpu_count or (1 if kind == "whole" else 0), models=list(models), node_selector=selector,
+        affinity=affinity, anti_affinity=anti_affinity, exclusion=exclusion)
+    request = pb.AllocateRequest(spec=spec, owner=owner or f"{getpass.getuser()}@{socket.gethostname()}",
+                                 idempotency_key=idempotency_key or f"run-{uuid.uuid4().hex}",
+                                 lease_ttl_seconds=lease_ttl)
+    try:
+        client = Client(client_config)
+    except ClientConfigError as exc:
+        fail(str(exc))
+    try:
+        allocation = _retry(lambda: client.call("Allocate", request), "allocate")
+    except grpc.RpcError as exc:
+        label = {grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected",
+                 grpc.StatusCode.INVALID_ARGUMENT: "invalid request",
+                 grpc.StatusCode.UNAUTHENTICATED: "not authenticated"}.get(exc.code(), exc.code().name)
+        fail(f"{label}: {exc.details()}")
+    if allocation.state != pb.ALLOCATION_STATE_ACTIVE:
+        why = f": {allocation.reason}" if allocation.reason else ""
+        fail(f"{_describe(allocation)} is not usable{why}",
+             "run again without --key for a new allocation" if allocation.reason else None)
+    if not quiet:
+        click.echo(f"fastshare: {_describe(allocation)}", err=True)
+    code = _run_child(client, allocation, command, lease_ttl, quiet)
+    sys.exit(code)
+
+
+def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
+    from fastshare.v1 import controller_pb2 as pb
+
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(max(1.0, lease_ttl / 3)):
+            try:
+                client.call("RenewLease", pb.RenewLeaseRequest(allocation_id=allocation.id), timeout=10)
+            except grpc.RpcError as exc:
+                click.echo(f"fastshare: lease renewal failed: {exc.code().name}: {exc.details()}", err=True)
+
+    env = {**os.environ, **dict(allocation.env)}
+    child = None
+    received: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        received.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    renewer = threading.Thread(target=renew, name="lease", daemon=True)
+    try:
+        try:
+            child = subprocess.Popen(list(command), env=env)
+        except OSError as exc:
+            click.echo(f"fastshare: cannot run {command[0]!r}: {exc.strerror}", err=True)
+            return 127 if isinstance(exc, FileNotFoundError) else 126
+        for signum in received:          # a signal that came before the child existed
+            child.send_signal(signum)
+        renewer.start()
+        status = child.wait()
+    finally:
+        stop.set()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _release(client, allocation.id, quiet)
+    return status if status >= 0 else 128 - status
+
+
+def _release(client, allocation_id: str, quiet: bool) -> None:
+    from fastshare.v1 import controller_pb2 as pb
+
+    try:
+        request = pb.ReleaseAllocationRequest(allocation_id=allocation_id)
+        done = _retry(lambda: client.call("Release", request), "release")
+        if not quiet:
+            state = pb.AllocationState.Name(done.state).split("_")[-1].lower()
+            click.echo(f"fastshare: released {allocation_id} ({state})", err=True)
+    except grpc.RpcError as exc:
+        click.echo(f"fastshare: release of {allocation_id} failed ({exc.code().name}: {exc.details()}); "
+                   "its lease will expire", err=True)
+
+
+COMMANDS = [run]

@@ -1,0 +1,112 @@
+"""`fastshare sim-machine`: make and poke a simulated GPU machine file (tests, demos)."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from fastshare.cli._output import fail, print_json, print_table
+from fastshare.device import catalog, simnvml
+from fastshare.device.factory import SIM_STATE_ENV
+
+_state_option = click.option("--state", "state", type=click.Path(dir_okay=False), envvar=SIM_STATE_ENV,
+                             required=True, help=f"machine file [env {SIM_STATE_ENV}]")
+
+
+@click.group("sim-machine")
+def sim_group() -> None:
+    """Simulated GPU machines: a JSON file that the sim backend (simulated NVML) acts on."""
+
+
+@sim_group.command("create")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--gpus", required=True,
+              help="comma-separated catalog models, e.g. A100-SXM4-40GB,H100-SXM5-80GB")
+@click.option("--mig-enabled", is_flag=True, help="start with MIG mode on for MIG-capable GPUs")
+@click.option("--force", is_flag=True, help="replace an existing file")
+def sim_create(path: str, gpus: str, mig_enabled: bool, force: bool) -> None:
+    """Write a new simulated machine file at PATH."""
+    models = [m.strip() for m in gpus.split(",") if m.strip()]
+    try:
+        state = simnvml.create_machine(path, models, mig_enabled=mig_enabled, overwrite=force)
+    except catalog.CatalogError as exc:
+        fail(f"--gpus: {exc}")
+    except (FileExistsError, ValueError) as exc:
+        fail(str(exc), "pass --force to replace it" if isinstance(exc, FileExistsError) else None)
+    names = ", ".join(g["model"] for g in state["gpus"])
+    click.echo(f"created {path} with {len(state['gpus'])} GPU(s): {names}")
+    click.echo(f"use it with: export FASTSHARE_GPU_BACKEND=sim {SIM_STATE_ENV}={os.path.abspath(path)}")
+
+
+@sim_group.command("models")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def sim_models(as_json: bool) -> None:
+    """GPU models a simulated machine can have."""
+    models = list(catalog.MODELS.values())
+    if as_json:
+        print_json([{"key": m.key, "name": m.name, "memory_mib": m.memory_mib, "sm_count": m.sm_count,
+                     "mig_capable": m.mig_capable} for m in models])
+        return
+    print_table("GPU models", ["model", "NVML name", "memory MiB", "SMs", "MIG"],
+                [[m.key, m.name, m.memory_mib, m.sm_count, "yes" if m.mig_capable else "no"] for m in models])
+
+
+@sim_group.command("show")
+@_state_option
+def sim_show(state: str) -> None:
+    """Dump the machine file (JSON)."""
+    try:
+        print_json(simnvml.load_machine(state))
+    except simnvml.NVMLError:
+        fail(f"simulated machine file {state} does not exist")
+
+
+@sim_group.command("add-process")
+@_state_option
+@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+@click.option("--mig", "mig_uuid", help="MIG device UUID (required when the GPU is in MIG mode)")
+@click.option("--memory-mib", type=click.IntRange(min=0), default=256, show_default=True)
+def sim_add_process(state: str, gpu_index: int, mig_uuid: str | None, memory_mib: int) -> None:
+    """Pretend a CUDA process runs on a GPU or MIG device; prints its pid."""
+    try:
+        click.echo(simnvml.add_process(state, gpu_index, mig_uuid=mig_uuid, used_mib=memory_mib))
+    except (ValueError, simnvml.NVMLError) as exc:
+        fail(f"add-process: {exc}")
+
+
+@sim_group.command("remove-process")
+@_state_option
+@click.argument("pid", type=int)
+def sim_remove_process(state: str, pid: int) -> None:
+    """End a simulated process."""
+    try:
+        simnvml.remove_process(state, pid)
+    except (ValueError, simnvml.NVMLError) as exc:
+        fail(f"remove-process: {exc}")
+
+
+@sim_group.command("reset")
+@_state_option
+@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+def sim_reset(state: str, gpu_index: int) -> None:
+    """Reset one GPU (applies a pending MIG mode; refused while processes run)."""
+    try:
+        simnvml.reset_gpu(state, gpu_index)
+    except simnvml.NVMLError_InUse:
+        fail(f"GPU {gpu_index} has running processes: NVML_ERROR_IN_USE")
+    except (ValueError, simnvml.NVMLError) as exc:
+        fail(f"reset: {exc}")
+
+
+@sim_group.command("reboot")
+@_state_option
+def sim_reboot(state: str) -> None:
+    """Reboot the machine: processes and MIG instances vanish, MIG mode stays."""
+    try:
+        simnvml.reboot(state)
+    except simnvml.NVMLError as exc:
+        fail(f"reboot: {exc}")
+
+
+COMMANDS = [sim_group]

@@ -1,0 +1,128 @@
+"""`fastshare status`: nodes, GPUs with what is used on each (bars), and allocations."""
+
+from __future__ import annotations
+
+import time
+
+import click
+import grpc
+
+from fastshare.cli._output import fail, print_json, print_table
+from fastshare.controller.client import client_options
+
+GiB = 1024**3
+BAR = 10
+SLICE_MARKS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+
+
+def bar(fraction: float, width: int = BAR) -> str:
+    """A fixed-width bar: filled cells for the used fraction (clamped to 0..1)."""
+    filled = round(max(0.0, min(1.0, fraction)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def mig_map(gpu, marks: dict[str, str]) -> str:
+    """Memory slices of a MIG GPU by placement: a letter per allocation, '·' free."""
+    cells = ["·"] * (gpu.memory_slices or 8)
+    for s in gpu.mig_slices:
+        for i in range(s.mig_start, min(len(cells), s.mig_start + max(1, s.mig_size))):
+            cells[i] = marks.get(s.mig_profile + str(s.mig_start) + s.gpu_uuid, "?")
+    return "[" + "".join(cells) + "]"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f}".rstrip("0").rstrip(".")
+
+
+def _amount(a) -> str:
+    s = a.spec
+    kind = _kind(s.kind)
+    if kind == "fastpod":
+        quota = f" q{s.quota_request:g}:{s.quota_limit:g}" if s.quota_request else ""
+        return f"{s.sm_percent}% SM, {_gib(s.memory_bytes)} GiB{quota}"
+    if kind == "mps":
+        return f"{_gib(s.memory_bytes)} GiB"
+    if kind == "exclusive":
+        shown = [d.mig_profile for d in a.devices if d.mig_profile]
+        return shown[0] if shown else (s.mig_profile or f"{s.sm_count or s.sm_percent} SM")
+    return f"{s.gpu_count} GPU(s)"
+
+
+def _kind(value: int) -> str:
+    from fastshare.v1 import common_pb2
+
+    return common_pb2.ShareKind.Name(value).removeprefix("SHARE_KIND_").lower()
+
+
+def _state(value: int) -> str:
+    from fastshare.v1 import controller_pb2 as pb
+
+    return pb.AllocationState.Name(value).removeprefix("ALLOCATION_STATE_").lower()
+
+
+def _to_json(status) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+@click.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--all", "include_finished", is_flag=True, help="Also released and failed allocations.")
+@client_options
+def status(client_config, as_json: bool, include_finished: bool) -> None:
+    """Cluster view: nodes, per-GPU usage (SM %, memory, MIG slices by placement), allocations."""
+    from fastshare.controller.client import Client, ClientConfigError
+    from fastshare.v1 import controller_pb2 as pb
+
+    try:
+        with Client(client_config) as client:
+            st = client.call("Status", pb.ClusterStatusRequest(include_finished=include_finished))
+    except ClientConfigError as exc:
+        fail(str(exc))
+    except grpc.RpcError as exc:
+        fail(f"controller at {client_config.address}: {exc.code().name}: {exc.details()}")
+    if as_json:
+        print_json(_to_json(st))
+        return
+    render(st)
+
+
+def render(st) -> None:
+    now = time.time()
+    print_table("Nodes", ["NODE", "ADDRESS", "STATE", "GPUS", "HEARTBEAT"], [
+        (n.name, n.address, "available" if n.available else "UNAVAILABLE", len(n.gpus),
+         f"{max(0, now - n.last_heartbeat):.0f}s ago" if n.last_heartbeat else "-") for n in st.nodes])
+    marks: dict[str, str] = {}
+    labels: dict[str, str] = {}
+    for a in st.allocations:
+        for d in a.devices:
+            if d.mig_profile:
+                mark = SLICE_MARKS[len(marks) % len(SLICE_MARKS)]
+                marks[d.mig_profile + str(d.mig_start) + d.gpu_uuid] = mark
+                labels[a.id] = mark
+    rows = []
+    for n in st.nodes:
+        for g in n.gpus:
+            mem = g.memory_bytes_used / g.memory_bytes if g.memory_bytes else 0
+            if g.whole_held:
+                use = "whole"
+            elif g.mig_slices or g.mig_enabled:
+                use = "MIG " + mig_map(g, marks)
+            elif g.allocation_ids:
+                use = "shared"
+            else:
+                use = "idle"
+            rows.append((n.name, g.index, g.model, f"{bar(g.sm_percent_used / 100)} {g.sm_percent_used:3d}%",
+                         f"{bar(mem)} {_gib(g.memory_bytes_used)}/{_gib(g.memory_bytes)} GiB", use,
+                         len(g.allocation_ids)))
+    print_table("GPUs", ["NODE", "GPU", "MODEL", "SM", "MEMORY", "USE", "ALLOCS"], rows)
+    print_table("Allocations", ["ID", "KIND", "STATE", "NODE", "GPU", "AMOUNT", "OWNER", "LEASE"], [
+        (a.id + (f" [{labels[a.id]}]" if a.id in labels else ""), _kind(a.spec.kind),
+         _state(a.state) + ("" if a.node_available else " (node down)"), a.node,
+         ",".join(str(d.gpu_index) for d in a.devices),
+         _amount(a), a.owner, f"{max(0, a.lease_expires_at - now):.0f}s" if a.lease_expires_at else "-")
+        for a in st.allocations])
+
+
+COMMANDS = [status]

@@ -1,0 +1,99 @@
+"""Calls from the controller to node agents: mTLS, a deadline on every RPC, one channel per node.
+
+Errors come back as :class:`AgentError` with ``unreachable`` telling the caller whether the
+agent may simply be down (retry later, keep the state) or answered with a definite refusal
+(compensate now).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from fastshare.security.tls import TlsPaths, mtls_channel
+from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+DEFAULT_DEADLINE = 10.0
+# Codes that say "could not get an answer", not "the agent said no".
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+
+
+class AgentError(Exception):
+    def __init__(self, node: str, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"node {node}: {method} failed: {code.name}: {details}")
+        self.node = node
+        self.code = code
+        self.details = details
+
+    @property
+    def unreachable(self) -> bool:
+        return self.code in _UNREACHABLE
+
+
+@dataclass(frozen=True)
+class AgentTarget:
+    node: str
+    address: str
+
+
+class AgentClient:
+    """One node agent. The server certificate must name the node (not merely its address)."""
+
+    def __init__(self, target: AgentTarget, tls: TlsPaths, deadline: float = DEFAULT_DEADLINE) -> None:
+        self.target = target
+        self.deadline = deadline
+        self._channel = mtls_channel(target.address, tls, server_name=target.node)
+        self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request: object, deadline: float | None = None) -> object:
+        try:
+            return getattr(self._stub, method)(request, timeout=deadline or self.deadline)
+        except grpc.RpcError as exc:
+            raise AgentError(self.target.node, method, exc.code(), exc.details() or "") from None
+
+    def ping(self) -> None:
+        self._call("Ping", common_pb2.Empty())
+
+    def inventory(self) -> agent_pb2.Inventory:
+        return self._call("GetInventory", agent_pb2.GetInventoryRequest())
+
+    def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
+        return self._call("PrepareShare", agent_pb2.PrepareShareRequest(share=share))
+
+    def release(self, share_id: str) -> agent_pb2.ReleaseShareReply:
+        return self._call("ReleaseShare", agent_pb2.ReleaseShareRequest(share_id=share_id))
+
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> agent_pb2.SetMigModeReply:
+        return self._call("SetMigMode", agent_pb2.SetMigModeRequest(gpu_uuid=gpu_uuid, enabled=enabled))
+
+
+class AgentPool:
+    """Clients by node name; a new address (agent moved or restarted elsewhere) gets a new channel."""
+
+    def __init__(self, tls: TlsPaths, deadline: float = DEFAULT_DEADLINE) -> None:
+        self._tls = tls
+        self._deadline = deadline
+        self._clients: dict[str, AgentClient] = {}
+        self._lock = threading.Lock()
+
+    def get(self, node: str, address: str) -> AgentClient:
+        with self._lock:
+            client = self._clients.get(node)
+            if client is None or client.target.address != address:
+                if client is not None:
+                    client.close()
+                client = AgentClient(AgentTarget(node, address), self._tls, self._deadline)
+                self._clients[node] = client
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()

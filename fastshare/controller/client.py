@@ -1,0 +1,127 @@
+"""Client side of the controller API, shared by `fastshare run`, `fastshare status` and scripts.
+
+Connection settings come from flags or the environment (FASTSHARE_CONTROLLER,
+FASTSHARE_TLS_DIR, FASTSHARE_TLS_NAME, FASTSHARE_TOKEN_FILE, FASTSHARE_CONTROLLER_NAME):
+TLS is always on; a client certificate is presented when DIR/NAME.crt exists, a bearer token
+when a token file is given.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import grpc
+
+from fastshare.security.tls import secure_channel
+from fastshare.v1 import controller_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:7070"
+DEFAULT_SERVER_NAME = "controller"
+
+
+class ClientConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    address: str = DEFAULT_ADDRESS
+    tls_dir: Path | None = None
+    tls_name: str = "client"
+    token_file: Path | None = None
+    server_name: str = DEFAULT_SERVER_NAME
+    timeout: float = 30.0
+
+    def channel(self) -> grpc.Channel:
+        if self.tls_dir is None:
+            raise ClientConfigError("tls-dir: give the directory with ca.crt (and NAME.crt/NAME.key for a "
+                                    "client certificate), e.g. --tls-dir or FASTSHARE_TLS_DIR")
+        ca = Path(self.tls_dir) / "ca.crt"
+        if not ca.is_file():
+            raise ClientConfigError(f"tls-dir: {ca} does not exist")
+        cert, key = Path(self.tls_dir) / f"{self.tls_name}.crt", Path(self.tls_dir) / f"{self.tls_name}.key"
+        have_cert = cert.is_file() and key.is_file()
+        if not have_cert and self.token_file is None:
+            raise ClientConfigError(f"tls-name: no client certificate {cert} and no token file; give one "
+                                    "of them (--tls-name or --token-file)")
+        return secure_channel(self.address, ca, cert if have_cert else None, key if have_cert else None,
+                              server_name=self.server_name)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        if self.token_file is None:
+            return ()
+        try:
+            token = Path(self.token_file).read_text().split()[0]
+        except (OSError, IndexError) as exc:
+            raise ClientConfigError(f"token-file: cannot read a token from {self.token_file}: {exc}") from exc
+        return (("authorization", f"Bearer {token}"),)
+
+
+class Client:
+    """The Controller stub with deadlines and credentials on every call."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self._channel = config.channel()
+        self._metadata = config.metadata()
+        self.stub = pb_grpc.ControllerStub(self._channel)
+
+    def call(self, method: str, request: object, timeout: float | None = None) -> object:
+        return getattr(self.stub, method)(request, timeout=timeout or self.config.timeout,
+                                          metadata=self._metadata)
+
+    def stream(self, method: str, request: object, timeout: float | None = None):
+        return getattr(self.stub, method)(request, timeout=timeout, metadata=self._metadata)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '512MiB', '1.5G', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; use e.g. 8GiB, 512MiB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+
+def client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds --controller/--tls-dir/--tls-name/--token-file/--server-name; passes `client_config`."""
+
+    @click.option("--controller", "address", envvar="FASTSHARE_CONTROLLER", default="127.0.0.1:7070",
+                  show_default=True, help="Controller host:port [env FASTSHARE_CONTROLLER].")
+    @click.option("--tls-dir", envvar="FASTSHARE_TLS_DIR", type=click.Path(path_type=Path, file_okay=False),
+                  help="Directory with ca.crt and NAME.crt/NAME.key [env FASTSHARE_TLS_DIR].")
+    @click.option("--tls-name", envvar="FASTSHARE_TLS_NAME", default="client", show_default=True,
+                  help="Client certificate name in --tls-dir [env FASTSHARE_TLS_NAME].")
+    @click.option("--token-file", envvar="FASTSHARE_TOKEN_FILE",
+                  type=click.Path(path_type=Path, dir_okay=False),
+                  help="Bearer token instead of a client certificate [env FASTSHARE_TOKEN_FILE].")
+    @click.option("--server-name", envvar="FASTSHARE_CONTROLLER_NAME", default="controller",
+                  show_default=True,
+                  help="Name in the controller's certificate [env FASTSHARE_CONTROLLER_NAME].")
+    @functools.wraps(fn)
+    def wrapper(*args: Any, address: str, tls_dir: Path | None, tls_name: str, token_file: Path | None,
+                server_name: str, **kwargs: Any) -> Any:
+        config = ClientConfig(address=address, tls_dir=tls_dir, tls_name=tls_name, token_file=token_file,
+                              server_name=server_name)
+        return fn(*args, client_config=config, **kwargs)
+
+    return wrapper

@@ -1,0 +1,410 @@
+"""The controller's life cycle logic, independent of the transport and of the state store.
+
+An allocation is committed to the store (with the engine's reservation) BEFORE the node agent
+is asked to prepare it; each later step is one compare-and-set transition. Whatever point a
+crash interrupts, the record says what is left to do and :mod:`reconciler` finishes it:
+
+    pending --prepare on agent--> prepared --> active --release--> releasing --agent--> released
+       \\______________ agent refused / unreachable: compensate ______________/        (or failed)
+
+Agent RPCs (with deadlines) never run under the ledger lock; an allocation is worked on by
+one thread at a time (``claim``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from fastshare.controller import faults
+from fastshare.controller.agent_client import AgentError, AgentPool
+from fastshare.controller.events import EventHub
+from fastshare.controller.ledger import Ledger, gpu_view
+from fastshare.controller.model import FINISHED, Allocation, Device, Gpu, Kind, Node, State
+from fastshare.controller.store import Conflict, DuplicateKey, StateStore
+from fastshare.controller.validation import Request, ValidationError, validate
+from fastshare.device import catalog
+from fastshare.placement.model import Assignment, NodeView, Rejection
+from fastshare.v1 import agent_pb2, common_pb2
+
+log = logging.getLogger("fastshare.controller")
+
+ID_PREFIX = "fs-"   # allocation ids = agent share ids; the reconciler only frees shares it made
+_KINDS = {Kind.FASTPOD: common_pb2.SHARE_KIND_FASTPOD, Kind.MPS: common_pb2.SHARE_KIND_MPS,
+          Kind.EXCLUSIVE: common_pb2.SHARE_KIND_EXCLUSIVE, Kind.WHOLE: common_pb2.SHARE_KIND_WHOLE}
+
+
+class Rejected(Exception):
+    """Nothing fits; the message is the engine's reason."""
+
+
+class NotFound(Exception):
+    pass
+
+
+class KeyConflict(Exception):
+    """The idempotency key belongs to an allocation with a different request."""
+
+
+class Busy(Exception):
+    """Another operation on the same allocation did not finish in time."""
+
+
+class AgentFailed(Exception):
+    """The node agent refused or could not be reached; ``allocation`` is the (failed) record."""
+
+    def __init__(self, message: str, allocation: Allocation, unreachable: bool) -> None:
+        super().__init__(message)
+        self.allocation = allocation
+        self.unreachable = unreachable
+
+
+@dataclass(frozen=True)
+class Settings:
+    heartbeat_interval: float = 2.0      # what agents are told to use
+    heartbeat_timeout: float = 8.0       # silence after which a node is unavailable
+    reconcile_interval: float = 5.0
+    busy_wait: float = 30.0              # how long Release waits for an in-flight Allocate
+
+
+def model_name(nvml_name: str) -> str:
+    """The catalog key for an NVML product name when known (users write 'H100*', not 'NVIDIA ...')."""
+    known = catalog.find_model(nvml_name)
+    return known.key if known else nvml_name
+
+
+def node_from_inventory(name: str, address: str, labels: dict[str, str],
+                        inventory: agent_pb2.Inventory, now: float) -> Node:
+    gpus = [Gpu(index=g.index, uuid=g.uuid, model=model_name(g.name), memory_bytes=g.memory_bytes,
+                sm_count=g.sm_count, mig_capable=g.mig_capable, mig_enabled=g.mig_enabled)
+            for g in sorted(inventory.gpus, key=lambda g: g.index)]
+    return Node(name=name, address=address, labels=dict(labels), gpus=gpus, available=True,
+                last_heartbeat=now, registered_at=now,
+                inventory={"boot_id": inventory.boot_id, "agent_version": inventory.agent_version,
+                           "driver_version": inventory.driver_version})
+
+
+def node_view(node: Node) -> NodeView:
+    return NodeView(name=node.name, cpu_milli=0, memory_mib=0, labels=dict(node.labels),
+                    gpus=tuple(gpu_view(g.index, g.uuid, g.model, g.memory_bytes, g.sm_count,
+                                        g.mig_capable, g.mig_enabled) for g in node.gpus))
+
+
+class ControllerCore:
+    """Allocate / release / renew / register / heartbeat over a :class:`StateStore`."""
+
+    def __init__(self, store: StateStore, agents: AgentPool, settings: Settings | None = None,
+                 ledger: Ledger | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.agents = agents
+        self.settings = settings or Settings()
+        self.ledger = ledger or Ledger()
+        self.clock = clock
+        self.events = EventHub()
+        self._busy: set[str] = set()
+        self._busy_cond = threading.Condition()
+        self._registered: set[str] = set()    # nodes that registered with THIS process
+        self._last_seen: dict[str, float] = {}
+        self._nodes_lock = threading.Lock()
+        self._gpus: tuple[list[Gpu], int] | None = None
+
+    # -- per-allocation exclusion ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def claim(self, allocation_id: str, wait: float = 0.0) -> Iterator[bool]:
+        """Yields True when this thread may work on the allocation (nobody else is)."""
+        deadline = time.monotonic() + wait
+        with self._busy_cond:
+            while allocation_id in self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._busy_cond.wait(left)
+            got = allocation_id not in self._busy
+            if got:
+                self._busy.add(allocation_id)
+        try:
+            yield got
+        finally:
+            if got:
+                with self._busy_cond:
+                    self._busy.discard(allocation_id)
+                    self._busy_cond.notify_all()
+
+    def busy(self) -> set[str]:
+        with self._busy_cond:
+            return set(self._busy)
+
+    def _publish(self, allocation: Allocation) -> Allocation:
+        self.events.publish(allocation)
+        return allocation
+
+    # -- queries ---------------------------------------------------------------------------------
+    def known_gpus(self) -> tuple[list[Gpu], int]:
+        """Every GPU the controller knows, and the most on one node (cached; nodes change rarely)."""
+        cached = self._gpus
+        if cached is None:
+            nodes = self.store.list_nodes()
+            cached = ([g for n in nodes for g in n.gpus], max((len(n.gpus) for n in nodes), default=0))
+            self._gpus = cached
+        return cached
+
+    def get(self, allocation_id: str) -> Allocation:
+        found = self.store.get_allocation(allocation_id)
+        if found is None:
+            raise NotFound(f"allocation {allocation_id} does not exist")
+        return found
+
+    def is_available(self, node: str) -> bool:
+        with self._nodes_lock:
+            return node in self._registered and node in self._last_seen
+
+    # -- allocate --------------------------------------------------------------------------------
+    def allocate(self, request: Request) -> Allocation:
+        gpus, most = self.known_gpus()
+        validate(request, gpus, most)
+        if request.idempotency_key:
+            existing = self.store.find_by_key(request.idempotency_key)
+            if existing is not None:
+                return self._same_request(existing, request)
+        allocation_id = ID_PREFIX + secrets.token_hex(8)
+        engine_request = self.ledger.to_request(allocation_id, request.spec)
+        if isinstance(engine_request, Rejection):
+            raise Rejected(engine_request.reason)
+        with self.claim(allocation_id):
+            placed = self.ledger.place(engine_request)
+            if isinstance(placed, Rejection):
+                raise Rejected(placed.reason)
+            node = self.store.get_node(placed.node)
+            now = self.clock()
+            record = Allocation(
+                id=allocation_id, spec=request.spec, owner=request.owner, state=State.PENDING,
+                node=placed.node, idempotency_key=request.idempotency_key,
+                devices=_devices(placed, node), assignment=placed.to_dict(), created_at=now,
+                updated_at=now, lease_ttl=request.lease_ttl,
+                lease_expires_at=now + request.lease_ttl if request.lease_ttl else 0.0)
+            try:
+                self.store.create_allocation(record)
+            except DuplicateKey as dup:   # a concurrent call with the same key won
+                self.ledger.release(allocation_id)
+                return self._same_request(dup.existing, request)
+            except BaseException:
+                self.ledger.release(allocation_id)
+                raise
+            self._publish(record)
+            faults.point("controller.after_commit")
+            return self.complete(record)
+
+    def _same_request(self, existing: Allocation, request: Request) -> Allocation:
+        """A retry: the same allocation, driven to active if a crash left it half-done."""
+        if existing.spec != request.spec or existing.owner != request.owner:
+            raise KeyConflict(f"idempotency key {request.idempotency_key!r} was used by allocation "
+                              f"{existing.id} with a different request")
+        if existing.state not in (State.PENDING, State.PREPARED):
+            return existing
+        with self.claim(existing.id, wait=self.settings.busy_wait) as got:
+            current = self.get(existing.id)
+            if got and current.state in (State.PENDING, State.PREPARED) and self.is_available(current.node):
+                return self.complete(current)
+            return current
+
+    def share_for(self, allocation: Allocation) -> agent_pb2.Share:
+        spec = allocation.spec
+        share = agent_pb2.Share(id=allocation.id, kind=_KINDS[spec.kind], owner=allocation.owner,
+                                device_uuids=[d.gpu_uuid for d in allocation.devices])
+        if spec.kind is Kind.FASTPOD:
+            share.sm_percent = spec.sm_percent
+            share.memory_bytes = spec.memory_bytes
+            share.quota_request = spec.quota_request or 1.0
+            share.quota_limit = spec.quota_limit or 1.0
+        elif spec.kind is Kind.MPS:
+            share.memory_bytes = spec.memory_bytes
+        elif spec.kind is Kind.EXCLUSIVE:
+            mig = allocation.assignment["mig"]
+            share.mig_profile = mig["profile_name"]
+            share.mig_start = mig["start"]
+        return share
+
+    def complete(self, allocation: Allocation) -> Allocation:
+        """Drive a pending (or prepared) allocation to active; compensate if the agent refuses.
+
+        The caller holds the claim on the allocation.
+        """
+        if allocation.state is State.PENDING:
+            node = self.store.get_node(allocation.node)
+            client = self.agents.get(node.name, node.address)
+            try:
+                if allocation.assignment.get("enable_mig"):
+                    gpu_uuid = allocation.devices[0].gpu_uuid
+                    if client.set_mig_mode(gpu_uuid, True).pending:
+                        raise AgentFailed(f"MIG mode on {node.name} {gpu_uuid} waits for a GPU reset",
+                                          allocation, unreachable=False)
+                reply = client.prepare(self.share_for(allocation))
+            except AgentError as exc:
+                failed = self.compensate(allocation, f"prepare on {node.name} failed: "
+                                                     f"{exc.code.name}: {exc.details}")
+                raise AgentFailed(str(exc), failed, exc.unreachable) from None
+            except AgentFailed as exc:
+                exc.allocation = self.compensate(allocation, str(exc))
+                raise
+            faults.point("controller.after_prepare")
+            allocation = self._publish(self.store.transition(
+                allocation.id, [State.PENDING], State.PREPARED, env=_env(allocation, reply),
+                devices=_prepared_devices(allocation, reply)))
+            faults.point("controller.after_prepared")
+        if allocation.state is State.PREPARED:
+            allocation = self._publish(self.store.transition(allocation.id, [State.PREPARED], State.ACTIVE))
+        return allocation
+
+    def compensate(self, allocation: Allocation, reason: str) -> Allocation:
+        """Undo a half-done allocation: mark it releasing (with the reason), free it on the agent."""
+        log.warning("allocation %s: %s; releasing it", allocation.id, reason)
+        allocation = self._publish(self.store.transition(
+            allocation.id, [State.PENDING, State.PREPARED, State.ACTIVE], State.RELEASING, reason=reason))
+        return self.finish_release(allocation)
+
+    # -- release ---------------------------------------------------------------------------------
+    def release(self, allocation_id: str, reason: str = "") -> Allocation:
+        allocation = self.get(allocation_id)
+        if allocation.state in FINISHED:
+            return allocation
+        with self.claim(allocation_id, wait=self.settings.busy_wait) as got:
+            if not got:
+                raise Busy(f"allocation {allocation_id} is being changed by another call; retry")
+            return self.release_claimed(self.get(allocation_id), reason)
+
+    def release_claimed(self, allocation: Allocation, reason: str = "") -> Allocation:
+        if allocation.state in FINISHED:
+            return allocation
+        if allocation.state is not State.RELEASING:
+            changes = {"reason": reason} if reason else {}
+            allocation = self._publish(self.store.transition(
+                allocation.id, [State.PENDING, State.PREPARED, State.ACTIVE], State.RELEASING, **changes))
+            faults.point("controller.after_release_commit")
+        return self.finish_release(allocation)
+
+    def finish_release(self, allocation: Allocation) -> Allocation:
+        """Free a releasing allocation on its agent, then in the store and the ledger.
+
+        If the agent cannot be reached it stays releasing (its capacity stays held) and the
+        reconciler finishes when the node is back.
+        """
+        node = self.store.get_node(allocation.node)
+        try:
+            self.agents.get(node.name, node.address).release(allocation.id)
+        except AgentError as exc:
+            log.warning("allocation %s stays releasing: %s", allocation.id, exc)
+            return allocation
+        faults.point("controller.after_agent_release")
+        # failed = it never became usable (never prepared, so no environment was handed out).
+        final = State.RELEASED if allocation.env else State.FAILED
+        try:
+            allocation = self.store.transition(allocation.id, [State.RELEASING], final,
+                                               lease_expires_at=0.0)
+        except Conflict:
+            return self.get(allocation.id)
+        self.ledger.release(allocation.id)
+        return self._publish(allocation)
+
+    def renew(self, allocation_id: str, ttl: int = 0) -> Allocation:
+        allocation = self.get(allocation_id)
+        ttl = ttl or allocation.lease_ttl
+        if allocation.state in FINISHED or allocation.state is State.RELEASING:
+            raise NotFound(f"allocation {allocation_id} is {allocation.state.value}; its lease cannot "
+                           "be renewed")
+        if not ttl:
+            raise ValidationError("ttl_seconds", "the allocation has no lease; give ttl_seconds > 0")
+        return self.store.update(allocation_id, lease_expires_at=self.clock() + ttl, lease_ttl=ttl)
+
+    # -- nodes -----------------------------------------------------------------------------------
+    def register_node(self, name: str, address: str, labels: dict[str, str]) -> None:
+        """An agent (re)announced itself: pull its inventory, refresh the ledger, reconcile it."""
+        inventory = self.agents.get(name, address).inventory()
+        now = self.clock()
+        node = node_from_inventory(name, address, labels, inventory, now)
+        self.store.put_node(node)
+        self._gpus = None
+        with self._nodes_lock:
+            self._registered.add(name)
+            self._last_seen[name] = now
+        for assignment, why in self.ledger.set_node(node_view(node), True):
+            log.error("allocation %s no longer fits node %s after registration: %s",
+                      assignment.request.id, name, why)
+        log.info("node %s registered at %s with %d GPU(s)", name, address, len(node.gpus))
+
+    def heartbeat(self, name: str) -> bool:
+        """False tells the agent to register again (unknown to this controller process)."""
+        now = self.clock()
+        with self._nodes_lock:
+            if name not in self._registered:
+                return False
+            was_down = name not in self._last_seen
+            self._last_seen[name] = now
+        self.store.mark_node(name, available=True, last_heartbeat=now)
+        if was_down:
+            log.info("node %s is back", name)
+            self.ledger.set_available(name, True)
+        return True
+
+    def check_liveness(self) -> list[str]:
+        """Mark nodes that missed their heartbeats unavailable; returns their names."""
+        now = self.clock()
+        lost = []
+        with self._nodes_lock:
+            for name, seen in list(self._last_seen.items()):
+                if now - seen > self.settings.heartbeat_timeout:
+                    del self._last_seen[name]
+                    lost.append(name)
+        for name in lost:
+            log.warning("node %s missed its heartbeats: unavailable, no new work", name)
+            self.store.mark_node(name, available=False)
+            self.ledger.set_available(name, False)
+        return lost
+
+    def adopt_node(self, node: Node, inventory: agent_pb2.Inventory | None) -> None:
+        """At start: a node from the store, reachable (inventory) or not."""
+        now = self.clock()
+        if inventory is not None:
+            node = replace(node_from_inventory(node.name, node.address, node.labels, inventory, now),
+                           registered_at=node.registered_at)
+            with self._nodes_lock:
+                self._registered.add(node.name)
+                self._last_seen[node.name] = now
+        self.store.put_node(replace(node, available=inventory is not None))
+        self._gpus = None
+
+
+def _devices(assignment: Assignment, node: Node | None) -> list[Device]:
+    gpus = {g.index: g for g in (node.gpus if node else [])}
+    out = []
+    for index in assignment.gpus:
+        gpu = gpus.get(index)
+        device = Device(gpu_index=index, gpu_uuid=gpu.uuid if gpu else "", model=gpu.model if gpu else "")
+        if assignment.mig is not None:
+            device = replace(device, mig_profile=assignment.mig.profile_name, mig_start=assignment.mig.start,
+                             mig_size=assignment.mig.size)
+        out.append(device)
+    return out
+
+
+def _prepared_devices(allocation: Allocation, reply: agent_pb2.PrepareShareReply) -> list[Device]:
+    if allocation.spec.kind is not Kind.EXCLUSIVE or not reply.device_uuids:
+        return allocation.devices
+    device = allocation.devices[0]
+    start = reply.share.mig_start if reply.share.HasField("mig_start") else device.mig_start
+    return [replace(device, mig_uuid=reply.device_uuids[0], mig_start=start)]
+
+
+def _env(allocation: Allocation, reply: agent_pb2.PrepareShareReply) -> dict[str, str]:
+    env = dict(reply.env)
+    visible = ",".join(reply.device_uuids) or ",".join(d.gpu_uuid for d in allocation.devices)
+    env.setdefault("CUDA_VISIBLE_DEVICES", visible)
+    env.setdefault("NVIDIA_VISIBLE_DEVICES", visible)
+    env["FASTSHARE_ALLOCATION_ID"] = allocation.id
+    env["FASTSHARE_NODE"] = allocation.node
+    return env
+

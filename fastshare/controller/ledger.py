@@ -1,0 +1,180 @@
+"""The controller's use of the placement engine: one engine behind one lock, no I/O inside.
+
+Translates the API's :class:`Spec` into the engine's ``Request`` (globs in the model
+allow-list become the models present, a MIG profile name becomes its SM count and memory),
+keeps unavailable nodes in the engine (their shares are still held) but out of reach of new
+requests, and rebuilds the engine from persisted assignments after a restart.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from collections.abc import Iterable, Sequence
+
+from fastshare.controller.model import Kind, Spec
+from fastshare.device import catalog
+from fastshare.placement.engine import Engine
+from fastshare.placement.model import Assignment, GpuView, NodeView, Rejection, Request
+
+MiB = 1024**2
+# Every node view carries this label; every request selects "available". An unavailable node
+# keeps its assignments in the engine but matches no new request.
+STATE_LABEL = "fastshare.io/node-state"
+
+
+def _names(model: str) -> set[str]:
+    """Every name a user may use for a model: catalog key, NVML name, aliases."""
+    known = catalog.find_model(model)
+    if known is None:
+        return {model}
+    return {model, known.key, known.name, *known.aliases}
+
+
+def expand_models(patterns: Sequence[str], present: Iterable[str]) -> tuple[str, ...]:
+    """The models present that match any glob (case-insensitive)."""
+    out = []
+    for model in sorted(set(present)):
+        names = [n.lower() for n in _names(model)]
+        if any(fnmatch.fnmatchcase(n, p.lower()) for p in patterns for n in names):
+            out.append(model)
+    return tuple(out)
+
+
+class Ledger:
+    """Who holds what, and where the next request goes. Thread-safe; every call is pure CPU."""
+
+    def __init__(self, mps_oversubscription: float = 1.0) -> None:
+        self._lock = threading.Lock()
+        self._oversub = mps_oversubscription
+        self._engine = Engine(mps_oversubscription=mps_oversubscription)
+        self._views: dict[str, NodeView] = {}
+        self._available: dict[str, bool] = {}
+
+    # -- cluster view -------------------------------------------------------------------------
+    def _view(self, view: NodeView, available: bool) -> NodeView:
+        labels = dict(view.labels)
+        labels[STATE_LABEL] = "available" if available else "unavailable"
+        return NodeView(name=view.name, cpu_milli=view.cpu_milli, memory_mib=view.memory_mib,
+                        gpus=view.gpus, labels=labels, links=view.links)
+
+    def _rebuild(self, assignments: Iterable[Assignment]) -> list[tuple[Assignment, str]]:
+        """New engine from the views + assignments (policy kept); returns what did not fit."""
+        engine = Engine((self._view(v, self._available[n]) for n, v in sorted(self._views.items())),
+                        policy=self._engine.policy, mps_oversubscription=self._oversub)
+        failed = []
+        for a in assignments:
+            try:
+                engine.restore(a)
+            except Exception as exc:  # the engine says why (node gone, no longer fits)
+                failed.append((a, str(exc)))
+        self._engine = engine
+        return failed
+
+    def reset(self, nodes: Iterable[tuple[NodeView, bool]],
+              assignments: Iterable[Assignment]) -> list[tuple[Assignment, str]]:
+        """Start over from the state of record (controller start)."""
+        with self._lock:
+            self._views = {v.name: v for v, _ in nodes}
+            self._available = {v.name: a for v, a in nodes}
+            # recompute: `nodes` may be a one-shot iterable
+            return self._rebuild(assignments)
+
+    def set_node(self, view: NodeView, available: bool) -> list[tuple[Assignment, str]]:
+        """Add or refresh a node (new inventory or availability); assignments are kept."""
+        with self._lock:
+            if self._views.get(view.name) == view and self._available.get(view.name) == available:
+                return []
+            self._views[view.name] = view
+            self._available[view.name] = available
+            return self._rebuild(self._engine.assignments.values())
+
+    def set_available(self, name: str, available: bool) -> None:
+        with self._lock:
+            if name in self._views and self._available.get(name) != available:
+                self._available[name] = available
+                self._rebuild(self._engine.assignments.values())
+
+    def models(self) -> set[str]:
+        with self._lock:
+            return {g.model for v in self._views.values() for g in v.gpus}
+
+    # -- decisions -----------------------------------------------------------------------------
+    def to_request(self, allocation_id: str, spec: Spec) -> Request | Rejection:
+        """The engine's request for an API spec (validated already)."""
+        models: tuple[str, ...] = ()
+        present = self.models()
+        if spec.models:
+            models = expand_models(spec.models, present)
+            if not models:
+                return Rejection(f"no GPU model present matches {list(spec.models)}; present: "
+                                 f"{sorted(present)}")
+        sm_percent = float(spec.sm_percent) if spec.sm_percent else None
+        sm_count = spec.sm_count or None
+        memory_mib = -(-spec.memory_bytes // MiB)
+        if spec.kind is Kind.EXCLUSIVE and spec.mig_profile:
+            # A profile name exists on some models only; ask for its shape on those models.
+            having = []
+            for m in models or tuple(sorted(present)):
+                known = catalog.find_model(m)
+                if known is None:
+                    continue
+                try:
+                    profile = known.profile(spec.mig_profile)
+                except catalog.CatalogError:
+                    continue
+                having.append((m, profile))
+            if not having:
+                return Rejection(f"no GPU present has MIG profile {spec.mig_profile!r}")
+            models = tuple(m for m, _ in having)
+            sm_count = min(p.sm_count for _, p in having)
+            memory_mib = max(memory_mib, min(p.memory_mib for _, p in having))
+        selector = {**dict(spec.node_selector), STATE_LABEL: "available"}
+        return Request(
+            id=allocation_id, kind=spec.kind.value, sm_percent=sm_percent, sm_count=sm_count,
+            gpu_memory_mib=memory_mib, quota_request=spec.quota_request or 1.0,
+            quota_limit=spec.quota_limit or 1.0, gpus=spec.gpu_count or 1, gpu_models=models,
+            node_selector=selector, affinity=spec.affinity or None,
+            anti_affinity=spec.anti_affinity or None, exclusion=spec.exclusion or None)
+
+    def place(self, request: Request) -> Assignment | Rejection:
+        with self._lock:
+            result = self._engine.place(request)
+            if isinstance(result, Rejection):
+                down = sorted(n for n, ok in self._available.items() if not ok)
+                if down:
+                    return Rejection(f"{result.reason} (unavailable, no new work: {', '.join(down)})",
+                                     result.details)
+            return result
+
+    def release(self, allocation_id: str) -> bool:
+        """Give back what an allocation holds; False if the engine did not hold it."""
+        with self._lock:
+            try:
+                self._engine.release(allocation_id)
+            except KeyError:
+                return False
+            return True
+
+    def restore(self, assignment: Assignment) -> None:
+        with self._lock:
+            if assignment.request.id not in self._engine.assignments:
+                self._engine.restore(assignment)
+
+    def holds(self, allocation_id: str) -> bool:
+        with self._lock:
+            return allocation_id in self._engine.assignments
+
+    def usage(self) -> list[dict]:
+        with self._lock:
+            return self._engine.usage()
+
+
+def gpu_view(index: int, uuid: str, model: str, memory_bytes: int, sm_count: int, mig_capable: bool,
+             mig_enabled: bool) -> GpuView:
+    """A GPU for the engine; MIG profiles from the catalog (the engine needs max_instances)."""
+    known = catalog.find_model(model)
+    profiles = known.profiles if (known is not None and mig_capable) else ()
+    return GpuView(index=index, model=model, memory_mib=memory_bytes // MiB, sm_count=sm_count,
+                   mig_capable=mig_capable and bool(profiles), mig_enabled=mig_enabled,
+                   mig_profiles=profiles, uuid=uuid)

@@ -1,0 +1,139 @@
+"""Finishes or compensates every half-done step, at start and periodically.
+
+Order matters: agents' inventories are read BEFORE the store, so a share an agent reports
+always has its record committed already (records are committed before prepare); a share
+without a holding record is therefore a true orphan (prepare without record) and is freed.
+
+Per allocation, by state (skipping allocations another thread is working on):
+- pending   -> prepare again (idempotent by share id) and activate; refused -> compensate;
+- prepared  -> activate;
+- active    -> lease expired: release; agent lost the share: prepare again (roll forward);
+- releasing -> release on the agent again, then mark released/failed.
+Nodes that cannot be reached are left alone: their allocations keep their capacity and
+their state until the node is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from fastshare.controller.agent_client import AgentError
+from fastshare.controller.core import ID_PREFIX, AgentFailed, ControllerCore, node_view
+from fastshare.controller.model import FINISHED, HOLDING, Allocation, State
+from fastshare.placement.model import Assignment
+from fastshare.v1 import agent_pb2
+
+log = logging.getLogger("fastshare.controller.reconciler")
+
+
+@dataclass
+class Report:
+    """What one pass did (for logs and tests)."""
+
+    completed: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    compensated: list[str] = field(default_factory=list)
+    orphans_freed: list[str] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)
+
+
+class Reconciler:
+    def __init__(self, core: ControllerCore) -> None:
+        self.core = core
+        self._lock = threading.Lock()   # one pass at a time
+
+    def _inventories(self, names: list[str] | None = None) -> dict[str, agent_pb2.Inventory | None]:
+        nodes = [n for n in self.core.store.list_nodes() if names is None or n.name in names]
+
+        def fetch(node):
+            try:
+                return node.name, self.core.agents.get(node.name, node.address).inventory()
+            except AgentError as exc:
+                log.info("node %s unreachable during reconciliation: %s", node.name, exc)
+                return node.name, None
+
+        if not nodes:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(8, len(nodes))) as pool:
+            return dict(pool.map(fetch, nodes))
+
+    def start(self) -> Report:
+        """Controller start: rebuild the ledger from the store + agents, then reconcile."""
+        with self._lock:
+            inventories = self._inventories()
+            for node in self.core.store.list_nodes():
+                self.core.adopt_node(node, inventories.get(node.name))
+            nodes = [(node_view(n), n.available) for n in self.core.store.list_nodes()]
+            holding = self.core.store.list_allocations(HOLDING)
+            for assignment, why in self.core.ledger.reset(
+                    nodes, [Assignment.from_dict(a.assignment) for a in holding]):
+                log.error("allocation %s cannot be restored into the ledger: %s", assignment.request.id, why)
+            return self._pass(inventories)
+
+    def run_once(self, nodes: list[str] | None = None) -> Report:
+        with self._lock:
+            return self._pass(self._inventories(nodes), nodes)
+
+    def _pass(self, inventories: dict[str, agent_pb2.Inventory | None],
+              only: list[str] | None = None) -> Report:
+        report = Report(unreachable=sorted(n for n, inv in inventories.items() if inv is None))
+        holding = [a for a in self.core.store.list_allocations(HOLDING) if only is None or a.node in only]
+        for allocation in holding:
+            self._allocation(allocation, inventories.get(allocation.node), report)
+        # Orphans: shares on a reachable agent that no holding record explains.
+        records = {a.id: a for a in self.core.store.list_allocations(HOLDING)}
+        busy = self.core.busy()
+        for node, inventory in inventories.items():
+            if inventory is None:
+                continue
+            for share in inventory.shares:
+                if not share.id.startswith(ID_PREFIX) or share.id in records or share.id in busy:
+                    continue
+                record = self.core.store.get_allocation(share.id)
+                if record is not None and record.state not in FINISHED:
+                    continue
+                try:
+                    stored = self.core.store.get_node(node)
+                    self.core.agents.get(node, stored.address).release(share.id)
+                    report.orphans_freed.append(share.id)
+                    log.warning("freed orphan share %s on %s (no allocation holds it)", share.id, node)
+                except AgentError as exc:
+                    log.warning("could not free orphan share %s on %s: %s", share.id, node, exc)
+        return report
+
+    def _allocation(self, allocation: Allocation, inventory: agent_pb2.Inventory | None,
+                    report: Report) -> None:
+        core = self.core
+        with core.claim(allocation.id) as got:
+            if not got:
+                return
+            current = core.store.get_allocation(allocation.id)
+            if current is None or current.state in FINISHED:
+                return
+            expired = bool(current.lease_expires_at) and core.clock() > current.lease_expires_at
+            try:
+                if current.state is State.RELEASING:
+                    if inventory is not None:
+                        done = core.finish_release(current)
+                        if done.state in FINISHED:
+                            report.released.append(done.id)
+                elif expired:
+                    log.info("allocation %s: lease expired, releasing", current.id)
+                    done = core.release_claimed(current, reason="lease expired")
+                    report.released.append(done.id)
+                elif inventory is None:
+                    return
+                elif current.state in (State.PENDING, State.PREPARED):
+                    core.complete(current)
+                    report.completed.append(current.id)
+                elif current.state is State.ACTIVE and current.id not in {s.id for s in inventory.shares}:
+                    log.warning("allocation %s is active but node %s lost its share; preparing it again",
+                                current.id, current.node)
+                    core.complete(core.store.transition(current.id, [State.ACTIVE], State.PENDING))
+                    report.completed.append(current.id)
+            except AgentFailed as exc:
+                report.compensated.append(current.id)
+                log.warning("allocation %s compensated: %s", current.id, exc)

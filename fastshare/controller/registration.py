@@ -1,0 +1,71 @@
+"""Runs inside the node agent: register with the controller, then heartbeat.
+
+The agent starts one :class:`Registrar` when its configuration names ``controller_address``.
+The controller answers a heartbeat with ``registered = false`` when it does not know the node
+in its current process (it restarted, or declared the node lost); the registrar then
+registers again, which makes the controller pull the inventory and reconcile the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from fastshare.security.tls import TlsPaths, mtls_channel
+from fastshare.v1 import controller_pb2 as pb
+from fastshare.v1 import controller_pb2_grpc as pb_grpc
+
+log = logging.getLogger("fastshare.node.registration")
+DEADLINE = 10.0
+MAX_BACKOFF = 10.0
+
+
+class Registrar:
+    def __init__(self, controller_address: str, node_name: str, agent_address: str, tls: TlsPaths,
+                 labels: dict[str, str] | None = None, controller_name: str = "controller") -> None:
+        self.node_name = node_name
+        self.agent_address = agent_address
+        self.labels = dict(labels or {})
+        self._channel = mtls_channel(controller_address, tls, server_name=controller_name)
+        self._stub = pb_grpc.NodeRegistryStub(self._channel)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="registrar", daemon=True)
+        self.registered = threading.Event()
+        self.interval = 2.0
+
+    def start(self) -> Registrar:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=DEADLINE + 1)
+        self._channel.close()
+
+    def _register(self) -> None:
+        reply = self._stub.RegisterNode(pb.RegisterNodeRequest(
+            node=self.node_name, address=self.agent_address, labels=self.labels), timeout=DEADLINE)
+        self.interval = float(reply.heartbeat_interval_seconds or 2)
+        self.registered.set()
+        log.info("registered with the controller as %s (%s)", self.node_name, self.agent_address)
+
+    def _loop(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                if not self.registered.is_set():
+                    self._register()
+                elif not self._stub.Heartbeat(pb.HeartbeatRequest(node=self.node_name),
+                                              timeout=DEADLINE).registered:
+                    self.registered.clear()
+                    continue           # register again at once
+                backoff = 0.5
+                wait = self.interval
+            except grpc.RpcError as exc:
+                log.warning("controller: %s: %s", exc.code().name, exc.details())
+                if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    self.registered.clear()
+                wait, backoff = backoff, min(MAX_BACKOFF, backoff * 2)
+            self._stop.wait(wait)

@@ -1,0 +1,308 @@
+"""The controller's gRPC servicers, authentication, and the serve loop.
+
+Authentication:
+- NodeRegistry: mTLS only, and the certificate must name the node that registers.
+- Controller (clients): ``client_auth`` = ``cert`` (a client certificate signed by the cluster
+  CA), ``token`` (``authorization: Bearer <token>`` metadata), or ``any`` (either). The main
+  port always requires a client certificate at the TLS layer; ``token_listen`` adds a
+  server-TLS-only port for token clients without certificates.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from fastshare.controller import convert
+from fastshare.controller.agent_client import AgentError, AgentPool
+from fastshare.controller.core import (
+    AgentFailed,
+    Busy,
+    ControllerCore,
+    KeyConflict,
+    NotFound,
+    Rejected,
+    Settings,
+)
+from fastshare.controller.ledger import Ledger
+from fastshare.controller.lock import StateDirLock
+from fastshare.controller.model import FINISHED, HOLDING
+from fastshare.controller.reconciler import Reconciler
+from fastshare.controller.sqlite_store import SqliteStore
+from fastshare.controller.store import Conflict
+from fastshare.controller.validation import Request, ValidationError
+from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
+from fastshare.v1 import common_pb2
+from fastshare.v1 import controller_pb2 as pb
+from fastshare.v1 import controller_pb2_grpc as pb_grpc
+
+log = logging.getLogger("fastshare.controller")
+CLIENT_AUTH = ("cert", "token", "any")
+
+
+@dataclass(frozen=True)
+class Config:
+    state_dir: Path
+    tls: TlsPaths
+    listen: str = "127.0.0.1:7070"
+    token_listen: str = ""
+    client_auth: str = "cert"
+    tokens: tuple[str, ...] = ()
+    settings: Settings = field(default_factory=Settings)
+    agent_deadline: float = 10.0
+    mps_oversubscription: float = 1.0
+    workers: int = 32
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    codes = [(ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+             (Rejected, grpc.StatusCode.RESOURCE_EXHAUSTED), (NotFound, grpc.StatusCode.NOT_FOUND),
+             (KeyConflict, grpc.StatusCode.ALREADY_EXISTS), (Busy, grpc.StatusCode.ABORTED),
+             (Conflict, grpc.StatusCode.ABORTED)]
+    for kind, code in codes:
+        if isinstance(exc, kind):
+            context.abort(code, str(exc))
+    if isinstance(exc, AgentFailed):
+        code = grpc.StatusCode.UNAVAILABLE if exc.unreachable else grpc.StatusCode.FAILED_PRECONDITION
+        context.abort(code, f"allocation {exc.allocation.id} is {exc.allocation.state.value}: {exc}")
+    if isinstance(exc, AgentError):
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    raise exc
+
+
+class Authenticator:
+    def __init__(self, mode: str, tokens: tuple[str, ...]) -> None:
+        if mode not in CLIENT_AUTH:
+            raise ValueError(f"client_auth must be one of {', '.join(CLIENT_AUTH)}, got {mode!r}")
+        if mode in ("token", "any") and not tokens:
+            raise ValueError(f"client_auth {mode} needs a token file (token_file) with at least one token")
+        self.mode = mode
+        self._tokens = [t.encode() for t in tokens]
+
+    def _token_ok(self, context: grpc.ServicerContext) -> bool:
+        for key, value in context.invocation_metadata():
+            if key == "authorization" and value.startswith("Bearer "):
+                given = value[len("Bearer "):].encode()
+                return any(hmac.compare_digest(given, t) for t in self._tokens)
+        return False
+
+    def check(self, context: grpc.ServicerContext) -> None:
+        has_cert = peer_identity(context) is not None
+        if self.mode == "cert" and has_cert:
+            return
+        if self.mode == "token" and self._token_ok(context):
+            return
+        if self.mode == "any" and (has_cert or self._token_ok(context)):
+            return
+        need = {"cert": "a client certificate signed by the cluster CA",
+                "token": "a bearer token (authorization metadata)",
+                "any": "a client certificate or a bearer token"}[self.mode]
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"this controller requires {need}")
+
+
+def _guard(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Authenticate, then turn domain errors into status codes."""
+
+    def wrapper(self: ControllerServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        self.auth.check(context)
+        try:
+            return method(self, request, context)
+        except grpc.RpcError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, ValidationError | Rejected | NotFound | KeyConflict | Busy | Conflict
+                          | AgentFailed | AgentError):
+                _abort(context, exc)
+            log.exception("internal error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+class ControllerServicer(pb_grpc.ControllerServicer):
+    def __init__(self, core: ControllerCore, auth: Authenticator) -> None:
+        self.core = core
+        self.auth = auth
+
+    def _pb(self, allocation) -> pb.Allocation:
+        return convert.allocation_to_pb(allocation, self.core.is_available(allocation.node))
+
+    @_guard
+    def Allocate(self, request: pb.AllocateRequest, context) -> pb.Allocation:
+        req = Request(spec=convert.spec_from_pb(request.spec), owner=request.owner,
+                      idempotency_key=request.idempotency_key, lease_ttl=request.lease_ttl_seconds)
+        return self._pb(self.core.allocate(req))
+
+    @_guard
+    def Release(self, request: pb.ReleaseAllocationRequest, context) -> pb.Allocation:
+        return self._pb(self.core.release(request.allocation_id))
+
+    @_guard
+    def Get(self, request: pb.GetAllocationRequest, context) -> pb.Allocation:
+        return self._pb(self.core.get(request.allocation_id))
+
+    @_guard
+    def List(self, request: pb.ListAllocationsRequest, context) -> pb.ListAllocationsResponse:
+        states = None if request.include_finished else HOLDING
+        found = self.core.store.list_allocations(states, node=request.node or None)
+        return pb.ListAllocationsResponse(allocations=[self._pb(a) for a in found])
+
+    def Watch(self, request: pb.WatchAllocationsRequest, context) -> Iterator[pb.AllocationEvent]:
+        self.auth.check(context)
+        sub = self.core.events.subscribe(request.allocation_id)
+        try:
+            if request.allocation_id:
+                current = self.core.store.get_allocation(request.allocation_id)
+                if current is None:
+                    context.abort(grpc.StatusCode.NOT_FOUND,
+                                  f"allocation {request.allocation_id} does not exist")
+                yield pb.AllocationEvent(allocation=self._pb(current))
+                if current.state in FINISHED:
+                    return
+            while context.is_active():
+                event = sub.get(timeout=1.0)
+                if sub.overflowed:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "watch fell behind; watch again")
+                if event is not None:
+                    yield pb.AllocationEvent(allocation=self._pb(event))
+                    if request.allocation_id and event.state in FINISHED:
+                        return
+        finally:
+            self.core.events.unsubscribe(sub)
+
+    @_guard
+    def RenewLease(self, request: pb.RenewLeaseRequest, context) -> pb.Allocation:
+        return self._pb(self.core.renew(request.allocation_id, request.ttl_seconds))
+
+    @_guard
+    def Status(self, request: pb.ClusterStatusRequest, context) -> pb.ClusterStatus:
+        states = None if request.include_finished else HOLDING
+        nodes = self.core.store.list_nodes()
+        for n in nodes:
+            n.available = self.core.is_available(n.name)
+        return convert.cluster_status(nodes, self.core.store.list_allocations(states))
+
+    @_guard
+    def Ping(self, request: common_pb2.Empty, context) -> common_pb2.Empty:
+        return common_pb2.Empty()
+
+
+class RegistryServicer(pb_grpc.NodeRegistryServicer):
+    def __init__(self, core: ControllerCore, on_registered: Callable[[str], None]) -> None:
+        self.core = core
+        self._on_registered = on_registered
+
+    @staticmethod
+    def _node_identity(context: grpc.ServicerContext, node: str) -> None:
+        peer = peer_identity(context)
+        if peer is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "node agents must use mTLS (a certificate "
+                                                           "signed by the cluster CA)")
+        if not node or node not in peer.names():
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"certificate of {peer.common_name!r} does "
+                                                             f"not name node {node!r}")
+
+    def RegisterNode(self, request: pb.RegisterNodeRequest, context) -> pb.RegisterNodeResponse:
+        self._node_identity(context, request.node)
+        if not request.address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: the agent's host:port is required")
+        try:
+            self.core.register_node(request.node, request.address, dict(request.labels))
+        except AgentError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the agent back at {request.address}: "
+                                                       f"{exc}")
+        self._on_registered(request.node)
+        return pb.RegisterNodeResponse(
+            heartbeat_interval_seconds=max(1, round(self.core.settings.heartbeat_interval)))
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        self._node_identity(context, request.node)
+        return pb.HeartbeatResponse(registered=self.core.heartbeat(request.node))
+
+
+class ControllerServer:
+    """Lock, store, core, reconciler, gRPC server and housekeeping thread, started in that order."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.lock = StateDirLock(config.state_dir)
+        self._stop = threading.Event()
+        self.server: grpc.Server | None = None
+
+    def start(self) -> None:
+        cfg = self.config
+        auth = Authenticator(cfg.client_auth, cfg.tokens)   # config errors before anything starts
+        cfg.tls.check()
+        self.lock.acquire()
+        try:
+            self.store = SqliteStore(Path(cfg.state_dir) / "state.db")
+            self.agents = AgentPool(cfg.tls, cfg.agent_deadline)
+            self.core = ControllerCore(self.store, self.agents, cfg.settings,
+                                       Ledger(cfg.mps_oversubscription))
+            self.reconciler = Reconciler(self.core)
+            report = self.reconciler.start()
+            log.info("state rebuilt: %s", report)
+            server = grpc.server(ThreadPoolExecutor(max_workers=cfg.workers),
+                                 options=[("grpc.so_reuseport", 0)])
+            pb_grpc.add_ControllerServicer_to_server(ControllerServicer(self.core, auth), server)
+            pb_grpc.add_NodeRegistryServicer_to_server(RegistryServicer(self.core, self._reconcile_soon),
+                                                       server)
+            self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls, True))
+            if cfg.token_listen:
+                self.token_port = server.add_secure_port(cfg.token_listen, server_credentials(cfg.tls, False))
+            server.start()
+            self.server = server
+            self._thread = threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _reconcile_soon(self, node: str) -> None:
+        threading.Thread(target=self._safe, args=(lambda: self.reconciler.run_once([node]),),
+                         daemon=True).start()
+
+    @staticmethod
+    def _safe(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("background step failed")
+
+    def _housekeeping(self) -> None:
+        s = self.config.settings
+        next_reconcile = time.monotonic() + s.reconcile_interval
+        while not self._stop.wait(min(1.0, s.heartbeat_interval / 2)):
+            self._safe(self.core.check_liveness)
+            if time.monotonic() >= next_reconcile:
+                self._safe(self.reconciler.run_once)
+                next_reconcile = time.monotonic() + s.reconcile_interval
+
+    def stop(self, grace: float = 5.0) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.stop(grace).wait()
+        self.agents.close()
+        self.store.close()
+        self.lock.release()
+
+    def serve_forever(self) -> None:
+        """Until SIGTERM or SIGINT."""
+        done = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: done.set())
+        while not done.wait(3600):
+            pass
+        log.info("stopping")
+        self.stop()

@@ -1,0 +1,389 @@
+"""MIG layout logic, in one place: parse a layout, plan placements, diff, apply.
+
+Why a search: which MIG profiles fit together depends on WHERE each instance sits (allowed
+starts differ per profile), so "largest first at the first free start" rejects layouts that
+NVML accepts in another arrangement (GPU-FACTS.md, the 19,19,14,9 example). The GPUs are
+small (8 memory slices), so an exhaustive search over allowed placements is cheap and lets the
+plan keep as many existing instances as possible, never move one that is in use, and among
+equal plans keep the largest future shapes available.
+
+Everything here works on a :class:`GpuShape` built from NVML's profiles or from the catalog.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from fastshare.device.api import DeviceError, Devices, MigInstance, MigProfile
+from fastshare.device.catalog import GpuModel
+
+
+class LayoutError(ValueError):
+    """A layout that cannot be parsed or cannot be realised; the message says why."""
+
+
+@dataclass(frozen=True)
+class GpuShape:
+    """What a MIG-capable GPU offers: its profiles and its slice counts."""
+
+    profiles: tuple[MigProfile, ...]
+    memory_slices: int
+    compute_slices: int
+    label: str = "GPU"
+
+    @classmethod
+    def from_model(cls, model: GpuModel) -> GpuShape:
+        if not model.mig_capable:
+            raise LayoutError(f"{model.key} does not support MIG")
+        return cls(model.profiles, model.memory_slices, model.compute_slices, model.key)
+
+    @classmethod
+    def from_profiles(cls, profiles: Iterable[MigProfile], label: str = "GPU") -> GpuShape:
+        profiles = tuple(profiles)
+        if not profiles:
+            raise LayoutError(f"{label} reports no MIG profiles (is MIG supported and enabled?)")
+        memory = max(max(p.placements, default=0) + p.memory_slices for p in profiles)
+        return cls(profiles, memory, max(p.slices for p in profiles), label)
+
+    def profile(self, name_or_id: str | int) -> MigProfile:
+        text = str(name_or_id).strip().lower()
+        for p in self.profiles:
+            if p.name.lower() == text or (text.isdigit() and p.profile_id == int(text)):
+                return p
+        known = ", ".join(f"{p.name} (id {p.profile_id})" for p in self.profiles)
+        raise LayoutError(f"unknown MIG profile {name_or_id!r} on {self.label}; known: {known}")
+
+    def mask(self, profile: MigProfile, start: int) -> int:
+        return ((1 << profile.memory_slices) - 1) << start
+
+
+class _HasPlacement(Protocol):
+    profile_id: int
+    start: int
+
+
+@dataclass(frozen=True)
+class Placed:
+    """An instance at a placement; ``in_use`` means processes run on it."""
+
+    profile_id: int
+    start: int
+    in_use: bool = False
+    label: str = ""          # e.g. the MIG UUID, for messages
+
+    @classmethod
+    def of(cls, item: _HasPlacement | Placed) -> Placed:
+        if isinstance(item, Placed):
+            return item
+        if isinstance(item, MigInstance):
+            return cls(item.profile_id, item.start, item.processes > 0, item.uuid or "")
+        return cls(item.profile_id, item.start)
+
+
+@dataclass(frozen=True)
+class Step:
+    action: str              # "destroy" | "create"
+    profile_id: int
+    profile_name: str
+    start: int
+    size: int
+
+    def describe(self) -> str:
+        return (f"{self.action} {self.profile_name} (id {self.profile_id}) at start {self.start} "
+                f"(memory slices {self.start}..{self.start + self.size - 1})")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Ordered steps (all destroys first, then creates) from the current to the final layout."""
+
+    steps: tuple[Step, ...]
+    keep: tuple[Placed, ...]
+    final: tuple[Placed, ...]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "changed": self.changed,
+            "steps": [asdict(s) | {"description": s.describe()} for s in self.steps],
+            "keep": [asdict(p) for p in self.keep],
+            "final": [asdict(p) for p in self.final],
+        }
+
+
+# --- parsing ----------------------------------------------------------------------------------
+_TOKEN = re.compile(r"^\s*([^=\s]+)\s*(?:=\s*(-?\d+)\s*)?$")
+
+
+def parse_layout(text: str | dict[str, int], shape: GpuShape) -> Counter[int]:
+    """Profile id -> count from ``'3g.20gb=1,1g.5gb=2'``, ``'9,19,14,19'`` (ids, repeats count),
+    or a mapping ``{"1g.5gb": 2}``. An empty layout means "no instances"."""
+    wanted: Counter[int] = Counter()
+    items: list[tuple[str, int]] = []
+    if isinstance(text, dict):
+        items = [(str(k), _count(k, v)) for k, v in text.items()]
+    else:
+        for token in filter(None, (t.strip() for t in text.split(","))):
+            match = _TOKEN.match(token)
+            if not match:
+                raise LayoutError(f"layout item {token!r} is not PROFILE or PROFILE=COUNT")
+            items.append((match.group(1), _count(match.group(1), match.group(2) or 1)))
+    for name, count in items:
+        wanted[shape.profile(name).profile_id] += count
+    return +wanted
+
+
+def _count(name: object, value: object) -> int:
+    try:
+        count = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise LayoutError(f"count for {name!r} must be an integer >= 0, got {value!r}") from None
+    if count < 0 or str(value).strip() not in (str(count), f"+{count}"):
+        raise LayoutError(f"count for {name!r} must be an integer >= 0, got {value!r}")
+    return count
+
+
+def format_layout(counts: Counter[int] | Iterable[Placed], shape: GpuShape) -> str:
+    if not isinstance(counts, Counter):
+        counts = Counter(p.profile_id for p in counts)
+    parts = sorted(counts.items(), key=lambda kv: (-shape.profile(kv[0]).memory_slices, kv[0]))
+    return ",".join(f"{shape.profile(pid).name}={n}" for pid, n in parts if n)
+
+
+# --- feasibility and scoring ------------------------------------------------------------------
+def _free_capacity(shape: GpuShape, used_mask: int, used_compute: int, counts: Counter[int],
+                   profile: MigProfile) -> int:
+    """How many more instances of ``profile`` fit (greedy earliest start is optimal here)."""
+    n, end = 0, -1
+    for start in profile.placements:
+        if start >= end and not shape.mask(profile, start) & used_mask:
+            n += 1
+            end = start + profile.memory_slices
+    free_compute = shape.compute_slices - used_compute
+    return max(0, min(n, profile.max_instances - counts[profile.profile_id],
+                      free_compute // max(1, profile.slices)))
+
+
+def future_score(shape: GpuShape, placed: Sequence[Placed]) -> tuple[int, ...]:
+    """Higher is better: how many of each profile still fit, largest profiles first, then the
+    number of (profile, start) placements still possible."""
+    used_mask = 0
+    used_compute = 0
+    counts: Counter[int] = Counter()
+    for p in placed:
+        prof = shape.profile(p.profile_id)
+        used_mask |= shape.mask(prof, p.start)
+        used_compute += prof.slices
+        counts[p.profile_id] += 1
+    ordered = sorted((p for p in shape.profiles if "+me" not in p.name),
+                     key=lambda p: (-p.memory_slices, -p.slices, p.profile_id))
+    caps = [_free_capacity(shape, used_mask, used_compute, counts, p) for p in ordered]
+    starts = sum(1 for p in ordered for s in p.placements
+                 if not shape.mask(p, s) & used_mask and p.slices <= shape.compute_slices - used_compute)
+    return (*caps, starts)
+
+
+def _valid(shape: GpuShape, placed: Sequence[Placed]) -> str | None:
+    """None when the instances can coexist, else the reason."""
+    used = 0
+    compute = 0
+    counts: Counter[int] = Counter()
+    for p in placed:
+        prof = shape.profile(p.profile_id)
+        if p.start not in prof.placements:
+            return f"{prof.name} cannot start at {p.start}"
+        m = shape.mask(prof, p.start)
+        if m & used:
+            return f"{prof.name} at {p.start} overlaps another instance"
+        used |= m
+        compute += prof.slices
+        counts[p.profile_id] += 1
+        if counts[p.profile_id] > prof.max_instances:
+            return f"more than {prof.max_instances} x {prof.name}"
+    if compute > shape.compute_slices:
+        return f"{compute} compute slices needed, {shape.compute_slices} exist"
+    return None
+
+
+def check_layout(shape: GpuShape, wanted: Counter[int]) -> str | None:
+    """Why ``wanted`` can never fit on an empty GPU of this shape (None if it can)."""
+    names = {p.profile_id: p.name for p in shape.profiles}
+    for pid, n in wanted.items():
+        prof = shape.profile(pid)
+        if n > prof.max_instances:
+            return f"{n} x {prof.name} requested but at most {prof.max_instances} can exist on {shape.label}"
+    memory = sum(shape.profile(pid).memory_slices * n for pid, n in wanted.items())
+    if memory > shape.memory_slices:
+        return (f"the layout needs {memory} memory slices ({_spell(wanted, shape)}) but "
+                f"{shape.label} has {shape.memory_slices}")
+    compute = sum(shape.profile(pid).slices * n for pid, n in wanted.items())
+    if compute > shape.compute_slices:
+        return (f"the layout needs {compute} compute slices ({_spell(wanted, shape)}) but "
+                f"{shape.label} has {shape.compute_slices}")
+    if _search(shape, [], wanted, {}) is None:
+        starts = "; ".join(
+            f"{names[pid]} can start only at {', '.join(map(str, shape.profile(pid).placements))}"
+            for pid in sorted(wanted))
+        return f"no arrangement of allowed placements fits {_spell(wanted, shape)} ({starts})"
+    return None
+
+
+def _spell(wanted: Counter[int], shape: GpuShape) -> str:
+    return " + ".join(f"{n} x {shape.profile(pid).name}" for pid, n in sorted(wanted.items()))
+
+
+# --- the search -------------------------------------------------------------------------------
+def _search(shape: GpuShape, fixed: Sequence[Placed], todo: Counter[int],
+            existing: dict[tuple[int, int], Placed]) -> list[Placed] | None:
+    """Best placement of ``todo`` around ``fixed``: keep most existing (in-use ones first),
+    then the best future shapes, then the lowest starts. None if nothing fits."""
+    order = sorted(todo.elements(), key=lambda pid: (-shape.profile(pid).memory_slices,
+                                                     -shape.profile(pid).slices, pid))
+    base_mask = 0
+    base_compute = 0
+    counts: Counter[int] = Counter()
+    for p in fixed:
+        prof = shape.profile(p.profile_id)
+        base_mask |= shape.mask(prof, p.start)
+        base_compute += prof.slices
+        counts[p.profile_id] += 1
+    best: tuple[tuple, list[Placed]] | None = None
+    chosen: list[Placed] = []
+
+    def dfs(i: int, mask: int, compute: int, min_start: int) -> None:
+        nonlocal best
+        if i == len(order):
+            kept = [existing[(p.profile_id, p.start)] for p in chosen
+                    if (p.profile_id, p.start) in existing]
+            score = (sum(k.in_use for k in kept), len(kept), future_score(shape, [*fixed, *chosen]),
+                     tuple(-p.start for p in chosen))
+            if best is None or score > best[0]:
+                best = (score, [existing.get((p.profile_id, p.start), p) for p in chosen])
+            return
+        prof = shape.profile(order[i])
+        if compute + prof.slices > shape.compute_slices:
+            return
+        if counts[prof.profile_id] + order[: i + 1].count(prof.profile_id) > prof.max_instances:
+            return
+        same_as_previous = i > 0 and order[i - 1] == order[i]
+        for start in prof.placements:
+            if same_as_previous and start <= min_start:
+                continue   # identical instances: only increasing starts (no permutations)
+            m = shape.mask(prof, start)
+            if m & mask:
+                continue
+            chosen.append(Placed(prof.profile_id, start))
+            dfs(i + 1, mask | m, compute + prof.slices, start)
+            chosen.pop()
+
+    dfs(0, base_mask, base_compute, -1)
+    return None if best is None else best[1]
+
+
+def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], wanted: Counter[int],
+                *, force: bool = False) -> Plan:
+    """The minimal ordered steps from ``current`` to a layout with exactly ``wanted``.
+
+    Instances in use are never destroyed or moved unless ``force`` (NVML will still refuse to
+    destroy an instance with processes). Raises LayoutError with the reason when impossible.
+    """
+    now = [Placed.of(c) for c in current]
+    if reason := _valid(shape, now):
+        raise LayoutError(f"the current layout is inconsistent: {reason}")
+    if reason := check_layout(shape, wanted):
+        raise LayoutError(f"impossible layout: {reason}")
+    busy = [p for p in now if p.in_use] if not force else []
+    remaining = Counter(wanted)
+    for p in busy:
+        if remaining[p.profile_id] == 0:
+            raise LayoutError(
+                f"{_name(shape, p)} is in use and the layout has no place for it; stop its "
+                "processes or pass force")
+        remaining[p.profile_id] -= 1
+    existing = {(p.profile_id, p.start): p for p in now if p not in busy}
+    found = _search(shape, busy, +remaining, existing)
+    if found is None:
+        blockers = ", ".join(_name(shape, p) for p in busy)
+        raise LayoutError(
+            f"the layout fits an empty {shape.label} but not around the instances in use "
+            f"({blockers}); stop their processes or pass force")
+    final = sorted([*busy, *found], key=lambda p: p.start)
+    kept = [p for p in final if (p.profile_id, p.start) in {(q.profile_id, q.start) for q in now}]
+    kept_keys = {(p.profile_id, p.start) for p in kept}
+    destroy = [p for p in now if (p.profile_id, p.start) not in kept_keys]
+    create = [p for p in final if (p.profile_id, p.start) not in {(q.profile_id, q.start) for q in now}]
+    create.sort(key=lambda p: (-shape.profile(p.profile_id).memory_slices, p.start))
+    steps = [_step(shape, "destroy", p) for p in sorted(destroy, key=lambda p: p.start)]
+    steps += [_step(shape, "create", p) for p in create]
+    return Plan(tuple(steps), tuple(kept), tuple(final))
+
+
+def _step(shape: GpuShape, action: str, p: Placed) -> Step:
+    prof = shape.profile(p.profile_id)
+    return Step(action, prof.profile_id, prof.name, p.start, prof.memory_slices)
+
+
+def _name(shape: GpuShape, p: Placed) -> str:
+    label = f" ({p.label})" if p.label else ""
+    return f"{shape.profile(p.profile_id).name} at start {p.start}{label}"
+
+
+def best_placement(shape: GpuShape, current: Sequence[_HasPlacement | Placed],
+                   profile: str | int) -> int | None:
+    """Start for ONE new instance of ``profile`` that keeps the largest future shapes possible
+    (ties: the highest start, filling from the top like NVML). None when it does not fit."""
+    prof = shape.profile(profile)
+    now = [Placed.of(c) for c in current]
+    best: tuple[tuple, int] | None = None
+    for start in prof.placements:
+        trial = [*now, Placed(prof.profile_id, start)]
+        if _valid(shape, trial) is not None:
+            continue
+        score = (future_score(shape, trial), start)
+        if best is None or score > best[0]:
+            best = (score, start)
+    return None if best is None else best[1]
+
+
+# --- against a device -------------------------------------------------------------------------
+def shape_of(devices: Devices, gpu_index: int) -> GpuShape:
+    info = devices.gpu(gpu_index)
+    if not info.mig_capable:
+        raise LayoutError(f"GPU {gpu_index} ({info.name}) does not support MIG")
+    if not info.mig_current:
+        pending = " (enabled, pending a GPU reset)" if info.mig_pending else ""
+        raise LayoutError(f"MIG mode is disabled on GPU {gpu_index}{pending}; enable it first "
+                          f"(`fastshare mig enable --gpu {gpu_index}`)")
+    return GpuShape.from_profiles(devices.mig_profiles(gpu_index), f"GPU {gpu_index} ({info.name})")
+
+
+def plan_for_gpu(devices: Devices, gpu_index: int, layout: str | dict[str, int], *,
+                 force: bool = False) -> tuple[GpuShape, Plan]:
+    shape = shape_of(devices, gpu_index)
+    wanted = parse_layout(layout, shape)
+    return shape, plan_layout(shape, devices.mig_instances(gpu_index), wanted, force=force)
+
+
+def apply_plan(devices: Devices, gpu_index: int, plan: Plan) -> list[MigInstance]:
+    """Run the steps in order; on failure a DeviceError says which step failed and what was
+    already done (earlier steps are not undone: they were wanted anyway)."""
+    done: list[str] = []
+    for step in plan.steps:
+        try:
+            if step.action == "destroy":
+                devices.destroy_mig_instance(gpu_index, step.start)
+            else:
+                devices.create_mig_instance(gpu_index, step.profile_id, step.start)
+        except DeviceError as exc:
+            already = "; ".join(done) if done else "nothing"
+            raise DeviceError(f"step '{step.describe()}' failed: {exc} (already done: {already})",
+                              exc.code) from exc
+        done.append(step.describe())
+    return devices.mig_instances(gpu_index)

@@ -1,0 +1,131 @@
+"""Leader election over a coordination.k8s.io Lease: one active controller at a time.
+
+Same rules as client-go's leaderelection: the holder renews the Lease every ``retry_period``;
+a candidate takes over only when it has seen the same Lease record unchanged for a whole
+``lease_duration`` measured on its own monotonic clock (no trust in other hosts' clocks);
+every write is a compare-and-set on resourceVersion, so two candidates never both win. A
+leader that cannot renew within ``renew_deadline`` considers itself deposed and stops acting.
+Needs only get/create/update on the one Lease (see templates/rbac.yaml.j2).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kubernetes import client
+
+log = logging.getLogger(__name__)
+
+
+def _now_micro() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+@dataclass
+class _Observed:
+    key: tuple  # (holder, renewTime, resourceVersion) of the record last seen
+    at: float   # monotonic time it was first seen
+
+
+class LeaderElector:
+    """Call :meth:`step` periodically (or :meth:`run` in a thread); :attr:`is_leader` says who acts."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, name: str, identity: str, *,
+                 lease_duration: float = 15.0, renew_deadline: float = 10.0, retry_period: float = 2.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        if not lease_duration > renew_deadline > retry_period > 0:
+            raise ValueError("need lease_duration > renew_deadline > retry_period > 0")
+        self.leases = client.CoordinationV1Api(api)
+        self.namespace, self.name, self.identity = namespace, name, identity
+        self.lease_duration = lease_duration
+        self.renew_deadline = renew_deadline
+        self.retry_period = retry_period
+        self.monotonic = monotonic
+        self._observed: _Observed | None = None
+        self._renewed_at: float | None = None  # monotonic time of our last successful write as holder
+
+    @property
+    def is_leader(self) -> bool:
+        return self._renewed_at is not None and self.monotonic() - self._renewed_at < self.renew_deadline
+
+    def step(self) -> bool:
+        """One attempt to acquire or renew; returns whether we lead afterwards."""
+        try:
+            if self._try():
+                self._renewed_at = self.monotonic()
+        except client.ApiException as exc:
+            if exc.status not in (404, 409):
+                log.warning("lease %s/%s: %s %s", self.namespace, self.name, exc.status, exc.reason)
+        except OSError as exc:  # API server unreachable: keep trying until renew_deadline passes
+            log.warning("lease %s/%s: %s", self.namespace, self.name, exc)
+        if self._renewed_at is not None and not self.is_leader:
+            log.warning("lost leadership of %s/%s", self.namespace, self.name)
+            self._renewed_at = None
+        return self.is_leader
+
+    def _spec(self, transitions: int, acquired: datetime.datetime | None) -> client.V1LeaseSpec:
+        now = _now_micro()
+        return client.V1LeaseSpec(
+            holder_identity=self.identity, lease_duration_seconds=int(self.lease_duration),
+            acquire_time=acquired or now, renew_time=now, lease_transitions=transitions)
+
+    def _try(self) -> bool:
+        try:
+            lease = self.leases.read_namespaced_lease(self.name, self.namespace)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+            body = client.V1Lease(metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace),
+                                  spec=self._spec(0, None))
+            self.leases.create_namespaced_lease(self.namespace, body)  # 409 if another won the race
+            log.info("%s acquired lease %s/%s", self.identity, self.namespace, self.name)
+            return True
+        spec = lease.spec or client.V1LeaseSpec()
+        key = (spec.holder_identity, spec.renew_time, lease.metadata.resource_version)
+        now = self.monotonic()
+        if self._observed is None or self._observed.key != key:
+            self._observed = _Observed(key, now)
+        held_by_me = spec.holder_identity == self.identity
+        duration = spec.lease_duration_seconds or self.lease_duration
+        free = not spec.holder_identity or now - self._observed.at >= duration
+        if not held_by_me and not free:
+            return False
+        transitions = (spec.lease_transitions or 0) + (0 if held_by_me else 1)
+        lease.spec = self._spec(transitions, spec.acquire_time if held_by_me else None)
+        self.leases.replace_namespaced_lease(self.name, self.namespace, lease)  # CAS on resourceVersion
+        if not held_by_me:
+            log.info("%s took over lease %s/%s from %r", self.identity, self.namespace, self.name,
+                     spec.holder_identity)
+        return True
+
+    def release(self) -> None:
+        """Give up leadership at once (on clean shutdown) so a standby takes over without waiting."""
+        if self._renewed_at is None:
+            return
+        self._renewed_at = None
+        try:
+            lease = self.leases.read_namespaced_lease(self.name, self.namespace)
+            if lease.spec and lease.spec.holder_identity == self.identity:
+                lease.spec.holder_identity = None
+                lease.spec.lease_duration_seconds = 1
+                self.leases.replace_namespaced_lease(self.name, self.namespace, lease)
+        except client.ApiException as exc:
+            log.warning("could not release lease %s/%s: %s", self.namespace, self.name, exc.reason)
+
+    def run(self, stop: threading.Event, on_change: Callable[[bool], None] | None = None) -> None:
+        """Acquire/renew every ``retry_period`` until ``stop`` is set; report leadership changes."""
+        leading = False
+        while not stop.is_set():
+            now_leading = self.step()
+            if now_leading != leading and on_change is not None:
+                on_change(now_leading)
+            leading = now_leading
+            stop.wait(self.retry_period)
+        self.release()
+        if leading and on_change is not None:
+            on_change(False)

@@ -1,0 +1,99 @@
+"""From a FastPod to what the controller needs: the engine's Spec, and each replica's Pod.
+
+The Pod is the user's template, whole (init containers, tolerations, affinity, security
+context, volumes, ...); the controller only adds what the GPU share needs: ``nodeName``, the
+GPU environment in every container, hostPath mounts of the MPS pipe/log directories, a
+toleration of the GPU-node taint, an owner reference to the FastPod, and labels/annotations
+that tie the Pod to its allocation.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+from fastshare.controller.model import Allocation, Kind, Spec
+from fastshare.k8s.resources import API_VERSION, KIND
+
+FASTPOD_LABEL = "fastshare.io/fastpod"
+ALLOCATION_ANNOTATION = "fastshare.io/allocation"
+# The MPS directories the agent hands out in the environment; mounted from the host as they are.
+MPS_PATH_ENV = {
+    "CUDA_MPS_PIPE_DIRECTORY": "fastshare-mps-pipe",
+    "CUDA_MPS_LOG_DIRECTORY": "fastshare-mps-log",
+}
+
+
+def spec_of(fastpod: dict[str, Any]) -> Spec:
+    """The controller's request for one replica of ``fastpod`` (already schema-validated)."""
+    gpu = fastpod["spec"]["gpu"]
+    pod_spec = fastpod["spec"]["template"].get("spec") or {}
+    memory = gpu.get("memory")
+    return Spec(
+        kind=Kind(gpu["kind"]),
+        sm_percent=int(gpu.get("smPercent", 0)),
+        memory_bytes=math.ceil(parse_quantity(memory)) if memory is not None else 0,
+        quota_request=float(gpu.get("quotaRequest", 0.0)),
+        quota_limit=float(gpu.get("quotaLimit", 0.0)),
+        mig_profile=gpu.get("migProfile", ""),
+        sm_count=int(gpu.get("smCount", 0)),
+        gpu_count=int(gpu.get("count", 0)),
+        models=tuple(gpu.get("models") or ()),
+        node_selector=tuple(sorted((pod_spec.get("nodeSelector") or {}).items())),
+        affinity=gpu.get("affinity", ""),
+        anti_affinity=gpu.get("antiAffinity", ""),
+        exclusion=gpu.get("exclusion", ""),
+    )
+
+
+def _with_env(container: dict[str, Any], env: dict[str, str]) -> None:
+    """Our variables win over the user's of the same name (they decide which GPU is visible)."""
+    kept = [e for e in container.get("env") or [] if e.get("name") not in env]
+    container["env"] = kept + [{"name": k, "value": v} for k, v in sorted(env.items())]
+
+
+def replica_pod(fastpod: dict[str, Any], pod_name: str, allocation: Allocation,
+                gpu_node_label: str = "fastshare.io/gpu") -> dict[str, Any]:
+    """The Pod for one replica, holding ``allocation`` on ``allocation.node``."""
+    meta = fastpod["metadata"]
+    template = copy.deepcopy(fastpod["spec"]["template"])
+    metadata = template.get("metadata") or {}
+    metadata.update({
+        "name": pod_name,
+        "namespace": meta["namespace"],
+        "labels": {**(metadata.get("labels") or {}), FASTPOD_LABEL: meta["name"]},
+        "annotations": {**(metadata.get("annotations") or {}), ALLOCATION_ANNOTATION: allocation.id},
+        "ownerReferences": [{
+            "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True,
+        }],
+    })
+    metadata.pop("generateName", None)
+    spec = template["spec"]
+    spec["nodeName"] = allocation.node
+    mounts = [{"name": volume, "mountPath": allocation.env[var]}
+              for var, volume in MPS_PATH_ENV.items() if allocation.env.get(var)]
+    for container in (spec.get("initContainers") or []) + spec["containers"]:
+        _with_env(container, allocation.env)
+        if mounts:
+            names = {m["name"] for m in mounts}
+            container["volumeMounts"] = [m for m in container.get("volumeMounts") or []
+                                         if m.get("name") not in names] + copy.deepcopy(mounts)
+    if mounts:
+        ours = {m["name"] for m in mounts}
+        spec["volumes"] = [v for v in spec.get("volumes") or [] if v.get("name") not in ours] + [
+            {"name": m["name"], "hostPath": {"path": m["mountPath"], "type": "Directory"}} for m in mounts
+        ]
+    toleration = {"key": gpu_node_label, "operator": "Exists", "effect": "NoSchedule"}
+    tolerations = spec.setdefault("tolerations", [])
+    if toleration not in tolerations:
+        tolerations.append(toleration)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

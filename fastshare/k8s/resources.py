@@ -1,0 +1,29 @@
+"""Names of the FastPod API and a builder for FastPod objects (used by tests, bench and docs)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+GROUP, VERSION, PLURAL, KIND = "fastshare.io", "v1alpha1", "fastpods", "FastPod"
+API_VERSION = f"{GROUP}/{VERSION}"
+FINALIZER = "fastshare.io/release-shares"
+
+
+def fastpod_manifest(name: str, gpu: dict[str, Any], replicas: int = 1,
+                     template: dict[str, Any] | None = None, namespace: str | None = None) -> dict[str, Any]:
+    """A FastPod whose selector is ``app=<name>`` (added to the template's labels)."""
+    template = copy.deepcopy(template) if template else {
+        "spec": {"containers": [{"name": "main", "image": "busybox", "command": ["sleep", "inf"]}]},
+    }
+    template.setdefault("metadata", {}).setdefault("labels", {})["app"] = name
+    metadata: dict[str, Any] = {"name": name}
+    if namespace:
+        metadata["namespace"] = namespace
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}}, "template": template,
+                 "gpu": dict(gpu)},
+    }

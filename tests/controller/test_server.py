@@ -1,0 +1,98 @@
+"""The controller process alone: single instance, auth, validation over gRPC, no partial state."""
+
+from __future__ import annotations
+
+import subprocess
+
+import grpc
+import pytest
+
+from fastshare.controller.client import Client, ClientConfig
+from fastshare.v1 import common_pb2
+from fastshare.v1 import controller_pb2 as pb
+
+from .conftest import GiB, allocate, fastshare_bin, free_port, wait_for
+
+
+def test_second_controller_on_same_state_dir_refuses(cluster):
+    first = cluster.start_controller()
+    out = subprocess.run([fastshare_bin(), "controller", "serve", "--state-dir", str(cluster.state_dir),
+                          "--tls-dir", str(cluster.pki.dir), "--listen", f"127.0.0.1:{free_port()}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert f"another controller (pid {first.pid})" in out.stderr
+    assert first.alive()
+
+
+def test_invalid_request_names_field_and_stores_nothing(cluster):
+    cluster.start_controller()
+    client = cluster.client()
+    with pytest.raises(grpc.RpcError) as exc:
+        allocate(client, "fastpod", sm_percent=0, memory_bytes=GiB)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.sm_percent" in exc.value.details() and "1..100" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        client.call("Allocate", pb.AllocateRequest(spec=pb.AllocationSpec(kind=9)))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec.kind" in exc.value.details()
+    listed = client.call("List", pb.ListAllocationsRequest(include_finished=True))
+    assert list(listed.allocations) == []
+
+
+def test_no_nodes_is_a_rejection_with_a_reason(cluster):
+    cluster.start_controller()
+    with pytest.raises(grpc.RpcError) as exc:
+        allocate(cluster.client(), "mps", memory_bytes=GiB)
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no nodes" in exc.value.details()
+
+
+def test_client_without_certificate_or_token_is_refused(cluster):
+    cluster.start_controller()
+    with pytest.raises(ValueError, match="no client certificate"):
+        ClientConfig(address=cluster.address, tls_dir=cluster.pki.dir, tls_name="nobody").channel()
+    # A token without a certificate cannot even pass the mTLS handshake of the main port.
+    token = cluster.root / "token"
+    token.write_text("s3cret\n")
+    client = cluster.client(tls_name="nobody", token_file=token)
+    with pytest.raises(grpc.RpcError) as exc:
+        client.call("Ping", common_pb2.Empty(), timeout=10)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_token_port(cluster):
+    tokens = cluster.root / "tokens"
+    tokens.write_text("# accepted\ns3cret\n")
+    token_port = free_port()
+    cluster.start_controller(extra=["--client-auth", "any", "--token-file", str(tokens), "--token-listen",
+                                    f"127.0.0.1:{token_port}"])
+    good, bad = cluster.root / "good", cluster.root / "bad"
+    good.write_text("s3cret")
+    bad.write_text("guess")
+    base = dict(address=f"127.0.0.1:{token_port}", tls_dir=cluster.pki.dir, tls_name="nobody")
+    with Client(ClientConfig(**base, token_file=good)) as ok:
+        ok.call("Ping", common_pb2.Empty())
+    with Client(ClientConfig(**base, token_file=bad)) as wrong, pytest.raises(grpc.RpcError) as exc:
+        wrong.call("Ping", common_pb2.Empty())
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Certificate clients still work on the main port.
+    cluster.client().call("Ping", common_pb2.Empty())
+
+
+def test_node_registry_needs_the_nodes_own_certificate(cluster):
+    cluster.start_controller()
+    from fastshare.security.tls import TlsPaths, mtls_channel
+    from fastshare.v1 import controller_pb2_grpc as pb_grpc
+
+    paths = TlsPaths.in_dir(cluster.pki.dir, "client")
+    channel = mtls_channel(cluster.address, paths, server_name="controller")
+    stub = pb_grpc.NodeRegistryStub(channel)
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.RegisterNode(pb.RegisterNodeRequest(node="node-a", address="127.0.0.1:1"), timeout=10)
+    assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    channel.close()
+
+
+def test_stops_cleanly_on_sigterm(cluster):
+    proc = cluster.start_controller()
+    assert proc.stop() == 0
+    wait_for(lambda: not proc.alive(), 30, "controller exit")

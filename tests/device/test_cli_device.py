@@ -1,0 +1,118 @@
+"""`fastshare gpu|mig|sim-machine` through click (CliRunner) and as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fastshare.cli import main
+from fastshare.device import simnvml
+
+
+@pytest.fixture
+def env(machine: Path) -> dict[str, str]:
+    return {"FASTSHARE_GPU_BACKEND": "sim", "FASTSHARE_SIM_STATE": str(machine), "COLUMNS": "200"}
+
+
+def run(args: list[str], env: dict[str, str] | None = None, ok: bool = True):
+    result = CliRunner().invoke(main, args, env=env or {}, catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+def test_gpu_list_json(env):
+    data = json.loads(run(["gpu", "list", "--json"], env).output)
+    assert [g["model"] for g in data["gpus"]] == ["A100-SXM4-40GB", "H100-SXM5-80GB", "A100-SXM4-40GB", "L4"]
+    assert data["gpus"][0]["mig_current"] is True and data["gpus"][0]["mig_instances"] == []
+
+
+def test_gpu_list_table_and_topology(env):
+    out = run(["gpu", "list"], env).output
+    assert "NVIDIA L4" in out and "23034" in out
+    topo = json.loads(run(["gpu", "topology", "--json"], env).output)
+    assert {"a": 0, "b": 1, "level": 10, "nvlink": False} in topo["pairs"]
+
+
+def test_no_backend_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("FASTSHARE_GPU_BACKEND", raising=False)
+    result = run(["gpu", "list"], {}, ok=False)
+    assert result.exit_code != 0
+    assert "no GPU backend configured" in result.output and "--gpu-backend" in result.output
+
+
+def test_mig_plan_apply_and_list(env):
+    plan = json.loads(run(["mig", "plan", "--gpu", "0", "--layout", "19,19,14,9", "--json"], env).output)
+    assert plan["changed"] and len(plan["steps"]) == 4
+    listed = json.loads(run(["gpu", "list", "--json"], env).output)
+    assert listed["gpus"][0]["mig_instances"] == []  # plan changes nothing
+    applied = json.loads(run(["mig", "apply", "--gpu", "0", "--layout", "3g.20gb=1,2g.10gb=1,1g.5gb=2",
+                              "--json"], env).output)
+    names = sorted(i["profile_name"] for i in applied["instances"])
+    assert names == ["1g.5gb", "1g.5gb", "2g.10gb", "3g.20gb"]
+    out = run(["mig", "apply", "--gpu", "0", "--layout", "9,14,19,19"], env).output
+    assert "nothing to do" in out
+    shown = json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][0]["mig_instances"]
+    assert len(shown) == 4 and all(i["uuid"].startswith("MIG-") for i in shown)
+
+
+def test_mig_errors_name_the_problem(env):
+    result = run(["mig", "plan", "--gpu", "0", "--layout", "19=8"], env, ok=False)
+    assert result.exit_code == 1 and "8 x 1g.5gb requested but at most 7" in result.output
+    result = run(["mig", "apply", "--gpu", "2", "--layout", "19"], env, ok=False)
+    assert "MIG mode is disabled on GPU 2" in result.output
+    result = run(["mig", "plan", "--gpu", "9", "--layout", "19"], env, ok=False)
+    assert "GPU index 9 does not exist (valid: 0..3)" in result.output
+
+
+def test_mig_enable_disable_and_in_use(env, machine: Path):
+    assert "pending" in run(["mig", "enable", "--gpu", "2"], env).output          # Ampere
+    run(["sim-machine", "reset", "--gpu", "2"], env)
+    assert json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][2]["mig_current"] is True
+    run(["mig", "apply", "--gpu", "2", "--layout", "7g.40gb=1"], env)
+    mig_uuid = json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][2]["mig_instances"][0]["uuid"]
+    pid = int(run(["sim-machine", "add-process", "--gpu", "2", "--mig", mig_uuid], env).output)
+    result = run(["mig", "apply", "--gpu", "2", "--layout", ""], env, ok=False)
+    assert "is in use" in result.output and mig_uuid in result.output
+    result = run(["mig", "apply", "--gpu", "2", "--layout", "", "--force"], env, ok=False)
+    assert "IN_USE" in result.output                                            # NVML still refuses
+    result = run(["mig", "disable", "--gpu", "2"], env, ok=False)
+    assert "IN_USE" in result.output
+    run(["sim-machine", "remove-process", str(pid)], env)
+    run(["mig", "apply", "--gpu", "2", "--layout", ""], env)
+    assert "MIG disabled" in run(["mig", "disable", "--gpu", "1"], env).output   # Hopper: at once
+
+
+def test_mig_profiles_json(env):
+    data = json.loads(run(["mig", "profiles", "--gpu", "1", "--json"], env).output)
+    assert {p["name"] for p in data["profiles"]} >= {"1g.10gb", "7g.80gb"}
+
+
+def test_sim_machine_create_and_errors(tmp_path: Path):
+    path = tmp_path / "new.json"
+    out = run(["sim-machine", "create", str(path), "--gpus", "H200,A30,V100"]).output
+    assert "3 GPU(s)" in out
+    assert [g["model"] for g in simnvml.load_machine(path)["gpus"]] == ["H200-SXM5-141GB", "A30-24GB",
+                                                                         "V100-SXM2-16GB"]
+    again = run(["sim-machine", "create", str(path), "--gpus", "L4"], ok=False)
+    assert "already exists" in again.output and "--force" in again.output
+    bad = run(["sim-machine", "create", str(tmp_path / "b.json"), "--gpus", "GTX-480"], ok=False)
+    assert "--gpus: unknown GPU model 'GTX-480'" in bad.output
+    assert "H100-SXM5-80GB" in run(["sim-machine", "models"]).output
+
+
+def test_real_subprocess_round_trip(machine: Path, tmp_path: Path):
+    env = {**os.environ, "FASTSHARE_GPU_BACKEND": "sim", "FASTSHARE_SIM_STATE": str(machine)}
+    exe = shutil.which("fastshare") or str(Path(sys.executable).with_name("fastshare"))
+    subprocess.run([exe, "mig", "apply", "--gpu", "1", "--layout", "1g.10gb=7"], env=env,
+                   check=True, capture_output=True, timeout=120)
+    out = subprocess.run([exe, "gpu", "list", "--json"], env=env, check=True, capture_output=True,
+                         text=True, timeout=120).stdout
+    assert len(json.loads(out)["gpus"][1]["mig_instances"]) == 7

@@ -1,0 +1,237 @@
+"""MIG layout planning: acceptance layouts on A100-40GB, refusals, busy instances, properties."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastshare.device import DeviceError, open_devices, simnvml
+from fastshare.device.catalog import MODELS, get_model
+from fastshare.device.mig_layout import (
+    GpuShape,
+    LayoutError,
+    Placed,
+    apply_plan,
+    best_placement,
+    check_layout,
+    format_layout,
+    parse_layout,
+    plan_for_gpu,
+    plan_layout,
+)
+
+A100 = GpuShape.from_model(get_model("A100-SXM4-40GB"))
+
+# Layouts `nvidia-smi mig -cgi` accepts on an A100-40GB in SOME order (GPU-FACTS.md).
+ACCEPTED = ["9,19,14,19", "19,19,14,9", "14,14,14,19", "19,19,19,19,19,19,19", "15,15,15,15",
+            "5,9", "0", "5,14,19", "9,9", "15,19,19,19,19,19,19", "3g.20gb=1,2g.10gb=1,1g.5gb=2",
+            "20,19,14,9"]
+
+
+def test_parse_layout_forms():
+    assert parse_layout("3g.20gb=1,2g.10gb=1,1g.5gb=2", A100) == Counter({9: 1, 14: 1, 19: 2})
+    assert parse_layout("9,19,14,19", A100) == Counter({9: 1, 14: 1, 19: 2})
+    assert parse_layout("19=3, 1g.5gb", A100) == Counter({19: 4})
+    assert parse_layout({"1g.5gb": 2, "7g.40gb": 0}, A100) == Counter({19: 2})
+    assert parse_layout("", A100) == Counter()
+    with pytest.raises(LayoutError, match=r"unknown MIG profile '5g.25gb'.*known: 1g.5gb"):
+        parse_layout("5g.25gb=1", A100)
+    with pytest.raises(LayoutError, match=r"count for '1g\.5gb' must be an integer >= 0"):
+        parse_layout("1g.5gb=-1", A100)
+    with pytest.raises(LayoutError, match="not PROFILE or PROFILE=COUNT"):
+        parse_layout("1g.5gb=2=3", A100)
+    assert format_layout(Counter({19: 2, 9: 1}), A100) == "3g.20gb=1,1g.5gb=2"
+
+
+@pytest.mark.parametrize("layout", ACCEPTED)
+def test_accepted_layouts_are_planned_and_applied(layout: str, devices):
+    wanted = parse_layout(layout, A100)
+    _, plan = plan_for_gpu(devices, 0, layout)
+    assert [s.action for s in plan.steps] == ["create"] * sum(wanted.values())
+    instances = apply_plan(devices, 0, plan)
+    assert Counter(i.profile_id for i in instances) == wanted
+    assert all(i.uuid and i.uuid.startswith("MIG-") for i in instances)
+    # applying again changes nothing (idempotent)
+    assert not plan_for_gpu(devices, 0, layout)[1].changed
+
+
+@pytest.mark.parametrize(("layout", "reason"), [
+    ("5,9,0", "needs 16 memory slices"),
+    ("19,19,19,19,19,19,19,19", "8 x 1g.5gb requested but at most 7"),
+    ("5,9,19", "needs 9 memory slices"),
+    ("14,14,14,19,19", "needs 8 compute slices"),
+    ("5,5", "at most 1"),
+])
+def test_impossible_layouts_are_rejected_with_a_reason(layout: str, reason: str):
+    with pytest.raises(LayoutError, match=reason):
+        plan_layout(A100, [], parse_layout(layout, A100))
+
+
+def test_other_models_plan_their_full_layouts():
+    a30 = GpuShape.from_model(get_model("A30-24GB"))
+    assert check_layout(a30, parse_layout("2g.12gb=1,1g.6gb=2", a30)) is None
+    assert "needs 5 memory slices" in check_layout(a30, parse_layout("4g.24gb=1,1g.6gb=1", a30))
+    h100 = GpuShape.from_model(get_model("H100-SXM5-80GB"))
+    plan = plan_layout(h100, [], parse_layout("3g.40gb=1,2g.20gb=1,1g.10gb=2", h100))
+    assert {(s.profile_name, s.start) for s in plan.steps} == {
+        ("3g.40gb", 4), ("2g.20gb", 0), ("1g.10gb", 2), ("1g.10gb", 3)}
+
+
+def test_plan_keeps_existing_instances_and_destroys_first():
+    current = [Placed(9, 4), Placed(19, 0), Placed(19, 1)]
+    plan = plan_layout(A100, current, parse_layout("9,14,19", A100))
+    assert [s.describe().split(" (")[0] for s in plan.steps] == ["destroy 1g.5gb", "create 2g.10gb"]
+    assert {(p.profile_id, p.start) for p in plan.keep} == {(9, 4), (19, 0)} or \
+        {(p.profile_id, p.start) for p in plan.keep} == {(9, 4), (19, 1)}
+    assert plan.steps[0].action == "destroy"
+
+
+def test_plan_moves_idle_instances_when_needed_but_never_busy_ones():
+    # default-placer style layout: 1g at 6 and 5, 2g at 2 -> 3g cannot be added without moving
+    current = [Placed(19, 6), Placed(19, 5), Placed(14, 2)]
+    plan = plan_layout(A100, current, parse_layout("19,19,14,9", A100))
+    assert Counter(p.profile_id for p in plan.final) == Counter({19: 2, 14: 1, 9: 1})
+    busy = [Placed(19, 6, in_use=True, label="MIG-busy"), Placed(19, 5), Placed(14, 2)]
+    plan = plan_layout(A100, busy, parse_layout("19,14,9", A100))
+    assert Placed(19, 6, True, "MIG-busy") in plan.final
+    assert all(s.start != 6 for s in plan.steps)
+    assert {(p.profile_id, p.start) for p in plan.final} == {(9, 0), (14, 4), (19, 6)}
+    with pytest.raises(LayoutError, match="not around the instances in use"):
+        plan_layout(A100, busy, parse_layout("19,19,14,9", A100))   # 2nd 1g would need slice 7
+    with pytest.raises(LayoutError, match=r"1g.5gb at start 6 \(MIG-busy\) is in use"):
+        plan_layout(A100, busy, parse_layout("9,9", A100))
+    forced = plan_layout(A100, busy, parse_layout("9,9", A100), force=True)
+    assert any(s.action == "destroy" and s.start == 6 for s in forced.steps)
+    with pytest.raises(LayoutError, match="not around the instances in use"):
+        plan_layout(A100, [Placed(19, 1, in_use=True)], parse_layout("19,5", A100))
+
+
+def test_best_placement_keeps_big_shapes_free():
+    assert best_placement(A100, [], "1g.5gb") == 6          # keeps 4g@0 and 3g@0 possible
+    assert best_placement(A100, [], "3g.20gb") == 4         # keeps 4g@0 possible
+    assert best_placement(A100, [Placed(19, 6)], 19) == 5
+    assert best_placement(A100, [Placed(0, 0)], 19) is None
+    assert best_placement(A100, [Placed(9, 4)], "2g.10gb") in (0, 2)
+
+
+def test_mig_disabled_gpu_is_refused_with_the_fix(devices):
+    with pytest.raises(LayoutError, match=r"MIG mode is disabled on GPU 2.*fastshare mig enable --gpu 2"):
+        plan_for_gpu(devices, 2, "19")
+    with pytest.raises(LayoutError, match="does not support MIG"):
+        plan_for_gpu(devices, 3, "19")
+
+
+def test_apply_reports_the_failing_step(devices, machine: Path):
+    inst = devices.create_mig_instance(0, 19, 0)
+    simnvml.add_process(machine, 0, mig_uuid=inst.uuid)
+    _, plan = plan_for_gpu(devices, 0, "0", force=True)
+    with pytest.raises(DeviceError, match=r"step 'destroy 1g.5gb .*IN_USE.*already done: nothing"):
+        apply_plan(devices, 0, plan)
+    assert [i.start for i in devices.mig_instances(0)] == [0]
+
+
+# --- properties -----------------------------------------------------------------------------------
+_MIG_MODELS = sorted(k for k, m in MODELS.items() if m.mig_capable)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(model=st.sampled_from(_MIG_MODELS), ops=st.lists(
+    st.tuples(st.booleans(), st.integers(0, 6), st.integers(0, 7)), min_size=1, max_size=12))
+def test_random_create_destroy_never_overlaps_and_capacity_adds_up(tmp_path_factory, model, ops):
+    path = tmp_path_factory.mktemp("prop") / "m.json"
+    simnvml.create_machine(path, [model], mig_enabled=True)
+    shape = GpuShape.from_model(get_model(model))
+    with open_devices("sim", path) as devices:
+        for create, profile_index, start in ops:
+            if create:
+                prof = shape.profiles[profile_index % len(shape.profiles)]
+                try:
+                    devices.create_mig_instance(0, prof.profile_id, start)
+                except DeviceError as exc:
+                    assert exc.code in {"INSUFFICIENT_RESOURCES", "INVALID_ARGUMENT"}
+            else:
+                try:
+                    devices.destroy_mig_instance(0, start)
+                except DeviceError as exc:
+                    assert exc.code == "NOT_FOUND"
+            instances = devices.mig_instances(0)
+            used = 0
+            for inst in instances:                 # no two instances share a memory slice
+                mask = ((1 << inst.size) - 1) << inst.start
+                assert not used & mask
+                used |= mask
+            assert sum(shape.profile(i.profile_id).slices for i in instances) <= shape.compute_slices
+            placed = [Placed(i.profile_id, i.start) for i in instances]
+            for prof in shape.profiles:            # NVML's remaining capacity == brute-force maximum
+                expected = _max_more(shape, placed, prof.profile_id)
+                assert devices.remaining_capacity(0, prof.profile_id) == expected
+
+
+def _max_more(shape: GpuShape, placed: list[Placed], profile_id: int) -> int:
+    n = 0
+    while _brute_force(shape, [profile_id] * (n + 1), placed):
+        n += 1
+    return n
+
+
+def check_fits(shape: GpuShape, placed: list[Placed]) -> bool:
+    used = compute = 0
+    counts: Counter[int] = Counter()
+    for p in placed:
+        prof = shape.profile(p.profile_id)
+        mask = ((1 << prof.memory_slices) - 1) << p.start
+        if used & mask or p.start not in prof.placements:
+            return False
+        used |= mask
+        compute += prof.slices
+        counts[p.profile_id] += 1
+    return compute <= shape.compute_slices and all(
+        n <= shape.profile(pid).max_instances for pid, n in counts.items())
+
+
+@settings(max_examples=40, deadline=None)
+@given(model=st.sampled_from(_MIG_MODELS), data=st.data())
+def test_planner_agrees_with_brute_force(model, data):
+    """A layout is planned iff some assignment of allowed starts fits; plans are valid."""
+    shape = GpuShape.from_model(get_model(model))
+    ids = [p.profile_id for p in shape.profiles]
+    wanted = Counter(data.draw(st.lists(st.sampled_from(ids), max_size=8)))
+    current = []
+    for pid in data.draw(st.lists(st.sampled_from(ids), max_size=4)):
+        start = best_placement(shape, current, pid)
+        if start is not None:
+            current.append(Placed(pid, start, in_use=data.draw(st.booleans())))
+    possible = _brute_force(shape, sorted(wanted.elements()), [])
+    try:
+        plan = plan_layout(shape, current, wanted)
+    except LayoutError as exc:
+        busy = [p for p in current if p.in_use]
+        assert not possible or busy, f"planner rejected a feasible layout: {exc}"
+        return
+    assert possible
+    assert check_fits(shape, list(plan.final))
+    assert Counter(p.profile_id for p in plan.final) == wanted
+    assert all(p in plan.final for p in current if p.in_use)
+    created = [s for s in plan.steps if s.action == "create"]
+    destroyed = [s for s in plan.steps if s.action == "destroy"]
+    assert len(created) == sum(wanted.values()) - len(plan.keep)
+    assert len(destroyed) == len(current) - len(plan.keep)
+
+
+def _brute_force(shape: GpuShape, todo: list[int], placed: list[Placed], after: int = -1) -> bool:
+    """Does some choice of allowed starts fit ``todo`` (sorted ids) next to ``placed``?"""
+    if not todo:
+        return True
+    prof = shape.profile(todo[0])
+    same_next = len(todo) > 1 and todo[1] == todo[0]
+    for s in prof.placements:
+        if s <= after:
+            continue   # identical instances: increasing starts only
+        trial = [*placed, Placed(prof.profile_id, s)]
+        if check_fits(shape, trial) and _brute_force(shape, todo[1:], trial, s if same_next else -1):
+            return True
+    return False

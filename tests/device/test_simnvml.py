@@ -1,0 +1,231 @@
+"""The simulated NVML behaves like pynvml where fastshare depends on it."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from fastshare.device import simnvml
+
+
+@pytest.fixture
+def nvml(machine: Path):
+    n = simnvml.SimNvml(machine)
+    n.nvmlInit()
+    yield n
+    n.nvmlShutdown()
+
+
+def _placement(start: int, size: int) -> pynvml.c_nvmlGpuInstancePlacement_t:
+    p = pynvml.c_nvmlGpuInstancePlacement_t()
+    p.start, p.size = start, size
+    return p
+
+
+def test_exports_pynvml_errors_constants_and_structs():
+    assert simnvml.NVMLError_InsufficientResources is pynvml.NVMLError_InsufficientResources
+    assert simnvml.NVML_ERROR_IN_USE == 19
+    assert simnvml.c_nvmlGpuInstancePlacement_t is pynvml.c_nvmlGpuInstancePlacement_t
+    n = simnvml.SimNvml("/nonexistent")
+    assert n.NVMLError_InUse is pynvml.NVMLError_InUse
+    assert "NVML_ERROR_IN_USE" in dir(n)
+
+
+def test_calls_before_init_and_without_machine_fail_like_nvml(machine: Path, tmp_path: Path):
+    n = simnvml.SimNvml(machine)
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        n.nvmlDeviceGetCount()
+    with pytest.raises(pynvml.NVMLError_DriverNotLoaded):
+        simnvml.SimNvml(tmp_path / "missing.json").nvmlInit()
+
+
+def test_inventory_shapes(nvml):
+    assert nvml.nvmlDeviceGetCount() == 4
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert isinstance(h, pynvml.c_nvmlDevice_t)
+    assert nvml.nvmlDeviceGetName(h) == "NVIDIA A100-SXM4-40GB"
+    assert nvml.nvmlDeviceGetUUID(h).startswith("GPU-")
+    assert nvml.nvmlDeviceGetMemoryInfo(h).total == 40960 * 1024 * 1024
+    assert nvml.nvmlDeviceGetPciInfo(h).busId == "00000000:07:00.0"   # pynvml's struct decodes
+    assert nvml.nvmlDeviceGetMigMode(h) == [1, 1]
+    assert nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(nvml.nvmlDeviceGetUUID(h))) == 0
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetMigMode(nvml.nvmlDeviceGetHandleByIndex(3))   # L4 has no MIG
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetAttributes(h)                                  # MIG device handles only
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nvml.nvmlDeviceGetHandleByIndex(9)
+
+
+def test_profile_info_takes_the_enum_index_and_reports_the_id(nvml):
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(h, pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE)
+    assert (info.id, info.sliceCount, info.instanceCount, info.multiprocessorCount, info.memorySizeMB) == (
+        9, 3, 2, 42, 19968)
+    assert info.name == "MIG 3g.20gb"
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetGpuInstanceProfileInfo(h, pynvml.NVML_GPU_INSTANCE_PROFILE_6_SLICE)
+    count = ctypes.c_uint(0)
+    nvml.nvmlDeviceGetGpuInstancePossiblePlacements(h, 14, None, ctypes.byref(count))
+    array = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
+    nvml.nvmlDeviceGetGpuInstancePossiblePlacements(h, 14, array, ctypes.byref(count))
+    assert [(p.start, p.size) for p in array] == [(0, 2), (2, 2), (4, 2)]
+
+
+def test_mig_guide_example_default_placer_fails_on_19_19_14_9(nvml):
+    """GPU-FACTS.md: 19,19,14,9 in that order fails with INSUFFICIENT_RESOURCES; 9,19,14,19 works."""
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    for pid in (19, 19, 14):
+        nvml.nvmlDeviceCreateGpuInstance(h, pid)
+    with pytest.raises(pynvml.NVMLError_InsufficientResources):
+        nvml.nvmlDeviceCreateGpuInstance(h, 9)
+    h1 = nvml.nvmlDeviceGetHandleByIndex(1)   # H100: same placement rules
+    for pid in (9, 19, 14, 19):
+        nvml.nvmlDeviceCreateGpuInstance(h1, pid)
+    assert nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(h1, 19) == 0
+
+
+def test_explicit_placement_rules(nvml):
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, ctypes.byref(_placement(4, 4)))
+    info = nvml.nvmlGpuInstanceGetInfo(gi)
+    assert (info.profileId, info.placement.start, info.placement.size) == (9, 4, 4)
+    with pytest.raises(pynvml.NVMLError_InsufficientResources):     # overlaps slices 4..7
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, ctypes.byref(_placement(5, 1)))
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):           # 3g cannot start at 2
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, ctypes.byref(_placement(2, 4)))
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):           # wrong size
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, ctypes.byref(_placement(0, 2)))
+    nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 20, _placement(0, 1))   # struct by value works too
+    with pytest.raises(pynvml.NVMLError_InsufficientResources):     # 1g+me: max one instance
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 20, ctypes.byref(_placement(1, 1)))
+    assert nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 19) == 3
+    assert nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 9) == 0
+    array = (pynvml.c_nvmlGpuInstance_t * 2)()
+    count = ctypes.c_uint(0)
+    nvml.nvmlDeviceGetGpuInstances(h, 9, array, ctypes.byref(count))
+    assert count.value == 1 and nvml.nvmlGpuInstanceGetInfo(array[0]).id == info.id
+
+
+def test_mig_ops_with_mig_disabled_are_refused(nvml):
+    h = nvml.nvmlDeviceGetHandleByIndex(2)   # A100, MIG off
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, ctypes.byref(_placement(0, 1)))
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetGpuInstanceProfileInfo(h, 0)
+
+
+def _full_mig_device(nvml, gpu: int, profile_id: int, start: int, size: int):
+    h = nvml.nvmlDeviceGetHandleByIndex(gpu)
+    gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, profile_id, ctypes.byref(_placement(start, size)))
+    slices = nvml.nvmlDeviceGetGpuInstanceProfileInfo(h, {19: 0, 14: 1, 9: 2}[profile_id]).sliceCount
+    ci_enum = {1: 0, 2: 1, 3: 2}[slices]
+    ci_info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        gi, ci_enum, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+    ci = nvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_info.id)
+    return h, gi, ci
+
+
+def test_mig_devices_and_in_use_refusals(nvml, machine: Path):
+    h, gi, ci = _full_mig_device(nvml, 0, 9, 0, 4)
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(h) == 7
+    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 1)
+    mig_uuid = nvml.nvmlDeviceGetUUID(mig)
+    assert mig_uuid.startswith("MIG-")
+    assert nvml.nvmlDeviceIsMigDeviceHandle(mig).value == 1
+    assert nvml.nvmlDeviceGetAttributes(mig).multiprocessorCount == 42
+    assert nvml.nvmlDeviceGetName(mig) == "NVIDIA A100-SXM4-40GB MIG 3g.20gb"
+    assert nvml.nvmlDeviceGetMemoryInfo(mig).total == 19968 * 1024 * 1024
+    with pytest.raises(pynvml.NVMLError_InUse):          # a GI with a CI cannot go
+        nvml.nvmlGpuInstanceDestroy(gi)
+
+    pid = simnvml.add_process(machine, 0, mig_uuid=mig_uuid, used_mib=1000)
+    procs = nvml.nvmlDeviceGetComputeRunningProcesses(mig)
+    assert [(p.pid, p.usedGpuMemory) for p in procs] == [(pid, 1000 * 1024 * 1024)]
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(h)[0].gpuInstanceId == nvml.nvmlGpuInstanceGetInfo(gi).id
+    with pytest.raises(pynvml.NVMLError_InUse):
+        nvml.nvmlComputeInstanceDestroy(ci)
+    with pytest.raises(pynvml.NVMLError_InUse):
+        nvml.nvmlDeviceSetMigMode(h, 0)
+    simnvml.remove_process(machine, pid)
+    with pytest.raises(pynvml.NVMLError_InUse):          # instances still exist
+        nvml.nvmlDeviceSetMigMode(h, 0)
+    nvml.nvmlComputeInstanceDestroy(ci)
+    nvml.nvmlGpuInstanceDestroy(gi)
+    assert nvml.nvmlDeviceSetMigMode(h, 0) == pynvml.NVML_ERROR_RESET_REQUIRED
+
+
+def test_ampere_mode_change_is_pending_until_reset_hopper_is_immediate(nvml, machine: Path):
+    a100 = nvml.nvmlDeviceGetHandleByIndex(2)
+    assert nvml.nvmlDeviceSetMigMode(a100, 1) == pynvml.NVML_ERROR_RESET_REQUIRED
+    assert nvml.nvmlDeviceGetMigMode(a100) == [0, 1]
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(a100, 19, ctypes.byref(_placement(0, 1)))
+    simnvml.add_process(machine, 2)
+    with pytest.raises(pynvml.NVMLError_InUse):
+        simnvml.reset_gpu(machine, 2)
+    simnvml.reboot(machine)
+    assert nvml.nvmlDeviceGetMigMode(a100) == [1, 1]
+
+    h100 = nvml.nvmlDeviceGetHandleByIndex(1)
+    assert nvml.nvmlDeviceSetMigMode(h100, 0) == pynvml.NVML_SUCCESS
+    assert nvml.nvmlDeviceGetMigMode(h100) == [0, 0]
+
+
+def test_non_mig_gpu_process_and_compute_mode(nvml, machine: Path):
+    l4 = nvml.nvmlDeviceGetHandleByIndex(3)
+    pid = simnvml.add_process(machine, 3, used_mib=512)
+    assert nvml.nvmlDeviceGetMemoryInfo(l4).used == 512 * 1024 * 1024
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(l4)[0].pid == pid
+    with pytest.raises(ValueError, match="MIG mode"):
+        simnvml.add_process(machine, 0)        # GPU 0 is in MIG mode: needs a MIG device
+    nvml.nvmlDeviceSetComputeMode(l4, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+    assert nvml.nvmlDeviceGetComputeMode(l4) == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceSetComputeMode(l4, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD)
+
+
+def test_failed_call_leaves_the_file_untouched(nvml, machine: Path):
+    before = machine.read_bytes()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 0, ctypes.byref(_placement(0, 8)))
+    middle = machine.read_bytes()
+    assert middle != before
+    with pytest.raises(pynvml.NVMLError_InsufficientResources):
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, ctypes.byref(_placement(0, 1)))
+    assert machine.read_bytes() == middle
+
+
+_CHILD = """
+import ctypes, sys, pynvml
+from fastshare.device import simnvml
+simnvml.set_state_path(sys.argv[1])
+simnvml.nvmlInit()
+h = simnvml.nvmlDeviceGetHandleByIndex(0)
+p = pynvml.c_nvmlGpuInstancePlacement_t(); p.start, p.size = int(sys.argv[2]), 1
+try:
+    simnvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, ctypes.byref(p))
+    print("created")
+except pynvml.NVMLError_InsufficientResources:
+    print("insufficient")
+"""
+
+
+def test_separate_processes_see_one_machine(nvml, machine: Path):
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    children = [subprocess.Popen([sys.executable, "-c", _CHILD, str(machine), str(start)],
+                                 stdout=subprocess.PIPE, text=True) for start in (3, 3, 5)]
+    outputs = sorted(c.communicate(timeout=120)[0].strip() for c in children)
+    assert outputs == ["created", "created", "insufficient"]   # exactly one child won slice 3
+    array = (pynvml.c_nvmlGpuInstance_t * 7)()
+    count = ctypes.c_uint(0)
+    nvml.nvmlDeviceGetGpuInstances(h, 19, array, ctypes.byref(count))
+    starts = sorted(nvml.nvmlGpuInstanceGetInfo(array[i]).placement.start for i in range(count.value))
+    assert starts == [3, 5]

@@ -1,0 +1,90 @@
+"""Lease leader election against the real API server: one leader, take-over only after the lease
+expires on the candidate's own clock, immediate hand-over on release."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+from kubernetes import client
+
+from fastshare.k8s.leader import LeaderElector
+
+from .conftest import wait_for
+
+
+@pytest.fixture
+def lease_name():
+    return f"lease-{uuid.uuid4().hex[:8]}"
+
+
+def _electors(api_client, namespace, lease_name, n=2, **timing):
+    timing = {"lease_duration": 3.0, "renew_deadline": 2.0, "retry_period": 0.2, **timing}
+    return [LeaderElector(api_client, namespace, lease_name, f"controller-{i}", **timing) for i in range(n)]
+
+
+def test_exactly_one_of_two_candidates_leads(api_client, namespace, lease_name):
+    a, b = _electors(api_client, namespace, lease_name)
+    assert a.step() is True
+    assert b.step() is False
+    assert a.step() is True  # renew
+    lease = client.CoordinationV1Api(api_client).read_namespaced_lease(lease_name, namespace)
+    assert lease.spec.holder_identity == "controller-0"
+    assert lease.spec.lease_transitions == 0
+
+
+def test_a_silent_leader_is_replaced_only_after_the_lease_duration(api_client, namespace, lease_name):
+    a, b = _electors(api_client, namespace, lease_name)
+    assert a.step()
+    started = time.monotonic()
+    # `a` stops renewing (crashed). `b` must wait a full lease duration of unchanged record.
+    wait_for(b.step, "b to take over", timeout=60)
+    assert time.monotonic() - started >= 3.0
+    lease = client.CoordinationV1Api(api_client).read_namespaced_lease(lease_name, namespace)
+    assert (lease.spec.holder_identity, lease.spec.lease_transitions) == ("controller-1", 1)
+    # the old leader notices on its next attempt and does not act any more
+    assert a.step() is False
+    assert not a.is_leader
+
+
+def test_release_hands_over_without_waiting(api_client, namespace, lease_name):
+    a, b = _electors(api_client, namespace, lease_name, lease_duration=60.0, renew_deadline=30.0)
+    assert a.step()
+    assert not b.step()
+    a.release()
+    assert not a.is_leader
+    assert b.step()
+
+
+def test_racing_candidates_in_threads_never_lead_together(api_client, namespace, lease_name):
+    electors = _electors(api_client, namespace, lease_name, n=3)
+    stop = threading.Event()
+    overlaps: list[tuple[str, ...]] = []
+    changes: list[tuple[str, bool]] = []
+    threads = [threading.Thread(target=e.run, args=(stop, lambda v, e=e: changes.append((e.identity, v))))
+               for e in electors]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            leading = tuple(e.identity for e in electors if e.is_leader)
+            if len(leading) > 1:
+                overlaps.append(leading)
+            time.sleep(0.05)
+        assert overlaps == []
+        assert sum(e.is_leader for e in electors) == 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    # each thread released on stop; the leader reported gaining and then losing leadership
+    assert [v for _, v in changes].count(True) == 1
+    assert [v for _, v in changes].count(False) == 1
+
+
+def test_timings_are_checked():
+    with pytest.raises(ValueError, match="lease_duration > renew_deadline > retry_period"):
+        LeaderElector(None, "ns", "x", "me", lease_duration=5, renew_deadline=10, retry_period=1)

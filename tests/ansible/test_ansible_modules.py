@@ -180,7 +180,6 @@ def test_refuses_to_destroy_an_instance_with_processes_even_with_force(mig, mach
 
 def test_share_held_instance_needs_force(mig, machine, tmp_path):
     """A MIG device a fastshare share holds (node agent journal) counts as in use."""
-    pytest.importorskip("fastshare.node.journal", reason="the node agent (fastshare.node) is not merged yet")
     created = mig([{"devices": [1], "mig_devices": {"3g.40gb": 2}}])
     held = created["gpus"][0]["mig_devices"][0]["uuid"]
     journal = tmp_path / "journal.db"

@@ -598,28 +598,18 @@ class Agent:
                 with self._state:
                     self._ports_in_use.add(row.port)
         for row in self.journal.shares():
-            if row.state == "ready":
-                if row.spec.kind == "exclusive" and not self._exclusive_still_there(row):
-                    actions.append(f"share {row.spec.id}: its MIG device is gone (reboot?); dropped")
-                    self._undo(row, deadline)
-                    self.journal.delete_share(row.spec.id)
-                continue
-            if row.state == "preparing" and row.spec.kind == "exclusive" and self._adopt_preparing(row):
-                actions.append(f"share {row.spec.id}: MIG device in use, adopted as prepared")
-                continue
-            destroyed, stopped = self._undo(row, deadline)
-            self.journal.delete_share(row.spec.id)
-            actions.append(f"share {row.spec.id}: {row.state} when the agent stopped; rolled back"
-                           + (f", destroyed {destroyed}" if destroyed else "")
-                           + (f", stopped MPS {stopped}" if stopped else ""))
+            with _step(actions, f"share {row.spec.id}"):
+                actions += self._reconcile_share(row, deadline)
         live = {r.spec.id for r in self.journal.shares()}
         for m in self.journal.migs():
-            if m.purpose == "layout":
-                actions += self._reconcile_layout_mig(m, deadline)
-            elif m.share_id not in live:
-                gone = self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
-                actions.append(f"MIG {m.mig_uuid or m.gpu_uuid + '@' + str(m.start)} created by the agent "
-                               f"without a share: {'destroyed' if gone else 'in use, adopted until idle'}")
+            with _step(actions, f"MIG at slice {m.start} of {m.gpu_uuid}"):
+                if m.purpose == "layout":
+                    actions += self._reconcile_layout_mig(m, deadline)
+                elif m.share_id not in live:
+                    gone = self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
+                    fate = "destroyed" if gone else "in use, adopted until idle"
+                    actions.append(f"MIG {m.mig_uuid or m.gpu_uuid + '@' + str(m.start)} created by the "
+                                   f"agent without a share: {fate}")
         actions += self._reconcile_mps(deadline)
         devices_with_files = set(sharefiles.devices(self.config.share_root))
         for row in self.journal.shares():
@@ -630,6 +620,21 @@ class Agent:
         self.refresh_devices()
         self._changed()
         return actions
+
+    def _reconcile_share(self, row: ShareRow, deadline: Deadline) -> list[str]:
+        if row.state == "ready":
+            if row.spec.kind == "exclusive" and not self._exclusive_still_there(row):
+                self._undo(row, deadline)
+                self.journal.delete_share(row.spec.id)
+                return [f"share {row.spec.id}: its MIG device is gone (reboot?); dropped"]
+            return []
+        if row.state == "preparing" and row.spec.kind == "exclusive" and self._adopt_preparing(row):
+            return [f"share {row.spec.id}: MIG device in use, adopted as prepared"]
+        destroyed, stopped = self._undo(row, deadline)
+        self.journal.delete_share(row.spec.id)
+        return [f"share {row.spec.id}: {row.state} when the agent stopped; rolled back"
+                + (f", destroyed {destroyed}" if destroyed else "")
+                + (f", stopped MPS {stopped}" if stopped else "")]
 
     def _exclusive_still_there(self, row: ShareRow) -> bool:
         gpu = self._gpu(row.spec.device_uuids[0])
@@ -670,8 +675,9 @@ class Agent:
         needed = {r.device_uuid for r in self.journal.shares() if r.spec.kind in ("fastpod", "mps")}
         known = {r.device_uuid for r in self.journal.mps_daemons()} | set(self.mps.running_devices())
         for device_uuid in sorted(known - needed):
-            if self._stop_mps_if_unused(device_uuid, deadline):
-                actions.append(f"MPS daemon for {device_uuid}: no share left, stopped")
+            with _step(actions, f"MPS daemon for {device_uuid}"):
+                if self._stop_mps_if_unused(device_uuid, deadline):
+                    actions.append(f"MPS daemon for {device_uuid}: no share left, stopped")
         for device_uuid in sorted(needed):
             row = self.journal.mps(device_uuid)
             if row is not None and row.state == "running" and self.mps.answers(device_uuid):
@@ -679,8 +685,7 @@ class Agent:
                 self._mps_health[device_uuid] = True
                 actions.append(f"MPS daemon for {device_uuid}: running, adopted")
                 continue
-            if row is not None:
-                self.journal.update_mps(device_uuid, state="starting")
+            if row is not None:  # 'starting'/'stopping' or dead: start() adopts a daemon that answers
                 self.journal.delete_mps(device_uuid)
             try:
                 self._ensure_mps(self._device(device_uuid), deadline)
@@ -783,6 +788,17 @@ class Snapshot:
     mps_daemons: list
     shares: list[ShareRow]
     share_files: list[tuple[str, str, str, int]]
+
+
+@contextlib.contextmanager
+def _step(actions: list[str], what: str) -> Iterator[None]:
+    """One reconcile step: a failure (a GPU gone, a daemon that will not stop) is reported and
+    the journal row kept for the next start, instead of keeping the whole node down."""
+    try:
+        yield
+    except (AgentError, DeviceError, MpsError, OSError) as exc:
+        log.error("reconcile: %s failed: %s", what, exc)
+        actions.append(f"{what}: FAILED ({exc}); left in the journal for the next start")
 
 
 def _raises(daemon: MpsRow, sm: float, mem: int | None) -> bool:

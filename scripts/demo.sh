@@ -10,10 +10,17 @@ export COLUMNS="${COLUMNS:-130}"
 work="$(mktemp -d /tmp/fastshare-demo.XXXXXX)"
 pids=()
 
+stop_all() {  # newest first: workloads release before the agents and the controller stop
+  local i
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    kill -TERM "${pids[i]}" 2>/dev/null || true
+    wait "${pids[i]}" 2>/dev/null || true
+  done
+  pids=()
+}
+
 cleanup() {
-  local pid
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  stop_all
   # The agents stop their MPS daemons on release; this only matters if the demo failed midway.
   for mps in "$work"/node-*/run/mps; do
     [ -d "$mps" ] || continue
@@ -54,8 +61,8 @@ done
 ls "$work/pki"
 
 step "two simulated machines"
-fastshare sim-machine create "$work/node-a.json" --gpus A100-SXM4-40GB,A100-SXM4-40GB | head -1
-fastshare sim-machine create "$work/node-b.json" --gpus H100-SXM5-80GB,L4 | head -1
+fastshare sim-machine create "$work/node-a.json" --gpus A100-SXM4-40GB,A100-SXM4-40GB | sed -n 1p
+fastshare sim-machine create "$work/node-b.json" --gpus H100-SXM5-80GB,L4 | sed -n 1p
 
 step "controller (SQLite state, single instance) and two node agents that register with it"
 fastshare controller serve --state-dir "$work/controller" --tls-dir "$work/pki" \
@@ -89,13 +96,16 @@ fastshare run --sm 30 --mem 8GiB --quota 0.3:0.6 --model 'A100*' -- \
 
 step "submit a mix of all four kinds (each holds its allocation while its command runs)"
 runs=()
-submit() { fastshare run "$@" -- sleep 300 & runs+=($!); pids+=($!); }
+submit() {  # one at a time, so that the placements (and this demo) are deterministic
+  fastshare run "$@" -- sleep 300 &
+  runs+=($!); pids+=($!)
+  wait_until 60 "allocation ${#runs[@]} to be active" has_active "${#runs[@]}"
+}
+submit --kind whole --gpus 1 --model 'A100*'
 submit --kind fastpod --sm 30 --mem 8GiB --quota 0.3:0.6 --model 'A100*'
 submit --kind fastpod --sm 50 --mem 12GiB --model 'A100*'
 submit --kind mps --mem 6GiB --model L4
 submit --kind exclusive --mig-profile 3g.40gb --model 'H100*'
-submit --kind whole --gpus 1 --model 'A100*'
-wait_until 60 "five active allocations" has_active 5
 
 step "one request that cannot fit is rejected with the reason"
 fastshare run --kind whole --gpus 2 -- true || true
@@ -112,7 +122,5 @@ wait_until 30 "all released" has_active 0
 fastshare status --all | sed -n '/Allocations/,$p'
 
 step "stop the agents and the controller"
-for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-pids=()
+stop_all
 echo "done in ${SECONDS}s; nothing left running"

@@ -228,24 +228,23 @@ class Agent:
         return prepared, True
 
     def _prepare_whole(self, spec: ShareSpec, deadline: Deadline) -> Prepared:
-        gpus = [self._gpu(u) for u in spec.device_uuids]
-        for gpu in gpus:
-            if gpu.mig_current:
-                raise AgentError("FAILED_PRECONDITION", f"GPU {gpu.uuid} is in MIG mode; a whole GPU needs "
-                                                        "MIG disabled (or ask for kind exclusive)")
+        for u in spec.device_uuids:
+            self._gpu(u)  # NOT_FOUND before waiting for any lock
         with contextlib.ExitStack() as stack:
             for u in sorted(spec.device_uuids):  # one order everywhere: no lock cycles
                 stack.enter_context(self._device_locks.hold(u, deadline))
-            for u in spec.device_uuids:
+            for u in spec.device_uuids:  # MIG mode only changes under this lock: check it here
+                if self._gpu(u).mig_current:
+                    raise AgentError("FAILED_PRECONDITION", f"GPU {u} is in MIG mode; a whole GPU needs "
+                                                            "MIG disabled (or ask for kind exclusive)")
                 holders = self._live_shares(u)
                 if holders:
                     raise AgentError("RESOURCE_EXHAUSTED", f"GPU {u} is not free: {len(holders)} share(s) "
                                                            f"use it ({_kinds(holders)}); free: nothing")
-            self.journal.begin_share(spec, spec.device_uuids[0], None)
-        visible = ",".join(spec.device_uuids)
-        prepared = Prepared(env={"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible},
-                            device_uuids=spec.device_uuids)
-        self.journal.share_ready(spec.id, spec.device_uuids[0], prepared)
+            visible = ",".join(spec.device_uuids)
+            prepared = Prepared(env={"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible},
+                                device_uuids=spec.device_uuids)
+            self.journal.insert_ready_share(spec, spec.device_uuids[0], None, prepared)  # nothing to create
         return prepared
 
     def _mig_profile(self, gpu: GpuInfo, name: str) -> MigProfile:
@@ -338,10 +337,10 @@ class Agent:
         share): ONE journal commit of the finished share, then the share files, which the
         reconciler rewrites from the journal anyway. Otherwise write-ahead in two phases."""
         dev = self._device(spec.device_uuids[0])
-        if dev.mig is None and dev.gpu.mig_current:
-            raise AgentError("FAILED_PRECONDITION", f"GPU {dev.uuid} is in MIG mode: MPS runs per MIG "
-                                                    "device; name a MIG device UUID (MIG-…) instead")
         with self._device_locks.hold(dev.uuid, deadline):
+            if dev.mig is None and self._gpu(dev.uuid).mig_current:  # checked under the GPU's lock
+                raise AgentError("FAILED_PRECONDITION", f"GPU {dev.uuid} is in MIG mode: MPS runs per MIG "
+                                                        "device; name a MIG device UUID (MIG-…) instead")
             holders = self._check_mps_capacity(spec, dev)
             port = self._allocate_port() if spec.kind == "fastpod" else None
             prepared = self._mps_prepared(spec, dev.uuid, port)
@@ -598,28 +597,18 @@ class Agent:
                 with self._state:
                     self._ports_in_use.add(row.port)
         for row in self.journal.shares():
-            if row.state == "ready":
-                if row.spec.kind == "exclusive" and not self._exclusive_still_there(row):
-                    actions.append(f"share {row.spec.id}: its MIG device is gone (reboot?); dropped")
-                    self._undo(row, deadline)
-                    self.journal.delete_share(row.spec.id)
-                continue
-            if row.state == "preparing" and row.spec.kind == "exclusive" and self._adopt_preparing(row):
-                actions.append(f"share {row.spec.id}: MIG device in use, adopted as prepared")
-                continue
-            destroyed, stopped = self._undo(row, deadline)
-            self.journal.delete_share(row.spec.id)
-            actions.append(f"share {row.spec.id}: {row.state} when the agent stopped; rolled back"
-                           + (f", destroyed {destroyed}" if destroyed else "")
-                           + (f", stopped MPS {stopped}" if stopped else ""))
+            with _step(actions, f"share {row.spec.id}"):
+                actions += self._reconcile_share(row, deadline)
         live = {r.spec.id for r in self.journal.shares()}
         for m in self.journal.migs():
-            if m.purpose == "layout":
-                actions += self._reconcile_layout_mig(m, deadline)
-            elif m.share_id not in live:
-                gone = self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
-                actions.append(f"MIG {m.mig_uuid or m.gpu_uuid + '@' + str(m.start)} created by the agent "
-                               f"without a share: {'destroyed' if gone else 'in use, adopted until idle'}")
+            with _step(actions, f"MIG at slice {m.start} of {m.gpu_uuid}"):
+                if m.purpose == "layout":
+                    actions += self._reconcile_layout_mig(m, deadline)
+                elif m.share_id not in live:
+                    gone = self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
+                    fate = "destroyed" if gone else "in use, adopted until idle"
+                    actions.append(f"MIG {m.mig_uuid or m.gpu_uuid + '@' + str(m.start)} created by the "
+                                   f"agent without a share: {fate}")
         actions += self._reconcile_mps(deadline)
         devices_with_files = set(sharefiles.devices(self.config.share_root))
         for row in self.journal.shares():
@@ -630,6 +619,21 @@ class Agent:
         self.refresh_devices()
         self._changed()
         return actions
+
+    def _reconcile_share(self, row: ShareRow, deadline: Deadline) -> list[str]:
+        if row.state == "ready":
+            if row.spec.kind == "exclusive" and not self._exclusive_still_there(row):
+                self._undo(row, deadline)
+                self.journal.delete_share(row.spec.id)
+                return [f"share {row.spec.id}: its MIG device is gone (reboot?); dropped"]
+            return []
+        if row.state == "preparing" and row.spec.kind == "exclusive" and self._adopt_preparing(row):
+            return [f"share {row.spec.id}: MIG device in use, adopted as prepared"]
+        destroyed, stopped = self._undo(row, deadline)
+        self.journal.delete_share(row.spec.id)
+        return [f"share {row.spec.id}: {row.state} when the agent stopped; rolled back"
+                + (f", destroyed {destroyed}" if destroyed else "")
+                + (f", stopped MPS {stopped}" if stopped else "")]
 
     def _exclusive_still_there(self, row: ShareRow) -> bool:
         gpu = self._gpu(row.spec.device_uuids[0])
@@ -670,8 +674,9 @@ class Agent:
         needed = {r.device_uuid for r in self.journal.shares() if r.spec.kind in ("fastpod", "mps")}
         known = {r.device_uuid for r in self.journal.mps_daemons()} | set(self.mps.running_devices())
         for device_uuid in sorted(known - needed):
-            if self._stop_mps_if_unused(device_uuid, deadline):
-                actions.append(f"MPS daemon for {device_uuid}: no share left, stopped")
+            with _step(actions, f"MPS daemon for {device_uuid}"):
+                if self._stop_mps_if_unused(device_uuid, deadline):
+                    actions.append(f"MPS daemon for {device_uuid}: no share left, stopped")
         for device_uuid in sorted(needed):
             row = self.journal.mps(device_uuid)
             if row is not None and row.state == "running" and self.mps.answers(device_uuid):
@@ -679,8 +684,7 @@ class Agent:
                 self._mps_health[device_uuid] = True
                 actions.append(f"MPS daemon for {device_uuid}: running, adopted")
                 continue
-            if row is not None:
-                self.journal.update_mps(device_uuid, state="starting")
+            if row is not None:  # 'starting'/'stopping' or dead: start() adopts a daemon that answers
                 self.journal.delete_mps(device_uuid)
             try:
                 self._ensure_mps(self._device(device_uuid), deadline)
@@ -735,7 +739,7 @@ class Agent:
                 pending = self.devices.set_mig_mode(gpu.index, enabled)
             except DeviceError as exc:
                 raise _device_error(exc, f"setting MIG mode of GPU {gpu_uuid}") from None
-        self.refresh_devices()
+            self.refresh_devices()  # before the lock goes: prepares re-check the mode under it
         self._changed()
         return pending, True
 
@@ -783,6 +787,17 @@ class Snapshot:
     mps_daemons: list
     shares: list[ShareRow]
     share_files: list[tuple[str, str, str, int]]
+
+
+@contextlib.contextmanager
+def _step(actions: list[str], what: str) -> Iterator[None]:
+    """One reconcile step: a failure (a GPU gone, a daemon that will not stop) is reported and
+    the journal row kept for the next start, instead of keeping the whole node down."""
+    try:
+        yield
+    except (AgentError, DeviceError, MpsError, OSError) as exc:
+        log.error("reconcile: %s failed: %s", what, exc)
+        actions.append(f"{what}: FAILED ({exc}); left in the journal for the next start")
 
 
 def _raises(daemon: MpsRow, sm: float, mem: int | None) -> bool:

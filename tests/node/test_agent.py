@@ -5,6 +5,7 @@ import threading
 
 import grpc
 
+from fastshare.device import simnvml
 from fastshare.mps.control import MpsControl
 from fastshare.node import sharefiles
 from fastshare.v1 import agent_pb2, common_pb2
@@ -223,3 +224,40 @@ def test_concurrent_requests_on_one_gpu_never_overcommit(agent, devices):
     assert sum(r is not None for r in results) == 7
     assert {e.code() for e in errors if e is not None} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert len({r.device_uuids[0] for r in results if r}) == 7 == len(devices.mig_instances(GPU_MIG))
+
+
+def test_fastpod_on_a_mig_device_gets_its_own_daemon(agent, devices):
+    agent.start()
+    gpu = _uuids(agent)[GPU_MIG]
+    stub = agent.unix()
+    err = rpc_error(stub.PrepareShare, fastpod("on-gpu", gpu))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "MIG-" in err.details()
+    layout = stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"3g.40gb": 2}),
+                                 timeout=60)
+    mig = layout.mig_devices[0].uuid
+    reply = stub.PrepareShare(fastpod("on-mig", mig, sm=50, mem_gib=8), timeout=60)
+    assert reply.env["CUDA_VISIBLE_DEVICES"] == mig and mig in reply.host_paths["mps_pipe_dir"]
+    assert MpsControl(STANDIN, agent.rundir / "mps").answers(mig)
+    err = rpc_error(stub.PrepareShare, fastpod("too-big", mig, sm=10, mem_gib=60))  # a 3g has ~40 GB
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    start = next(m.start for m in layout.mig_devices if m.uuid == mig)
+    err = rpc_error(stub.PrepareShare, share("ex", "exclusive", [gpu], mig_profile="3g.40gb",
+                                             mig_start=start))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in use" in err.details()
+    assert list(_release(stub, "on-mig").stopped_mps_daemons) == [mig]
+    assert len(devices.mig_instances(GPU_MIG)) == 2  # layout instances stay
+
+
+def test_agent_still_starts_when_journaled_gpus_disappeared(agent, sim_machine):
+    agent.start()
+    uuids = _uuids(agent)
+    agent.unix().PrepareShare(fastpod("fp", uuids[GPU_A]), timeout=60)
+    agent.unix().PrepareShare(share("ex", "exclusive", [uuids[GPU_MIG]], mig_profile="1g.10gb"), timeout=60)
+    agent.kill9()
+    simnvml.create_machine(sim_machine, ["H100-SXM5-80GB", "V100-SXM2-32GB"], mig_enabled=True,
+                           overwrite=True)  # new GPUs (new UUIDs), the journal knows the old ones
+    agent.start()
+    inv = agent.unix().GetInventory(INV, timeout=30)
+    assert len(inv.gpus) == 2 and not {g.uuid for g in inv.gpus} & set(uuids)
+    assert "FAILED" in agent.log.read_text() or "cannot start" in agent.log.read_text()
+    assert agent.unix().PrepareShare(fastpod("new", inv.gpus[GPU_A].uuid), timeout=60).created

@@ -105,7 +105,10 @@ class _Store:
 
     @contextlib.contextmanager
     def _locked(self, mode: int) -> Iterator[None]:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:   # a reader in a read-only directory: the lock file exists already
+            fd = os.open(self.lock_path, os.O_RDONLY)
         try:
             fcntl.flock(fd, mode)
             yield

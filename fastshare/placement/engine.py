@@ -395,13 +395,18 @@ class Engine:
                 too_big.append((n, g, need))
                 continue
             inst = list(g.mig.values())
+            by_id = {p.profile_id: p for p in v.mig_profiles}
+            free_slices = migmath.compute_slices_total(v.mig_profiles) - sum(
+                by_id[pid].slices for pid, _s, _z in inst if pid in by_id)
             for p in profs:
                 starts = migmath.free_starts(p, v.mig_profiles, inst)
                 if not starts:
                     continue
                 for s in starts:
+                    # best fit across GPUs (fullest GPU that takes it), then the start that
+                    # rules out the fewest later combinations on that GPU
                     loss = migmath.placement_loss(p, s, v.mig_profiles, inst)
-                    key = (p.memory_slices, p.slices, not g.mig_mode, round(loss, 9), order, s)
+                    key = (p.memory_slices, p.slices, free_slices - p.slices, loss, order, s)
                     if best_key is None or key < best_key:
                         best_key, best = key, (n, g, p, s)
                 break  # smallest placeable profile on this GPU

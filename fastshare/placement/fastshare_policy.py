@@ -20,6 +20,7 @@ from fastshare.placement.policies import (
     Policy,
     Task,
     Typical,
+    _FragKeyed,
     after,
     default_gpus,
     typical_shapes,
@@ -30,7 +31,7 @@ def _quantised(delta: float) -> int:
     return int(100.0 / (1.0 + math.exp(-delta / 1000.0)))
 
 
-class FastsharePolicy(Policy):
+class FastsharePolicy(_FragKeyed):
     """FGD-style fragmentation score with packing-aware tie-breaking (one policy, no knobs)."""
 
     name = "fastshare"

@@ -99,6 +99,11 @@ class Policy:
               tags: frozenset = frozenset()) -> Choice:
         raise NotImplementedError
 
+    def state_key(self, model: str, cpu_left: int, gpus: tuple[int, ...], task: Task) -> tuple | None:
+        """A key such that equal keys give equal ``score`` results (for caching), or None
+        to key on the raw state."""
+        return None
+
 
 class RandomPolicy(Policy):
     """Uniformly random feasible node and fitting GPU (seeded)."""
@@ -252,7 +257,18 @@ def _sigmoid_score(delta: float) -> int:
     return int(100.0 / (1.0 + math.exp(-delta / 1000.0)))
 
 
-class FGDPolicy(Policy):
+class _FragKeyed(Policy):
+    """Policies whose score depends on CPU only through the typical shapes' thresholds."""
+
+    frag: Fragmentation
+
+    def state_key(self, model, cpu_left, gpus, task):
+        th = self.frag.thresholds
+        return (model if self.frag.model_dependent or task.models else "", bisect.bisect_right(th, cpu_left),
+                bisect.bisect_right(th, cpu_left - task.cpu), gpus)
+
+
+class FGDPolicy(_FragKeyed):
     """Fragmentation Gradient Descent as in the artifact: score = int(100*sigmoid(dF/1000)),
     dF = F(before) - F(after); for shares the GPU with the best integer score (lowest index
     on ties) is used."""

@@ -10,6 +10,7 @@ are re-scored (stale heap entries are dropped lazily by version). Scores are cac
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
@@ -76,78 +77,90 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
             return False
         return gpu_fits(gpus[i], task)
 
+    state_key = policy.state_key
+
     def score(i: int, task: Task):
         tg = frozenset(tags[i]) if uses_tags else frozenset()
-        key = (model[i], cpu[i], gpus[i], tg, task)
+        key = state_key(model[i], cpu[i], gpus[i], task)
+        key = (model[i], cpu[i], gpus[i], tg, task) if key is None else (key, task)
         s = score_cache.get(key)
         if s is None:
-            s = score_cache[key] = policy.score(model[i], cpu[i], gpus[i], task, tg)
+            if len(score_cache) > 2_000_000:  # bound memory on very long replays
+                score_cache.clear()
+            value, chosen = policy.score(model[i], cpu[i], gpus[i], task, tg)
+            s = score_cache[key] = (_neg(value), chosen)
         return s
 
     def push(h: list, i: int, task: Task) -> None:
         if fits(i, task):
-            heapq.heappush(h, (_neg(score(i, task)[0]), ranks[i], version[i], i))
+            heapq.heappush(h, (score(i, task)[0], ranks[i], version[i], i))
 
-    for k, pod in enumerate(order):
-        start = time.perf_counter()
-        task = Task(pod.cpu_milli, pod.gpu_milli if pod.num_gpu else 0, pod.num_gpu, pod.gpu_spec)
-        chosen = None
-        if randomized:
-            feasible = [i for i in range(n) if fits(i, task) and mem[i] >= pod.memory_mib]
-            if feasible:
-                i = feasible[policy.rng.randrange(len(feasible))]
-                chosen = (i, policy.score(model[i], cpu[i], gpus[i], task)[1])
-        else:
-            h = heaps.get(task)
-            if h is None:
-                h = heaps[task] = []
-                for i in range(n):
-                    push(h, i, task)
-                heapq.heapify(h)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # the replay makes no reference cycles; collector pauses would only add jitter
+    try:
+        for k, pod in enumerate(order):
+            start = time.perf_counter()
+            task = Task(pod.cpu_milli, pod.gpu_milli if pod.num_gpu else 0, pod.num_gpu, pod.gpu_spec)
+            chosen = None
+            if randomized:
+                feasible = [i for i in range(n) if fits(i, task) and mem[i] >= pod.memory_mib]
+                if feasible:
+                    i = feasible[policy.rng.randrange(len(feasible))]
+                    chosen = (i, policy.score(model[i], cpu[i], gpus[i], task)[1])
             else:
-                for i in set(changes[seen[task]:]):
-                    push(h, i, task)
-            seen[task] = len(changes)
-            skipped = []
-            while h:
-                entry = h[0]
-                i = entry[3]
-                if entry[2] != version[i]:
-                    heapq.heappop(h)
-                    continue
-                if mem[i] < pod.memory_mib:  # memory filters but never scores: look further
-                    skipped.append(heapq.heappop(h))
-                    continue
-                chosen = (i, score(i, task)[1])
-                break
-            for e in skipped:
-                heapq.heappush(h, e)
-        if chosen is None:
-            placements.append(Placement(pod, None))
-        else:
-            i, gi = chosen
-            cpu[i] -= pod.cpu_milli
-            mem[i] -= pod.memory_mib
-            if gi:
-                take = task.milli if task.sharing else MILLI
-                g = list(gpus[i])
-                for j in gi:
-                    g[j] -= take
-                gpus[i] = tuple(g)
-                if uses_tags:
-                    tags[i][(task.num_gpu, task.milli)] += 1
-            version[i] += 1
-            changes.append(i)
-            allocated += pod.gpu_request
-            placements.append(Placement(pod, i, tuple(gi)))
-        times.append(time.perf_counter() - start)
-        arrived += pod.gpu_request
-        while next_x <= curve_points and arrived * 100 >= next_x * capacity:
-            curve.append((next_x, round(allocated * 100 / capacity, 2)))
-            next_x += 1
-        if progress is not None and k % 256 == 0:
-            progress(k)
-    while next_x <= curve_points:  # the trace ended before reaching the last point
+                h = heaps.get(task)
+                if h is None:
+                    h = heaps[task] = [(score(i, task)[0], ranks[i], version[i], i)
+                                       for i in range(n) if fits(i, task)]
+                    heapq.heapify(h)
+                else:
+                    for i in set(changes[seen[task]:]):
+                        push(h, i, task)
+                seen[task] = len(changes)
+                skipped = []
+                while h:
+                    entry = h[0]
+                    i = entry[3]
+                    if entry[2] != version[i]:
+                        heapq.heappop(h)
+                        continue
+                    if mem[i] < pod.memory_mib:  # memory filters but never scores: look further
+                        skipped.append(heapq.heappop(h))
+                        continue
+                    chosen = (i, score(i, task)[1])
+                    break
+                for e in skipped:
+                    heapq.heappush(h, e)
+            if chosen is None:
+                placements.append(Placement(pod, None))
+            else:
+                i, gi = chosen
+                cpu[i] -= pod.cpu_milli
+                mem[i] -= pod.memory_mib
+                if gi:
+                    take = task.milli if task.sharing else MILLI
+                    g = list(gpus[i])
+                    for j in gi:
+                        g[j] -= take
+                    gpus[i] = tuple(g)
+                    if uses_tags:
+                        tags[i][(task.num_gpu, task.milli)] += 1
+                version[i] += 1
+                changes.append(i)
+                allocated += pod.gpu_request
+                placements.append(Placement(pod, i, tuple(gi)))
+            times.append(time.perf_counter() - start)
+            arrived += pod.gpu_request
+            while next_x < curve_points and arrived * 100 >= next_x * capacity:
+                curve.append((next_x, round(allocated * 100 / capacity, 2)))
+                next_x += 1
+            if progress is not None and k % 256 == 0:
+                progress(k)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    # The last point is the end of the trace (tuning stops arrivals at ~130 %): the final ratio.
+    while next_x <= curve_points:
         curve.append((next_x, round(allocated * 100 / capacity, 2)))
         next_x += 1
     frag = Fragmentation(typical) if typical else None

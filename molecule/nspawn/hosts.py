@@ -14,7 +14,8 @@ Subcommands (all need root):
   supervise STATE NAME      internal: run one host's nspawn, re-booting it when it reboots
 
 Everything a run creates is recorded under STATE (molecule's ephemeral directory); network
-objects carry fixed names (see NET) so that destroy also cleans up after a crashed create.
+objects carry names derived from STATE (see Net), so that runs from different checkouts can
+coexist and destroy also cleans up after a crashed create without touching other runs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import wheels
@@ -60,12 +62,7 @@ PACKAGES = sorted(
 # Bumped whenever the image customisation below changes, so the cache key changes too.
 IMAGE_RECIPE = "3"
 
-NET = {
-    "bridge": "fsbr0",
-    "prefix": "10.231.0",  # /24; the bridge is .1, hosts are .11, .12, ...
-    "netns": "fsmol-{name}",
-    "veth": "fsv-{name}",
-}
+SUBNETS = range(1, 255)  # candidates for 10.231.X.0/24; the bridge is .1, hosts are .11, .12, ...
 BOOT_TIMEOUT = float(os.environ.get("FASTSHARE_MOLECULE_BOOT_TIMEOUT", "240"))
 STOP_TIMEOUT = 60.0
 REBOOT_EXIT = 133  # systemd-nspawn's exit status when the container asked for a reboot
@@ -165,8 +162,48 @@ def build_image() -> Path:
 # --------------------------------------------------------------------------- network
 
 
-def address(index: int) -> str:
-    return f"{NET['prefix']}.{11 + index}"
+@dataclass(frozen=True)
+class Net:
+    """Names and addresses of one run's network, derived from its state directory.
+
+    Several runs (other worktrees, other helpers) can live side by side on one machine: each
+    has its own bridge, namespaces, veths and /24, and destroy touches only its own.
+    """
+
+    run_id: str  # 4 hex digits
+    subnet: int  # X in 10.231.X.0/24
+
+    @classmethod
+    def for_state(cls, state: Path, subnet: int = 0) -> Net:
+        return cls(hashlib.sha256(str(state).encode()).hexdigest()[:4], subnet)
+
+    @property
+    def bridge(self) -> str:
+        return f"fsbr{self.run_id}"
+
+    @property
+    def gateway(self) -> str:
+        return f"10.231.{self.subnet}.1"
+
+    def netns(self, name: str) -> str:
+        return f"fs{self.run_id}-{name}"
+
+    def veth(self, name: str) -> str:
+        return f"fv{self.run_id}{name}"[:15]  # interface names have at most 15 characters
+
+    def address(self, index: int) -> str:
+        return f"10.231.{self.subnet}.{11 + index}"
+
+
+def free_subnet(run_id: str) -> int:
+    """A 10.231.X.0/24 no interface on this machine uses, starting at a run-specific X."""
+    used = subprocess.run(["ip", "-4", "-o", "addr", "show"], text=True, capture_output=True).stdout
+    first = int(run_id, 16) % len(SUBNETS)
+    for i in range(len(SUBNETS)):
+        x = SUBNETS[(first + i) % len(SUBNETS)]
+        if f" 10.231.{x}." not in used:
+            return x
+    raise SystemExit("no free 10.231.X.0/24 subnet for the molecule hosts")
 
 
 def link_exists(name: str, netns: str | None = None) -> bool:
@@ -178,43 +215,41 @@ def netns_exists(name: str) -> bool:
     return Path("/run/netns", name).exists()
 
 
-def setup_bridge() -> None:
-    br = NET["bridge"]
-    if not link_exists(br):
-        run("ip", "link", "add", br, "type", "bridge")
+def setup_bridge(net: Net) -> None:
+    if not link_exists(net.bridge):
+        run("ip", "link", "add", net.bridge, "type", "bridge")
     # Idempotent: "replace" does not fail if the address is already there.
-    run("ip", "addr", "replace", f"{NET['prefix']}.1/24", "dev", br)
-    run("ip", "link", "set", br, "up")
+    run("ip", "addr", "replace", f"{net.gateway}/24", "dev", net.bridge)
+    run("ip", "link", "set", net.bridge, "up")
 
 
-def setup_host_net(name: str, index: int) -> str:
+def setup_host_net(net: Net, name: str, index: int) -> str:
     """One namespace per host, its eth0 a veth whose peer is enslaved to the bridge."""
-    ns, veth = NET["netns"].format(name=name), NET["veth"].format(name=name)
+    ns, veth = net.netns(name), net.veth(name)
     if not netns_exists(ns):
         run("ip", "netns", "add", ns)
     if not link_exists(veth):
         run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-    run("ip", "link", "set", veth, "master", NET["bridge"])
+    run("ip", "link", "set", veth, "master", net.bridge)
     run("ip", "link", "set", veth, "up")
     run("ip", "-n", ns, "link", "set", "lo", "up")
-    run("ip", "-n", ns, "addr", "replace", f"{address(index)}/24", "dev", "eth0")
+    run("ip", "-n", ns, "addr", "replace", f"{net.address(index)}/24", "dev", "eth0")
     run("ip", "-n", ns, "link", "set", "eth0", "up")
-    run("ip", "-n", ns, "route", "replace", "default", "via", f"{NET['prefix']}.1")
+    run("ip", "-n", ns, "route", "replace", "default", "via", net.gateway)
     return ns
 
 
-def teardown_host_net(name: str) -> None:
-    veth, ns = NET["veth"].format(name=name), NET["netns"].format(name=name)
-    if link_exists(veth):
-        run("ip", "link", "del", veth, check=False)
-    if netns_exists(ns):
-        run("ip", "netns", "del", ns, check=False)
+def teardown_host_net(net: Net, name: str) -> None:
+    if link_exists(net.veth(name)):
+        run("ip", "link", "del", net.veth(name), check=False)
+    if netns_exists(net.netns(name)):
+        run("ip", "netns", "del", net.netns(name), check=False)
 
 
 # --------------------------------------------------------------------------- hosts
 
 
-def prepare_root(state: Path, image: Path, name: str, names: list[str]) -> Path:
+def prepare_root(state: Path, net: Net, image: Path, name: str, names: list[str]) -> Path:
     root = state / "machines" / name
     if root.exists():
         shutil.rmtree(root)
@@ -223,8 +258,13 @@ def prepare_root(state: Path, image: Path, name: str, names: list[str]) -> Path:
     (root / ".complete").unlink(missing_ok=True)
     (root / "etc/hostname").write_text(f"{name}\n")
     hosts = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
-    hosts += "".join(f"{address(i)} {n}\n" for i, n in enumerate(names))
+    hosts += "".join(f"{net.address(i)} {n}\n" for i, n in enumerate(names))
     (root / "etc/hosts").write_text(hosts)
+    # No DNS server is reachable from the hosts: the copied host resolver would make every
+    # lookup that skips /etc/hosts (gRPC's c-ares asks DNS for SRV/TXT records) wait for a
+    # timeout. A local address without a server fails at once instead.
+    (root / "etc/resolv.conf").unlink(missing_ok=True)
+    (root / "etc/resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
     (root / "etc/machine-id").write_text(uuid.uuid4().hex + "\n")
     run("ssh-keygen", "-q", "-A", "-f", str(root))  # this host's own ssh host keys
     ssh_dir = root / "root/.ssh"
@@ -238,7 +278,8 @@ def prepare_root(state: Path, image: Path, name: str, names: list[str]) -> Path:
 
 
 def nspawn_cmd(state: Path, name: str) -> list[str]:
-    binds = json.loads((state / "hosts.json").read_text()).get("binds", {})
+    recorded = json.loads((state / "hosts.json").read_text())
+    binds, net = recorded["binds"], Net.for_state(state, recorded["subnet"])
     return [
         "systemd-nspawn",
         "--quiet",
@@ -247,7 +288,7 @@ def nspawn_cmd(state: Path, name: str) -> list[str]:
         "--keep-unit",
         f"--machine={name}",
         f"--directory={state / 'machines' / name}",
-        f"--network-namespace-path=/run/netns/{NET['netns'].format(name=name)}",
+        f"--network-namespace-path=/run/netns/{net.netns(name)}",
         "--console=read-only",
         "--resolv-conf=off",
         "--timezone=off",
@@ -350,12 +391,6 @@ def pid_alive(pid: int) -> bool:
 def create(state: Path, names: list[str], repo: Path) -> list[dict[str, object]]:
     state.mkdir(parents=True, exist_ok=True)
     destroy(state)  # leftovers of an earlier, failed run of this scenario
-    other = Path("/run/netns", NET["netns"].format(name=names[0]))
-    if link_exists(NET["bridge"]) and any(Path("/run/netns").glob("fsmol-*")):
-        raise SystemExit(
-            f"bridge {NET['bridge']} and namespaces {other.parent}/fsmol-* belong to another "
-            "molecule run; destroy it first (molecule destroy)"
-        )
     started = time.monotonic()
     image = build_image()
     key = state / "id_ed25519"
@@ -368,25 +403,28 @@ def create(state: Path, names: list[str], repo: Path) -> list[dict[str, object]]
         str(wheels.local_wheel(repo, state / "wheels-local")): wheels.MOUNTS["local"],
     }
     log(f"wheelhouses ready in {time.monotonic() - t0:.1f}s")
-    (state / "hosts.json").write_text(json.dumps({"names": names, "binds": binds}))
+    net = Net.for_state(state)
+    net = Net.for_state(state, free_subnet(net.run_id))
+    # Recorded before anything exists, so that destroy finds every piece of a partial create.
+    (state / "hosts.json").write_text(json.dumps({"names": names, "binds": binds, "subnet": net.subnet}))
     ensure_nspawn_runtime_dir()
-    setup_bridge()
+    setup_bridge(net)
     pids = {}
     for i, name in enumerate(names):
         t0 = time.monotonic()
-        prepare_root(state, image, name, names)
+        prepare_root(state, net, image, name, names)
         log(f"{name}: root ready in {time.monotonic() - t0:.1f}s")
-        setup_host_net(name, i)
+        setup_host_net(net, name, i)
         pids[name] = start_host(state, name)
     deadline = time.monotonic() + BOOT_TIMEOUT
     for i, name in enumerate(names):
-        status = wait_ready(state, name, address(i), pids[name], deadline)
-        log(f"{name}: {status} at {address(i)}")
+        status = wait_ready(state, name, net.address(i), pids[name], deadline)
+        log(f"{name}: {status} at {net.address(i)} (bridge {net.bridge}, namespace {net.netns(name)})")
     log(f"{len(names)} hosts up in {time.monotonic() - started:.1f}s")
     return [
         {
             "instance": name,
-            "address": address(i),
+            "address": net.address(i),
             "user": "root",
             "port": 22,
             "identity_file": str(key),
@@ -443,29 +481,26 @@ def kill_leftovers(root: Path) -> None:
 
 
 def destroy(state: Path) -> None:
+    """Remove everything this run (this state directory) made; other runs are left alone."""
+    net = Net.for_state(state)
     names: list[str] = []
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, KeyError):
         names = json.loads((state / "hosts.json").read_text())["names"]
     machines = state / "machines"
     if machines.is_dir():
         names += [p.name for p in machines.iterdir() if p.name not in names]
+    # Namespaces of this run that a crashed create made but did not get to record.
+    if Path("/run/netns").is_dir():
+        prefix = net.netns("")
+        names += [ns.name[len(prefix):] for ns in Path("/run/netns").glob(prefix + "*")
+                  if ns.name[len(prefix):] not in names]
     stop_hosts(state, names)
     for name in names:
-        teardown_host_net(name)
+        teardown_host_net(net, name)
         shutil.rmtree(machines / name, ignore_errors=True)
-    # Namespaces/veths left by a create that crashed before it recorded its hosts.
-    for ns in Path("/run/netns").glob(NET["netns"].format(name="*")) if Path("/run/netns").exists() else []:
-        name = ns.name.split("-", 1)[1]
-        if not processes_in_netns(ns):
-            teardown_host_net(name)
-    if link_exists(NET["bridge"]) and not any(Path("/run/netns").glob(NET["netns"].format(name="*"))):
-        run("ip", "link", "del", NET["bridge"], check=False)
+    if link_exists(net.bridge):
+        run("ip", "link", "del", net.bridge, check=False)
     (state / "hosts.json").unlink(missing_ok=True)
-
-
-def processes_in_netns(ns: Path) -> bool:
-    res = subprocess.run(["ip", "netns", "pids", ns.name], text=True, capture_output=True)
-    return bool(res.stdout.strip())
 
 
 def main() -> int:

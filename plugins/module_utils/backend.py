@@ -8,7 +8,9 @@ installed on the managed node, so the CLI, the node agent and Ansible plan and a
 
 from __future__ import annotations
 
+import os
 import traceback
+from pathlib import Path
 
 from ansible.module_utils.basic import missing_required_lib
 
@@ -80,7 +82,8 @@ def mig_device_dict(instance):
 
 def gpu_dict(gpu):
     """A GPU as the modules return it."""
-    return dict(index=gpu.index, uuid=gpu.uuid, name=gpu.name, memory_mib=gpu.memory_mib,
+    return dict(index=gpu.index, uuid=gpu.uuid, name=gpu.name, model=getattr(gpu, "model", None),
+                memory_mib=gpu.memory_mib,
                 sm_count=gpu.sm_count, pci_bus_id=gpu.pci_bus_id, mig_capable=gpu.mig_capable,
                 mig_mode=dict(current=gpu.mig_current, pending=gpu.mig_pending),
                 compute_mode=gpu.compute_mode, processes=gpu.processes,
@@ -90,3 +93,16 @@ def gpu_dict(gpu):
 def layout_facts(devices):
     """Driver version and every GPU with its MIG devices."""
     return dict(driver_version=devices.driver_version(), gpus=[gpu_dict(g) for g in devices.gpus()])
+
+
+def held_device_uuids(journal_path):
+    """UUIDs of the devices that fastshare shares hold, from the node agent's journal."""
+    if not journal_path or not os.path.exists(journal_path):
+        return set()
+    from fastshare.node.journal import Journal  # only needed when a journal is given
+
+    journal = Journal(Path(journal_path))
+    try:
+        return {row.device_uuid for row in journal.shares()}
+    finally:
+        journal.close()

@@ -87,6 +87,10 @@ gpus:
       description: NVML product name.
       type: str
       sample: NVIDIA A100-SXM4-40GB
+    model:
+      description: fastshare's catalog name of the model, null when the catalog does not know it.
+      type: str
+      sample: A100-SXM4-40GB
     memory_mib:
       description: Total memory in MiB.
       type: int

@@ -6,6 +6,7 @@ one in the pytest process.)
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,3 +41,54 @@ def run(args: list[str], *, cwd: Path | None = None, env: dict[str, str] | None 
     return proc
 
 
+
+
+def run_module(collections_path: Path, module: str, args: dict, *, check: bool = False,
+               diff: bool = False, python: str | None = None, env: dict[str, str] | None = None) -> dict:
+    """Run a module the way Ansible does (ad hoc against localhost) and return its result."""
+    cmd = [tool("ansible"), "localhost", "-c", "local", "-i", "localhost,", "-m", module,
+           "-e", f"ansible_python_interpreter={python or sys.executable}"]
+    if args:
+        cmd += ["-a", json.dumps(args)]
+    if check:
+        cmd.append("--check")
+    if diff:
+        cmd.append("--diff")
+    proc = run(cmd, check=False, env={"ANSIBLE_COLLECTIONS_PATH": str(collections_path),
+                                      "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
+                                      "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json",
+                                      "ANSIBLE_LOCALHOST_WARNING": "0",
+                                      "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0", **(env or {})})
+    try:
+        doc = json.loads(proc.stdout)
+        result = doc["plays"][0]["tasks"][0]["hosts"]["localhost"]
+    except (ValueError, KeyError, IndexError):
+        pytest.fail(f"no JSON result from {' '.join(cmd)} (rc {proc.returncode})\n"
+                    f"{proc.stdout}\n{proc.stderr}")
+    assert bool(result.get("failed")) == (proc.returncode != 0), (proc.returncode, result)
+    return result
+
+
+def run_tasks(collections_path: Path, tasks: list[dict], tmp_path: Path, *, python: str | None = None,
+              extra_args: list[str] | None = None) -> list[dict]:
+    """Run tasks in one localhost play (one Ansible start-up for many calls); one result each.
+
+    Every task gets ignore_errors so that later tasks still run; callers assert on `failed`.
+    """
+    play = [{"name": "fastshare.gpu module test", "hosts": "localhost", "connection": "local",
+             "gather_facts": False,
+             "vars": {"ansible_python_interpreter": python or sys.executable},
+             "tasks": [{"ignore_errors": True, **task} for task in tasks]}]
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(json.dumps(play))
+    proc = run([tool("ansible-playbook"), "-i", "localhost,", str(playbook), *(extra_args or [])],
+               check=False,
+               env={"ANSIBLE_COLLECTIONS_PATH": str(collections_path),
+                    "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json",
+                    "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0"})
+    try:
+        doc = json.loads(proc.stdout)
+        return [task["hosts"]["localhost"] for task in doc["plays"][0]["tasks"]]
+    except (ValueError, KeyError, IndexError):
+        pytest.fail(f"no JSON result from the playbook (rc {proc.returncode})\n"
+                    f"{proc.stdout}\n{proc.stderr}")

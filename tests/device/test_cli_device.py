@@ -116,3 +116,17 @@ def test_real_subprocess_round_trip(machine: Path, tmp_path: Path):
     out = subprocess.run([exe, "gpu", "list", "--json"], env=env, check=True, capture_output=True,
                          text=True, timeout=120).stdout
     assert len(json.loads(out)["gpus"][1]["mig_instances"]) == 7
+
+
+def test_mig_config_plan_apply_idempotent(env, tmp_path: Path):
+    cfg = tmp_path / "mig.yaml"
+    cfg.write_text("version: v1\nmig-configs:\n  small:\n    - devices: [0, 1]\n      mig-enabled: true\n"
+                   "      mig-devices: {\"1g.5gb\": 3, \"1g.10gb\": 1}\n      device-filter: A100-SXM4-40GB\n"
+                   "    - devices: [1]\n      mig-enabled: true\n      mig-devices: {\"1g.10gb\": 7}\n")
+    plan = json.loads(run(["mig", "config", "--file", str(cfg), "--select", "small", "--json"], env).output)
+    assert plan["changed"] and [g["gpu"] for g in plan["gpus"]] == [0, 1]
+    run(["mig", "config", "--file", str(cfg), "--select", "small", "--apply"], env)
+    again = json.loads(run(["mig", "config", "--file", str(cfg), "--select", "small", "--json"], env).output)
+    assert again["changed"] is False
+    bad = run(["mig", "config", "--file", str(cfg), "--select", "large"], env, ok=False)
+    assert "config 'large' not found; available: small" in bad.output

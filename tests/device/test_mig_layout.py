@@ -235,3 +235,31 @@ def _brute_force(shape: GpuShape, todo: list[int], placed: list[Placed], after: 
         if check_fits(shape, trial) and _brute_force(shape, todo[1:], trial, s if same_next else -1):
             return True
     return False
+
+
+@pytest.mark.parametrize("model", ["A100-SXM4-40GB", "H100-SXM5-80GB", "A30-24GB"])
+def test_planner_accepts_exactly_the_layouts_brute_force_can_place(model):
+    """Every multiset of profiles (up to the compute slice count) is planned iff a brute-force
+    search over allowed starts places it; naive strategies miss some on 8-slice GPUs."""
+    from itertools import combinations_with_replacement
+
+    from fastshare.device import layout_bench
+
+    shape = GpuShape.from_model(get_model(model))
+    ids = [p.profile_id for p in shape.profiles if "+me" not in p.name]
+    accepted = 0
+    for n in range(1, shape.compute_slices + 1):
+        for combo in combinations_with_replacement(ids, n):
+            wanted = Counter(combo)
+            feasible = _brute_force(shape, sorted(combo), [])
+            assert (check_layout(shape, wanted) is None) == feasible, combo
+            if feasible:
+                plan = plan_layout(shape, [], wanted)
+                assert Counter(p.profile_id for p in plan.final) == wanted
+                assert check_fits(shape, list(plan.final))
+                accepted += 1
+    assert accepted == len(layout_bench.feasible_layouts(shape)) > 0
+    if shape.memory_slices == 8:
+        assert not layout_bench.largest_first(shape, Counter({19: 2, 14: 1, 9: 1}))
+        assert not layout_bench.nvml_default_order(shape, [19, 19, 14, 9])
+        assert layout_bench.nvml_default_order(shape, [9, 19, 14, 19])

@@ -1,0 +1,120 @@
+"""`fastshare bench`: measured figures for BENCHMARKS.md (other components add subcommands
+as bench/*.py scripts; this group holds the placement ones)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from fastshare.cli._output import fail, print_json, print_table
+
+
+def _seeds(text: str) -> list[int]:
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            a, _, b = part.partition("-")
+            out.extend(range(int(a), int(b) + 1) if b else [int(a)])
+    except ValueError:
+        raise click.BadParameter(f"expected seeds like 42-51 or 42,43 (got {text!r})") from None
+    return out
+
+
+def _data_dir(path: str | None) -> Path:
+    from fastshare.sim.experiment import default_data_dir
+
+    d = Path(path) if path else default_data_dir()
+    if d is None or not (d / "openb_node_list_gpu_node.csv").is_file():
+        fail("openb data not found", "pass --data DIR (the directory with openb_*.csv)")
+    return d
+
+
+@click.group("bench")
+def bench() -> None:
+    """Benchmarks that print measured figures (tables, or --json)."""
+
+
+@bench.command("placement")
+@click.option("--data", type=click.Path(file_okay=False),
+              help="openb directory (default ../shared/data/openb).")
+@click.option("--traces", default="all", show_default=True, help="Comma list of trace names, or 'all'.")
+@click.option("--policies", default="fgd,bestfit,fastshare", show_default=True)
+@click.option("--seeds", default="42-51", show_default=True, help="e.g. 42-51 or 42,43.")
+@click.option("--speed/--no-speed", default=True, show_default=True,
+              help="Also time decisions on 1,213 / 2,500 / 5,000 / 10,000-node clusters.")
+@click.option("--quality/--no-quality", default=True, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def placement(data: str | None, traces: str, policies: str, seeds: str, speed: bool, quality: bool,
+              as_json: bool) -> None:
+    """Final GPU allocation per trace x policy (mean over seeds, beside the published means),
+    and decision time against cluster size."""
+    import sys
+
+    from fastshare.placement.policies import POLICY_NAMES
+    from fastshare.sim import benchmarks
+
+    d = _data_dir(data)
+    names = benchmarks.traces_in(d) if traces == "all" else [t.strip() for t in traces.split(",")]
+    pols = [p.strip().lower() for p in policies.split(",")]
+    bad = [p for p in pols if p not in POLICY_NAMES]
+    if bad:
+        fail(f"--policies: unknown {', '.join(bad)}", f"choose from {', '.join(POLICY_NAMES)}")
+    out: dict = {}
+    if quality:
+        def note(s: dict) -> None:
+            print(f"{s['trace']:>12} {s['policy']:>10} seed {s['seed']}: {s['gpu_alloc_ratio']:.2f} % "
+                  f"({s['wall_s']:.1f} s)", file=sys.stderr, flush=True)
+
+        rows = benchmarks.quality(d, names, pols, _seeds(seeds), on_run=note)
+        out["quality"] = rows
+        if not as_json:
+            print_table("Final GPU allocation ratio % (tune 1.3), mean over seeds",
+                        ["trace", "policy", "seeds", "mean", "min", "max", "published", "diff",
+                         "vs published FGD", "wall s/run"],
+                        [[r["trace"], r["policy"], r["seeds"], r["mean"], r["min"], r["max"],
+                          r["published_mean"], r["diff_vs_published"], r["diff_vs_published_fgd"],
+                          r["wall_s_mean"]] for r in rows])
+    if speed:
+        rows = benchmarks.speed(d, [1213, 2500, 5000, 10000])
+        out["speed"] = rows
+        if not as_json:
+            print_table("Decision time vs cluster size (default trace, tune 1.3, seed 42, fastshare)",
+                        ["nodes", "GPUs", "tasks", "p50 ms", "p99 ms", "max ms", "wall s", "alloc %"],
+                        [[r["nodes"], r["gpus"], r["tasks"], r["p50_ms"], r["p99_ms"], r["max_ms"],
+                          r["wall_s"], r["gpu_alloc_ratio"]] for r in rows])
+    if as_json:
+        print_json(out)
+
+
+@bench.command("mig")
+@click.option("--seeds", default="1-5", show_default=True)
+@click.option("--steps", type=click.IntRange(10, 100000), default=2000, show_default=True)
+@click.option("--gpus", type=click.IntRange(1, 4096), default=32, show_default=True)
+@click.option("--load", type=click.FloatRange(0.1, 5), default=1.1, show_default=True,
+              help="Offered load as a multiple of the cluster's compute slices.")
+@click.option("--json", "as_json", is_flag=True)
+def mig(seeds: str, steps: int, gpus: int, load: float, as_json: bool) -> None:
+    """Fragmentation rejections of exclusive (MIG) requests with departures: fastshare's
+    placement vs NVIDIA's default largest-first order vs first-fit, on the same streams."""
+    from fastshare.sim.migbench import benchmark
+
+    rows = benchmark(_seeds(seeds), steps, gpus, load)
+    if as_json:
+        print_json(rows)
+        return
+    base = {r["strategy"]: r["frag_rejection_ratio"] for r in rows}
+    print_table(f"MIG fragmentation rejections ({gpus} A100-40GB GPUs, {steps} steps, load {load}, "
+                f"seeds {seeds})",
+                ["strategy", "requests", "rejected", "frag. rejected", "frag. rejection %",
+                 "vs largest-first", "vs first-fit"],
+                [[r["strategy"], r["requests"], r["rejected"], r["frag_rejected"], r["frag_rejection_ratio"],
+                  _ratio(r["frag_rejection_ratio"], base["largest-first"]),
+                  _ratio(r["frag_rejection_ratio"], base["first-fit"])] for r in rows])
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}x" if b else "n/a"
+
+
+COMMANDS = [bench]

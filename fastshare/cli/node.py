@@ -1,0 +1,145 @@
+"""`fastshare node`: run the node agent, and talk to the local one."""
+
+from __future__ import annotations
+
+import logging
+from importlib import resources
+from pathlib import Path
+
+import click
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from fastshare.cli._output import fail, print_json, print_table
+from fastshare.node import config as node_config
+
+_OPTIONS = [
+    # (flag, config key, env, help)
+    ("--node-name", "node_name", "FASTSHARE_NODE_NAME", "Name reported to the controller."),
+    ("--listen", "listen", "FASTSHARE_NODE_LISTEN", "mTLS TCP HOST:PORT ('' = none)."),
+    ("--readonly-listen", "readonly_listen", "FASTSHARE_NODE_READONLY_LISTEN",
+     "Anonymous read-only TLS HOST:PORT (off unless set)."),
+    ("--unix-socket", "unix_socket", "FASTSHARE_NODE_UNIX_SOCKET", "Local socket for the CLI ('' = none)."),
+    ("--tls-cert", None, "FASTSHARE_NODE_TLS_CERT", "Server certificate (PEM)."),
+    ("--tls-key", None, "FASTSHARE_NODE_TLS_KEY", "Server key (PEM)."),
+    ("--tls-ca", None, "FASTSHARE_NODE_TLS_CA", "Cluster CA certificate (PEM)."),
+    ("--state-dir", "state_dir", "FASTSHARE_NODE_STATE_DIR", "Journal directory."),
+    ("--run-dir", "run_dir", "FASTSHARE_NODE_RUN_DIR", "MPS pipe/log dirs and share files root."),
+    ("--gpu-backend", "device_backend", "FASTSHARE_GPU_BACKEND", "nvml or sim."),
+    ("--sim-state", "sim_state", "FASTSHARE_SIM_STATE", "Simulated machine file (backend sim)."),
+    ("--mps-control-binary", "mps_control_binary", "FASTSHARE_MPS_CONTROL_BINARY",
+     "nvidia-cuda-mps-control (or fastshare-mps-standin)."),
+    ("--metrics-listen", "metrics_listen", "FASTSHARE_NODE_METRICS_LISTEN", "Prometheus HOST:PORT ('' off)."),
+    ("--controller-address", "controller_address", "FASTSHARE_CONTROLLER_ADDRESS",
+     "Controller to register with."),
+]
+
+
+def _serve_options(fn):
+    for flag, _key, env, help_text in reversed(_OPTIONS):
+        fn = click.option(flag, envvar=env, default=None, show_envvar=True, help=help_text)(fn)
+    return fn
+
+
+@click.group("node")
+def node() -> None:
+    """The node agent (one per GPU host)."""
+
+
+@node.command("serve")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=str(node_config.DEFAULT_PATH), envvar="FASTSHARE_NODE_CONFIG", show_default=True,
+              show_envvar=True, help="YAML settings; flags and environment override it.")
+@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+              envvar="FASTSHARE_LOG_LEVEL", show_default=True)
+@_serve_options
+def serve(config_path: Path, log_level: str, **flags: str | None) -> None:
+    """Run the agent: reconcile the journal with the GPUs, then serve gRPC until SIGTERM."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides: dict[str, object] = {}
+    tls = {}
+    for flag, key, _env, _help in _OPTIONS:
+        value = flags[flag.lstrip("-").replace("-", "_")]
+        if value is None:
+            continue
+        if key is None:
+            tls[flag.removeprefix("--tls-")] = value
+        else:
+            overrides[key] = value
+    if tls:
+        overrides["tls"] = tls
+    try:
+        cfg = node_config.load(config_path, overrides)
+    except node_config.ConfigError as exc:
+        fail(f"invalid node agent configuration: {exc}")
+    from fastshare.device.api import DeviceError
+    from fastshare.node.server import serve as run
+
+    try:
+        run(cfg)
+    except DeviceError as exc:
+        fail(f"cannot open the GPUs: {exc}")
+    except (OSError, RuntimeError) as exc:
+        fail(f"node agent failed to start: {exc}")
+
+
+def _stub(unix_socket: str):
+    from fastshare.node.client import channel, stub
+
+    return stub(channel(unix_socket=unix_socket))
+
+
+_SOCKET = click.option("--unix-socket", default="/run/fastshare/node.sock",
+                       envvar="FASTSHARE_NODE_UNIX_SOCKET", show_default=True,
+                       help="The local agent's socket.")
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args, timeout=30)
+    except grpc.RpcError as exc:
+        fail(f"{exc.code().name}: {exc.details()}", hint="is `fastshare node serve` running and the socket "
+                                                          "readable by you?")
+
+
+@node.command("status")
+@_SOCKET
+@click.option("--json", "as_json", is_flag=True)
+def status(unix_socket: str, as_json: bool) -> None:
+    """GPUs, MIG devices, MPS daemons and shares of the local agent."""
+    from fastshare.v1 import agent_pb2, common_pb2
+
+    inv = _call(_stub(unix_socket).GetInventory, agent_pb2.GetInventoryRequest())
+    if as_json:
+        print_json(MessageToDict(inv, preserving_proto_field_name=True))
+        return
+    print_table(f"node {inv.node_name} (agent {inv.agent_version}, driver {inv.driver_version})",
+                ["gpu", "uuid", "name", "MIG", "mig devices"],
+                [[g.index, g.uuid, g.name, "on" if g.mig_enabled else ("pending" if g.mig_pending else "off"),
+                  ", ".join(f"{m.profile_name}@{m.start}{'*' if m.created_by_agent else ''}"
+                            for m in g.mig_devices)] for g in inv.gpus])
+    print_table("shares", ["id", "kind", "devices", "owner"],
+                [[s.id, common_pb2.ShareKind.Name(s.kind).removeprefix("SHARE_KIND_").lower(),
+                  ", ".join(s.device_uuids), s.owner] for s in inv.shares])
+    print_table("MPS daemons", ["device", "pid", "healthy", "shares"],
+                [[d.device_uuid, d.pid, d.healthy, ", ".join(d.share_ids)] for d in inv.mps_daemons])
+
+
+@node.command("release")
+@_SOCKET
+@click.argument("share_id")
+def release(unix_socket: str, share_id: str) -> None:
+    """Release a share on the local agent (idempotent)."""
+    from fastshare.v1 import agent_pb2
+
+    reply = _call(_stub(unix_socket).ReleaseShare, agent_pb2.ReleaseShareRequest(share_id=share_id))
+    click.echo(f"released {share_id}" if reply.released else f"{share_id} was not held")
+
+
+@node.command("unit")
+def unit() -> None:
+    """Print the hardened systemd unit template (fastshare-node.service)."""
+    click.echo(resources.files("fastshare.node").joinpath("fastshare-node.service").read_text(), nl=False)
+
+
+COMMANDS = [node]

@@ -1,0 +1,99 @@
+"""`fastshare sim`: replay an openb trace through a placement policy, as the FGD paper did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from fastshare.cli._output import fail, print_json, print_table
+from fastshare.placement.policies import POLICY_NAMES
+from fastshare.sim.experiment import Experiment, default_data_dir, load, published_curves
+from fastshare.sim.trace import TraceError
+
+
+def _default(name: str) -> str | None:
+    d = default_data_dir()
+    return str(d / name) if d else None
+
+
+@click.command("sim")
+@click.option("--pods", type=click.Path(dir_okay=False),
+              default=lambda: _default("openb_pod_list_default.csv"),
+              show_default="../shared/data/openb/openb_pod_list_default.csv", help="Task list CSV.")
+@click.option("--nodes", type=click.Path(dir_okay=False),
+              default=lambda: _default("openb_node_list_gpu_node.csv"),
+              show_default="../shared/data/openb/openb_node_list_gpu_node.csv", help="Node list CSV.")
+@click.option("--policy", type=click.Choice(POLICY_NAMES, case_sensitive=False), default="fastshare",
+              show_default=True)
+@click.option("--tune", type=click.FloatRange(0, 10), default=1.3, show_default=True,
+              help="Append random task copies until requested GPU = TUNE x capacity (0 = none).")
+@click.option("--seed", type=int, default=42, show_default=True, help="Arrival shuffle and tie order.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@click.option("--plot", type=click.Path(dir_okay=False, writable=True),
+              help="Write the allocation curve (with the published FGD curve) to a PNG.")
+def sim(pods: str | None, nodes: str | None, policy: str, tune: float, seed: int, as_json: bool,
+        plot: str | None) -> None:
+    """Replay a trace: tasks sorted by name, shuffled with SEED, TUNE copies, no departures;
+    prints the GPU allocation ratio as arrivals grow, failures, fragmentation and wall time."""
+    if not pods or not nodes:
+        fail("no trace given and ../shared/data/openb not found", "pass --pods and --nodes")
+    try:
+        node_list, pod_list, trace = load(pods, nodes)
+    except TraceError as e:
+        fail(str(e))
+    exp = Experiment(node_list, pod_list, policy.lower(), seed, tune, trace)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(f"{policy} {trace} seed {seed}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), transient=True,
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task("replay", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        _res, summary = exp.run(progress)
+    data_dir = Path(pods).resolve().parent
+    if plot:
+        _plot(plot, summary, published_curves(data_dir, trace, "fgd").get(seed))
+    if as_json:
+        print_json(summary)
+        return
+    points = [p for p in summary["curve"] if p[0] % 10 == 0]
+    print_table(f"GPU allocation ratio, {policy} on {trace} (seed {seed}, tune {tune})",
+                ["arrived % of GPU capacity", "allocated %"], points)
+    print_table(None, ["final alloc %", "pods", "failed", "GPU pods failed", "frag % of free",
+                       "decision p99 ms", "wall s"],
+                [[summary["gpu_alloc_ratio"], summary["pods_total"], summary["pods_failed"],
+                  summary["gpu_pods_failed"], summary["frag_ratio"], summary["decision_ms"]["p99"],
+                  summary["wall_s"]]])
+
+
+def _plot(path: str, summary: dict, published_fgd: list[float] | None) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        fail("--plot needs matplotlib", "pip install 'fastshare[plot]'")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [p[0] for p in summary["curve"]]
+    ax.plot(xs, [p[1] for p in summary["curve"]], label=f"{summary['policy']} (this run)")
+    if published_fgd:
+        ax.plot(range(len(published_fgd)), published_fgd, "--", label="FGD (published, same seed)")
+    ax.plot([0, 100], [0, 100], ":", color="grey", linewidth=0.8)
+    ax.set_xlabel("arrived workload (% of GPU capacity)")
+    ax.set_ylabel("GPU allocation ratio (%)")
+    ax.set_title(f"{summary['trace']} seed {summary['seed']} tune {summary['tune']}: "
+                 f"final {summary['gpu_alloc_ratio']} %")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+COMMANDS = [sim]

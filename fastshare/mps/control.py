@@ -1,0 +1,223 @@
+"""Start, query and stop one MPS control daemon per GPU or MIG device.
+
+Everything goes through the configured ``nvidia-cuda-mps-control`` binary (the real one or
+the stand-in): ``BINARY -d`` to start, commands on the stdin of ``BINARY`` to talk. Each
+device gets its own directories under the root, ``ROOT/<uuid>/pipe`` and ``ROOT/<uuid>/log``,
+and the daemon sees only that device (``CUDA_VISIBLE_DEVICES=<uuid>``).
+
+Start is verified (the control pipe answers ``get_server_list``), stop is verified (``quit``,
+the daemon process is gone, the directories are removed): no fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PID_FILE = "nvidia-cuda-mps-control.pid"
+_UUID_RE = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,80}$")
+
+
+class MpsError(RuntimeError):
+    """An MPS daemon did not start, did not answer or did not stop in time."""
+
+
+@dataclass(frozen=True)
+class DaemonPaths:
+    device_uuid: str
+    root: Path
+
+    @property
+    def base(self) -> Path:
+        return self.root / self.device_uuid
+
+    @property
+    def pipe_dir(self) -> Path:
+        return self.base / "pipe"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.base / "log"
+
+
+def _mem_arg(memory_bytes: int) -> str:
+    """MPS takes sizes with a unit suffix; whole MiB (rounded down, at least 1) is exact enough."""
+    return f"{max(1, memory_bytes // (1 << 20))}M"
+
+
+class MpsControl:
+    """Talks to the MPS control daemons of one host."""
+
+    def __init__(self, binary: str | Path, root: Path, timeout: float = 10.0) -> None:
+        self.binary = str(binary)
+        self.root = Path(root)
+        self.timeout = timeout
+
+    def paths(self, device_uuid: str) -> DaemonPaths:
+        if not _UUID_RE.match(device_uuid):
+            raise ValueError(f"device uuid {device_uuid!r} is not a GPU-/MIG- UUID")
+        return DaemonPaths(device_uuid, self.root)
+
+    def _env(self, paths: DaemonPaths) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_")}
+        env.update(CUDA_MPS_PIPE_DIRECTORY=str(paths.pipe_dir), CUDA_MPS_LOG_DIRECTORY=str(paths.log_dir),
+                   CUDA_VISIBLE_DEVICES=paths.device_uuid)
+        return env
+
+    def command(self, device_uuid: str, *commands: str, timeout: float | None = None) -> str:
+        """Send commands to a device's daemon; raises MpsError when it does not answer."""
+        paths = self.paths(device_uuid)
+        try:
+            out = subprocess.run([self.binary], input="".join(c + "\n" for c in commands),
+                                 env=self._env(paths), capture_output=True, text=True,
+                                 timeout=timeout or self.timeout, cwd="/")
+        except subprocess.TimeoutExpired as exc:
+            raise MpsError(f"MPS control for {device_uuid} did not answer within {exc.timeout:g}s") from exc
+        except OSError as exc:
+            raise MpsError(f"cannot run MPS control binary {self.binary}: {exc}") from exc
+        if out.returncode != 0:
+            raise MpsError(f"MPS control for {device_uuid} failed (exit {out.returncode}): "
+                           f"{(out.stderr or out.stdout).strip()[:300]}")
+        return out.stdout
+
+    def answers(self, device_uuid: str, timeout: float | None = None) -> bool:
+        """True when the device's control pipe answers ``get_server_list``."""
+        if not (self.paths(device_uuid).pipe_dir).is_dir():
+            return False
+        try:
+            self.command(device_uuid, "get_server_list", timeout=timeout)
+        except MpsError:
+            return False
+        return True
+
+    def server_pids(self, device_uuid: str) -> list[int]:
+        out = self.command(device_uuid, "get_server_list")
+        return [int(w) for w in out.split() if w.isdigit()]
+
+    def daemon_pid(self, device_uuid: str) -> int | None:
+        """The control daemon's pid: from its pid file, else by scanning /proc for a process of
+        our binary whose environment names this pipe directory."""
+        paths = self.paths(device_uuid)
+        with contextlib.suppress(OSError, ValueError):
+            pid = int((paths.pipe_dir / PID_FILE).read_text().split()[0])
+            if _alive(pid):
+                return pid
+        return _find_by_env(f"CUDA_MPS_PIPE_DIRECTORY={paths.pipe_dir}")
+
+    def start(self, device_uuid: str, active_thread_percentage: float | None = None,
+              pinned_mem_limit: int | None = None) -> int | None:
+        """Start the device's daemon (no-op when it already answers); returns its pid.
+
+        The limits become the daemon's defaults, i.e. the ceiling for every client of the
+        next server (clients can only tighten them through their environment).
+        """
+        paths = self.paths(device_uuid)
+        if not self.answers(device_uuid):
+            for d in (paths.pipe_dir, paths.log_dir):
+                d.mkdir(parents=True, exist_ok=True)
+                os.chmod(d, 0o755)  # workloads (any uid) must reach the pipe directory
+            try:
+                launch = subprocess.run([self.binary, "-d"], env=self._env(paths), capture_output=True,
+                                        text=True, timeout=self.timeout, cwd="/")
+            except (subprocess.TimeoutExpired, OSError) as exc:
+                raise MpsError(f"cannot start MPS daemon for {device_uuid}: {exc}") from exc
+            if launch.returncode != 0 and not self.answers(device_uuid):
+                raise MpsError(f"MPS daemon for {device_uuid} did not start (exit {launch.returncode}): "
+                               f"{(launch.stderr or launch.stdout).strip()[:300]}")
+            deadline = time.monotonic() + self.timeout
+            while not self.answers(device_uuid, timeout=max(0.5, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise MpsError(f"MPS daemon for {device_uuid} started but its control pipe "
+                                   f"{paths.pipe_dir} did not answer within {self.timeout:g}s; "
+                                   f"see {paths.log_dir}/control.log")
+                time.sleep(0.05)
+        self.set_limits(device_uuid, active_thread_percentage, pinned_mem_limit)
+        return self.daemon_pid(device_uuid)
+
+    def set_limits(self, device_uuid: str, active_thread_percentage: float | None,
+                   pinned_mem_limit: int | None) -> None:
+        """Daemon defaults (next server) and the same limits on servers already running."""
+        commands = []
+        if active_thread_percentage is not None:
+            commands.append(f"set_default_active_thread_percentage {active_thread_percentage:g}")
+        if pinned_mem_limit:
+            commands.append(f"set_default_device_pinned_mem_limit 0 {_mem_arg(pinned_mem_limit)}")
+        if not commands:
+            return
+        servers = self.server_pids(device_uuid)
+        for pid in servers:
+            if active_thread_percentage is not None:
+                commands.append(f"set_active_thread_percentage {pid} {active_thread_percentage:g}")
+            if pinned_mem_limit:
+                commands.append(f"set_device_pinned_mem_limit {pid} 0 {_mem_arg(pinned_mem_limit)}")
+        self.command(device_uuid, *commands)
+
+    def stop(self, device_uuid: str) -> None:
+        """Stop the device's daemon and remove its directories; verified, idempotent."""
+        paths = self.paths(device_uuid)
+        pid = self.daemon_pid(device_uuid) if paths.pipe_dir.is_dir() else None
+        if self.answers(device_uuid):
+            with contextlib.suppress(MpsError):
+                self.command(device_uuid, "quit")
+        if pid is not None and not _wait_gone(pid, self.timeout):
+            # It did not obey quit: terminate, then kill. Its servers die with it.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            if not _wait_gone(pid, self.timeout / 2):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                if not _wait_gone(pid, self.timeout / 2):
+                    raise MpsError(f"MPS daemon {pid} for {device_uuid} does not exit")
+        if self.answers(device_uuid, timeout=2):
+            raise MpsError(f"MPS daemon for {device_uuid} still answers after quit")
+        shutil.rmtree(paths.base, ignore_errors=True)
+        if paths.base.exists():
+            raise MpsError(f"cannot remove {paths.base}")
+
+    def running_devices(self) -> list[str]:
+        """Device UUIDs that have a directory under the root (daemon running or left over)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _UUID_RE.match(p.name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes (our own child not yet reaped).
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _find_by_env(needle: str) -> int | None:
+    token = b"\0" + needle.encode() + b"\0"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            environ = (entry / "environ").read_bytes()
+            if token in b"\0" + environ + b"\0" and b"-d" in (entry / "cmdline").read_bytes().split(b"\0"):
+                return int(entry.name)
+    return None

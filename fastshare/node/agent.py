@@ -1,0 +1,826 @@
+"""The node agent's logic: prepare and release shares, journaled, and reconcile after a crash.
+
+Locking (no global lock is ever held across slow work):
+- one lock per share id: a retry of the same id waits for the first attempt, then sees it;
+- one lock per device UUID (GPU or MIG device) around capacity checks and journal inserts,
+  and, for a GPU, around MIG changes (per-GPU serialisation of MIG create/destroy);
+- one lock per device UUID around its MPS daemon (start/stop/limits) and one around its
+  share files; the journal has its own short internal lock.
+Every wait is bounded by the RPC's deadline.
+
+Write-ahead order: a journal row is written BEFORE each device/process action and completed
+after it, so ``reconcile`` can finish or undo any step a kill -9 interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid as uuidlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from fastshare import __version__
+from fastshare.device import mig_layout
+from fastshare.device.api import DeviceError, Devices, GpuInfo, MigInstance, MigProfile
+from fastshare.mps.control import MpsControl, MpsError
+from fastshare.node import faults, sharefiles
+from fastshare.node.config import NodeConfig
+from fastshare.node.journal import Journal, MpsRow, ShareRow
+from fastshare.node.model import InvalidShare, Prepared, ShareSpec
+
+log = logging.getLogger("fastshare.node")
+_MIB = 1 << 20
+
+
+class AgentError(Exception):
+    """A request the agent refuses or cannot complete; ``code`` is a gRPC status code name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _device_error(exc: DeviceError, what: str) -> AgentError:
+    mapping = {"INSUFFICIENT_RESOURCES": "RESOURCE_EXHAUSTED", "IN_USE": "FAILED_PRECONDITION",
+               "RESET_REQUIRED": "FAILED_PRECONDITION", "NOT_SUPPORTED": "FAILED_PRECONDITION",
+               "INVALID_ARGUMENT": "INVALID_ARGUMENT", "NOT_FOUND": "NOT_FOUND",
+               "NO_PERMISSION": "PERMISSION_DENIED"}
+    return AgentError(mapping.get(exc.code, "INTERNAL"), f"{what}: {exc} (NVML {exc.code})")
+
+
+class Deadline:
+    """Absolute time budget of one request; lock waits and device timeouts take from it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+
+class _Locks:
+    """Named locks created on demand (never removed: names are few, devices and share ids)."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+
+    @contextlib.contextmanager
+    def hold(self, name: str, deadline: Deadline) -> Iterator[None]:
+        with self._guard:
+            lock = self._locks.setdefault(name, threading.Lock())
+        if not lock.acquire(timeout=deadline.remaining()):
+            raise AgentError("DEADLINE_EXCEEDED", f"{self._what} {name} stayed busy past the deadline")
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def discard(self, name: str) -> None:
+        """Forget a share id's lock (the id is gone); a holder keeps its own reference."""
+        with self._guard:
+            lock = self._locks.get(name)
+            if lock is not None and not lock.locked():
+                del self._locks[name]
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    released: bool
+    destroyed_mig_devices: tuple[str, ...] = ()
+    stopped_mps_daemons: tuple[str, ...] = ()
+
+
+@dataclass
+class _DeviceView:
+    """One shareable device as capacity checks see it."""
+
+    uuid: str
+    gpu: GpuInfo
+    mig: MigInstance | None
+    memory_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.memory_bytes = (self.mig.memory_mib if self.mig else self.gpu.memory_mib) * _MIB
+
+
+class Agent:
+    """Everything the NodeAgent RPCs do, without gRPC types."""
+
+    def __init__(self, config: NodeConfig, devices: Devices, mps: MpsControl, journal: Journal) -> None:
+        self.config = config
+        self.devices = devices
+        self.mps = mps
+        self.journal = journal
+        self.boot_id = uuidlib.uuid4().hex
+        self._share_locks = _Locks("share")
+        self._device_locks = _Locks("device")
+        self._mps_locks = _Locks("MPS daemon of")
+        self._file_locks = _Locks("share files of")
+        self._state = threading.Condition()
+        self._generation = 1
+        self._gpus: list[GpuInfo] = []
+        self._profiles: dict[str, list[MigProfile]] = {}
+        self._mps_health: dict[str, bool] = {}
+        self._ports_in_use: set[int] = set()
+        self._refresh_lock = threading.Lock()
+
+    # --- bookkeeping -------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        with self._state:
+            return self._generation
+
+    def _changed(self) -> None:
+        with self._state:
+            self._generation += 1
+            self._state.notify_all()
+
+    def wait_for_change(self, since: int, timeout: float) -> int:
+        """Block until the generation differs from ``since`` or ``timeout`` passes."""
+        with self._state:
+            self._state.wait_for(lambda: self._generation != since, timeout=timeout)
+            return self._generation
+
+    def refresh_devices(self) -> list[GpuInfo]:
+        """Re-read GPUs and MIG devices (after MIG changes and periodically)."""
+        with self._refresh_lock:
+            gpus = self.devices.gpus()
+            for gpu in gpus:
+                if gpu.mig_capable and gpu.uuid not in self._profiles:
+                    self._profiles[gpu.uuid] = self.devices.mig_profiles(gpu.index)
+            self._gpus = gpus
+            return gpus
+
+    def _gpu(self, gpu_uuid: str) -> GpuInfo:
+        for attempt in range(2):
+            for gpu in self._gpus:
+                if gpu.uuid == gpu_uuid:
+                    return gpu
+            if attempt == 0:
+                self.refresh_devices()
+        known = ", ".join(g.uuid for g in self._gpus) or "none"
+        raise AgentError("NOT_FOUND", f"GPU {gpu_uuid} is not on node {self.config.node_name}; GPUs: {known}")
+
+    def _device(self, device_uuid: str) -> _DeviceView:
+        """A GPU or an existing MIG device by UUID."""
+        if device_uuid.startswith("MIG-"):
+            for attempt in range(2):
+                for gpu in self._gpus:
+                    for mig in gpu.mig_instances:
+                        if mig.uuid == device_uuid:
+                            return _DeviceView(device_uuid, gpu, mig)
+                if attempt == 0:
+                    self.refresh_devices()
+            raise AgentError("NOT_FOUND", f"MIG device {device_uuid} does not exist on node "
+                                          f"{self.config.node_name}")
+        return _DeviceView(device_uuid, self._gpu(device_uuid), None)
+
+    def _live_shares(self, device_uuid: str, exclude: str | None = None) -> list[ShareRow]:
+        """Shares (not being released) that hold ``device_uuid``."""
+        return [r for r in self.journal.shares()
+                if r.state != "releasing" and r.spec.id != exclude
+                and (r.device_uuid == device_uuid or device_uuid in r.spec.device_uuids)]
+
+    def _allocate_port(self) -> int:
+        low, high = self.config.port_range
+        with self._state:
+            for port in range(low, high + 1):
+                if port not in self._ports_in_use:
+                    self._ports_in_use.add(port)
+                    return port
+        raise AgentError("RESOURCE_EXHAUSTED", f"all pod manager ports {self.config.share_ports} are in use")
+
+    def _free_port(self, port: int | None) -> None:
+        if port:
+            with self._state:
+                self._ports_in_use.discard(port)
+
+    # --- prepare -----------------------------------------------------------------------------
+
+    def prepare(self, spec: ShareSpec, deadline: Deadline) -> tuple[Prepared, bool]:
+        """Make ``spec`` real; returns (what the workload needs, created by this call)."""
+        try:
+            spec.validate()
+        except InvalidShare as exc:
+            raise AgentError("INVALID_ARGUMENT", str(exc)) from None
+        with self._share_locks.hold(spec.id, deadline):
+            row = self.journal.share(spec.id)
+            if row is not None:
+                if row.spec != spec:
+                    raise AgentError("ALREADY_EXISTS", f"share {spec.id} already exists with a different "
+                                                       "spec; release it first or use another id")
+                if row.state == "ready" and row.prepared is not None:
+                    return row.prepared, False
+                if row.state == "releasing":
+                    raise AgentError("FAILED_PRECONDITION", f"share {spec.id} is being released; retry")
+                self._undo(row, deadline)  # 'preparing' left by a failed attempt: start over
+                self.journal.delete_share(spec.id)
+            prepare = {"exclusive": self._prepare_exclusive, "whole": self._prepare_whole}.get(
+                spec.kind, self._prepare_mps)
+            prepared = prepare(spec, deadline)
+        self._changed()
+        return prepared, True
+
+    def _prepare_whole(self, spec: ShareSpec, deadline: Deadline) -> Prepared:
+        for u in spec.device_uuids:
+            self._gpu(u)  # NOT_FOUND before waiting for any lock
+        with contextlib.ExitStack() as stack:
+            for u in sorted(spec.device_uuids):  # one order everywhere: no lock cycles
+                stack.enter_context(self._device_locks.hold(u, deadline))
+            for u in spec.device_uuids:  # MIG mode only changes under this lock: check it here
+                if self._gpu(u).mig_current:
+                    raise AgentError("FAILED_PRECONDITION", f"GPU {u} is in MIG mode; a whole GPU needs "
+                                                            "MIG disabled (or ask for kind exclusive)")
+                holders = self._live_shares(u)
+                if holders:
+                    raise AgentError("RESOURCE_EXHAUSTED", f"GPU {u} is not free: {len(holders)} share(s) "
+                                                           f"use it ({_kinds(holders)}); free: nothing")
+            visible = ",".join(spec.device_uuids)
+            prepared = Prepared(env={"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible},
+                                device_uuids=spec.device_uuids)
+            self.journal.insert_ready_share(spec, spec.device_uuids[0], None, prepared)  # nothing to create
+        return prepared
+
+    def _mig_profile(self, gpu: GpuInfo, name: str) -> MigProfile:
+        profiles = self._profiles.get(gpu.uuid) or []
+        for p in profiles:
+            if p.name.lower() == name.lower():
+                return p
+        known = ", ".join(p.name for p in profiles) or "none"
+        raise AgentError("NOT_FOUND", f"share.mig_profile {name!r} does not exist on GPU {gpu.uuid} "
+                                      f"({gpu.name}); profiles: {known}")
+
+    def _free_text(self, gpu: GpuInfo, instances: list[MigInstance]) -> str:
+        used = {s for m in instances for s in range(m.start, m.start + m.size)}
+        fits = []
+        for p in self._profiles.get(gpu.uuid) or []:
+            starts = [s for s in p.placements
+                      if not used & set(range(s, s + p.memory_slices)) and s + p.memory_slices <= 8]
+            if starts:
+                fits.append(f"{p.name}@{','.join(map(str, starts))}")
+        return "free placements: " + ("; ".join(fits) if fits else "none")
+
+    def _choose_start(self, gpu: GpuInfo, profile: MigProfile, instances: list[MigInstance]) -> int:
+        used = {s for m in instances for s in range(m.start, m.start + m.size)}
+        candidates = [s for s in profile.placements if not used & set(range(s, s + profile.memory_slices))]
+        if not candidates:
+            raise AgentError("RESOURCE_EXHAUSTED", f"no free placement for {profile.name} on GPU {gpu.uuid}; "
+                                                   + self._free_text(gpu, instances))
+        return best_start(gpu, profile, instances, candidates, self._profiles[gpu.uuid])
+
+    def _prepare_exclusive(self, spec: ShareSpec, deadline: Deadline) -> Prepared:
+        gpu = self._gpu(spec.device_uuids[0])
+        if not gpu.mig_capable:
+            raise AgentError("FAILED_PRECONDITION", f"GPU {gpu.uuid} ({gpu.name}) does not support MIG; "
+                                                    "use kind fastpod, mps or whole")
+        if not gpu.mig_current:
+            hint = " (enabled, waiting for a GPU reset)" if gpu.mig_pending else ""
+            raise AgentError("FAILED_PRECONDITION", f"MIG is disabled on GPU {gpu.uuid}{hint}; enable it "
+                                                    "with SetMigMode / `fastshare mig` first")
+        profile = self._mig_profile(gpu, spec.mig_profile)
+        if spec.mig_start is not None and spec.mig_start not in profile.placements:
+            raise AgentError("INVALID_ARGUMENT", f"share.mig_start {spec.mig_start} is not a placement of "
+                                                 f"{profile.name}; allowed: {list(profile.placements)}")
+        with self._device_locks.hold(gpu.uuid, deadline):
+            try:
+                instances = self.devices.mig_instances(gpu.index)
+            except DeviceError as exc:
+                raise _device_error(exc, f"listing MIG instances of GPU {gpu.uuid}") from None
+            existing = next((m for m in instances if m.start == spec.mig_start), None)
+            if existing is not None:
+                return self._bind_existing(spec, gpu, profile, existing, instances)
+            start = spec.mig_start
+            if start is None:
+                start = self._choose_start(gpu, profile, instances)
+            self.journal.begin_share(spec, gpu.uuid, None)
+            faults.point("agent.after_share_journaled")
+            self.journal.begin_mig(gpu.uuid, start, profile.profile_id, spec.id, "share")
+            try:
+                mig = self.devices.create_mig_instance(gpu.index, profile.profile_id, start)
+            except DeviceError as exc:
+                self.journal.delete_mig(gpu.uuid, start)
+                self.journal.delete_share(spec.id)
+                err = _device_error(exc, f"creating {profile.name} at slice {start} on GPU {gpu.uuid}")
+                if err.code == "RESOURCE_EXHAUSTED":
+                    err = AgentError(err.code, f"{err}; {self._free_text(gpu, instances)}")
+                raise err from None
+            faults.point("agent.after_mig_create")
+            self.journal.mig_ready(gpu.uuid, start, mig.uuid)
+        self.refresh_devices()
+        prepared = _exclusive_prepared(mig)
+        self.journal.share_ready(spec.id, mig.uuid or gpu.uuid, prepared)
+        return prepared
+
+    def _bind_existing(self, spec: ShareSpec, gpu: GpuInfo, profile: MigProfile, mig: MigInstance,
+                       instances: list[MigInstance]) -> Prepared:
+        """An instance already sits at the requested start: use it if it is idle and unclaimed."""
+        if mig.profile_id != profile.profile_id:
+            raise AgentError("RESOURCE_EXHAUSTED", f"slice {mig.start} of GPU {gpu.uuid} holds a "
+                                                   f"{mig.profile_name}, not a {profile.name}; "
+                                                   + self._free_text(gpu, instances))
+        if mig.uuid is None or mig.processes or self._live_shares(mig.uuid):
+            raise AgentError("RESOURCE_EXHAUSTED", f"the {profile.name} at slice {mig.start} of GPU "
+                                                   f"{gpu.uuid} is in use; {self._free_text(gpu, instances)}")
+        self.journal.begin_share(spec, mig.uuid, None)
+        prepared = _exclusive_prepared(mig)
+        self.journal.share_ready(spec.id, mig.uuid, prepared)
+        return prepared
+
+    def _prepare_mps(self, spec: ShareSpec, deadline: Deadline) -> Prepared:
+        """fastpod / mps. Fast path (daemon already running, its limits already cover the new
+        share): ONE journal commit of the finished share, then the share files, which the
+        reconciler rewrites from the journal anyway. Otherwise write-ahead in two phases."""
+        dev = self._device(spec.device_uuids[0])
+        with self._device_locks.hold(dev.uuid, deadline):
+            if dev.mig is None and self._gpu(dev.uuid).mig_current:  # checked under the GPU's lock
+                raise AgentError("FAILED_PRECONDITION", f"GPU {dev.uuid} is in MIG mode: MPS runs per MIG "
+                                                        "device; name a MIG device UUID (MIG-…) instead")
+            holders = self._check_mps_capacity(spec, dev)
+            port = self._allocate_port() if spec.kind == "fastpod" else None
+            prepared = self._mps_prepared(spec, dev.uuid, port)
+            try:
+                with self._mps_locks.hold(dev.uuid, deadline):
+                    daemon = self.journal.mps(dev.uuid)
+                    sm, mem = self._ceilings([*(r.spec for r in holders), spec])
+                    fast = daemon is not None and daemon.state == "running" and not _raises(daemon, sm, mem)
+                    if fast:
+                        self.journal.insert_ready_share(spec, dev.uuid, port, prepared)
+                if not fast:
+                    self.journal.begin_share(spec, dev.uuid, port)
+            except BaseException:
+                self._free_port(port)
+                raise
+        if fast:
+            faults.point("agent.after_share_committed")
+            if spec.kind == "fastpod":
+                self._write_share_files(dev.uuid, deadline)
+            return prepared
+        try:
+            faults.point("agent.after_share_journaled")
+            self._ensure_mps(dev, deadline)
+            if spec.kind == "fastpod":
+                self._write_share_files(dev.uuid, deadline)
+                faults.point("agent.after_share_files")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                row = self.journal.share(spec.id)
+                if row is not None:
+                    self._undo(row, Deadline(self.config.mps_timeout_s * 2))
+                    self.journal.delete_share(spec.id)
+            raise
+        self.journal.share_ready(spec.id, dev.uuid, prepared)
+        return prepared
+
+    def _mps_prepared(self, spec: ShareSpec, device_uuid: str, port: int | None) -> Prepared:
+        paths = self.mps.paths(device_uuid)
+        env = {"NVIDIA_VISIBLE_DEVICES": device_uuid, "CUDA_VISIBLE_DEVICES": device_uuid,
+               "CUDA_MPS_PIPE_DIRECTORY": str(paths.pipe_dir)}
+        host_paths = {"mps_pipe_dir": str(paths.pipe_dir)}
+        if spec.memory_bytes:
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, spec.memory_bytes // _MIB)}M"
+        if spec.kind == "fastpod":
+            env.update(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(spec.sm_percent), FASTSHARE_SHARE_ID=spec.id,
+                       FASTSHARE_POD_MANAGER_PORT=str(port), FASTSHARE_QUOTA_REQUEST=repr(spec.quota_request),
+                       FASTSHARE_QUOTA_LIMIT=repr(spec.quota_limit))
+            host_paths.update(share_config=str(sharefiles.config_path(self.config.share_root, device_uuid)),
+                              share_ports=str(sharefiles.port_path(self.config.share_root, device_uuid)))
+        return Prepared(env=env, host_paths=host_paths, device_uuids=(device_uuid,), port=port or 0)
+
+    def _check_mps_capacity(self, spec: ShareSpec, dev: _DeviceView) -> list[ShareRow]:
+        """Raise RESOURCE_EXHAUSTED (saying what is free) unless ``spec`` fits; returns the
+        shares already on the device."""
+        holders = self._live_shares(dev.uuid)
+        blocking = [r for r in holders if r.spec.kind in ("whole", "exclusive")]
+        if blocking:
+            raise AgentError("RESOURCE_EXHAUSTED", f"device {dev.uuid} is held whole by share(s) of kind "
+                                                   f"{_kinds(blocking)}; free: nothing")
+        fastpods = [r.spec for r in holders if r.spec.kind == "fastpod"]
+        sm_free = 100 - sum(s.sm_percent for s in fastpods)
+        quota_free = 1.0 - sum(s.quota_request for s in fastpods)
+        mem_total = dev.memory_bytes
+        mem_hard_free = mem_total - sum(s.memory_bytes for s in fastpods)
+        mem_soft_free = int(mem_total * self.config.mps_memory_oversubscription) - sum(
+            r.spec.memory_bytes for r in holders)
+        free = (f"free on {dev.uuid}: {max(sm_free, 0)}% SM, quota request {max(quota_free, 0):.3g}, "
+                f"{max(min(mem_hard_free, mem_soft_free), 0) // _MIB} MiB for fastpod, "
+                f"{max(mem_soft_free, 0) // _MIB} MiB for mps")
+        if spec.kind == "fastpod":
+            checks = [("sm_percent", spec.sm_percent, spec.sm_percent > sm_free),
+                      ("quota_request", spec.quota_request, spec.quota_request > quota_free + 1e-9),
+                      ("memory_bytes", spec.memory_bytes,
+                       spec.memory_bytes > min(mem_hard_free, mem_soft_free))]
+        else:
+            checks = [("memory_bytes", spec.memory_bytes, spec.memory_bytes > mem_soft_free)]
+        for name, value, too_big in checks:
+            if too_big:
+                raise AgentError("RESOURCE_EXHAUSTED", f"share.{name} {value} does not fit; {free}")
+        return holders
+
+    @staticmethod
+    def _ceilings(shares: list[ShareSpec]) -> tuple[float, int | None]:
+        """Daemon-wide limits: the largest share on the device (a client that ignores its env
+        still cannot exceed them); memory-only shares without a limit lift the memory cap."""
+        sm = max((s.sm_percent for s in shares if s.kind == "fastpod"), default=0)
+        if any(s.kind == "mps" for s in shares) or not sm:
+            sm = 100
+        mems = [s.memory_bytes for s in shares]
+        return float(sm), (None if not mems or 0 in mems else max(mems))
+
+    def _ensure_mps(self, dev: _DeviceView, deadline: Deadline) -> None:
+        with self._mps_locks.hold(dev.uuid, deadline):
+            row = self.journal.mps(dev.uuid)
+            sm, mem = self._ceilings([r.spec for r in self._live_shares(dev.uuid)])
+            if row is not None and row.state == "running":
+                raise_sm = row.sm_ceiling is None or sm > row.sm_ceiling
+                raise_mem = mem is not None and (row.mem_ceiling is not None and mem > row.mem_ceiling)
+                if raise_sm or raise_mem:
+                    try:
+                        self.mps.set_limits(dev.uuid, sm if raise_sm else None, mem if raise_mem else None)
+                    except MpsError as exc:
+                        raise AgentError("UNAVAILABLE", str(exc)) from None
+                    self.journal.update_mps(dev.uuid, sm_ceiling=max(sm, row.sm_ceiling or 0),
+                                            mem_ceiling=mem if raise_mem else row.mem_ceiling)
+                return
+            self.journal.begin_mps(dev.uuid, dev.gpu.uuid)
+            compute_mode_set = False
+            if dev.mig is None and dev.gpu.compute_mode != "EXCLUSIVE_PROCESS":
+                try:
+                    self.devices.set_compute_mode(dev.gpu.index, "EXCLUSIVE_PROCESS")
+                    compute_mode_set = True
+                except DeviceError as exc:
+                    log.warning("cannot set EXCLUSIVE_PROCESS on %s (%s); MPS runs anyway", dev.uuid, exc)
+            self.journal.update_mps(dev.uuid, compute_mode_set=int(compute_mode_set))
+            try:
+                pid = self.mps.start(dev.uuid, sm, mem)
+            except MpsError as exc:
+                raise AgentError("UNAVAILABLE", f"MPS daemon for {dev.uuid}: {exc}") from None
+            faults.point("agent.after_mps_start")
+            self.journal.update_mps(dev.uuid, state="running", pid=pid, sm_ceiling=sm, mem_ceiling=mem)
+            self._mps_health[dev.uuid] = True
+
+    def _write_share_files(self, device_uuid: str, deadline: Deadline, exclude: str | None = None) -> None:
+        """Rewrite the device's files from the journal (the one source), under its file lock."""
+        with self._file_locks.hold(device_uuid, deadline):
+            entries = [sharefiles.ShareEntry(r.spec.id, r.spec.quota_request, r.spec.quota_limit,
+                                             r.spec.memory_bytes, r.port or 0)
+                       for r in self._live_shares(device_uuid, exclude) if r.spec.kind == "fastpod"]
+            sharefiles.write(self.config.share_root, device_uuid, entries)
+
+    # --- release -----------------------------------------------------------------------------
+
+    def release(self, share_id: str, deadline: Deadline) -> ReleaseResult:
+        if not share_id:
+            raise AgentError("INVALID_ARGUMENT", "share_id is required")
+        with self._share_locks.hold(share_id, deadline):
+            row = self.journal.share(share_id)
+            if row is None:
+                return ReleaseResult(False)
+            if row.state == "ready" and self._release_fast(row, deadline):
+                destroyed, stopped = [], []
+            else:
+                destroyed, stopped = self._release_slow(row, deadline)
+        self._share_locks.discard(share_id)
+        self._changed()
+        return ReleaseResult(True, tuple(destroyed), tuple(stopped))
+
+    def _release_fast(self, row: ShareRow, deadline: Deadline) -> bool:
+        """An MPS share whose daemon stays (other shares use it): ONE commit, then the share
+        files (derived from the journal, rewritten by the reconciler after a crash)."""
+        if row.spec.kind not in ("fastpod", "mps"):
+            return False
+        with self._mps_locks.hold(row.device_uuid, deadline):
+            if not any(r.spec.kind in ("fastpod", "mps")
+                       for r in self._live_shares(row.device_uuid, exclude=row.spec.id)):
+                return False
+            self.journal.delete_share(row.spec.id)
+        faults.point("agent.after_share_committed")
+        self._free_port(row.port)
+        if row.spec.kind == "fastpod":
+            self._write_share_files(row.device_uuid, deadline)
+        return True
+
+    def _release_slow(self, row: ShareRow, deadline: Deadline) -> tuple[list[str], list[str]]:
+        """Write-ahead release: mark 'releasing', free each resource, then forget the share."""
+        self.journal.set_share_state(row.spec.id, "releasing")
+        faults.point("agent.after_release_journaled")
+        destroyed, stopped = self._undo(row, deadline)
+        self.journal.delete_share(row.spec.id)
+        return destroyed, stopped
+
+    def _undo(self, row: ShareRow, deadline: Deadline) -> tuple[list[str], list[str]]:
+        """Free what ``row`` holds (idempotent: safe to repeat after a crash at any step)."""
+        spec, destroyed, stopped = row.spec, [], []
+        self._free_port(row.port)
+        if spec.kind == "exclusive":
+            for m in self.journal.migs(spec.device_uuids[0]):
+                if m.share_id == spec.id and self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id,
+                                                                     deadline):
+                    destroyed.append(m.mig_uuid or f"{m.gpu_uuid}@{m.start}")
+        elif spec.kind in ("fastpod", "mps"):
+            if spec.kind == "fastpod":
+                self._write_share_files(row.device_uuid, deadline, exclude=spec.id)
+            if self._stop_mps_if_unused(row.device_uuid, deadline, exclude=spec.id):
+                stopped.append(row.device_uuid)
+        return destroyed, stopped
+
+    def _destroy_agent_mig(self, gpu_uuid: str, start: int, profile_id: int, deadline: Deadline) -> bool:
+        """Destroy a MIG instance the journal says we created; keep (adopt) it if busy.
+
+        Returns True when it is gone. Only the instance at the journaled placement AND of the
+        journaled profile is touched, so a foreign instance is never destroyed."""
+        gpu = self._gpu(gpu_uuid)
+        with self._device_locks.hold(gpu_uuid, deadline):
+            try:
+                current = next((m for m in self.devices.mig_instances(gpu.index) if m.start == start), None)
+            except DeviceError as exc:
+                raise _device_error(exc, f"listing MIG instances of GPU {gpu_uuid}") from None
+            if current is None or current.profile_id != profile_id:
+                self.journal.delete_mig(gpu_uuid, start)  # already gone (or never created)
+                return current is None
+            if current.processes:
+                log.warning("MIG %s at slice %d of %s still runs %d process(es): kept, destroyed once idle",
+                            current.uuid, start, gpu_uuid, current.processes)
+                self.journal.set_mig_share(gpu_uuid, start, None)
+                self.journal.set_mig_state(gpu_uuid, start, "ready")
+                return False
+            self.journal.set_mig_state(gpu_uuid, start, "destroying")
+            try:
+                self.devices.destroy_mig_instance(gpu.index, start)
+            except DeviceError as exc:
+                if exc.code == "IN_USE":
+                    self.journal.set_mig_share(gpu_uuid, start, None)
+                    self.journal.set_mig_state(gpu_uuid, start, "ready")
+                    return False
+                raise _device_error(exc, f"destroying MIG at slice {start} of GPU {gpu_uuid}") from None
+            faults.point("agent.after_mig_destroy")
+            self.journal.delete_mig(gpu_uuid, start)
+        self.refresh_devices()
+        return True
+
+    def _stop_mps_if_unused(self, device_uuid: str, deadline: Deadline, exclude: str | None = None) -> bool:
+        with self._mps_locks.hold(device_uuid, deadline):
+            if any(r.spec.kind in ("fastpod", "mps") for r in self._live_shares(device_uuid, exclude)):
+                return False
+            row = self.journal.mps(device_uuid)
+            if row is None and device_uuid not in self.mps.running_devices():
+                return False
+            if row is not None:
+                self.journal.update_mps(device_uuid, state="stopping")
+            try:
+                self.mps.stop(device_uuid)
+            except MpsError as exc:
+                raise AgentError("UNAVAILABLE", f"stopping MPS daemon for {device_uuid}: {exc}") from None
+            if row is not None and row.compute_mode_set:
+                with contextlib.suppress(DeviceError, AgentError):
+                    self.devices.set_compute_mode(self._gpu(row.gpu_uuid).index, "DEFAULT")
+            self.journal.delete_mps(device_uuid)
+            self._mps_health.pop(device_uuid, None)
+            return True
+
+    # --- reconcile ---------------------------------------------------------------------------
+
+    def reconcile(self) -> list[str]:
+        """Bring journal and host back in line after a start (crash, kill -9, reboot).
+
+        Runs before the agent serves. Returns what it did, for the log."""
+        deadline = Deadline(max(60.0, self.config.mps_timeout_s * 4))
+        actions: list[str] = []
+        self.refresh_devices()
+        for row in self.journal.shares():
+            if row.port:
+                with self._state:
+                    self._ports_in_use.add(row.port)
+        for row in self.journal.shares():
+            with _step(actions, f"share {row.spec.id}"):
+                actions += self._reconcile_share(row, deadline)
+        live = {r.spec.id for r in self.journal.shares()}
+        for m in self.journal.migs():
+            with _step(actions, f"MIG at slice {m.start} of {m.gpu_uuid}"):
+                if m.purpose == "layout":
+                    actions += self._reconcile_layout_mig(m, deadline)
+                elif m.share_id not in live:
+                    gone = self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
+                    fate = "destroyed" if gone else "in use, adopted until idle"
+                    actions.append(f"MIG {m.mig_uuid or m.gpu_uuid + '@' + str(m.start)} created by the "
+                                   f"agent without a share: {fate}")
+        actions += self._reconcile_mps(deadline)
+        devices_with_files = set(sharefiles.devices(self.config.share_root))
+        for row in self.journal.shares():
+            if row.spec.kind == "fastpod":
+                devices_with_files.add(row.device_uuid)
+        for device_uuid in sorted(devices_with_files):
+            self._write_share_files(device_uuid, deadline)
+        self.refresh_devices()
+        self._changed()
+        return actions
+
+    def _reconcile_share(self, row: ShareRow, deadline: Deadline) -> list[str]:
+        if row.state == "ready":
+            if row.spec.kind == "exclusive" and not self._exclusive_still_there(row):
+                self._undo(row, deadline)
+                self.journal.delete_share(row.spec.id)
+                return [f"share {row.spec.id}: its MIG device is gone (reboot?); dropped"]
+            return []
+        if row.state == "preparing" and row.spec.kind == "exclusive" and self._adopt_preparing(row):
+            return [f"share {row.spec.id}: MIG device in use, adopted as prepared"]
+        destroyed, stopped = self._undo(row, deadline)
+        self.journal.delete_share(row.spec.id)
+        return [f"share {row.spec.id}: {row.state} when the agent stopped; rolled back"
+                + (f", destroyed {destroyed}" if destroyed else "")
+                + (f", stopped MPS {stopped}" if stopped else "")]
+
+    def _exclusive_still_there(self, row: ShareRow) -> bool:
+        gpu = self._gpu(row.spec.device_uuids[0])
+        return any(m.uuid == row.device_uuid for m in gpu.mig_instances)
+
+    def _adopt_preparing(self, row: ShareRow) -> bool:
+        """A half-prepared exclusive share whose new MIG device already runs work: keep it."""
+        gpu = self._gpu(row.spec.device_uuids[0])
+        for m in self.journal.migs(gpu.uuid):
+            if m.share_id != row.spec.id:
+                continue
+            current = next((i for i in gpu.mig_instances if i.start == m.start), None)
+            if current is not None and current.profile_id == m.profile_id and current.processes:
+                self.journal.mig_ready(gpu.uuid, m.start, current.uuid)
+                self.journal.share_ready(row.spec.id, current.uuid or gpu.uuid, _exclusive_prepared(current))
+                return True
+        return False
+
+    def _reconcile_layout_mig(self, m, deadline: Deadline) -> list[str]:
+        gpu = self._gpu(m.gpu_uuid)
+        current = next((i for i in gpu.mig_instances if i.start == m.start), None)
+        if m.state == "creating":
+            if current is not None and current.profile_id == m.profile_id:
+                self.journal.mig_ready(m.gpu_uuid, m.start, current.uuid)
+                return [f"layout MIG at slice {m.start} of {m.gpu_uuid}: creation completed"]
+            self.journal.delete_mig(m.gpu_uuid, m.start)
+            return [f"layout MIG at slice {m.start} of {m.gpu_uuid}: never created, forgotten"]
+        if m.state == "destroying":
+            self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
+            return [f"layout MIG at slice {m.start} of {m.gpu_uuid}: destruction completed"]
+        if current is None or current.profile_id != m.profile_id:
+            self.journal.delete_mig(m.gpu_uuid, m.start)
+            return [f"layout MIG at slice {m.start} of {m.gpu_uuid}: gone, forgotten"]
+        return []
+
+    def _reconcile_mps(self, deadline: Deadline) -> list[str]:
+        actions = []
+        needed = {r.device_uuid for r in self.journal.shares() if r.spec.kind in ("fastpod", "mps")}
+        known = {r.device_uuid for r in self.journal.mps_daemons()} | set(self.mps.running_devices())
+        for device_uuid in sorted(known - needed):
+            with _step(actions, f"MPS daemon for {device_uuid}"):
+                if self._stop_mps_if_unused(device_uuid, deadline):
+                    actions.append(f"MPS daemon for {device_uuid}: no share left, stopped")
+        for device_uuid in sorted(needed):
+            row = self.journal.mps(device_uuid)
+            if row is not None and row.state == "running" and self.mps.answers(device_uuid):
+                self.journal.update_mps(device_uuid, pid=self.mps.daemon_pid(device_uuid))
+                self._mps_health[device_uuid] = True
+                actions.append(f"MPS daemon for {device_uuid}: running, adopted")
+                continue
+            if row is not None:  # 'starting'/'stopping' or dead: start() adopts a daemon that answers
+                self.journal.delete_mps(device_uuid)
+            try:
+                self._ensure_mps(self._device(device_uuid), deadline)
+                actions.append(f"MPS daemon for {device_uuid}: (re)started for its shares")
+            except AgentError as exc:
+                actions.append(f"MPS daemon for {device_uuid}: cannot start: {exc}")
+        return actions
+
+    def housekeeping(self) -> None:
+        """Periodic: refresh devices, destroy idle orphan MIG instances, restart dead MPS daemons."""
+        deadline = Deadline(self.config.mps_timeout_s * 4)
+        before = self._gpus
+        self.refresh_devices()
+        live = {r.spec.id for r in self.journal.shares()}
+        changed = before != self._gpus
+        for m in self.journal.migs():
+            if m.purpose == "share" and m.state == "ready" and m.share_id not in live:
+                changed |= self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
+        for row in self.journal.mps_daemons():
+            if row.state != "running":
+                continue
+            healthy = self.mps.answers(row.device_uuid)
+            if self._mps_health.get(row.device_uuid) != healthy:
+                changed = True
+            self._mps_health[row.device_uuid] = healthy
+            if not healthy:
+                log.warning("MPS daemon for %s does not answer; restarting it", row.device_uuid)
+                with self._mps_locks.hold(row.device_uuid, deadline):
+                    with contextlib.suppress(MpsError):
+                        self.mps.stop(row.device_uuid)
+                    self.journal.delete_mps(row.device_uuid)
+                with contextlib.suppress(AgentError):
+                    self._ensure_mps(self._device(row.device_uuid), deadline)
+        if changed:
+            self._changed()
+
+    # --- MIG mode -----------------------------------------------------------------------------
+
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool, deadline: Deadline) -> tuple[bool, bool]:
+        """Returns (pending reset, changed)."""
+        gpu = self._gpu(gpu_uuid)
+        if not gpu.mig_capable:
+            raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} ({gpu.name}) does not support MIG")
+        with self._device_locks.hold(gpu_uuid, deadline):
+            if gpu.mig_current == enabled and gpu.mig_pending == enabled:
+                return False, False
+            if self._live_shares(gpu_uuid) or any(self._live_shares(m.uuid or "")
+                                                  for m in gpu.mig_instances):
+                raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} has shares; release them before "
+                                                        "changing its MIG mode")
+            try:
+                pending = self.devices.set_mig_mode(gpu.index, enabled)
+            except DeviceError as exc:
+                raise _device_error(exc, f"setting MIG mode of GPU {gpu_uuid}") from None
+            self.refresh_devices()  # before the lock goes: prepares re-check the mode under it
+        self._changed()
+        return pending, True
+
+    # --- inventory ---------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        gpus = self.refresh_devices()
+        shares = self.journal.shares()
+        migs = {(m.gpu_uuid, m.start): m for m in self.journal.migs()}
+        share_of_device = {r.device_uuid: r.spec.id for r in shares if r.spec.kind == "exclusive"}
+        files = []
+        for device_uuid in sharefiles.devices(self.config.share_root):
+            try:
+                n = len(sharefiles.read(self.config.share_root, device_uuid))
+            except (OSError, ValueError):
+                n = 0
+            files.append((device_uuid, str(sharefiles.config_path(self.config.share_root, device_uuid)),
+                          str(sharefiles.port_path(self.config.share_root, device_uuid)), n))
+        daemons = []
+        for row in self.journal.mps_daemons():
+            paths = self.mps.paths(row.device_uuid)
+            ids = [r.spec.id for r in shares if r.device_uuid == row.device_uuid]
+            daemons.append((row, str(paths.pipe_dir), str(paths.log_dir), ids,
+                            self._mps_health.get(row.device_uuid, False)))
+        return Snapshot(node_name=self.config.node_name, agent_version=__version__,
+                        driver_version=self.devices.driver_version(), generation=self.generation,
+                        boot_id=self.boot_id, gpus=gpus, profiles=dict(self._profiles),
+                        agent_migs=migs, share_of_device=share_of_device, mps_daemons=daemons,
+                        shares=shares, share_files=files)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Inventory in agent terms; the service turns it into the proto."""
+
+    node_name: str
+    agent_version: str
+    driver_version: str
+    generation: int
+    boot_id: str
+    gpus: list[GpuInfo]
+    profiles: dict[str, list[MigProfile]]
+    agent_migs: dict
+    share_of_device: dict[str, str]
+    mps_daemons: list
+    shares: list[ShareRow]
+    share_files: list[tuple[str, str, str, int]]
+
+
+@contextlib.contextmanager
+def _step(actions: list[str], what: str) -> Iterator[None]:
+    """One reconcile step: a failure (a GPU gone, a daemon that will not stop) is reported and
+    the journal row kept for the next start, instead of keeping the whole node down."""
+    try:
+        yield
+    except (AgentError, DeviceError, MpsError, OSError) as exc:
+        log.error("reconcile: %s failed: %s", what, exc)
+        actions.append(f"{what}: FAILED ({exc}); left in the journal for the next start")
+
+
+def _raises(daemon: MpsRow, sm: float, mem: int | None) -> bool:
+    """Would these ceilings raise the daemon's current limits (which needs the control pipe)?"""
+    if daemon.sm_ceiling is None or sm > daemon.sm_ceiling:
+        return True
+    return mem is not None and daemon.mem_ceiling is not None and mem > daemon.mem_ceiling
+
+
+def _kinds(rows: list[ShareRow]) -> str:
+    return ", ".join(sorted({r.spec.kind for r in rows}))
+
+
+def _exclusive_prepared(mig: MigInstance) -> Prepared:
+    device = mig.uuid or ""
+    return Prepared(env={"NVIDIA_VISIBLE_DEVICES": device, "CUDA_VISIBLE_DEVICES": device},
+                    device_uuids=(device,), mig_start=mig.start)
+
+
+def best_start(gpu: GpuInfo, profile: MigProfile, instances: list[MigInstance],
+               candidates: list[int], profiles: list[MigProfile]) -> int:
+    """Placement for one new instance: the device layer's planner keeps the largest future
+    shapes free; ``candidates`` (free starts) is the fallback if it has no answer."""
+    shape = mig_layout.GpuShape.from_profiles(profiles, f"GPU {gpu.uuid}")
+    start = mig_layout.best_placement(shape, instances, profile.profile_id)
+    return start if start in candidates else candidates[-1]

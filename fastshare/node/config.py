@@ -1,0 +1,190 @@
+"""Node agent configuration: /etc/fastshare/node.yaml, overridden by flags and environment.
+
+Every value is validated at start with an error that names the key and the allowed values,
+so a typo stops the agent before it touches a GPU. Secure by default: a TCP listener needs
+TLS, and anonymous read-only access exists only on its own, explicitly configured port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_PATH = Path("/etc/fastshare/node.yaml")
+BACKENDS = ("nvml", "sim")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the key."""
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.cert or self.key or self.ca)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_name: str = field(default_factory=socket.gethostname)
+    # mTLS TCP listener for the controller ("" disables). Every call needs a client cert.
+    listen: str = ""
+    # Optional second TCP listener: server-side TLS only, read-only calls, anonymous.
+    readonly_listen: str = ""
+    unix_socket: str = "/run/fastshare/node.sock"
+    unix_socket_mode: int = 0o660
+    unix_socket_group: str = ""
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    allowed_clients: tuple[str, ...] = ()  # CN/SAN allowed to mutate over TCP; empty = any cluster cert
+    state_dir: str = "/var/lib/fastshare/node"
+    run_dir: str = "/run/fastshare"
+    device_backend: str = "nvml"
+    sim_state: str = ""
+    mps_control_binary: str = "/usr/bin/nvidia-cuda-mps-control"
+    mps_timeout_s: float = 15.0
+    share_ports: str = "50100-50999"
+    mps_memory_oversubscription: float = 1.0
+    metrics_listen: str = "127.0.0.1:9402"
+    reconcile_interval_s: float = 60.0
+    rpc_timeout_s: float = 60.0
+    controller_address: str = ""  # registration hook: the controller helper dials this
+    max_workers: int = 16
+
+    @property
+    def journal_path(self) -> Path:
+        return Path(self.state_dir) / "journal.db"
+
+    @property
+    def mps_root(self) -> Path:
+        return Path(self.run_dir) / "mps"
+
+    @property
+    def share_root(self) -> Path:
+        return Path(self.run_dir) / "shares"
+
+    @property
+    def port_range(self) -> tuple[int, int]:
+        low, _, high = self.share_ports.partition("-")
+        return int(low), int(high)
+
+    def validate(self) -> NodeConfig:
+        if not self.node_name or len(self.node_name) > 253:
+            raise ConfigError("node_name must be 1-253 characters")
+        for key in ("listen", "readonly_listen", "metrics_listen"):
+            value = getattr(self, key)
+            if value:
+                _check_hostport(key, value)
+        if not (self.listen or self.unix_socket):
+            raise ConfigError("listen and unix_socket are both empty: the agent would be unreachable")
+        if (self.listen or self.readonly_listen) and not all((self.tls.cert, self.tls.key, self.tls.ca)):
+            raise ConfigError("listen/readonly_listen need tls.cert, tls.key and tls.ca (mTLS is required "
+                              "on TCP); create them with `fastshare certs issue`, or serve only the "
+                              "unix socket by leaving listen empty")
+        if self.readonly_listen and self.readonly_listen == self.listen and not self.listen.endswith(":0"):
+            raise ConfigError("readonly_listen must differ from listen")
+        if not 0 <= self.unix_socket_mode <= 0o777:
+            raise ConfigError(f"unix_socket_mode must be an octal permission like 0o660, got "
+                              f"{self.unix_socket_mode:o}")
+        if self.device_backend not in BACKENDS:
+            raise ConfigError(f"device_backend must be one of {', '.join(BACKENDS)}, got "
+                              f"{self.device_backend!r}")
+        if self.device_backend == "sim" and not self.sim_state:
+            raise ConfigError("device_backend sim needs sim_state (path of the simulated machine's "
+                              "state file, also FASTSHARE_SIM_STATE)")
+        try:
+            low, high = self.port_range
+        except ValueError:
+            raise ConfigError(f"share_ports must look like 50100-50999, got {self.share_ports!r}") from None
+        if not 1024 <= low <= high <= 65535:
+            raise ConfigError(f"share_ports must be a range within 1024-65535, got {self.share_ports!r}")
+        if not 1.0 <= self.mps_memory_oversubscription <= 16.0:
+            raise ConfigError("mps_memory_oversubscription must be between 1.0 and 16.0, got "
+                              f"{self.mps_memory_oversubscription}")
+        for key, low_s, high_s in (("mps_timeout_s", 1, 600), ("reconcile_interval_s", 1, 86400),
+                                   ("rpc_timeout_s", 1, 3600)):
+            if not low_s <= getattr(self, key) <= high_s:
+                raise ConfigError(f"{key} must be between {low_s} and {high_s}, got {getattr(self, key)}")
+        if not 2 <= self.max_workers <= 256:
+            raise ConfigError(f"max_workers must be between 2 and 256, got {self.max_workers}")
+        if self.controller_address:
+            _check_hostport("controller_address", self.controller_address)
+        return self
+
+
+def _check_hostport(key: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+        raise ConfigError(f"{key} must be HOST:PORT (port 0-65535; [::1]:PORT for IPv6), got {value!r}")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not all(part.isalnum() or "-" in part for part in host.split(".")):
+            raise ConfigError(f"{key}: {host!r} is neither an IP address nor a host name") from None
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Turn YAML/flag/env values into the field's type, naming the key on failure."""
+    default = _FIELDS[key].default if _FIELDS[key].default is not dataclasses.MISSING else None
+    try:
+        if key == "tls":
+            if not isinstance(value, dict) or set(value) - {"cert", "key", "ca"}:
+                raise ConfigError("tls must be a mapping with keys cert, key, ca")
+            return TlsConfig(**{k: str(v) for k, v in value.items()})
+        if key == "allowed_clients":
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, list | tuple):
+                raise ConfigError("allowed_clients must be a list of names")
+            return tuple(str(v).strip() for v in items if str(v).strip())
+        if key == "unix_socket_mode":
+            return int(value, 8) if isinstance(value, str) else int(value)
+        if isinstance(default, bool):
+            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        return "" if value is None else str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key}: cannot use {value!r} ({exc})") from None
+
+
+def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:
+    """File (if it exists; an explicitly given path must exist) + overrides (flags/env)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if path.exists():
+            try:
+                loaded = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{path}: must be a mapping of settings")
+            data.update(loaded)
+        elif path != DEFAULT_PATH:
+            raise ConfigError(f"config file {path} does not exist")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key == "tls" and isinstance(value, dict) and isinstance(data.get("tls"), dict):
+            value = {**data["tls"], **value}  # a flag replaces one path, not the whole block
+        data[key] = value
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_FIELDS))}")
+    return NodeConfig(**{k: _coerce(k, v) for k, v in data.items()}).validate()

@@ -1,0 +1,244 @@
+"""The agent's write-ahead journal (SQLite, WAL, synchronous=FULL).
+
+Every share, and every MIG instance and MPS daemon the agent creates, gets a row BEFORE the
+agent acts, and the row is completed after. After a crash the rows in an intermediate state
+('preparing', 'creating', 'starting', 'releasing', 'destroying', 'stopping') tell the
+reconciler exactly which step might be half done. Rows are small and every transaction is
+short: no device or process work ever happens while the database lock is held.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastshare.node.model import Prepared, ShareSpec
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS shares (
+    id TEXT PRIMARY KEY,
+    spec TEXT NOT NULL,            -- ShareSpec JSON, as requested
+    state TEXT NOT NULL CHECK (state IN ('preparing', 'ready', 'releasing')),
+    device_uuid TEXT NOT NULL,     -- the device the share lives on (MIG UUID once created)
+    port INTEGER,                  -- fastpod: pod manager port
+    prepared TEXT,                 -- Prepared JSON once ready
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS mig_instances (
+    gpu_uuid TEXT NOT NULL,
+    start INTEGER NOT NULL,
+    profile_id INTEGER NOT NULL,
+    mig_uuid TEXT,
+    state TEXT NOT NULL CHECK (state IN ('creating', 'ready', 'destroying')),
+    share_id TEXT,                 -- exclusive share it was made for (NULL: layout / adopted)
+    purpose TEXT NOT NULL CHECK (purpose IN ('share', 'layout')),
+    updated REAL NOT NULL,
+    PRIMARY KEY (gpu_uuid, start)
+);
+CREATE TABLE IF NOT EXISTS mps_daemons (
+    device_uuid TEXT PRIMARY KEY,
+    gpu_uuid TEXT NOT NULL,        -- parent GPU (same as device_uuid for a whole GPU)
+    state TEXT NOT NULL CHECK (state IN ('starting', 'running', 'stopping')),
+    pid INTEGER,
+    compute_mode_set INTEGER NOT NULL DEFAULT 0,  -- we switched the GPU to EXCLUSIVE_PROCESS
+    sm_ceiling REAL,               -- limits currently applied as daemon defaults
+    mem_ceiling INTEGER,
+    updated REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class ShareRow:
+    spec: ShareSpec
+    state: str
+    device_uuid: str
+    port: int | None
+    prepared: Prepared | None
+
+
+@dataclass(frozen=True)
+class MigRow:
+    gpu_uuid: str
+    start: int
+    profile_id: int
+    mig_uuid: str | None
+    state: str
+    share_id: str | None
+    purpose: str
+
+
+@dataclass(frozen=True)
+class MpsRow:
+    device_uuid: str
+    gpu_uuid: str
+    state: str
+    pid: int | None
+    compute_mode_set: bool
+    sm_ceiling: float | None
+    mem_ceiling: int | None
+
+
+class JournalError(RuntimeError):
+    pass
+
+
+class Journal:
+    """Thread-safe; one connection guarded by a lock, each method one short transaction."""
+
+    def __init__(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise JournalError(f"{path} has schema version {version}, newer than this agent "
+                               f"({SCHEMA_VERSION}); upgrade the agent or move the journal away")
+        with self._lock:
+            self._db.executescript(_SCHEMA)  # idempotent (IF NOT EXISTS)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # shares -------------------------------------------------------------------------------
+
+    def begin_share(self, spec: ShareSpec, device_uuid: str, port: int | None) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO shares (id, spec, state, device_uuid, port, updated) "
+                       "VALUES (?, ?, 'preparing', ?, ?, ?)",
+                       (spec.id, spec.to_json(), device_uuid, port, time.time()))
+
+    def insert_ready_share(self, spec: ShareSpec, device_uuid: str, port: int | None,
+                           prepared: Prepared) -> None:
+        """One-commit prepare, for shares whose only side effect is derived (share files)."""
+        with self._tx() as db:
+            db.execute("INSERT INTO shares (id, spec, state, device_uuid, port, prepared, updated) "
+                       "VALUES (?, ?, 'ready', ?, ?, ?, ?)",
+                       (spec.id, spec.to_json(), device_uuid, port, prepared.to_json(), time.time()))
+
+    def share_ready(self, share_id: str, device_uuid: str, prepared: Prepared) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE shares SET state='ready', device_uuid=?, prepared=?, updated=? WHERE id=?",
+                       (device_uuid, prepared.to_json(), time.time(), share_id))
+
+    def set_share_state(self, share_id: str, state: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE shares SET state=?, updated=? WHERE id=?", (state, time.time(), share_id))
+
+    def set_share_device(self, share_id: str, device_uuid: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE shares SET device_uuid=?, updated=? WHERE id=?",
+                       (device_uuid, time.time(), share_id))
+
+    def delete_share(self, share_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM shares WHERE id=?", (share_id,))
+
+    def share(self, share_id: str) -> ShareRow | None:
+        with self._lock:
+            row = self._db.execute("SELECT spec, state, device_uuid, port, prepared FROM shares WHERE id=?",
+                                   (share_id,)).fetchone()
+        return _share_row(row) if row else None
+
+    def shares(self) -> list[ShareRow]:
+        with self._lock:
+            rows = self._db.execute("SELECT spec, state, device_uuid, port, prepared FROM shares "
+                                    "ORDER BY id").fetchall()
+        return [_share_row(r) for r in rows]
+
+    # MIG instances ------------------------------------------------------------------------
+
+    def begin_mig(self, gpu_uuid: str, start: int, profile_id: int, share_id: str | None,
+                  purpose: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO mig_instances (gpu_uuid, start, profile_id, state, share_id, purpose, "
+                       "updated) VALUES (?, ?, ?, 'creating', ?, ?, ?)",
+                       (gpu_uuid, start, profile_id, share_id, purpose, time.time()))
+
+    def mig_ready(self, gpu_uuid: str, start: int, mig_uuid: str | None) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE mig_instances SET state='ready', mig_uuid=?, updated=? "
+                       "WHERE gpu_uuid=? AND start=?", (mig_uuid, time.time(), gpu_uuid, start))
+
+    def set_mig_state(self, gpu_uuid: str, start: int, state: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE mig_instances SET state=?, updated=? WHERE gpu_uuid=? AND start=?",
+                       (state, time.time(), gpu_uuid, start))
+
+    def set_mig_share(self, gpu_uuid: str, start: int, share_id: str | None) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE mig_instances SET share_id=?, updated=? WHERE gpu_uuid=? AND start=?",
+                       (share_id, time.time(), gpu_uuid, start))
+
+    def delete_mig(self, gpu_uuid: str, start: int) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM mig_instances WHERE gpu_uuid=? AND start=?", (gpu_uuid, start))
+
+    def migs(self, gpu_uuid: str | None = None) -> list[MigRow]:
+        query = "SELECT gpu_uuid, start, profile_id, mig_uuid, state, share_id, purpose FROM mig_instances"
+        args: tuple = ()
+        if gpu_uuid is not None:
+            query, args = query + " WHERE gpu_uuid=?", (gpu_uuid,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY gpu_uuid, start", args).fetchall()
+        return [MigRow(*r) for r in rows]
+
+    # MPS daemons --------------------------------------------------------------------------
+
+    def begin_mps(self, device_uuid: str, gpu_uuid: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO mps_daemons (device_uuid, gpu_uuid, state, updated) "
+                       "VALUES (?, ?, 'starting', ?) ON CONFLICT (device_uuid) DO UPDATE SET "
+                       "state='starting', updated=excluded.updated", (device_uuid, gpu_uuid, time.time()))
+
+    def update_mps(self, device_uuid: str, **fields: object) -> None:
+        allowed = {"state", "pid", "compute_mode_set", "sm_ceiling", "mem_ceiling"}
+        if not fields or set(fields) - allowed:
+            raise ValueError(f"update_mps fields must be among {sorted(allowed)}")
+        assignments = ", ".join(f"{k}=?" for k in fields)
+        with self._tx() as db:
+            db.execute(f"UPDATE mps_daemons SET {assignments}, updated=? WHERE device_uuid=?",
+                       (*fields.values(), time.time(), device_uuid))
+
+    def delete_mps(self, device_uuid: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM mps_daemons WHERE device_uuid=?", (device_uuid,))
+
+    def mps(self, device_uuid: str) -> MpsRow | None:
+        rows = [r for r in self.mps_daemons() if r.device_uuid == device_uuid]
+        return rows[0] if rows else None
+
+    def mps_daemons(self) -> list[MpsRow]:
+        with self._lock:
+            rows = self._db.execute("SELECT device_uuid, gpu_uuid, state, pid, compute_mode_set, sm_ceiling, "
+                                    "mem_ceiling FROM mps_daemons ORDER BY device_uuid").fetchall()
+        return [MpsRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+
+
+def _share_row(row: tuple) -> ShareRow:
+    spec, state, device_uuid, port, prepared = row
+    return ShareRow(ShareSpec.from_json(spec), state, device_uuid, port,
+                    Prepared.from_json(prepared) if prepared else None)

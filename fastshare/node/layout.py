@@ -1,0 +1,71 @@
+"""Administrative MIG layouts through the agent: the device layer plans, the agent journals.
+
+The plan comes from ``fastshare.device.mig_layout`` (the one layout planner); instances that
+shares hold count as in use, so a layout change never destroys them unless ``force``. Each
+create/destroy is journaled like a share's (purpose 'layout'): a crash mid-apply is finished
+or forgotten by the reconciler, and layout instances are never mistaken for orphans.
+"""
+
+from __future__ import annotations
+
+from fastshare.device import mig_layout
+from fastshare.device.api import DeviceError
+from fastshare.node import faults
+from fastshare.node.agent import Agent, AgentError, Deadline, _device_error
+
+
+def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: bool, apply: bool,
+                 deadline: Deadline) -> tuple[list[dict], bool]:
+    """Plan (and with ``apply`` run) the steps to ``profiles``; returns (actions, changed)."""
+    gpu = agent._gpu(gpu_uuid)
+    if not gpu.mig_capable or not gpu.mig_current:
+        raise AgentError("FAILED_PRECONDITION", f"MIG is not enabled on GPU {gpu_uuid}"
+                         + (" (pending a GPU reset)" if gpu.mig_pending else "") + "; use SetMigMode first")
+    shape = mig_layout.GpuShape.from_profiles(agent._profiles[gpu_uuid], f"GPU {gpu_uuid}")
+    with agent._device_locks.hold(gpu_uuid, deadline):
+        try:
+            wanted = mig_layout.parse_layout({k: int(v) for k, v in profiles.items()}, shape)
+            current = agent.devices.mig_instances(gpu.index)
+        except mig_layout.LayoutError as exc:
+            raise AgentError("INVALID_ARGUMENT", f"profiles: {exc}") from None
+        except DeviceError as exc:
+            raise _device_error(exc, f"listing MIG instances of GPU {gpu_uuid}") from None
+        held = {r.device_uuid for r in agent.journal.shares()}
+        placed = [mig_layout.Placed(m.profile_id, m.start, m.processes > 0 or (m.uuid in held),
+                                    m.uuid or "") for m in current]
+        try:
+            plan = mig_layout.plan_layout(shape, placed, wanted, force=force)
+        except mig_layout.LayoutError as exc:
+            raise AgentError("FAILED_PRECONDITION", str(exc)) from None
+        actions = [{"op": s.action, "profile_name": s.profile_name, "profile_id": s.profile_id,
+                    "start": s.start, "mig_uuid": next((m.uuid or "" for m in current if m.start == s.start
+                                                        and s.action == "destroy"), "")}
+                   for s in plan.steps]
+        if apply:
+            for step in plan.steps:
+                _run(agent, gpu_uuid, gpu.index, step)
+    if apply and plan.changed:
+        agent.refresh_devices()
+        agent._changed()
+    return actions, plan.changed
+
+
+def _run(agent: Agent, gpu_uuid: str, gpu_index: int, step: mig_layout.Step) -> None:
+    journal = agent.journal
+    try:
+        if step.action == "destroy":
+            if any(m.start == step.start for m in journal.migs(gpu_uuid)):
+                journal.set_mig_state(gpu_uuid, step.start, "destroying")
+            agent.devices.destroy_mig_instance(gpu_index, step.start)
+            journal.delete_mig(gpu_uuid, step.start)
+        else:
+            journal.begin_mig(gpu_uuid, step.start, step.profile_id, None, "layout")
+            try:
+                mig = agent.devices.create_mig_instance(gpu_index, step.profile_id, step.start)
+            except DeviceError:
+                journal.delete_mig(gpu_uuid, step.start)
+                raise
+            faults.point("agent.after_mig_create")
+            journal.mig_ready(gpu_uuid, step.start, mig.uuid)
+    except DeviceError as exc:
+        raise _device_error(exc, f"{step.describe()} on GPU {gpu_uuid}") from None

@@ -1,0 +1,108 @@
+"""The agent's own vocabulary, free of gRPC types: a share request and what preparing it gave."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+KINDS = ("fastpod", "mps", "exclusive", "whole")
+SHARE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+DEVICE_UUID_RE = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,80}$")
+OWNER_MAX = 256
+
+
+class InvalidShare(ValueError):
+    """A share request that can never succeed; the message names the field and the range."""
+
+
+@dataclass(frozen=True)
+class ShareSpec:
+    id: str
+    kind: str
+    device_uuids: tuple[str, ...]
+    mig_profile: str = ""
+    mig_start: int | None = None
+    sm_percent: int = 0
+    memory_bytes: int = 0
+    quota_request: float = 0.0
+    quota_limit: float = 0.0
+    owner: str = ""
+
+    def validate(self) -> None:
+        """Shape checks only (no device knowledge): raise InvalidShare naming the field."""
+        if not SHARE_ID_RE.match(self.id):
+            raise InvalidShare("share.id must be 1-128 characters of [A-Za-z0-9._-] starting with a "
+                               f"letter or digit, got {self.id!r}")
+        if self.kind not in KINDS:
+            raise InvalidShare(f"share.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not self.device_uuids:
+            raise InvalidShare("share.device_uuids must name the GPU (or MIG device) to use")
+        if self.kind != "whole" and len(self.device_uuids) != 1:
+            raise InvalidShare(f"share.device_uuids must hold exactly one UUID for kind {self.kind}, "
+                               f"got {len(self.device_uuids)}")
+        if len(set(self.device_uuids)) != len(self.device_uuids):
+            raise InvalidShare("share.device_uuids lists a device twice")
+        for uuid in self.device_uuids:
+            if not DEVICE_UUID_RE.match(uuid):
+                raise InvalidShare(f"share.device_uuids: {uuid!r} is not a GPU-… or MIG-… UUID")
+        if len(self.owner) > OWNER_MAX:
+            raise InvalidShare(f"share.owner must be at most {OWNER_MAX} characters")
+        if self.kind in ("exclusive", "whole") and any(u.startswith("MIG-") for u in self.device_uuids):
+            raise InvalidShare(f"share.device_uuids: kind {self.kind} takes GPU UUIDs, not MIG devices")
+        if self.kind == "exclusive":
+            if not self.mig_profile:
+                raise InvalidShare("share.mig_profile is required for kind exclusive (e.g. '3g.20gb')")
+            if self.mig_start is not None and not 0 <= self.mig_start <= 7:
+                raise InvalidShare(f"share.mig_start must be 0..7, got {self.mig_start}")
+        elif self.mig_profile or self.mig_start is not None:
+            raise InvalidShare(f"share.mig_profile/mig_start only apply to kind exclusive, not {self.kind}")
+        if self.kind == "fastpod":
+            if not 1 <= self.sm_percent <= 100:
+                raise InvalidShare(f"share.sm_percent must be 1..100 for kind fastpod, got {self.sm_percent}")
+            if self.memory_bytes <= 0:
+                raise InvalidShare("share.memory_bytes must be > 0 for kind fastpod")
+            for name, value in (("quota_request", self.quota_request), ("quota_limit", self.quota_limit)):
+                if not (math.isfinite(value) and 0 < value <= 1):
+                    raise InvalidShare(f"share.{name} must be in (0, 1] for kind fastpod, got {value}")
+            if self.quota_request > self.quota_limit:
+                raise InvalidShare(f"share.quota_request ({self.quota_request}) must not exceed "
+                                   f"share.quota_limit ({self.quota_limit})")
+        elif self.sm_percent or self.quota_request or self.quota_limit:
+            raise InvalidShare(f"share.sm_percent/quota_request/quota_limit only apply to kind fastpod, "
+                               f"not {self.kind}")
+        if self.kind in ("exclusive", "whole") and self.memory_bytes:
+            raise InvalidShare(f"share.memory_bytes does not apply to kind {self.kind} "
+                               "(the device's memory comes with it)")
+        if self.memory_bytes < 0:
+            raise InvalidShare("share.memory_bytes must be >= 0")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShareSpec:
+        data = json.loads(text)
+        data["device_uuids"] = tuple(data["device_uuids"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a prepared share gives its workload."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    host_paths: dict[str, str] = field(default_factory=dict)
+    device_uuids: tuple[str, ...] = ()
+    port: int = 0
+    mig_start: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Prepared:
+        data = json.loads(text)
+        data["device_uuids"] = tuple(data["device_uuids"])
+        return cls(**data)

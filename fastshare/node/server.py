@@ -1,0 +1,183 @@
+"""Running the agent: open the device, reconcile, serve gRPC (mTLS TCP, read-only TCP, unix
+socket), expose metrics, tell systemd we are ready, housekeep, stop cleanly on SIGTERM.
+
+Order matters: the journal is reconciled against the device BEFORE any port opens, so no
+request ever sees half-done work from a previous run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from prometheus_client import start_http_server
+
+from fastshare.device import open_devices
+from fastshare.mps.control import MpsControl
+from fastshare.node.agent import Agent
+from fastshare.node.config import NodeConfig
+from fastshare.node.journal import Journal
+from fastshare.node.service import Metrics, NodeAgentService
+from fastshare.security.tls import TlsPaths, server_credentials
+from fastshare.v1 import agent_pb2_grpc
+
+log = logging.getLogger("fastshare.node")
+
+
+def sd_notify(message: str) -> bool:
+    """systemd's readiness protocol (sd_notify(3)) without libsystemd: one datagram to
+    $NOTIFY_SOCKET. Returns False when not started by systemd with Type=notify."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]  # abstract namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock.connect(address)
+        sock.sendall(message.encode())
+    return True
+
+
+@dataclass
+class Running:
+    """A started agent; ``stop()`` shuts it down."""
+
+    config: NodeConfig
+    agent: Agent
+    server: grpc.Server
+    ports: dict[str, int]
+    stop_event: threading.Event
+    threads: list[threading.Thread]
+    metrics_server: object | None = None
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.stop_event.set()
+        with contextlib.suppress(Exception):
+            sd_notify("STOPPING=1")
+        self.server.stop(grace).wait(grace + 1)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()  # type: ignore[attr-defined]
+        for t in self.threads:
+            t.join(timeout=grace)
+        self.agent.journal.close()
+        with contextlib.suppress(Exception):
+            self.agent.devices.close()
+        if self.config.unix_socket:
+            with contextlib.suppress(FileNotFoundError):
+                Path(self.config.unix_socket).unlink()
+
+
+def _bind_unix(server: grpc.Server, config: NodeConfig) -> None:
+    path = Path(config.unix_socket)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise RuntimeError(f"unix_socket {path} exists and is not a socket; refusing to replace it")
+        path.unlink()  # stale socket of a previous run
+    # Until the chmod below the socket carries the umask's mode (0755 with the usual 022),
+    # which already denies connect() (it needs write permission) to everyone but the owner.
+    server.add_insecure_port(f"unix:{path}")
+
+
+def _secure_unix(config: NodeConfig) -> None:
+    path = Path(config.unix_socket)
+    if config.unix_socket_group:
+        os.chown(path, -1, grp.getgrnam(config.unix_socket_group).gr_gid)
+    os.chmod(path, config.unix_socket_mode)
+
+
+def start(config: NodeConfig) -> Running:
+    """Open everything, reconcile, then open the ports. Raises on any configuration problem."""
+    devices = open_devices(config.device_backend, config.sim_state or None)
+    journal = Journal(config.journal_path)
+    os.chmod(config.journal_path.parent, 0o700)
+    mps = MpsControl(config.mps_control_binary, config.mps_root, timeout=config.mps_timeout_s)
+    agent = Agent(config, devices, mps, journal)
+    for action in agent.reconcile():
+        log.info("reconcile: %s", action)
+
+    metrics = Metrics(agent)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                    thread_name_prefix="rpc"),
+                         options=[("grpc.so_reuseport", 0)])
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentService(agent, metrics), server)
+    ports: dict[str, int] = {}
+    tls = TlsPaths(Path(config.tls.cert), Path(config.tls.key), Path(config.tls.ca))
+    if config.listen:
+        ports["listen"] = server.add_secure_port(config.listen,
+                                                 server_credentials(tls, require_client_cert=True))
+    if config.readonly_listen:
+        ports["readonly_listen"] = server.add_secure_port(
+            config.readonly_listen, server_credentials(tls, require_client_cert=False))
+    if config.unix_socket:
+        _bind_unix(server, config)
+    server.start()
+    if config.unix_socket:
+        _secure_unix(config)
+
+    metrics_server = None
+    if config.metrics_listen:
+        host, _, port = config.metrics_listen.rpartition(":")
+        metrics_server, _thread = start_http_server(int(port), host.strip("[]"), registry=metrics.registry)
+        ports["metrics_listen"] = metrics_server.server_port
+
+    stop_event = threading.Event()
+    threads = [threading.Thread(target=_housekeeping, args=(agent, stop_event), name="housekeeping",
+                                daemon=True)]
+    threads += _controller_hook(config, agent, stop_event)
+    for t in threads:
+        t.start()
+    return Running(config, agent, server, ports, stop_event, threads, metrics_server)
+
+
+def _housekeeping(agent: Agent, stop: threading.Event) -> None:
+    while not stop.wait(agent.config.reconcile_interval_s):
+        try:
+            agent.housekeeping()
+        except Exception:
+            log.exception("housekeeping failed; retrying in %ss", agent.config.reconcile_interval_s)
+
+
+def _controller_hook(config: NodeConfig, agent: Agent, stop: threading.Event) -> list[threading.Thread]:
+    """Registration with the controller (``controller_address``).
+
+    The registration client belongs to the controller's API (controller.proto); it plugs in
+    as ``fastshare.node.registration.run(config, agent, stop_event)``, called in its own
+    thread. Until that module exists a configured address is reported, not silently ignored.
+    """
+    if not config.controller_address:
+        return []
+    try:
+        from fastshare.node import registration  # type: ignore[attr-defined]
+    except ImportError:
+        log.error("controller_address %s is set but this build has no controller registration client "
+                  "(fastshare.node.registration); the controller must add this node itself",
+                  config.controller_address)
+        return []
+    return [threading.Thread(target=registration.run, args=(config, agent, stop), name="registration",
+                             daemon=True)]
+
+
+def serve(config: NodeConfig) -> None:
+    """Run until SIGTERM/SIGINT (the systemd unit's main process)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    running = start(config)
+    where = ", ".join(f"{k}={v}" for k, v in running.ports.items())
+    log.info("fastshare node agent %s serving (%s%s)", config.node_name, where,
+             f", unix={config.unix_socket}" if config.unix_socket else "")
+    sd_notify(f"READY=1\nSTATUS=serving {where}")
+    stop.wait()
+    log.info("stopping")
+    running.stop()

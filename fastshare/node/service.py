@@ -1,0 +1,252 @@
+"""The NodeAgent gRPC surface: authorisation, deadlines, status codes, metrics, proto mapping.
+
+Who may call what:
+- unix socket: everything (the socket's file permissions are the access control);
+- mTLS TCP port: everything, for a client certificate signed by the cluster CA (and named in
+  ``allowed_clients`` when that list is set); gRPC refuses the handshake without one;
+- read-only TCP port (server TLS only, when configured): read-only calls; mutations fail
+  with UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from fastshare.node.agent import Agent, AgentError, Deadline, Snapshot
+from fastshare.node.journal import ShareRow
+from fastshare.node.model import Prepared, ShareSpec
+from fastshare.security.tls import peer_identity
+from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+log = logging.getLogger("fastshare.node")
+_MIB = 1 << 20
+KIND_TO_PROTO = {"fastpod": common_pb2.SHARE_KIND_FASTPOD, "mps": common_pb2.SHARE_KIND_MPS,
+                 "exclusive": common_pb2.SHARE_KIND_EXCLUSIVE, "whole": common_pb2.SHARE_KIND_WHOLE}
+PROTO_TO_KIND = {v: k for k, v in KIND_TO_PROTO.items()}
+MAX_WATCH_S = 30.0
+
+
+class Metrics:
+    """RPC latency/errors plus gauges computed from the journal at scrape time."""
+
+    def __init__(self, agent: Agent, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.latency = Histogram("fastshare_node_rpc_seconds", "NodeAgent RPC latency", ["method"],
+                                 registry=self.registry,
+                                 buckets=(.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.errors = Counter("fastshare_node_rpc_errors", "NodeAgent RPCs that failed", ["method", "code"],
+                              registry=self.registry)
+        self._agent = agent
+        self.registry.register(self)
+
+    def collect(self):
+        shares = GaugeMetricFamily("fastshare_node_shares", "Shares held on this node", labels=["kind"])
+        counts = {k: 0 for k in KIND_TO_PROTO}
+        for row in self._agent.journal.shares():
+            counts[row.spec.kind] += 1
+        for kind, n in counts.items():
+            shares.add_metric([kind], n)
+        migs = GaugeMetricFamily("fastshare_node_mig_instances", "MIG instances the agent created")
+        migs.add_metric([], len(self._agent.journal.migs()))
+        daemons = GaugeMetricFamily("fastshare_node_mps_daemons", "MPS control daemons the agent runs")
+        daemons.add_metric([], len(self._agent.journal.mps_daemons()))
+        gen = GaugeMetricFamily("fastshare_node_inventory_generation", "Inventory generation")
+        gen.add_metric([], self._agent.generation)
+        return [shares, migs, daemons, gen]
+
+
+def rpc(mutating: bool) -> Callable:
+    """Wrap a servicer method: authorise, bound by a deadline, map errors, record metrics."""
+
+    def wrap(method: Callable) -> Callable:
+        name = method.__name__
+
+        @functools.wraps(method)
+        def handler(self: NodeAgentService, request: Any, context: grpc.ServicerContext) -> Any:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                if mutating:
+                    self._authorise(context, name)
+                remaining = context.time_remaining()
+                budget = self.agent.config.rpc_timeout_s
+                if remaining is not None:
+                    budget = min(budget, remaining)
+                return method(self, request, context, Deadline(budget))
+            except AgentError as exc:
+                code = exc.code
+                context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            except _Abort as exc:
+                code = exc.code.name
+                context.abort(exc.code, exc.message)
+            except Exception:
+                code = "INTERNAL"
+                log.exception("%s failed", name)
+                context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the agent; see its log")
+            finally:
+                self.metrics.latency.labels(name).observe(time.perf_counter() - started)
+                if code != "OK":
+                    self.metrics.errors.labels(name, code).inc()
+
+        return handler
+
+    return wrap
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
+    def __init__(self, agent: Agent, metrics: Metrics) -> None:
+        self.agent = agent
+        self.metrics = metrics
+
+    def _authorise(self, context: grpc.ServicerContext, method: str) -> None:
+        if context.peer().startswith("unix:"):
+            return
+        peer = peer_identity(context)
+        if peer is None:
+            raise _Abort(grpc.StatusCode.UNAUTHENTICATED,
+                         f"{method} changes the node: it needs a client certificate signed by the cluster "
+                         "CA (mTLS port) or the local unix socket")
+        allowed = set(self.agent.config.allowed_clients)
+        if allowed and not (peer.names() & allowed):
+            raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
+                         f"client {peer.common_name!r} may not call {method} (not in allowed_clients)")
+
+    @rpc(mutating=False)
+    def Ping(self, request, context, deadline):
+        return common_pb2.Empty()
+
+    @rpc(mutating=False)
+    def GetInventory(self, request, context, deadline):
+        return inventory_proto(self.agent.snapshot())
+
+    @rpc(mutating=False)
+    def Watch(self, request, context, deadline):
+        wait = min(request.wait_ms / 1000.0, MAX_WATCH_S, deadline.remaining())
+        boot_changed = bool(request.boot_id) and request.boot_id != self.agent.boot_id
+        generation = self.agent.generation
+        if not boot_changed and generation == request.since_generation and wait > 0:
+            generation = self.agent.wait_for_change(request.since_generation, wait)
+        if boot_changed or generation != request.since_generation:
+            snap = self.agent.snapshot()
+            return agent_pb2.WatchReply(changed=True, inventory=inventory_proto(snap),
+                                        generation=snap.generation, boot_id=snap.boot_id)
+        return agent_pb2.WatchReply(changed=False, generation=generation, boot_id=self.agent.boot_id)
+
+    @rpc(mutating=True)
+    def PrepareShare(self, request, context, deadline):
+        if not request.HasField("share"):
+            raise AgentError("INVALID_ARGUMENT", "share is required")
+        spec = spec_from_proto(request.share)
+        prepared, created = self.agent.prepare(spec, deadline)
+        return prepared_proto(spec, prepared, created)
+
+    @rpc(mutating=True)
+    def ReleaseShare(self, request, context, deadline):
+        result = self.agent.release(request.share_id, deadline)
+        return agent_pb2.ReleaseShareReply(released=result.released,
+                                           destroyed_mig_devices=result.destroyed_mig_devices,
+                                           stopped_mps_daemons=result.stopped_mps_daemons)
+
+    @rpc(mutating=True)
+    def SetMigMode(self, request, context, deadline):
+        pending, changed = self.agent.set_mig_mode(request.gpu_uuid, request.enabled, deadline)
+        return agent_pb2.SetMigModeReply(pending=pending, changed=changed)
+
+    @rpc(mutating=False)
+    def PlanMigLayout(self, request, context, deadline):
+        return self._layout(request, deadline, apply=False)
+
+    @rpc(mutating=True)
+    def ApplyMigLayout(self, request, context, deadline):
+        return self._layout(request, deadline, apply=True)
+
+    def _layout(self, request, deadline: Deadline, apply: bool):
+        from fastshare.node.layout import apply_layout  # needs the device helper's mig_layout
+
+        actions, changed = apply_layout(self.agent, request.gpu_uuid, dict(request.profiles),
+                                        request.force, apply, deadline)
+        snap_gpu = next(g for g in self.agent.refresh_devices() if g.uuid == request.gpu_uuid)
+        migs = {(m.gpu_uuid, m.start): m for m in self.agent.journal.migs(request.gpu_uuid)}
+        shares = {r.device_uuid: r.spec.id for r in self.agent.journal.shares() if r.spec.kind == "exclusive"}
+        return agent_pb2.MigLayoutReply(
+            actions=[agent_pb2.MigAction(**a) for a in actions], changed=changed,
+            mig_devices=[_mig_proto(m, migs, shares) for m in snap_gpu.mig_instances])
+
+
+# --- proto mapping ---------------------------------------------------------------------------
+
+def spec_from_proto(share: agent_pb2.Share) -> ShareSpec:
+    kind = PROTO_TO_KIND.get(share.kind)
+    if kind is None:
+        raise AgentError("INVALID_ARGUMENT", "share.kind must be one of FASTPOD, MPS, EXCLUSIVE, WHOLE")
+    return ShareSpec(id=share.id, kind=kind, device_uuids=tuple(share.device_uuids),
+                     mig_profile=share.mig_profile,
+                     mig_start=share.mig_start if share.HasField("mig_start") else None,
+                     sm_percent=share.sm_percent, memory_bytes=share.memory_bytes,
+                     quota_request=share.quota_request, quota_limit=share.quota_limit, owner=share.owner)
+
+
+def share_proto(spec: ShareSpec, prepared: Prepared | None = None) -> agent_pb2.Share:
+    share = agent_pb2.Share(id=spec.id, kind=KIND_TO_PROTO[spec.kind], device_uuids=spec.device_uuids,
+                            mig_profile=spec.mig_profile, sm_percent=spec.sm_percent,
+                            memory_bytes=spec.memory_bytes, quota_request=spec.quota_request,
+                            quota_limit=spec.quota_limit, owner=spec.owner)
+    start = prepared.mig_start if prepared and prepared.mig_start is not None else spec.mig_start
+    if start is not None:
+        share.mig_start = start
+    return share
+
+
+def prepared_proto(spec: ShareSpec, prepared: Prepared, created: bool) -> agent_pb2.PrepareShareReply:
+    return agent_pb2.PrepareShareReply(share=share_proto(spec, prepared), env=prepared.env,
+                                       host_paths=prepared.host_paths, device_uuids=prepared.device_uuids,
+                                       created=created, port=prepared.port)
+
+
+def _mig_proto(m, agent_migs: dict, share_of_device: dict[str, str]) -> agent_pb2.MigDevice:
+    return agent_pb2.MigDevice(gpu_uuid=m.gpu_uuid, uuid=m.uuid or "", profile_id=m.profile_id,
+                               profile_name=m.profile_name, start=m.start, size=m.size, sm_count=m.sm_count,
+                               memory_bytes=m.memory_mib * _MIB, processes=m.processes,
+                               created_by_agent=(m.gpu_uuid, m.start) in agent_migs,
+                               share_id=share_of_device.get(m.uuid or "", ""))
+
+
+def inventory_proto(snap: Snapshot) -> agent_pb2.Inventory:
+    gpus = []
+    for g in snap.gpus:
+        gpus.append(agent_pb2.Gpu(
+            index=g.index, uuid=g.uuid, name=g.name, memory_bytes=g.memory_mib * _MIB, sm_count=g.sm_count,
+            pci_bus_id=g.pci_bus_id, mig_capable=g.mig_capable, mig_enabled=g.mig_current,
+            mig_pending=g.mig_pending, compute_mode=g.compute_mode, processes=g.processes,
+            mig_devices=[_mig_proto(m, snap.agent_migs, snap.share_of_device) for m in g.mig_instances],
+            mig_profiles=[agent_pb2.MigProfileInfo(
+                profile_id=p.profile_id, name=p.name, slices=p.slices, memory_slices=p.memory_slices,
+                memory_bytes=p.memory_mib * _MIB, sm_count=p.sm_count, placements=p.placements)
+                for p in snap.profiles.get(g.uuid, [])]))
+    return agent_pb2.Inventory(
+        node_name=snap.node_name, agent_version=snap.agent_version, driver_version=snap.driver_version,
+        generation=snap.generation, boot_id=snap.boot_id, gpus=gpus,
+        mps_daemons=[agent_pb2.MpsDaemon(device_uuid=row.device_uuid, pipe_dir=pipe, log_dir=logd,
+                                         pid=row.pid or 0, share_ids=ids, healthy=healthy)
+                     for row, pipe, logd, ids, healthy in snap.mps_daemons],
+        shares=[_share_in_inventory(r) for r in snap.shares if r.state == "ready"],
+        share_files=[agent_pb2.ShareFile(device_uuid=d, config_path=c, port_path=p, entries=n)
+                     for d, c, p, n in snap.share_files])
+
+
+def _share_in_inventory(row: ShareRow) -> agent_pb2.Share:
+    return share_proto(row.spec, row.prepared)

@@ -1,0 +1,124 @@
+"""Per-device files for a time-slicing interception library (KubeShare/Gemini format).
+
+For each GPU or MIG device UUID with fastpod shares:
+
+  ROOT/config/<uuid>          N, then one line per share: ``key request limit memory_bytes``
+  ROOT/podmanagerport/<uuid>  N, then one line per share: ``key port``
+
+Request comes BEFORE limit (KubeShare v2 once wrote them swapped; this module is the one
+writer and ``read`` is the reader the tests check it against). Files are replaced atomically
+(temp + fsync + rename + directory fsync) and removed when the last share leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, order=True)
+class ShareEntry:
+    key: str
+    request: float
+    limit: float
+    memory_bytes: int
+    port: int
+
+
+class ShareFileError(ValueError):
+    """A share file that does not follow the format."""
+
+
+def config_path(root: Path, device_uuid: str) -> Path:
+    return Path(root) / "config" / device_uuid
+
+
+def port_path(root: Path, device_uuid: str) -> Path:
+    return Path(root) / "podmanagerport" / device_uuid
+
+
+def _replace(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check(entry: ShareEntry) -> None:
+    if not entry.key or any(c.isspace() for c in entry.key):
+        raise ShareFileError(f"share key {entry.key!r} must be non-empty without whitespace")
+    if not 0 < entry.request <= entry.limit <= 1:
+        raise ShareFileError(f"share {entry.key}: need 0 < request ({entry.request}) <= limit "
+                             f"({entry.limit}) <= 1")
+    if entry.memory_bytes < 0 or not 0 < entry.port < 65536:
+        raise ShareFileError(f"share {entry.key}: memory_bytes must be >= 0 and port in 1..65535")
+
+
+def write(root: Path, device_uuid: str, entries: list[ShareEntry]) -> None:
+    """THE writer: make the device's files say exactly ``entries`` (none: remove them)."""
+    cfg, ports = config_path(root, device_uuid), port_path(root, device_uuid)
+    if not entries:
+        for path in (cfg, ports):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                _fsync_dir(path.parent)
+        return
+    ordered = sorted(entries)
+    for entry in ordered:
+        _check(entry)
+    if len({e.key for e in ordered}) != len(ordered):
+        raise ShareFileError(f"duplicate share keys for {device_uuid}")
+    _replace(cfg, f"{len(ordered)}\n" + "".join(
+        f"{e.key} {e.request!r} {e.limit!r} {e.memory_bytes}\n" for e in ordered))
+    _replace(ports, f"{len(ordered)}\n" + "".join(f"{e.key} {e.port}\n" for e in ordered))
+
+
+def read(root: Path, device_uuid: str) -> list[ShareEntry]:
+    """Parse both files back (what an interception library sees); [] when absent."""
+    cfg, ports = config_path(root, device_uuid), port_path(root, device_uuid)
+    if not cfg.exists() and not ports.exists():
+        return []
+    config_rows = _rows(cfg, 4)
+    port_rows = dict(_rows(ports, 2))
+    if set(port_rows) != {row[0] for row in config_rows}:
+        raise ShareFileError(f"{cfg} and {ports} list different shares")
+    return [ShareEntry(key, float(req), float(lim), int(mem), int(port_rows[key]))
+            for key, req, lim, mem in config_rows]
+
+
+def _rows(path: Path, width: int) -> list[list[str]]:
+    lines = path.read_text().splitlines()
+    if not lines or not lines[0].strip().isdigit():
+        raise ShareFileError(f"{path}: first line must be the number of entries")
+    count = int(lines[0])
+    rows = [line.split() for line in lines[1:] if line.strip()]
+    if len(rows) != count or any(len(r) != width for r in rows):
+        raise ShareFileError(f"{path}: header says {count} entries of {width} fields, found {rows!r}")
+    return rows
+
+
+def devices(root: Path) -> list[str]:
+    """Device UUIDs that currently have a config file."""
+    directory = Path(root) / "config"
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) \
+        if directory.is_dir() else []

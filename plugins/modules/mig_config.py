@@ -1,0 +1,357 @@
+#!/usr/bin/python
+# Copyright: (c) 2026, fastshare developers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Ansible module: declarative MIG layout, planned by fastshare, changed only where needed."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: mig_config
+short_description: Declarative MIG layout for the NVIDIA GPUs of a host
+version_added: 0.1.0
+description:
+  - Brings the MIG mode and the MIG devices of the selected GPUs to the requested layout.
+  - The difference to what exists is computed by the same planner as C(fastshare mig plan).
+    Instances that already sit at a suitable placement are kept, new ones are created at
+    explicit placements (never where NVML's default placer would put them), and only what
+    must change is destroyed or created. A second run with the same layout changes nothing.
+  - Every GPU is planned before anything is changed. An instance that is in use (processes
+    run on it, or a fastshare share holds it according to O(agent_journal)) is never destroyed
+    or moved; and the module fails naming the instance. O(force=true) lets the module destroy
+    instances held by fastshare shares; running processes always block destruction, because
+    NVML refuses it.
+  - Enabling or disabling MIG on an Ampere GPU (A100, A30) stays pending until the GPU is reset;
+    the module then reports RV(reset_required) and RV(reboot_required) and leaves the MIG devices
+    of that GPU for the next run after the reset. Hopper and later apply the mode at once and
+    the layout is created in the same run.
+author:
+  - fastshare developers (@fastshare)
+extends_documentation_fragment:
+  - fastshare.gpu.backend
+options:
+  layout:
+    description:
+      - The wanted layout, one entry per group of GPUs. GPUs that no entry selects are left alone.
+      - A GPU may be selected by one entry only.
+      - Exactly one of O(layout) and O(config_file) is required.
+    type: list
+    elements: dict
+    suboptions:
+      devices:
+        description:
+          - V(all), or a list of GPU indexes (NVML order).
+        type: raw
+        default: all
+      mig_enabled:
+        description:
+          - Whether MIG mode is on for these GPUs. V(false) destroys every MIG device first.
+        type: bool
+        default: true
+      mig_devices:
+        description:
+          - MIG profile name (as NVML names it on that GPU, for example C(3g.20gb)) or profile id,
+            mapped to the number of MIG devices of that profile. An empty mapping means none.
+        type: dict
+        default: {}
+  config_file:
+    description:
+      - Path (on the managed node) of an NVIDIA mig-parted style config file (C(version=v1),
+        C(mig-configs)), so existing mig-parted configs can be used as they are.
+      - Entries select GPUs with C(devices) (V(all) or indexes) and optionally C(device-filter)
+        (PCI device ids such as C(0x20B010DE), or model names); C(mig-enabled) and C(mig-devices)
+        mean what O(layout[].mig_enabled) and O(layout[].mig_devices) mean.
+    type: path
+  config_name:
+    description:
+      - Which named config of O(config_file) to apply. Required with O(config_file).
+    type: str
+  force:
+    description:
+      - Destroy instances held by fastshare shares when the layout needs their place.
+      - Instances with running processes are never destroyed; stop the processes first.
+    type: bool
+    default: false
+  agent_journal:
+    description:
+      - Path of the fastshare node agent's journal (C(journal.db) in its state directory).
+      - MIG devices that a share in it holds count as in use. When the file does not exist,
+        no device counts as held.
+    type: path
+attributes:
+  check_mode:
+    description: Plans and reports the steps without changing anything.
+    support: full
+  diff_mode:
+    description: Shows the MIG mode and devices of each selected GPU before and after.
+    support: full
+  platform:
+    description: Linux hosts with the NVIDIA driver, or any host with the simulated backend.
+    support: full
+    platforms: posix
+notes:
+  - MIG devices do not survive a reboot or a driver reload; the MIG mode does. The
+    P(fastshare.gpu.gpu_node#role) role installs a boot-time unit that applies the layout again.
+seealso:
+  - module: fastshare.gpu.gpu_info
+  - name: NVIDIA MIG user guide
+    description: MIG profiles, placements and the mode reset on Ampere.
+    link: https://docs.nvidia.com/datacenter/tesla/mig-user-guide/
+"""
+
+EXAMPLES = r"""
+- name: Two 3g slices on every GPU
+  fastshare.gpu.mig_config:
+    layout:
+      - devices: all
+        mig_enabled: true
+        mig_devices:
+          3g.20gb: 2
+
+- name: A mixed layout on GPU 0, MIG off on GPU 1, shares protected
+  fastshare.gpu.mig_config:
+    agent_journal: /var/lib/fastshare/node/journal.db
+    layout:
+      - devices: [0]
+        mig_devices:
+          3g.20gb: 1
+          2g.10gb: 1
+          1g.5gb: 1
+      - devices: [1]
+        mig_enabled: false
+  register: mig
+
+- name: Reboot when an Ampere mode change waits for a GPU reset
+  ansible.builtin.reboot:
+  when: mig.reboot_required
+
+- name: Apply a named config from an existing mig-parted file
+  fastshare.gpu.mig_config:
+    config_file: /etc/nvidia-mig-manager/config.yaml
+    config_name: all-balanced
+
+- name: Preview on a simulated machine
+  fastshare.gpu.mig_config:
+    gpu_backend: sim
+    sim_state: /var/lib/fastshare/sim-gpus.json
+    layout:
+      - devices: all
+        mig_devices:
+          1g.5gb: 7
+  check_mode: true
+  diff: true
+"""
+
+RETURN = r"""
+changed:
+  description: Whether a MIG mode or a MIG device was changed (or, in check mode, would be).
+  returned: always
+  type: bool
+steps:
+  description: The destroy and create steps, in the order they ran (or would run).
+  returned: always
+  type: list
+  elements: dict
+  contains:
+    gpu:
+      description: GPU index.
+      type: int
+    action:
+      description: V(destroy) or V(create).
+      type: str
+    profile:
+      description: MIG profile name.
+      type: str
+      sample: 3g.20gb
+    profile_id:
+      description: NVML profile id.
+      type: int
+      sample: 9
+    start:
+      description: Placement start (memory slice).
+      type: int
+      sample: 4
+    size:
+      description: Placement size (memory slices).
+      type: int
+      sample: 4
+    description:
+      description: The step in words.
+      type: str
+      sample: "GPU 0: create 3g.20gb (id 9) at start 4 (memory slices 4..7)"
+gpus:
+  description: One entry per GPU that the layout selects.
+  returned: always
+  type: list
+  elements: dict
+  contains:
+    index:
+      description: GPU index.
+      type: int
+    uuid:
+      description: GPU UUID.
+      type: str
+    name:
+      description: NVML product name.
+      type: str
+    changed:
+      description: Whether this GPU changed.
+      type: bool
+    mig_enabled:
+      description: The requested MIG mode.
+      type: bool
+    mig_mode:
+      description: MIG mode after the run (predicted in check mode).
+      type: dict
+      contains:
+        current:
+          description: MIG mode in effect.
+          type: bool
+        pending:
+          description: MIG mode after the next GPU reset.
+          type: bool
+    reset_required:
+      description: A MIG mode change on this GPU waits for a GPU reset.
+      type: bool
+    mig_devices:
+      description: MIG devices after the run (predicted in check mode; C(uuid) is null for new ones).
+      type: list
+      elements: dict
+      contains:
+        profile:
+          description: Profile name.
+          type: str
+        start:
+          description: Placement start.
+          type: int
+        size:
+          description: Placement size.
+          type: int
+        uuid:
+          description: MIG device UUID.
+          type: str
+reset_required:
+  description: A MIG mode change waits for a GPU reset on at least one GPU (see RV(reset_gpus)).
+  returned: always
+  type: bool
+reboot_required:
+  description:
+    - A reboot is needed to finish the change. A reboot resets every GPU, so this is true
+      whenever RV(reset_required) is; resetting just the GPUs in RV(reset_gpus) while nothing
+      uses them (C(nvidia-smi -r -i N)) is the alternative.
+  returned: always
+  type: bool
+reset_gpus:
+  description: Indexes of the GPUs whose MIG mode change waits for a reset.
+  returned: always
+  type: list
+  elements: int
+  sample: [0, 1]
+"""
+
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402  (Ansible: imports follow the docs)
+from ansible_collections.fastshare.gpu.plugins.module_utils.backend import (  # noqa: E402
+    BACKEND_REQUIRED_IF,
+    DeviceError,
+    backend_argument_spec,
+    held_device_uuids,
+    open_backend,
+)
+from ansible_collections.fastshare.gpu.plugins.module_utils.mig import (  # noqa: E402
+    MigConfigError,
+    apply_change,
+    config_file_targets,
+    describe_layout,
+    layout_targets,
+    plan_gpu,
+    predicted_devices,
+    step_dict,
+)
+
+
+def argument_spec():
+    spec = backend_argument_spec()
+    spec.update(
+        layout=dict(type="list", elements="dict", options=dict(
+            devices=dict(type="raw", default="all"),
+            mig_enabled=dict(type="bool", default=True),
+            mig_devices=dict(type="dict", default={}),
+        )),
+        config_file=dict(type="path"),
+        config_name=dict(type="str"),
+        force=dict(type="bool", default=False),
+        agent_journal=dict(type="path"),
+    )
+    return spec
+
+
+def _devices_of(instances):
+    return [(m.profile_name, m.start, m.size, m.uuid) for m in instances]
+
+
+def run(module, devices):
+    gpus = devices.gpus()
+    if module.params["config_file"]:
+        targets = config_file_targets(module.params["config_file"], module.params["config_name"], gpus)
+    else:
+        targets = layout_targets(module.params["layout"], gpus)
+    held = held_device_uuids(module.params["agent_journal"])
+    before = {g.index: _devices_of(g.mig_instances) for g in gpus}
+    # Plan every GPU first: any refusal happens before anything changes.
+    changes = [plan_gpu(devices, g, *targets[g.index], held=held, force=module.params["force"])
+               for g in gpus if g.index in targets]
+    if not module.check_mode:
+        for change in changes:
+            apply_change(devices, change)
+        after_gpus = {g.index: g for g in devices.gpus()}
+    steps, report, diff_before, diff_after = [], [], [], []
+    for change in changes:
+        gpu = change.gpu
+        if module.check_mode:
+            planned = change.plan.steps if change.plan else ()
+            pending = change.expect_pending
+            current = gpu.mig_current if change.mode_change is None or pending else change.mode_change
+            mode = dict(current=current, pending=change.mig_enabled if change.mode_change is not None
+                        else gpu.mig_pending)
+            after = predicted_devices(change, before[gpu.index])
+        else:
+            planned = change.steps_done
+            pending = change.pending or change.expect_pending
+            now = after_gpus[gpu.index]
+            mode = dict(current=now.mig_current, pending=now.mig_pending)
+            after = _devices_of(now.mig_instances)
+        steps.extend(step_dict(gpu.index, s) for s in planned)
+        changed = change.mode_change is not None or bool(planned)
+        report.append(dict(index=gpu.index, uuid=gpu.uuid, name=gpu.name, changed=changed,
+                           mig_enabled=change.mig_enabled, mig_mode=mode, reset_required=bool(pending),
+                           mig_devices=[dict(profile=p, start=s, size=z, uuid=u) for p, s, z, u in after]))
+        diff_before.append(describe_layout(gpu, gpu.mig_current, gpu.mig_pending, before[gpu.index]))
+        diff_after.append(describe_layout(gpu, mode["current"], mode["pending"], after))
+    reset_gpus = [r["index"] for r in report if r["reset_required"]]
+    result = dict(changed=any(r["changed"] for r in report), steps=steps, gpus=report,
+                  reset_required=bool(reset_gpus), reboot_required=bool(reset_gpus), reset_gpus=reset_gpus)
+    if module._diff:
+        result["diff"] = dict(before="".join(diff_before), after="".join(diff_after))
+    return result
+
+
+def main():
+    module = AnsibleModule(argument_spec=argument_spec(), required_if=BACKEND_REQUIRED_IF,
+                           required_one_of=[("layout", "config_file")],
+                           mutually_exclusive=[("layout", "config_file")],
+                           required_together=[("config_file", "config_name")],
+                           supports_check_mode=True)
+    devices = open_backend(module)
+    try:
+        result = run(module, devices)
+    except MigConfigError as exc:
+        module.fail_json(msg=str(exc), changed=False)
+    except DeviceError as exc:
+        module.fail_json(msg=str(exc), nvml_error=exc.code)
+    finally:
+        devices.close()
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

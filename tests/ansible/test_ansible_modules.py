@@ -1,0 +1,273 @@
+"""fastshare.gpu.gpu_info and fastshare.gpu.mig_config, run the way Ansible runs them.
+
+Each test runs the installed collection ad hoc against localhost (`ansible localhost -m ...`)
+with the virtualenv's interpreter, on a simulated machine file made by fastshare's simulated
+NVML. The state file is the ground truth: tests read it back to check what really changed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+from fs_collection import COLLECTION, run_module, run_tasks
+
+from fastshare.device import simnvml
+
+MIG_CONFIG = f"{COLLECTION}.mig_config"
+GPU_INFO = f"{COLLECTION}.gpu_info"
+
+
+@pytest.fixture
+def machine(tmp_path: Path) -> Path:
+    """GPU 0: A100 (mode changes pending until reset), GPU 1: H100 (immediate), GPU 2: T4 (no MIG)."""
+    path = tmp_path / "gpus.json"
+    simnvml.create_machine(path, ["A100-SXM4-40GB", "H100-SXM5-80GB", "T4"], mig_enabled=True)
+    return path
+
+
+@pytest.fixture
+def mig(collections_path: Path, machine: Path):
+    """Run mig_config on the machine; returns the module result."""
+
+    def call(layout: list[dict] | None, *, check: bool = False, diff: bool = False, **extra) -> dict:
+        args = {"gpu_backend": "sim", "sim_state": str(machine), **extra}
+        if layout is not None:
+            args["layout"] = layout
+        return run_module(collections_path, MIG_CONFIG, args, check=check, diff=diff)
+
+    return call
+
+
+def layout_on_disk(machine: Path, gpu: int) -> list[tuple[int, int]]:
+    """(profile id, start) of the GPU instances recorded in the simulated machine."""
+    state = simnvml.load_machine(machine)
+    return sorted((gi["profile_id"], gi["start"]) for gi in state["gpus"][gpu]["gpu_instances"])
+
+
+MIXED_A100 = {"3g.20gb": 1, "2g.10gb": 1, "1g.5gb": 2}   # 4 + 2 + 1 + 1 memory slices
+
+
+# --- gpu_info ---------------------------------------------------------------------------------
+def test_gpu_info_reports_the_simulated_machine(collections_path: Path, machine: Path, mig):
+    mig([{"devices": [1], "mig_devices": {"3g.40gb": 2}}])
+    info = run_module(collections_path, GPU_INFO, {"gpu_backend": "sim", "sim_state": str(machine)})
+    assert info["changed"] is False and info["nvml_reachable"] is True
+    assert info["driver_version"]
+    a100, h100, t4 = info["gpus"]
+    assert (a100["name"], a100["sm_count"], a100["mig_capable"]) == ("NVIDIA A100-SXM4-40GB", 108, True)
+    assert a100["mig_mode"] == {"current": True, "pending": True}
+    assert t4["mig_capable"] is False and t4["mig_devices"] == []
+    assert [(d["profile"], d["start"], d["size"]) for d in h100["mig_devices"]] == [
+        ("3g.40gb", 0, 4), ("3g.40gb", 4, 4)]
+    assert all(d["uuid"].startswith("MIG-") and d["processes"] == 0 for d in h100["mig_devices"])
+
+
+def test_gpu_info_without_a_driver_says_nvml_is_unreachable(collections_path: Path):
+    """No NVIDIA driver on this machine: the info module succeeds and says so."""
+    info = run_module(collections_path, GPU_INFO, {})
+    assert "nvml_reachable" in info, {k: v for k, v in info.items() if k != "invocation"}
+    if info["nvml_reachable"]:
+        pytest.skip("this host has a working NVIDIA driver")
+    assert info["gpus"] == [] and info["nvml_error"] and not info.get("failed")
+
+
+def test_modules_fail_cleanly_without_the_fastshare_package(collections_path: Path, machine: Path,
+                                                           tmp_path: Path):
+    bare = tmp_path / "bare"
+    subprocess.run(["python3.11", "-m", "venv", "--without-pip", str(bare)], check=True)
+    for module in (GPU_INFO, MIG_CONFIG):
+        result = run_module(collections_path, module, {"gpu_backend": "sim", "sim_state": str(machine),
+                                                       "layout": []}
+                            if module == MIG_CONFIG else {}, python=str(bare / "bin" / "python"),
+                            env={"PYTHONPATH": ""})
+        assert result["failed"]
+        assert "Failed to import the required Python library (fastshare)" in result["msg"]
+
+
+# --- argument errors --------------------------------------------------------------------------
+BAD_ARGS = [
+    ({"sim_state": "DROP", "layout": []},
+     "gpu_backend is sim but all of the following are missing: sim_state"),
+    ({"gpu_backend": "cuda", "layout": []}, "gpu_backend"),
+    ({"layout": [{"devices": "some"}]}, "layout[0].devices must be 'all' or a non-empty list"),
+    ({"layout": [{"devices": [7]}]}, "GPU 7 does not exist (valid: 0..2)"),
+    ({"layout": [{"devices": [0]}, {"devices": [0, 1]}]}, "GPU 0 is already configured"),
+    ({"layout": [{"devices": [0], "mig_devices": {"3g.20gb": -1}}]}, "must be an integer >= 0"),
+    ({"layout": [{"devices": [0], "mig_devices": {"5g.25gb": 1}}]}, "unknown MIG profile '5g.25gb'"),
+    ({"layout": [{"devices": [0], "mig_devices": {"7g.40gb": 1, "1g.5gb": 1}}]}, "impossible layout"),
+    ({"layout": [{"devices": [0], "mig_devices": {"1g.5gb": 8}}]}, "at most 7 can exist"),
+    ({"layout": [{"devices": [2], "mig_devices": {"1g.5gb": 1}}]}, "GPU 2 (Tesla T4) does not support MIG"),
+    ({"layout": [{"devices": [0], "mig_enabled": False, "mig_devices": {"1g.5gb": 1}}]},
+     "mig_devices requires mig_enabled=true"),
+    ({"layout": [], "colour": "blue"}, "Unsupported parameters"),
+]
+
+
+def test_argument_errors_name_the_field_and_change_nothing(collections_path, machine, tmp_path):
+    before = machine.read_bytes()
+    tasks = []
+    for args, _ in BAD_ARGS:
+        merged = {"gpu_backend": "sim", "sim_state": str(machine)} | args
+        tasks.append({MIG_CONFIG: {k: v for k, v in merged.items() if v != "DROP"}})
+    results = run_tasks(collections_path, tasks, tmp_path)
+    for (args, message), result in zip(BAD_ARGS, results, strict=True):
+        assert result.get("failed") and message in result["msg"], (args, result.get("msg"))
+    assert machine.read_bytes() == before
+
+
+# --- check mode, apply, idempotency, diff -----------------------------------------------------
+def test_check_mode_reports_the_plan_and_changes_nothing(mig, machine):
+    before = machine.read_bytes()
+    result = mig([{"devices": [0], "mig_devices": MIXED_A100}], check=True)
+    assert result["changed"] is True
+    assert [(s["action"], s["profile"], s["start"]) for s in result["steps"]] == [
+        ("create", "3g.20gb", 4), ("create", "2g.10gb", 0), ("create", "1g.5gb", 2), ("create", "1g.5gb", 3)]
+    assert machine.read_bytes() == before
+
+
+def test_apply_creates_explicit_placements_then_second_run_changes_nothing(mig, machine):
+    layout = [{"devices": [0], "mig_devices": MIXED_A100}, {"devices": [1], "mig_devices": {"7g.80gb": 1}}]
+    first = mig(layout)
+    assert first["changed"] is True and len(first["steps"]) == 5
+    # The order 19,19,14,9 fails on NVML's default placer; explicit placements make it fit.
+    assert layout_on_disk(machine, 0) == [(9, 4), (14, 0), (19, 2), (19, 3)]
+    assert layout_on_disk(machine, 1) == [(0, 0)]
+    assert all(d["uuid"].startswith("MIG-") for g in first["gpus"] for d in g["mig_devices"])
+    second = mig(layout)
+    assert second["changed"] is False and second["steps"] == []
+    assert not any(g["changed"] for g in second["gpus"])
+    assert [d["uuid"] for d in second["gpus"][0]["mig_devices"]] == \
+           [d["uuid"] for d in first["gpus"][0]["mig_devices"]]
+
+
+def test_changes_only_what_must_change(mig, machine):
+    mig([{"devices": [0], "mig_devices": {"3g.20gb": 2}}])
+    kept_uuid = {d["start"]: d["uuid"] for d in mig([{"devices": [0], "mig_devices": {"3g.20gb": 2}}])
+                 ["gpus"][0]["mig_devices"]}
+    result = mig([{"devices": [0], "mig_devices": {"3g.20gb": 1, "2g.10gb": 2}}])
+    assert result["changed"] is True
+    steps = [(s["action"], s["start"]) for s in result["steps"]]
+    assert steps == [("destroy", 0), ("create", 0), ("create", 2)]
+    after = {d["start"]: d["uuid"] for d in result["gpus"][0]["mig_devices"]}
+    assert after[4] == kept_uuid[4], "the 3g.20gb at start 4 must be kept, not re-created"
+
+
+def test_diff_mode_shows_before_and_after(mig):
+    mig([{"devices": [0], "mig_devices": {"3g.20gb": 2}}])
+    result = mig([{"devices": [0], "mig_devices": {"7g.40gb": 1}}], check=True, diff=True)
+    diff = result["diff"]
+    assert "3g.20gb at start 0" in diff["before"] and "3g.20gb at start 4" in diff["before"]
+    assert "7g.40gb at start 0 (memory slices 0..7)" in diff["after"] and "3g.20gb" not in diff["after"]
+
+
+# --- in use, force ----------------------------------------------------------------------------
+def test_refuses_to_destroy_an_instance_with_processes_even_with_force(mig, machine):
+    created = mig([{"devices": [0], "mig_devices": {"3g.20gb": 2}}])
+    busy = next(d for d in created["gpus"][0]["mig_devices"] if d["start"] == 0)
+    simnvml.add_process(machine, 0, mig_uuid=busy["uuid"])
+    before = machine.read_bytes()
+    for force in (False, True):
+        result = mig([{"devices": [0], "mig_devices": {"7g.40gb": 1}}], force=force)
+        assert result["failed"] and busy["uuid"] in result["msg"], result["msg"]
+        assert machine.read_bytes() == before, "a refused change must leave the machine as it was"
+    # A layout that keeps the busy instance is fine: the planner works around it.
+    ok = mig([{"devices": [0], "mig_devices": {"3g.20gb": 1, "2g.10gb": 1, "1g.5gb": 1}}])
+    assert ok["changed"] is True and layout_on_disk(machine, 0) == [(9, 0), (14, 4), (19, 6)]
+
+
+def test_share_held_instance_needs_force(mig, machine, tmp_path):
+    """A MIG device a fastshare share holds (node agent journal) counts as in use."""
+    created = mig([{"devices": [1], "mig_devices": {"3g.40gb": 2}}])
+    held = created["gpus"][0]["mig_devices"][0]["uuid"]
+    journal = tmp_path / "journal.db"
+    _journal_with_share(journal, held)
+    refused = mig([{"devices": [1], "mig_devices": {"7g.80gb": 1}}], agent_journal=str(journal))
+    assert refused["failed"] and held in refused["msg"] and "force" in refused["msg"]
+    forced = mig([{"devices": [1], "mig_devices": {"7g.80gb": 1}}], agent_journal=str(journal), force=True)
+    assert forced["changed"] is True and layout_on_disk(machine, 1) == [(0, 0)]
+
+
+def _journal_with_share(path: Path, device_uuid: str) -> None:
+    """A node agent journal holding one exclusive share on ``device_uuid`` (the agent's API)."""
+    from fastshare.node.journal import Journal
+    from fastshare.node.model import ShareSpec
+
+    journal = Journal(path)
+    try:
+        spec = ShareSpec(id="share-1", kind="exclusive", device_uuids=(device_uuid,))
+        journal.begin_share(spec, device_uuid, None)
+    finally:
+        journal.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("select count(*) from shares").fetchone() == (1,)
+
+
+# --- MIG mode ---------------------------------------------------------------------------------
+def test_ampere_enable_is_pending_until_reset(tmp_path, collections_path):
+    machine = tmp_path / "a100.json"
+    simnvml.create_machine(machine, ["A100-SXM4-40GB"], mig_enabled=False)
+    args = {"gpu_backend": "sim", "sim_state": str(machine),
+            "layout": [{"devices": "all", "mig_devices": {"1g.5gb": 7}}]}
+    first = run_module(collections_path, MIG_CONFIG, args)
+    assert first["changed"] is True and first["reset_required"] and first["reboot_required"]
+    assert first["reset_gpus"] == [0] and first["steps"] == []
+    assert first["gpus"][0]["mig_mode"] == {"current": False, "pending": True}
+    again = run_module(collections_path, MIG_CONFIG, args)
+    assert again["changed"] is False and again["reset_required"] is True
+    simnvml.reboot(machine)
+    after_reset = run_module(collections_path, MIG_CONFIG, args)
+    assert after_reset["changed"] is True and not after_reset["reset_required"]
+    assert layout_on_disk(machine, 0) == [(19, s) for s in range(7)]
+
+
+def test_hopper_enable_and_layout_in_one_run_then_disable(tmp_path, collections_path):
+    machine = tmp_path / "h100.json"
+    simnvml.create_machine(machine, ["H100-SXM5-80GB"], mig_enabled=False)
+    base = {"gpu_backend": "sim", "sim_state": str(machine)}
+    layout = [{"devices": [0], "mig_devices": {"4g.40gb": 1, "3g.40gb": 1}}]
+    check = run_module(collections_path, MIG_CONFIG, base | {"layout": layout}, check=True)
+    assert check["changed"] and not check["reset_required"] and len(check["steps"]) == 2
+    result = run_module(collections_path, MIG_CONFIG, base | {"layout": layout})
+    assert result["changed"] and not result["reset_required"]
+    assert layout_on_disk(machine, 0) == [(5, 0), (9, 4)]
+    disable = base | {"layout": [{"devices": [0], "mig_enabled": False}]}
+    off = run_module(collections_path, MIG_CONFIG, disable)
+    assert off["changed"] and [s["action"] for s in off["steps"]] == ["destroy", "destroy"]
+    assert simnvml.load_machine(machine)["gpus"][0]["mig_current"] == 0
+    assert run_module(collections_path, MIG_CONFIG, disable)["changed"] is False
+
+
+# --- mig-parted config files ------------------------------------------------------------------
+MIG_PARTED = """\
+version: v1
+mig-configs:
+  balanced:
+    - devices: all
+      device-filter: ["0x20B010DE"]      # A100-SXM4-40GB only
+      mig-enabled: true
+      mig-devices: {"3g.20gb": 1, "2g.10gb": 1, "1g.5gb": 2}
+    - devices: [1]
+      mig-enabled: true
+      mig-devices: {"7g.80gb": 1}
+"""
+
+
+def test_mig_parted_config_file_with_device_filter(mig, machine, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(MIG_PARTED)
+    result = mig(None, config_file=str(config), config_name="balanced")
+    assert result["changed"] is True, result.get("msg")
+    assert [g["index"] for g in result["gpus"]] == [0, 1], "the filter must leave the T4 alone"
+    assert layout_on_disk(machine, 0) == [(9, 4), (14, 0), (19, 2), (19, 3)]
+    assert layout_on_disk(machine, 1) == [(0, 0)]
+    assert mig(None, config_file=str(config), config_name="balanced")["changed"] is False
+    unknown = mig(None, config_file=str(config), config_name="nope")
+    assert unknown["failed"] and "config 'nope' not found" in unknown["msg"]
+    config.write_text(MIG_PARTED.replace("mig-enabled: true", "mig-enabled: maybe", 1))
+    broken = mig(None, config_file=str(config), config_name="balanced")
+    assert broken["failed"] and "mig-configs.balanced[0].mig-enabled" in broken["msg"]
+    both = mig([], config_file=str(config), config_name="balanced")
+    assert both["failed"] and "mutually exclusive" in both["msg"]

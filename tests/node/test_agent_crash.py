@@ -1,0 +1,178 @@
+"""kill -9 at every step, then restart: the journal and the device are reconciled.
+
+The agent dies through its own fault points (FASTSHARE_FAULT=<point> makes it SIGKILL itself
+there), so every step boundary is hit deterministically."""
+
+import grpc
+import pytest
+
+from fastshare.device import simnvml
+from fastshare.mps.control import MpsControl
+from fastshare.node import sharefiles
+from fastshare.v1 import agent_pb2
+
+from .harness import GPU_A, GPU_MIG, STANDIN, fastpod, rpc_error, share, wait_for
+
+INV = agent_pb2.GetInventoryRequest()
+
+
+def _inv(agent):
+    return agent.unix().GetInventory(INV, timeout=30)
+
+
+def _request(kind, uuids):
+    if kind == "exclusive":
+        return share("job", "exclusive", [uuids[GPU_MIG]], mig_profile="3g.40gb")
+    return fastpod("job", uuids[GPU_A])
+
+
+def _assert_clean(agent, devices, uuids):
+    inv = _inv(agent)
+    assert inv.shares == [] and inv.mps_daemons == [] and inv.share_files == []
+    assert devices.mig_instances(GPU_MIG) == []
+    assert MpsControl(STANDIN, agent.rundir / "mps").running_devices() == []
+    assert sharefiles.read(agent.rundir / "shares", uuids[GPU_A]) == []
+
+
+@pytest.mark.parametrize(("kind", "point"), [
+    ("exclusive", "agent.after_share_journaled"),
+    ("exclusive", "agent.after_mig_create"),
+    ("fastpod", "agent.after_share_journaled"),
+    ("fastpod", "agent.after_mps_start"),
+    ("fastpod", "agent.after_share_files"),
+])
+def test_kill9_during_prepare_rolls_back_then_retry_succeeds(agent, devices, kind, point):
+    agent.start(env={"FASTSHARE_FAULT": point})
+    uuids = [g.uuid for g in _inv(agent).gpus]
+    err = rpc_error(agent.unix().PrepareShare, _request(kind, uuids))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert agent.wait_exit() == -9
+    agent.start()
+    _assert_clean(agent, devices, uuids)
+    reply = agent.unix().PrepareShare(_request(kind, uuids), timeout=60)
+    assert reply.created and [s.id for s in _inv(agent).shares] == ["job"]
+
+
+@pytest.mark.parametrize(("kind", "point"), [
+    ("exclusive", "agent.after_release_journaled"),
+    ("exclusive", "agent.after_mig_destroy"),
+    ("fastpod", "agent.after_release_journaled"),
+])
+def test_kill9_during_release_is_finished_by_the_restart(agent, devices, kind, point):
+    agent.start(env={"FASTSHARE_FAULT": point})
+    uuids = [g.uuid for g in _inv(agent).gpus]
+    agent.unix().PrepareShare(_request(kind, uuids), timeout=60)
+    err = rpc_error(agent.unix().ReleaseShare, agent_pb2.ReleaseShareRequest(share_id="job"))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert agent.wait_exit() == -9
+    agent.start()
+    _assert_clean(agent, devices, uuids)
+
+
+@pytest.mark.parametrize("phase", ["prepare", "release"])
+def test_kill9_on_the_one_commit_fast_path_rewrites_share_files(agent, phase):
+    """With a daemon already serving the GPU, prepare/release of a fastpod is one journal
+    commit then the share files; a crash between the two is repaired from the journal."""
+    agent.start(env={"FASTSHARE_FAULT": "agent.after_share_committed"})
+    gpu = _inv(agent).gpus[GPU_A].uuid
+    agent.unix().PrepareShare(fastpod("resident", gpu), timeout=60)  # slow path: starts the daemon
+    if phase == "release":
+        agent.kill9()
+        agent.start()
+        agent.unix().PrepareShare(fastpod("job", gpu), timeout=60)  # fast path without the fault
+        agent.kill9()
+        agent.start(env={"FASTSHARE_FAULT": "agent.after_share_committed"})
+        rpc_error(agent.unix().ReleaseShare, agent_pb2.ReleaseShareRequest(share_id="job"))
+    else:
+        rpc_error(agent.unix().PrepareShare, fastpod("job", gpu))
+    assert agent.wait_exit() == -9
+    agent.start()
+    expected = ["resident", "job"] if phase == "prepare" else ["resident"]
+    assert sorted(s.id for s in _inv(agent).shares) == sorted(expected)
+    assert sorted(e.key for e in sharefiles.read(agent.rundir / "shares", gpu)) == sorted(expected)
+    if phase == "prepare":  # the committed share is the answer to the retry
+        assert not agent.unix().PrepareShare(fastpod("job", gpu), timeout=60).created
+
+
+def test_orphan_destroyed_in_use_adopted_foreign_untouched(agent, devices, sim_machine):
+    """Crash right after creating a MIG instance, twice: once while it is idle (orphan: destroyed),
+    once after a process started on it (in use: adopted). An instance the agent did not create
+    is never touched."""
+    profiles = {p.name: p.profile_id for p in devices.mig_profiles(GPU_MIG)}
+    foreign = devices.create_mig_instance(GPU_MIG, profiles["1g.10gb"], 0)
+    agent.start(env={"FASTSHARE_FAULT": "agent.after_mig_create"})
+    uuids = [g.uuid for g in _inv(agent).gpus]
+    rpc_error(agent.unix().PrepareShare, share("idle", "exclusive", [uuids[GPU_MIG]], mig_profile="3g.40gb",
+                                               mig_start=4))
+    assert agent.wait_exit() == -9
+    assert {m.start for m in devices.mig_instances(GPU_MIG)} == {0, 4}
+
+    agent.start(env={"FASTSHARE_FAULT": "agent.after_mig_create"})  # reconciles, then crashes again
+    assert {m.start for m in devices.mig_instances(GPU_MIG)} == {0}  # orphan destroyed, foreign kept
+    rpc_error(agent.unix().PrepareShare, share("busy", "exclusive", [uuids[GPU_MIG]], mig_profile="2g.20gb",
+                                               mig_start=2))
+    assert agent.wait_exit() == -9
+    (busy,) = [m for m in devices.mig_instances(GPU_MIG) if m.start == 2]
+    simnvml.add_process(sim_machine, GPU_MIG, mig_uuid=busy.uuid)  # the workload started anyway
+
+    agent.start()
+    by_start = {m.start: m for m in _inv(agent).gpus[GPU_MIG].mig_devices}
+    assert set(by_start) == {0, 2}
+    assert by_start[0].uuid == foreign.uuid and not by_start[0].created_by_agent
+    assert by_start[2].uuid == busy.uuid and by_start[2].created_by_agent and by_start[2].share_id == "busy"
+    retry = agent.unix().PrepareShare(share("busy", "exclusive", [uuids[GPU_MIG]], mig_profile="2g.20gb",
+                                            mig_start=2), timeout=60)
+    assert not retry.created and list(retry.device_uuids) == [busy.uuid]
+
+
+def test_prepared_shares_survive_kill9_and_busy_instances_outlive_their_release(agent, devices, sim_machine):
+    agent.settings["reconcile_interval_s"] = 1
+    agent.start()
+    uuids = [g.uuid for g in _inv(agent).gpus]
+    ex = agent.unix().PrepareShare(share("ex", "exclusive", [uuids[GPU_MIG]], mig_profile="3g.40gb"),
+                                   timeout=60)
+    fp = agent.unix().PrepareShare(fastpod("fp", uuids[GPU_A]), timeout=60)
+    mps = MpsControl(STANDIN, agent.rundir / "mps")
+    daemon_pid = mps.daemon_pid(uuids[GPU_A])
+    pid = simnvml.add_process(sim_machine, GPU_MIG, mig_uuid=ex.device_uuids[0])
+    agent.kill9()
+
+    agent.start()
+    inv = _inv(agent)
+    assert {s.id for s in inv.shares} == {"ex", "fp"}
+    assert [m.uuid for m in devices.mig_instances(GPU_MIG)] == list(ex.device_uuids)
+    assert mps.daemon_pid(uuids[GPU_A]) == daemon_pid  # adopted, not restarted
+    assert [e.key for e in sharefiles.read(agent.rundir / "shares", uuids[GPU_A])] == ["fp"]
+    again = agent.unix().PrepareShare(fastpod("fp", uuids[GPU_A]), timeout=60)
+    assert not again.created and again.port == fp.port
+
+    reply = agent.unix().ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="ex"), timeout=60)
+    assert reply.released and list(reply.destroyed_mig_devices) == []  # busy: kept until idle
+    (kept,) = _inv(agent).gpus[GPU_MIG].mig_devices
+    assert kept.created_by_agent and kept.share_id == ""
+    simnvml.remove_process(sim_machine, pid)
+    wait_for(lambda: devices.mig_instances(GPU_MIG) == [], what="idle orphan destroyed by housekeeping")
+
+
+def test_sigterm_keeps_mps_daemons_and_restart_adopts_them(agent):
+    agent.start()
+    gpu = _inv(agent).gpus[GPU_A].uuid
+    agent.unix().PrepareShare(fastpod("fp", gpu), timeout=60)
+    mps = MpsControl(STANDIN, agent.rundir / "mps")
+    pid = mps.daemon_pid(gpu)
+    agent.stop()
+    assert mps.answers(gpu)  # workloads keep their MPS daemon while the agent restarts
+    agent.start()
+    assert mps.daemon_pid(gpu) == pid
+    assert _inv(agent).mps_daemons[0].healthy
+
+
+def test_dead_mps_daemon_is_restarted_by_housekeeping(agent):
+    agent.settings["reconcile_interval_s"] = 1
+    agent.start()
+    gpu = _inv(agent).gpus[GPU_A].uuid
+    agent.unix().PrepareShare(fastpod("fp", gpu), timeout=60)
+    mps = MpsControl(STANDIN, agent.rundir / "mps")
+    old = mps.daemon_pid(gpu)
+    mps.command(gpu, "quit")  # the daemon dies behind the agent's back
+    wait_for(lambda: mps.answers(gpu) and mps.daemon_pid(gpu) != old, what="MPS daemon restarted")

@@ -1,0 +1,122 @@
+"""Operating the agent: watch, metrics, administrative MIG layouts, the CLI, the unit file."""
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from importlib import resources
+
+import grpc
+import pytest
+
+from fastshare.v1 import agent_pb2
+
+from .harness import BIN, GPU_A, GPU_MIG, fastpod, rpc_error, share
+
+INV = agent_pb2.GetInventoryRequest()
+
+
+def test_watch_returns_at_once_on_change_and_waits_otherwise(agent):
+    agent.start()
+    stub = agent.unix()
+    inv = stub.GetInventory(INV, timeout=30)
+    start = time.monotonic()
+    quiet = stub.Watch(agent_pb2.WatchRequest(since_generation=inv.generation, boot_id=inv.boot_id,
+                                              wait_ms=300), timeout=30)
+    assert not quiet.changed and quiet.generation == inv.generation
+    assert time.monotonic() - start >= 0.25
+    timer = threading.Timer(0.5, lambda: stub.PrepareShare(fastpod("w", inv.gpus[GPU_A].uuid), timeout=60))
+    timer.start()
+    woke = stub.Watch(agent_pb2.WatchRequest(since_generation=inv.generation, boot_id=inv.boot_id,
+                                             wait_ms=30000), timeout=60)
+    timer.join()
+    assert woke.changed and woke.generation > inv.generation
+    assert [s.id for s in woke.inventory.shares] == ["w"]
+    other_boot = stub.Watch(agent_pb2.WatchRequest(since_generation=woke.generation, boot_id="old"),
+                            timeout=30)
+    assert other_boot.changed  # the agent restarted since the caller's view: resync
+
+
+def test_metrics_count_shares_and_rpcs(agent):
+    agent.start()
+    gpu = agent.unix().GetInventory(INV, timeout=30).gpus[GPU_A].uuid
+    agent.unix().PrepareShare(fastpod("m", gpu), timeout=60)
+    rpc_error(agent.unix().PrepareShare, fastpod("bad", gpu, sm=0))
+    url = f"http://127.0.0.1:{agent.ports['metrics_listen']}/metrics"
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    assert 'fastshare_node_shares{kind="fastpod"} 1.0' in text
+    assert "fastshare_node_mps_daemons 1.0" in text
+    assert 'fastshare_node_rpc_seconds_count{method="PrepareShare"} 2.0' in text
+    assert 'fastshare_node_rpc_errors_total{code="INVALID_ARGUMENT",method="PrepareShare"} 1.0' in text
+
+
+def test_mig_layout_plan_apply_and_shares_are_never_destroyed(agent, devices):
+    agent.start()
+    gpu = agent.unix().GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
+    stub = agent.mtls()
+    wanted = {"3g.40gb": 1, "1g.10gb": 2}
+    plan = stub.PlanMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles=wanted), timeout=60)
+    assert plan.changed and sorted(a.profile_name for a in plan.actions) == ["1g.10gb", "1g.10gb", "3g.40gb"]
+    assert {a.op for a in plan.actions} == {"create"} and devices.mig_instances(GPU_MIG) == []
+    anon = agent.no_client_cert("readonly_listen")
+    assert anon.PlanMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles=wanted), timeout=60).changed
+    err = rpc_error(anon.ApplyMigLayout, agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles=wanted))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    applied = stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles=wanted), timeout=60)
+    assert applied.changed and len(applied.mig_devices) == 3
+    assert all(m.created_by_agent for m in applied.mig_devices)
+    again = stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles=wanted), timeout=60)
+    assert not again.changed and list(again.actions) == []
+
+    # An exclusive share binds the idle 3g instance at its placement; a layout without 3g must
+    # not destroy it.
+    three_g = next(m for m in applied.mig_devices if m.profile_name == "3g.40gb")
+    held = stub.PrepareShare(share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=three_g.start),
+                             timeout=60)
+    assert list(held.device_uuids) == [three_g.uuid]
+    err = rpc_error(stub.ApplyMigLayout, agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"7g.80gb": 1}))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "in use" in err.details()
+    err = rpc_error(stub.ApplyMigLayout, agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"9g.9gb": 1}))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "profiles" in err.details()
+
+    stub.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="ex"), timeout=60)
+    agent.kill9()
+    agent.start()  # layout instances are not orphans: the restart keeps all three
+    assert len(devices.mig_instances(GPU_MIG)) == 3
+
+
+def test_cli_status_release_and_unit(agent):
+    agent.start()
+    gpu = agent.unix().GetInventory(INV, timeout=30).gpus[GPU_A].uuid
+    agent.unix().PrepareShare(fastpod("cli", gpu), timeout=60)
+    fastshare = str(BIN / "fastshare")
+    out = subprocess.run([fastshare, "node", "status", "--unix-socket", agent.unix_socket, "--json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert [s["id"] for s in json.loads(out.stdout)["shares"]] == ["cli"]
+    table = subprocess.run([fastshare, "node", "status", "--unix-socket", agent.unix_socket],
+                           capture_output=True, text=True, timeout=120, check=True)
+    assert "cli" in table.stdout and "fastpod" in table.stdout
+    out = subprocess.run([fastshare, "node", "release", "--unix-socket", agent.unix_socket, "cli"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert "released cli" in out.stdout
+    assert agent.unix().GetInventory(INV, timeout=30).shares == []
+    unit = subprocess.run([fastshare, "node", "unit"], capture_output=True, text=True, timeout=120,
+                          check=True).stdout
+    for line in ("Type=notify", "ProtectSystem=strict", "NoNewPrivileges=yes", "Restart=on-failure",
+                 "KillMode=process", "StateDirectory=fastshare/node", "RuntimeDirectory=fastshare",
+                 "DeviceAllow=char-nvidia-frontend rw", "DevicePolicy=closed"):
+        assert line in unit.splitlines(), line
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_template_passes_systemd_analyze_verify(tmp_path):
+    unit = resources.files("fastshare.node").joinpath("fastshare-node.service").read_text()
+    path = tmp_path / "fastshare-node.service"
+    path.write_text(unit.replace("/opt/fastshare/bin/fastshare", "/bin/true"))  # must exist to verify
+    out = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "fastshare-node.service" not in out.stderr, out.stderr

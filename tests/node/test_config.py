@@ -1,0 +1,52 @@
+"""node.yaml + overrides: defaults, merging, and errors that name the setting."""
+
+import pytest
+
+from fastshare.node import config
+from fastshare.node.config import ConfigError
+
+TLS = {"cert": "/c.crt", "key": "/c.key", "ca": "/ca.crt"}
+
+
+def test_file_then_overrides_and_tls_paths_merge(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("listen: 0.0.0.0:7443\nunix_socket_mode: '0600'\ntls: {cert: /c.crt, key: /c.key, "
+                    "ca: /ca.crt}\nallowed_clients: [controller]\n")
+    cfg = config.load(path, {"tls": {"cert": "/new.crt"}, "node_name": "gpu-7", "mps_timeout_s": "5"})
+    assert cfg.listen == "0.0.0.0:7443" and cfg.node_name == "gpu-7" and cfg.mps_timeout_s == 5.0
+    assert cfg.tls.cert == "/new.crt" and cfg.tls.ca == "/ca.crt"  # a flag replaces one path only
+    assert cfg.unix_socket_mode == 0o600 and cfg.allowed_clients == ("controller",)
+    assert str(cfg.journal_path).endswith("journal.db")
+
+
+def test_defaults_are_local_only_and_secure():
+    cfg = config.load(None, {})
+    assert cfg.listen == "" and cfg.readonly_listen == "" and cfg.unix_socket
+    assert cfg.metrics_listen.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"lisen": "x"}, "unknown setting"),
+    ({"listen": "127.0.0.1:7443"}, "tls.cert"),
+    ({"listen": "nonsense", "tls": TLS}, "listen must be HOST:PORT"),
+    ({"listen": "", "unix_socket": ""}, "unreachable"),
+    ({"share_ports": "100-200"}, "share_ports"),
+    ({"share_ports": "abc"}, "share_ports"),
+    ({"mps_memory_oversubscription": 0.5}, "mps_memory_oversubscription"),
+    ({"device_backend": "cuda"}, "device_backend"),
+    ({"device_backend": "sim"}, "sim_state"),
+    ({"rpc_timeout_s": 0}, "rpc_timeout_s"),
+    ({"max_workers": "many"}, "max_workers"),
+    ({"tls": "yes"}, "tls must be a mapping"),
+])
+def test_bad_settings_name_the_key(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(None, settings)
+
+
+def test_an_explicit_missing_file_or_bad_yaml_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("listen: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(tmp_path / "bad.yaml")

@@ -1,0 +1,97 @@
+"""MPS daemon lifecycle through the control binary (the stand-in here, same contract as NVIDIA's)."""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastshare.mps.control import MpsControl, MpsError
+
+STANDIN = str(Path(sys.executable).with_name("fastshare-mps-standin"))
+UUID = "GPU-11111111-2222-3333-4444-555555555555"
+MIG = "MIG-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
+
+
+@pytest.fixture
+def mps(tmp_path):
+    control = MpsControl(STANDIN, tmp_path / "a-rather-long-directory-name-to-exceed-sun-path" / "mps",
+                         timeout=20)
+    yield control
+    for uuid in control.running_devices():
+        control.stop(uuid)
+
+
+def _alive(pid):
+    """Running (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_start_is_verified_and_idempotent_stop_removes_everything(mps):
+    pid = mps.start(UUID)
+    assert pid is not None and _alive(pid)
+    assert mps.answers(UUID)
+    assert mps.paths(UUID).pipe_dir.is_dir() and (mps.paths(UUID).log_dir / "control.log").is_file()
+    assert mps.start(UUID) == pid  # second start: same daemon
+    assert mps.running_devices() == [UUID]
+    mps.stop(UUID)
+    assert not _alive(pid)
+    assert not mps.paths(UUID).base.exists()
+    assert not mps.answers(UUID)
+    mps.stop(UUID)  # idempotent
+
+
+def test_one_daemon_per_device_with_its_own_pipe(mps):
+    a, b = mps.start(UUID), mps.start(MIG)
+    assert a != b
+    mps.stop(UUID)
+    assert mps.answers(MIG) and not mps.answers(UUID)
+
+
+def test_limits_become_defaults_and_apply_to_running_servers(mps):
+    mps.start(UUID, active_thread_percentage=40, pinned_mem_limit=3 << 30)
+    assert mps.command(UUID, "get_default_active_thread_percentage").strip() == "40"
+    assert mps.command(UUID, "get_default_device_pinned_mem_limit 0").strip() == "3072M"
+    mps.command(UUID, "start_server -uid 0")
+    (server,) = mps.server_pids(UUID)
+    mps.set_limits(UUID, 60, 4 << 30)
+    assert mps.command(UUID, f"get_active_thread_percentage {server}").strip() == "60"
+    assert mps.command(UUID, f"get_device_pinned_mem_limit {server} 0").strip() == "4096M"
+    mps.stop(UUID)
+    assert not _alive(server)
+
+
+def test_stop_kills_a_daemon_that_does_not_answer(tmp_path):
+    mps = MpsControl(STANDIN, tmp_path / "mps", timeout=3)
+    pid = mps.start(UUID)
+    os.kill(pid, signal.SIGSTOP)  # hung daemon: quit cannot reach it
+    try:
+        mps.stop(UUID)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not _alive(pid)
+    assert not mps.paths(UUID).base.exists()
+
+
+def test_daemon_found_without_its_pid_file(mps):
+    pid = mps.start(UUID)
+    (mps.paths(UUID).pipe_dir / "nvidia-cuda-mps-control.pid").unlink()
+    assert mps.daemon_pid(UUID) == pid
+
+
+def test_start_failure_is_reported(tmp_path):
+    with pytest.raises(MpsError, match=r"cannot start|did not start"):
+        MpsControl(tmp_path / "no-such-binary", tmp_path / "mps", timeout=3).start(UUID)
+    with pytest.raises(MpsError, match="did not start"):
+        MpsControl("/bin/false", tmp_path / "mps", timeout=3).start(UUID)
+
+
+def test_device_uuid_cannot_escape_the_root(mps):
+    with pytest.raises(ValueError, match="uuid"):
+        mps.paths("../../etc")

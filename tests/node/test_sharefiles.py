@@ -1,0 +1,77 @@
+"""Share files: one writer, atomic replacement, request before limit, removal when empty."""
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastshare.node import sharefiles
+from fastshare.node.sharefiles import ShareEntry, ShareFileError
+
+UUID = "GPU-11111111-2222-3333-4444-555555555555"
+
+
+def test_format_is_count_then_key_request_limit_memory(tmp_path):
+    sharefiles.write(tmp_path, UUID, [ShareEntry("b", 0.25, 0.5, 1 << 30, 50101),
+                                      ShareEntry("a", 0.1, 1.0, 2048, 50100)])
+    assert sharefiles.config_path(tmp_path, UUID).read_text() == (
+        "2\na 0.1 1.0 2048\nb 0.25 0.5 1073741824\n")
+    assert sharefiles.port_path(tmp_path, UUID).read_text() == "2\na 50100\nb 50101\n"
+
+
+def test_last_share_leaving_removes_the_files(tmp_path):
+    sharefiles.write(tmp_path, UUID, [ShareEntry("a", 0.5, 0.5, 1, 50100)])
+    assert sharefiles.devices(tmp_path) == [UUID]
+    sharefiles.write(tmp_path, UUID, [])
+    assert not sharefiles.config_path(tmp_path, UUID).exists()
+    assert not sharefiles.port_path(tmp_path, UUID).exists()
+    assert sharefiles.read(tmp_path, UUID) == []
+    sharefiles.write(tmp_path, UUID, [])  # idempotent
+
+
+@pytest.mark.parametrize("entry", [
+    ShareEntry("a", 0.6, 0.5, 1, 50100),     # request above limit
+    ShareEntry("a", 0.0, 0.5, 1, 50100),     # zero request
+    ShareEntry("a", 0.5, 1.5, 1, 50100),     # limit above 1
+    ShareEntry("a b", 0.5, 0.5, 1, 50100),   # whitespace in key
+    ShareEntry("a", 0.5, 0.5, 1, 0),         # no port
+])
+def test_invalid_entries_leave_previous_files_untouched(tmp_path, entry):
+    sharefiles.write(tmp_path, UUID, [ShareEntry("ok", 0.5, 0.5, 1, 50100)])
+    before = sharefiles.config_path(tmp_path, UUID).read_text()
+    with pytest.raises(ShareFileError):
+        sharefiles.write(tmp_path, UUID, [ShareEntry("ok", 0.5, 0.5, 1, 50100), entry])
+    assert sharefiles.config_path(tmp_path, UUID).read_text() == before
+    assert [p for p in os.listdir(tmp_path / "config") if p.startswith(".")] == []
+
+
+def test_reader_rejects_a_count_that_does_not_match(tmp_path):
+    sharefiles.write(tmp_path, UUID, [ShareEntry("a", 0.5, 0.5, 1, 50100)])
+    sharefiles.config_path(tmp_path, UUID).write_text("2\na 0.5 0.5 1\n")
+    with pytest.raises(ShareFileError, match="header says 2"):
+        sharefiles.read(tmp_path, UUID)
+
+
+_fraction = st.floats(min_value=0.001, max_value=1.0, allow_nan=False)
+
+
+@st.composite
+def _entries(draw):
+    keys = draw(st.lists(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
+                         unique=True, max_size=8))
+    out = []
+    for i, key in enumerate(keys):
+        a, b = draw(_fraction), draw(_fraction)
+        out.append(ShareEntry(key, min(a, b), max(a, b), draw(st.integers(0, 1 << 40)), 50100 + i))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(entries=_entries())
+def test_reader_gets_back_exactly_what_the_writer_wrote(tmp_path_factory, entries):
+    root = tmp_path_factory.mktemp("share")
+    sharefiles.write(root, UUID, entries)
+    assert sharefiles.read(root, UUID) == sorted(entries)
+    for entry in sharefiles.read(root, UUID):
+        assert entry.request <= entry.limit  # the column order KubeShare v2 once swapped

@@ -1,0 +1,235 @@
+"""The whole in-cluster path on a real API server with real node agents on simulated GPUs:
+FastPod -> allocation recorded in status -> agent prepares the share -> Pod with nodeName, env
+and MPS mounts; scale 3 -> 1 -> 0 -> 2; Pod deleted behind the controller's back; FastPod
+deletion; controller restart (no double allocation, no leaked share); agent down."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from kubernetes import client
+
+from fastshare.controller.agent_client import AgentPool
+from fastshare.controller.core import Settings as CoreSettings
+from fastshare.controller.validation import Request
+from fastshare.k8s.controller import KubeController, KubeSettings
+from fastshare.k8s.pods import FASTPOD_LABEL, spec_of
+from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
+from fastshare.k8s.store import replica_key
+from fastshare.security import certs
+from fastshare.security.tls import TlsPaths
+
+from .agents import Agent, kubelet_step, register_node
+from .conftest import wait_for
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k8s-agents")
+    certs.init_ca(root / "ca")
+    certs.issue(root / "ca", "controller", root / "controller", usage="client", days=1)
+    return root, TlsPaths.in_dir(root / "controller", "controller")
+
+
+@pytest.fixture(scope="module")
+def agents(api_client, pki):
+    """Two GPU nodes: 4 V100 (MPS, fastpod, whole) and one H100 in MIG mode (exclusive)."""
+    root, tls = pki
+    suffix = uuid.uuid4().hex[:4]
+    started = {
+        "v100": Agent(root, root / "ca", f"v100-{suffix}", ["V100-SXM2-32GB"] * 4, mig=False),
+        "h100": Agent(root, root / "ca", f"h100-{suffix}", ["H100-SXM5-80GB"], mig=True),
+    }
+    core = client.CoreV1Api(api_client)
+    for agent in started.values():
+        agent.start(tls)
+        register_node(core, agent)
+    yield started
+    for agent in started.values():
+        agent.stop()
+        core.delete_node(agent.name)
+
+
+@pytest.fixture
+def controller(api_client, fastpod_crd, namespace, pki, agents):
+    made = []
+
+    def make() -> KubeController:
+        c = KubeController(api_client, AgentPool(pki[1], deadline=10.0),
+                           KubeSettings(namespace=namespace, workers=3, node_interval=0.5, resync_interval=3,
+                                        watch_timeout=10),
+                           CoreSettings(heartbeat_timeout=3.0, reconcile_interval=2.0, busy_wait=10.0))
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+        c.core.agents.close()
+
+
+class View:
+    """What a test looks at: the FastPod, its Pods, the agents' shares; drives the fake kubelet."""
+
+    def __init__(self, api_client, namespace, name, agents, tls):
+        self.core = client.CoreV1Api(api_client)
+        self.objects = client.CustomObjectsApi(api_client)
+        self.namespace, self.name, self.agents, self.tls = namespace, name, agents, tls
+
+    def fastpod(self):
+        return self.objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+
+    def pods(self, include_terminating=False):
+        selector = f"{FASTPOD_LABEL}={self.name}"
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+        return [p for p in pods if include_terminating or not p.metadata.deletion_timestamp]
+
+    def shares(self):
+        return sorted(s for a in self.agents.values() for s in a.shares(self.tls))
+
+    def active(self):
+        entries = (self.fastpod().get("status") or {}).get("assignments") or []
+        return {e["pod"]: e for e in entries if e["state"] == "active"}
+
+    def settled(self, replicas):
+        """Pods, shares and status agree on ``replicas`` (running the kubelet's part meanwhile)."""
+        kubelet_step(self.core, self.namespace)
+        pods = self.pods(include_terminating=True)
+        active = self.active()
+        status = self.fastpod().get("status") or {}
+        return (len(pods) == replicas and sorted(p.metadata.name for p in pods) == sorted(active)
+                and self.shares() == sorted(e["allocation"] for e in active.values())
+                and status.get("replicas") == replicas and status.get("readyReplicas") == replicas)
+
+    def scale(self, replicas):
+        self.objects.patch_namespaced_custom_object_scale(GROUP, VERSION, self.namespace, PLURAL, self.name,
+                                                          {"spec": {"replicas": replicas}})
+
+
+def _env(pod):
+    return {e.name: e.value for e in pod.spec.containers[0].env or []}
+
+
+def test_mps_replicas_scale_survive_external_deletes_and_are_released_on_delete(
+        api_client, namespace, controller, agents, pki):
+    controller().start()
+    view = View(api_client, namespace, "svc", agents, pki[1])
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                 fastpod_manifest("svc", {"kind": "mps", "memory": "4Gi"}, 3))
+    wait_for(lambda: view.settled(3), "3 replicas running", timeout=120)
+    for pod in view.pods():
+        assert pod.spec.node_name == agents["v100"].name
+        env = _env(pod)
+        assert env["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
+        pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
+        mounts = {m.name: m.mount_path for m in pod.spec.containers[0].volume_mounts}
+        assert mounts["fastshare-mps-pipe"] == pipe
+        host_paths = {v.name: v.host_path.path for v in pod.spec.volumes if v.host_path}
+        assert host_paths["fastshare-mps-pipe"] == pipe
+        assert pod.metadata.owner_references[0].name == "svc"
+    fp = view.fastpod()
+    conditions = {c["type"]: c["status"] for c in fp["status"]["conditions"]}
+    assert conditions == {"Scheduled": "True", "Ready": "True"}
+    for entry in fp["status"]["assignments"]:
+        assert entry["node"] == agents["v100"].name and entry["gpuUUIDs"][0].startswith("GPU-")
+
+    for replicas in (1, 0, 2):
+        view.scale(replicas)
+        wait_for(lambda r=replicas: view.settled(r), f"scaled to {replicas}", timeout=120)
+
+    victim = view.pods()[0]
+    victim_share = view.active()[victim.metadata.name]["allocation"]
+    view.core.delete_namespaced_pod(victim.metadata.name, namespace, grace_period_seconds=0)
+    wait_for(lambda: view.settled(2) and victim_share not in view.shares()
+             and victim.metadata.name not in view.active(), "replacement replica", timeout=120)
+
+    view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "svc")
+
+    def gone():
+        kubelet_step(view.core, namespace)
+        try:
+            view.fastpod()
+            return False
+        except client.ApiException as exc:
+            return exc.status == 404
+
+    wait_for(gone, "FastPod deleted once its shares are released", timeout=120)
+    assert view.shares() == [] and view.pods(include_terminating=True) == []
+
+
+@pytest.mark.parametrize(("gpu", "node"), [
+    ({"kind": "fastpod", "smPercent": 30, "memory": "4Gi", "quotaRequest": 0.3, "quotaLimit": 0.6}, "v100"),
+    ({"kind": "exclusive", "migProfile": "1g.10gb"}, "h100"),
+    ({"kind": "whole", "count": 1}, "v100"),
+], ids=["fastpod", "exclusive", "whole"])
+def test_three_replicas_of_each_kind(api_client, namespace, controller, agents, pki, gpu, node):
+    controller().start()
+    view = View(api_client, namespace, gpu["kind"], agents, pki[1])
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                 fastpod_manifest(gpu["kind"], gpu, 3))
+    wait_for(lambda: view.settled(3), f"3 {gpu['kind']} replicas", timeout=180)
+    entries = view.active()
+    visible = set()
+    for pod in view.pods():
+        entry = entries[pod.metadata.name]
+        assert pod.spec.node_name == entry["node"] == agents[node].name
+        env = _env(pod)
+        visible.add(env["CUDA_VISIBLE_DEVICES"])
+        has_mps = any(v.host_path for v in pod.spec.volumes or [])
+        assert has_mps == (gpu["kind"] == "fastpod")
+        if gpu["kind"] == "exclusive":
+            assert env["CUDA_VISIBLE_DEVICES"] == entry["migUUID"] and entry["migUUID"].startswith("MIG-")
+            assert entry["placement"]["profile"] == "1g.10gb"
+        else:
+            assert env["CUDA_VISIBLE_DEVICES"] == entry["gpuUUIDs"][0]
+    if gpu["kind"] in ("exclusive", "whole"):
+        assert len(visible) == 3  # nothing shared
+    view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, gpu["kind"])
+    wait_for(lambda: (kubelet_step(view.core, namespace), view.shares() == [])[1], "released", timeout=120)
+
+
+def test_restart_neither_double_allocates_nor_leaks_and_rolls_back_a_replica_without_pod(
+        api_client, namespace, controller, agents, pki):
+    first = controller()
+    first.start()
+    view = View(api_client, namespace, "job", agents, pki[1])
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                 fastpod_manifest("job", {"kind": "mps", "memory": "2Gi"}, 2))
+    wait_for(lambda: view.settled(2), "2 replicas", timeout=120)
+    before = view.shares()
+    first.stop()
+    # What a crash between "allocation committed + prepared" and "Pod created" leaves behind:
+    orphan = first.core.allocate(Request(spec=spec_of(view.fastpod()), owner=f"{namespace}/job",
+                                         idempotency_key=replica_key(namespace, "job", "job-crashed")))
+    assert orphan.id in view.shares()
+
+    second = controller()
+    second.start()
+    wait_for(lambda: view.settled(2) and orphan.id not in view.shares(), "rolled back", timeout=120)
+    assert view.shares() == before  # the two live replicas kept their shares; nothing new
+    view.scale(3)
+    wait_for(lambda: view.settled(3), "scaled up after restart", timeout=120)
+
+
+def test_agent_down_makes_new_replicas_unschedulable_with_a_reason(api_client, namespace, controller, agents,
+                                                                    pki):
+    controller().start()
+    view = View(api_client, namespace, "mig", agents, pki[1])
+    agents["h100"].stop(kill=True)
+    try:
+        view.objects.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, fastpod_manifest("mig", {"kind": "exclusive", "smCount": 16}))
+
+        def unschedulable():
+            conditions = {c["type"]: c for c in (view.fastpod().get("status") or {}).get("conditions") or []}
+            scheduled = conditions.get("Scheduled")
+            return scheduled and scheduled["status"] == "False" and scheduled
+
+        condition = wait_for(unschedulable, "Unschedulable", timeout=120)
+        assert condition["reason"] in ("Unschedulable", "AgentUnavailable")
+        assert condition["message"]
+        assert view.pods() == []
+    finally:
+        agents["h100"].start(pki[1])
+    wait_for(lambda: view.settled(1), "scheduled once the agent is back", timeout=120)

@@ -52,8 +52,10 @@ def test_only_the_node_agent_container_is_privileged_and_it_has_no_api_token():
     agent = _by_kind(docs, "DaemonSet")[0]["spec"]["template"]["spec"]
     assert agent["automountServiceAccountToken"] is False
     assert [c["securityContext"].get("privileged") for c in agent["containers"]] == [True]
-    mps = next(v for v in agent["volumes"] if v["name"] == "mps")
-    assert mps["hostPath"]["path"] == "/run/fastshare/mps"
+    run = next(v for v in agent["volumes"] if v["name"] == "run")
+    assert run["hostPath"]["path"] == "/run/fastshare"  # MPS root /run/fastshare/mps inside
+    args = agent["containers"][0]["args"]
+    assert args[:2] == ["node", "serve"] and "--run-dir=/run/fastshare" in args
     controller = _by_kind(docs, "Deployment")[0]
     assert controller["spec"]["replicas"] == 2
     pod = controller["spec"]["template"]["spec"]

@@ -95,3 +95,21 @@ def test_expired_lease_is_released(node):
     assert renewed.lease_expires_at >= a.lease_expires_at
     wait_for(lambda: states(cluster)[a.id] == "released", 60, "lease expiry")
     assert_consistent(cluster)
+
+
+def test_controller_downtime_does_not_expire_leases(node):
+    """Clients cannot renew while the controller is down; after a restart a lease gets a full
+    ttl again, and only then expires if nobody renews it."""
+    import time
+
+    cluster = node
+    cluster.start_controller()
+    cluster.start_agent("node-a")
+    a = allocate(cluster.client(), "mps", ttl=5, memory_bytes=GiB, models=["L4"])
+    cluster.controller.kill9()
+    time.sleep(7)   # longer than the ttl
+    _restart(cluster)
+    assert states(cluster)[a.id] == "active"
+    assert_consistent(cluster)
+    wait_for(lambda: states(cluster)[a.id] == "released", 60, "the lease to expire after the grace")
+    assert_consistent(cluster)

@@ -107,3 +107,20 @@ def test_status_json_and_table(cluster, env):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     assert _active(cluster) == []
+
+
+def test_command_is_stopped_when_its_allocation_is_released_elsewhere(cluster, env):
+    from fastshare.v1 import controller_pb2 as pb
+
+    args = [fastshare_bin(), "run", "--kind", "mps", "--mem", "1GiB", "--lease-ttl", "6", "--",
+            "sleep", "300"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        (alloc_id,) = wait_for(lambda: _active(cluster), 60, "allocation")
+        cluster.client().call("Release", pb.ReleaseAllocationRequest(allocation_id=alloc_id))
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "the allocation was released; stopping the command" in stderr

@@ -31,6 +31,7 @@ def open_devices(backend: str | None = None, sim_state: str | os.PathLike[str] |
         raise DeviceError(f"GPU backend {backend!r} is not one of {', '.join(BACKENDS)}",
                           "INVALID_ARGUMENT")
     if backend == "sim":
+        from fastshare.device import simnvml
         from fastshare.device.simnvml import SimNvml
 
         path = sim_state or os.environ.get(SIM_STATE_ENV)
@@ -43,6 +44,11 @@ def open_devices(backend: str | None = None, sim_state: str | os.PathLike[str] |
             raise DeviceError(
                 f"simulated machine file {path} does not exist; create it with "
                 f"`fastshare sim-machine create {path} --gpus A100-SXM4-40GB`", "NOT_FOUND")
+        try:
+            simnvml.load_machine(path)["gpus"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DeviceError(f"{path} is not a simulated machine file ({exc.__class__.__name__}: {exc}); "
+                              "recreate it with `fastshare sim-machine create`", "CORRUPTED") from exc
         return NvmlDevices(SimNvml(path), label=f"simulated NVML ({path})")
     try:
         import pynvml

@@ -228,24 +228,23 @@ class Agent:
         return prepared, True
 
     def _prepare_whole(self, spec: ShareSpec, deadline: Deadline) -> Prepared:
-        gpus = [self._gpu(u) for u in spec.device_uuids]
-        for gpu in gpus:
-            if gpu.mig_current:
-                raise AgentError("FAILED_PRECONDITION", f"GPU {gpu.uuid} is in MIG mode; a whole GPU needs "
-                                                        "MIG disabled (or ask for kind exclusive)")
+        for u in spec.device_uuids:
+            self._gpu(u)  # NOT_FOUND before waiting for any lock
         with contextlib.ExitStack() as stack:
             for u in sorted(spec.device_uuids):  # one order everywhere: no lock cycles
                 stack.enter_context(self._device_locks.hold(u, deadline))
-            for u in spec.device_uuids:
+            for u in spec.device_uuids:  # MIG mode only changes under this lock: check it here
+                if self._gpu(u).mig_current:
+                    raise AgentError("FAILED_PRECONDITION", f"GPU {u} is in MIG mode; a whole GPU needs "
+                                                            "MIG disabled (or ask for kind exclusive)")
                 holders = self._live_shares(u)
                 if holders:
                     raise AgentError("RESOURCE_EXHAUSTED", f"GPU {u} is not free: {len(holders)} share(s) "
                                                            f"use it ({_kinds(holders)}); free: nothing")
-            self.journal.begin_share(spec, spec.device_uuids[0], None)
-        visible = ",".join(spec.device_uuids)
-        prepared = Prepared(env={"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible},
-                            device_uuids=spec.device_uuids)
-        self.journal.share_ready(spec.id, spec.device_uuids[0], prepared)
+            visible = ",".join(spec.device_uuids)
+            prepared = Prepared(env={"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible},
+                                device_uuids=spec.device_uuids)
+            self.journal.insert_ready_share(spec, spec.device_uuids[0], None, prepared)  # nothing to create
         return prepared
 
     def _mig_profile(self, gpu: GpuInfo, name: str) -> MigProfile:
@@ -338,10 +337,10 @@ class Agent:
         share): ONE journal commit of the finished share, then the share files, which the
         reconciler rewrites from the journal anyway. Otherwise write-ahead in two phases."""
         dev = self._device(spec.device_uuids[0])
-        if dev.mig is None and dev.gpu.mig_current:
-            raise AgentError("FAILED_PRECONDITION", f"GPU {dev.uuid} is in MIG mode: MPS runs per MIG "
-                                                    "device; name a MIG device UUID (MIG-…) instead")
         with self._device_locks.hold(dev.uuid, deadline):
+            if dev.mig is None and self._gpu(dev.uuid).mig_current:  # checked under the GPU's lock
+                raise AgentError("FAILED_PRECONDITION", f"GPU {dev.uuid} is in MIG mode: MPS runs per MIG "
+                                                        "device; name a MIG device UUID (MIG-…) instead")
             holders = self._check_mps_capacity(spec, dev)
             port = self._allocate_port() if spec.kind == "fastpod" else None
             prepared = self._mps_prepared(spec, dev.uuid, port)
@@ -740,7 +739,7 @@ class Agent:
                 pending = self.devices.set_mig_mode(gpu.index, enabled)
             except DeviceError as exc:
                 raise _device_error(exc, f"setting MIG mode of GPU {gpu_uuid}") from None
-        self.refresh_devices()
+            self.refresh_devices()  # before the lock goes: prepares re-check the mode under it
         self._changed()
         return pending, True
 

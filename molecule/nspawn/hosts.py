@@ -260,6 +260,11 @@ def prepare_root(state: Path, net: Net, image: Path, name: str, names: list[str]
     hosts = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
     hosts += "".join(f"{net.address(i)} {n}\n" for i, n in enumerate(names))
     (root / "etc/hosts").write_text(hosts)
+    # No DNS server is reachable from the hosts: the copied host resolver would make every
+    # lookup that skips /etc/hosts (gRPC's c-ares asks DNS for SRV/TXT records) wait for a
+    # timeout. A local address without a server fails at once instead.
+    (root / "etc/resolv.conf").unlink(missing_ok=True)
+    (root / "etc/resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
     (root / "etc/machine-id").write_text(uuid.uuid4().hex + "\n")
     run("ssh-keygen", "-q", "-A", "-f", str(root))  # this host's own ssh host keys
     ssh_dir = root / "root/.ssh"

@@ -136,6 +136,10 @@ def test_factory_requires_explicit_configuration(monkeypatch, tmp_path: Path):
         open_devices("sim", tmp_path / "nope.json")
     with pytest.raises(DeviceError, match="not one of nvml, sim"):
         open_devices("cuda")
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    with pytest.raises(DeviceError, match="is not a simulated machine file"):
+        open_devices("sim", garbage)
     path = tmp_path / "m.json"
     simnvml.create_machine(path, ["L4"])
     monkeypatch.setenv("FASTSHARE_GPU_BACKEND", "sim")

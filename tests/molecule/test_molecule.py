@@ -29,6 +29,7 @@ DEFAULT_NEEDS = {
     "roles/gpu_node/tasks/main.yml": "gpu_node role (issue 7)",
     "roles/controller/tasks/main.yml": "controller role (issue 7)",
     "fastshare/node": "node agent (issue 4)",
+    "fastshare/node/registration.py": "agent -> controller registration client the agent loads (issues 4/5)",
     "fastshare/controller": "standalone controller and `fastshare run` (issue 5)",
 }
 

@@ -101,7 +101,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         server.start()
     except LockedError as exc:
         fail(str(exc))
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         fail(f"cannot start the controller: {exc}")
     click.echo(f"controller listening on {config.listen} (port {server.port}), state in {config.state_dir}",
                err=True)

@@ -41,4 +41,89 @@ def manifests_cmd(values_file: Path | None, crd_only: bool) -> None:
         fail(f"{values_file}: {exc}", hint="see `fastshare k8s manifests` output or templates/defaults.yaml")
 
 
+@k8s.command("controller")
+@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False),
+              help="Kubeconfig to use (default: the in-cluster service account, else ~/.kube/config).")
+@click.option("--namespace", default=None, help="Serve the FastPods of this namespace only (default: all).")
+@click.option("--lease-namespace", default="fastshare-system", show_default=True)
+@click.option("--lease-name", default="fastshare-controller", show_default=True)
+@click.option("--identity", envvar="POD_NAME", default=None,
+              help="Leader election identity (default: $POD_NAME, else the host name and pid).")
+@click.option("--gpu-node-label", default="fastshare.io/gpu", show_default=True,
+              help="Nodes labelled <label>=true run a node agent.")
+@click.option("--agent-port", default=7444, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--tls-dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Directory with controller.crt, controller.key and ca.crt (mTLS to the node agents).")
+@click.option("--metrics-port", default=0, type=click.IntRange(0, 65535),
+              help="Serve Prometheus metrics (and liveness) on this port; 0 = off.")
+@click.option("--lease-duration", default=15.0, show_default=True, type=click.FloatRange(min=1.0))
+@click.option("--node-interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds between agent pings (heartbeats).")
+@click.option("--heartbeat-timeout", default=8.0, show_default=True, type=click.FloatRange(min=0.5),
+              help="Silence after which a node agent counts as down.")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity, gpu_node_label,
+                   agent_port, tls_dir, metrics_port, lease_duration, node_interval, heartbeat_timeout,
+                   log_level) -> None:
+    """Run the in-cluster controller (one active replica at a time, chosen through a Lease)."""
+    import logging
+    import os
+    import signal
+    import socket
+    import threading
+
+    from kubernetes import config
+
+    from fastshare.controller.agent_client import AgentPool
+    from fastshare.controller.core import Settings as CoreSettings
+    from fastshare.k8s.controller import KubeController, KubeSettings, run_with_leader_election
+    from fastshare.k8s.leader import LeaderElector
+    from fastshare.security.tls import TlsPaths
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tls = TlsPaths.in_dir(tls_dir, "controller")
+    try:
+        tls.check()
+    except (OSError, ValueError) as exc:
+        fail(str(exc), hint="fastshare certs issue --name controller --out DIR")
+    try:
+        if kubeconfig:
+            api = config.new_client_from_config(config_file=kubeconfig)
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            from kubernetes import client
+
+            api = client.ApiClient()
+    except Exception as exc:
+        fail(f"cannot configure the Kubernetes client: {exc}", hint="pass --kubeconfig")
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)
+    identity = identity or f"{socket.gethostname()}-{os.getpid()}"
+    settings = KubeSettings(gpu_node_label=gpu_node_label, agent_port=agent_port, namespace=namespace,
+                            node_interval=node_interval)
+    core_settings = CoreSettings(heartbeat_timeout=heartbeat_timeout)
+    agents = AgentPool(tls)
+    elector = LeaderElector(api, lease_namespace, lease_name, identity, lease_duration=lease_duration,
+                            renew_deadline=lease_duration * 2 / 3, retry_period=lease_duration / 7.5)
+    stop = threading.Event()
+    lost = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def on_lost() -> None:
+        lost.set()
+        stop.set()
+
+    run_with_leader_election(lambda: KubeController(api, agents, settings, core_settings), elector, stop,
+                             on_lost)
+    agents.close()
+    if lost.is_set():
+        fail("lost leadership; exiting so that a fresh process rebuilds its state")
+
+
 COMMANDS = [k8s]

@@ -147,6 +147,12 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
                 client.call("RenewLease", pb.RenewLeaseRequest(allocation_id=allocation.id), timeout=10)
             except grpc.RpcError as exc:
                 click.echo(f"fastshare: lease renewal failed: {exc.code().name}: {exc.details()}", err=True)
+                if exc.code() == grpc.StatusCode.NOT_FOUND and child is not None and child.poll() is None:
+                    # The allocation is gone (released by someone else): the command must not keep
+                    # using capacity that may already belong to another workload.
+                    click.echo("fastshare: the allocation was released; stopping the command", err=True)
+                    child.terminate()
+                    return
 
     env = {**os.environ, **dict(allocation.env)}
     child = None

@@ -27,7 +27,7 @@ from fastshare.controller.events import EventHub
 from fastshare.controller.ledger import Ledger, gpu_view
 from fastshare.controller.model import FINISHED, Allocation, Device, Gpu, Kind, Node, State
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore
-from fastshare.controller.validation import Request, ValidationError, validate
+from fastshare.controller.validation import Request, ValidationError, normalise, validate
 from fastshare.device import catalog
 from fastshare.placement.model import Assignment, NodeView, Rejection
 from fastshare.v1 import agent_pb2, common_pb2
@@ -167,6 +167,7 @@ class ControllerCore:
     def allocate(self, request: Request) -> Allocation:
         gpus, most = self.known_gpus()
         validate(request, gpus, most)
+        request = replace(request, spec=normalise(request.spec))
         if request.idempotency_key:
             existing = self.store.find_by_key(request.idempotency_key)
             if existing is not None:

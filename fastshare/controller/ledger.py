@@ -140,12 +140,31 @@ class Ledger:
     def place(self, request: Request) -> Assignment | Rejection:
         with self._lock:
             result = self._engine.place(request)
+            if isinstance(result, Assignment) and request.kind == "fastpod":
+                problem = self._quota_problem(result)
+                if problem:
+                    self._engine.release(result)
+                    return Rejection(problem)
             if isinstance(result, Rejection):
                 down = sorted(n for n, ok in self._available.items() if not ok)
                 if down:
                     return Rejection(f"{result.reason} (unavailable, no new work: {', '.join(down)})",
                                      result.details)
             return result
+
+    def _quota_problem(self, placed: Assignment) -> str | None:
+        """The engine does not count guaranteed time quotas; the node agent admits fastpod shares
+        only while their quota requests add up to at most 1 per GPU. Refuse here, with the
+        reason, instead of letting the agent refuse after the allocation was committed."""
+        gpu = placed.gpus[0]
+        held = sum(a.request.quota_request for a in self._engine.assignments.values()
+                   if a.node == placed.node and a.request.kind == "fastpod" and gpu in a.gpus)
+        if held > 1.0 + 1e-9:
+            asked = placed.request.quota_request
+            free = max(0.0, 1.0 - (held - asked))
+            return (f"time quota: {placed.node} GPU {gpu} (chosen for its SMs and memory) has "
+                    f"{free:.2f} of guaranteed GPU time left, the request asks {asked:g}")
+        return None
 
     def release(self, allocation_id: str) -> bool:
         """Give back what an allocation holds; False if the engine did not hold it."""

@@ -68,10 +68,19 @@ class Reconciler:
                 self.core.adopt_node(node, inventories.get(node.name))
             nodes = [(node_view(n), n.available) for n in self.core.store.list_nodes()]
             holding = self.core.store.list_allocations(HOLDING)
+            self._grace_leases(holding)
             for assignment, why in self.core.ledger.reset(
                     nodes, [Assignment.from_dict(a.assignment) for a in holding]):
                 log.error("allocation %s cannot be restored into the ledger: %s", assignment.request.id, why)
             return self._pass(inventories)
+
+    def _grace_leases(self, holding: list[Allocation]) -> None:
+        """Clients cannot renew while the controller is down: a lease gets at least one full
+        ttl from this start (a client that is really gone still expires after that)."""
+        now = self.core.clock()
+        for a in holding:
+            if a.state is State.ACTIVE and a.lease_ttl and a.lease_expires_at < now + a.lease_ttl:
+                self.core.store.update(a.id, lease_expires_at=now + a.lease_ttl)
 
     def run_once(self, nodes: list[str] | None = None) -> Report:
         with self._lock:

@@ -9,6 +9,7 @@ registers again, which makes the controller pull the inventory and reconcile the
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 
 import grpc
@@ -44,6 +45,14 @@ class Registrar:
         self._thread.join(timeout=DEADLINE + 1)
         self._channel.close()
 
+    def run(self, stop: threading.Event) -> None:
+        """Register and heartbeat in the calling thread until ``stop`` is set."""
+        self._stop = stop
+        try:
+            self._loop()
+        finally:
+            self._channel.close()
+
     def _register(self) -> None:
         reply = self._stub.RegisterNode(pb.RegisterNodeRequest(
             node=self.node_name, address=self.agent_address, labels=self.labels), timeout=DEADLINE)
@@ -69,3 +78,12 @@ class Registrar:
                     self.registered.clear()
                 wait, backoff = backoff, min(MAX_BACKOFF, backoff * 2)
             self._stop.wait(wait)
+
+
+def advertised_address(listen: str, node_name: str) -> str:
+    """What the controller should dial: the listen address, with a wildcard host replaced by
+    the node's name (its certificate names it; DNS must resolve it)."""
+    host, _, port = listen.rpartition(":")
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        host = node_name or socket.getfqdn()
+    return f"{host}:{port}"

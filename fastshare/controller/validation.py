@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastshare.controller.model import Gpu, Kind, Spec
 from fastshare.device import catalog
@@ -167,3 +167,13 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
     if request.lease_ttl and not MIN_LEASE_TTL <= request.lease_ttl <= MAX_LEASE_TTL:
         raise ValidationError("lease_ttl_seconds", f"must be 0 (no lease) or in {MIN_LEASE_TTL}.."
                                                    f"{MAX_LEASE_TTL}, got {request.lease_ttl}")
+
+
+def normalise(spec: Spec) -> Spec:
+    """Fill defaults that other components count on. A fastpod without a time quota gets a
+    guaranteed share equal to its SM share and no ceiling (request = sm %, limit = 1): the
+    node agent admits shares while their guaranteed quotas add up to at most 1, and SM shares
+    already add up to at most 100 % per GPU, so the default never blocks a placement."""
+    if spec.kind is Kind.FASTPOD and not spec.quota_request and not spec.quota_limit:
+        return replace(spec, quota_request=spec.sm_percent / 100, quota_limit=1.0)
+    return spec

@@ -87,8 +87,10 @@ def status_entry(pod: str, allocation: Allocation) -> dict[str, Any]:
 class KubeStateStore(StateStore):
     """Allocations in FastPod status (compare-and-set on resourceVersion); nodes in memory."""
 
-    def __init__(self, api: client.ApiClient, clock=time.time) -> None:
+    def __init__(self, api: client.ApiClient, namespace: str | None = None, clock=time.time) -> None:
+        """``namespace``: serve the FastPods of one namespace only (None: the whole cluster)."""
         self.objects = client.CustomObjectsApi(api)
+        self.namespace = namespace
         self.clock = clock
         self._lock = threading.Lock()
         self._nodes: dict[str, Node] = {}
@@ -245,6 +247,13 @@ class KubeStateStore(StateStore):
                 return from_record(entry["record"])
         return None
 
+    def list_fastpods(self) -> list[dict[str, Any]]:
+        if self.namespace:
+            listing = self.objects.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)
+        else:
+            listing = self.objects.list_cluster_custom_object(GROUP, VERSION, PLURAL)
+        return listing.get("items", [])
+
     def allocations_of(self, fastpod: dict[str, Any]) -> dict[str, Allocation]:
         """The allocations recorded in one FastPod object, by pod name."""
         return {e["pod"]: from_record(e["record"]) for e in self._entries(fastpod)}
@@ -254,8 +263,7 @@ class KubeStateStore(StateStore):
         wanted = None if states is None else {State(s) for s in states}
         found: list[Allocation] = []
         index: dict[str, tuple[str, str]] = {}
-        listing = self.objects.list_cluster_custom_object(GROUP, VERSION, PLURAL)
-        for fastpod in listing.get("items", []):
+        for fastpod in self.list_fastpods():
             where = (fastpod["metadata"]["namespace"], fastpod["metadata"]["name"])
             for allocation in self.allocations_of(fastpod).values():
                 index[allocation.id] = where

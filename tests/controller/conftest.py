@@ -9,16 +9,20 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from fastshare.controller.client import Client, ClientConfig
+from fastshare.device import simnvml
 from fastshare.security import certs
-from fastshare.v1 import common_pb2
+from fastshare.security.tls import TlsPaths, mtls_channel
+from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from fastshare.v1 import controller_pb2 as pb
 
 GiB = 1024**3
@@ -112,8 +116,41 @@ class ControllerProc(Proc):
         self.state_dir = state_dir
         args = [fastshare_bin(), "controller", "serve", "--state-dir", str(state_dir), "--tls-dir",
                 str(pki.dir), "--listen", self.address, "--heartbeat-interval", "1", "--heartbeat-timeout",
-                "4", "--reconcile-interval", "2", "--agent-deadline", "10", "--log-level", "info", *extra]
+                "6", "--reconcile-interval", "2", "--agent-deadline", "10", "--log-level", "info", *extra]
         super().__init__(args, root / f"controller-{port}-{time.monotonic_ns()}.log", env)
+
+
+class AgentProc(Proc):
+    """`fastshare node serve` on a simulated machine, registering with the cluster's controller."""
+
+    def __init__(self, cluster: Cluster, name: str, port: int, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.port = port
+        self.address = f"127.0.0.1:{port}"
+        short = cluster.short / name
+        config = {
+            "node_name": name, "listen": self.address, "unix_socket": str(short / "node.sock"),
+            "state_dir": str(cluster.root / f"{name}-state"), "run_dir": str(short / "run"),
+            "device_backend": "sim", "sim_state": str(cluster.root / f"{name}.json"),
+            "mps_control_binary": str(Path(fastshare_bin()).parent / "fastshare-mps-standin"),
+            "metrics_listen": "", "mps_timeout_s": 30, "controller_address": cluster.address,
+            "share_ports": f"{20000 + 100 * len(cluster.agents)}-{20099 + 100 * len(cluster.agents)}",
+            "tls": {"cert": str(cluster.pki.dir / f"{name}.crt"), "key": str(cluster.pki.dir / f"{name}.key"),
+                    "ca": str(cluster.pki.dir / "ca.crt")}}
+        path = cluster.root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")}
+        super().__init__([fastshare_bin(), "node", "serve", "--config", str(path)],
+                         cluster.root / f"{name}.log", {**child_env, **(env or {})})
+
+    def stub(self, pki: Pki) -> agent_pb2_grpc.NodeAgentStub:
+        """Direct mTLS access to the agent (as the controller), to look behind the controller's back."""
+        channel = mtls_channel(self.address, TlsPaths.in_dir(pki.dir, "controller"), server_name=self.name)
+        return agent_pb2_grpc.NodeAgentStub(channel)
+
+    def share_ids(self, pki: Pki) -> set[str]:
+        inventory = self.stub(pki).GetInventory(agent_pb2.GetInventoryRequest(), timeout=30)
+        return {s.id for s in inventory.shares}
 
 
 class Cluster:
@@ -121,12 +158,43 @@ class Cluster:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.short = Path(tempfile.mkdtemp(prefix="fsc-", dir="/tmp"))  # unix sockets need short paths
         self.pki = Pki(root)
         self.port = free_port()
         self.state_dir = root / "controller-state"
         self.controller: ControllerProc | None = None
         self.procs: list[Proc] = []
         self.clients: list[Client] = []
+        self.agents: dict[str, AgentProc] = {}
+
+    def add_machine(self, name: str, models: list[str], mig_enabled: bool = False) -> None:
+        simnvml.create_machine(self.root / f"{name}.json", models, mig_enabled=mig_enabled)
+        self.pki.issue(name)
+
+    def start_agent(self, name: str, port: int | None = None, wait: bool = True,
+                    env: dict[str, str] | None = None) -> AgentProc:
+        old = self.agents.get(name)
+        agent = AgentProc(self, name, port or (old.port if old else free_port()), env)
+        self.procs.append(agent)
+        self.agents[name] = agent
+        if wait:
+            self.wait_node(name, available=True)
+        return agent
+
+    def status(self) -> pb.ClusterStatus:
+        return self.client().call("Status", pb.ClusterStatusRequest(include_finished=True))
+
+    def node(self, name: str) -> pb.NodeStatus | None:
+        return next((n for n in self.status().nodes if n.name == name), None)
+
+    def wait_node(self, name: str, available: bool, timeout: float = 90) -> None:
+        def check() -> bool:
+            agent = self.agents.get(name)
+            if available and agent is not None and not agent.alive():
+                raise AssertionError(f"agent {name} exited:\n{agent.output()}")
+            node = self.node(name)
+            return node is not None and node.available == available
+        wait_for(check, timeout, f"node {name} available={available}")
 
     @property
     def address(self) -> str:
@@ -161,6 +229,19 @@ class Cluster:
             c.close()
         for p in reversed(self.procs):
             p.stop()
+        _stop_mps_standins(self.short)
+        shutil.rmtree(self.short, ignore_errors=True)
+
+
+def _stop_mps_standins(root: Path) -> None:
+    """A failed test must not leave MPS stand-in daemons behind (agents stop theirs on release)."""
+    from fastshare.mps.control import MpsControl
+
+    standin = str(Path(fastshare_bin()).parent / "fastshare-mps-standin")
+    for mps_root in root.glob("*/run/mps"):
+        control = MpsControl(standin, mps_root, timeout=10)
+        for uuid in control.running_devices():
+            control.stop(uuid)
 
 
 @pytest.fixture
@@ -178,3 +259,37 @@ def allocate(client: Client, kind: str, key: str = "", owner: str = "test", ttl:
              **kw) -> pb.Allocation:
     return client.call("Allocate", pb.AllocateRequest(spec=spec(kind, **kw), owner=owner,
                                                       idempotency_key=key, lease_ttl_seconds=ttl))
+
+
+def assert_consistent(cluster: Cluster) -> None:
+    """The crash-safety invariant, checked against the agents themselves:
+    every allocation is active AND present on its agent, or finished AND absent from it;
+    no agent holds a controller share nobody records; no GPU is over capacity."""
+    status = cluster.status()
+    on_agents = {name: agent.share_ids(cluster.pki) for name, agent in cluster.agents.items()}
+    for a in status.allocations:
+        shares = on_agents[a.node]
+        if a.state == pb.ALLOCATION_STATE_ACTIVE:
+            assert a.id in shares, f"{a.id} is active but not prepared on {a.node}"
+        else:
+            assert a.state in (pb.ALLOCATION_STATE_RELEASED, pb.ALLOCATION_STATE_FAILED), \
+                f"{a.id} is stuck in {pb.AllocationState.Name(a.state)}"
+            assert a.id not in shares, f"{a.id} is finished but {a.node} still holds it"
+    recorded = {a.id for a in status.allocations if a.state == pb.ALLOCATION_STATE_ACTIVE}
+    for name, shares in on_agents.items():
+        orphans = {s for s in shares if s.startswith("fs-")} - recorded
+        assert not orphans, f"{name} holds shares no allocation records: {orphans}"
+    for node in status.nodes:
+        for gpu in node.gpus:
+            assert gpu.sm_percent_used <= 100, f"{node.name} GPU {gpu.index}: {gpu.sm_percent_used} % SMs"
+            assert gpu.memory_bytes_used <= gpu.memory_bytes, f"{node.name} GPU {gpu.index} memory over"
+            used = [0] * 8
+            for s in gpu.mig_slices:
+                for i in range(s.mig_start, s.mig_start + s.mig_size):
+                    used[i] += 1
+            assert max(used) <= 1, f"{node.name} GPU {gpu.index}: MIG slices overlap {list(gpu.mig_slices)}"
+
+
+def states(cluster: Cluster) -> dict[str, str]:
+    return {a.id: pb.AllocationState.Name(a.state).removeprefix("ALLOCATION_STATE_").lower()
+            for a in cluster.status().allocations}

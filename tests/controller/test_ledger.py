@@ -93,3 +93,17 @@ def test_rebuild_from_persisted_assignments_gives_the_same_ledger(shares):
     assert fresh.usage() == ledger.usage()
     for u in fresh.usage():
         assert u["sm_used_percent"] <= 100
+
+
+def test_guaranteed_time_quota_never_exceeds_one_per_gpu():
+    ledger = _ledger()
+    first = _place(ledger, "q1", Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, quota_request=0.7,
+                                      quota_limit=1.0, models=("L4",)))
+    assert isinstance(first, Assignment)
+    second = _place(ledger, "q2", Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, quota_request=0.4,
+                                       quota_limit=1.0, models=("L4",)))
+    assert isinstance(second, Rejection) and "0.30 of guaranteed GPU time left" in second.reason
+    assert not ledger.holds("q2")
+    third = _place(ledger, "q3", Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, quota_request=0.3,
+                                      quota_limit=1.0, models=("L4",)))
+    assert isinstance(third, Assignment)

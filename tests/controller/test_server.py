@@ -11,7 +11,7 @@ from fastshare.controller.client import Client, ClientConfig
 from fastshare.v1 import common_pb2
 from fastshare.v1 import controller_pb2 as pb
 
-from .conftest import GiB, allocate, fastshare_bin, free_port, wait_for
+from .conftest import GiB, Proc, allocate, fastshare_bin, free_port, wait_for
 
 
 def test_second_controller_on_same_state_dir_refuses(cluster):
@@ -96,3 +96,28 @@ def test_stops_cleanly_on_sigterm(cluster):
     proc = cluster.start_controller()
     assert proc.stop() == 0
     wait_for(lambda: not proc.alive(), 30, "controller exit")
+
+
+def test_config_file_and_its_errors(cluster):
+    config = cluster.root / "controller.yaml"
+    config.write_text(f"state_dir: {cluster.state_dir}\ntls_dir: {cluster.pki.dir}\n"
+                      f"listen: {cluster.address}\nheartbeat_interval: 1\nreconcile_interval: 2\n")
+    proc = Proc([fastshare_bin(), "controller", "serve", "--config", str(config)], cluster.root / "c.log")
+    cluster.procs.append(proc)
+    wait_for(lambda: cluster.client().call("Ping", common_pb2.Empty(), timeout=2) is not None, 60,
+             "controller configured by file only")
+    assert (cluster.state_dir / "state.db").exists()
+    proc.stop()
+    config.write_text("state_dir: /tmp/x\nlisen: 1.2.3.4:5\n")
+    out = subprocess.run([fastshare_bin(), "controller", "serve", "--config", str(config)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "unknown setting(s) lisen" in out.stderr
+
+
+def test_port_in_use_is_a_clear_error(cluster):
+    cluster.start_controller()
+    out = subprocess.run([fastshare_bin(), "controller", "serve", "--state-dir", str(cluster.root / "other"),
+                          "--tls-dir", str(cluster.pki.dir), "--listen", cluster.address],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "cannot start the controller" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Controller throughput and latency through the gRPC API, against a no-op RPC baseline.
+
+Starts (on loopback, in a temporary directory) a controller and two node agents on simulated
+machines (4x A100-40GB each, MPS stand-in daemons), keeps one fastpod share per GPU so every
+MPS daemon already runs ("fastpod on existing MPS daemons"), then measures with C concurrent
+clients:
+  - Allocate: N fastpod allocations (1 % SM, 64 MiB), in batches that fit, each batch
+    released afterwards (Release is measured too);
+  - baseline: the same number of Ping RPCs (same channel, TLS, auth) to the same controller.
+Every Allocate is a full life cycle step: validation, placement, three SQLite commits and a
+PrepareShare RPC to the agent with its deadline.
+
+    python bench/controller.py [--allocations 400] [--concurrency 8]
+Targets (issue #5): >= 200 allocations/s and p99 <= 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+
+from fastshare.controller.client import Client, ClientConfig
+from fastshare.device import simnvml
+from fastshare.security import certs
+from fastshare.security.tls import TlsPaths, mtls_channel
+from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from fastshare.v1 import controller_pb2 as pb
+
+BIN = Path(sys.executable).parent
+MiB = 1024**2
+GPUS_PER_NODE = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: list[subprocess.Popen] = []
+        self.address = f"127.0.0.1:{free_port()}"
+        certs.init_ca(root / "ca")
+        for name in ("controller", "client", "node-1", "node-2"):
+            certs.issue(root / "ca", name, root / "pki", sans=["127.0.0.1"])
+
+    def _spawn(self, args: list[str], log: str) -> None:
+        with open(self.root / log, "ab") as out:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")}
+            self.procs.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env))
+
+    def start(self) -> None:
+        self._spawn([str(BIN / "fastshare"), "controller", "serve", "--state-dir", str(self.root / "state"),
+                     "--tls-dir", str(self.root / "pki"), "--listen", self.address, "--log-level", "warning",
+                     "--heartbeat-interval", "2"], "controller.log")
+        for i, name in enumerate(("node-1", "node-2")):
+            simnvml.create_machine(self.root / f"{name}.json", ["A100-SXM4-40GB"] * GPUS_PER_NODE)
+            config = {
+                "node_name": name, "listen": f"127.0.0.1:{free_port()}",
+                "unix_socket": str(self.root / f"{name}.sock"), "state_dir": str(self.root / f"{name}-state"),
+                "run_dir": str(self.root / f"{name}-run"), "device_backend": "sim",
+                "sim_state": str(self.root / f"{name}.json"), "metrics_listen": "",
+                "mps_control_binary": str(BIN / "fastshare-mps-standin"), "controller_address": self.address,
+                "share_ports": f"{30000 + 1000 * i}-{30999 + 1000 * i}",
+                "tls": {"cert": str(self.root / "pki" / f"{name}.crt"),
+                        "key": str(self.root / "pki" / f"{name}.key"),
+                        "ca": str(self.root / "pki" / "ca.crt")}}
+            (self.root / f"{name}.yaml").write_text(yaml.safe_dump(config))
+            self._spawn([str(BIN / "fastshare"), "node", "serve", "--config", str(self.root / f"{name}.yaml"),
+                         "--log-level", "WARNING"], f"{name}.log")
+
+    def client(self) -> Client:
+        return Client(ClientConfig(address=self.address, tls_dir=self.root / "pki"))
+
+    def wait_ready(self, client: Client, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                st = client.call("Status", pb.ClusterStatusRequest(), timeout=5)
+                if sum(n.available for n in st.nodes) == 2:
+                    return
+            except grpc.RpcError:
+                pass
+            if any(p.poll() is not None for p in self.procs):
+                raise SystemExit(f"a process exited early; logs in {self.root}")
+            time.sleep(0.3)
+        raise SystemExit(f"cluster not ready after {timeout}s; logs in {self.root}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def fastpod(sm: int, mem_mib: int, anti_affinity: str = "") -> pb.AllocateRequest:
+    return pb.AllocateRequest(owner="bench", spec=pb.AllocationSpec(
+        kind=common_pb2.SHARE_KIND_FASTPOD, sm_percent=sm, memory_bytes=mem_mib * MiB,
+        anti_affinity=anti_affinity))
+
+
+def agent_stubs(root: Path) -> dict[str, agent_pb2_grpc.NodeAgentStub]:
+    stubs = {}
+    for name in ("node-1", "node-2"):
+        address = yaml.safe_load((root / f"{name}.yaml").read_text())["listen"]
+        channel = mtls_channel(address, TlsPaths.in_dir(root / "pki", "controller"), server_name=name)
+        stubs[name] = agent_pb2_grpc.NodeAgentStub(channel)
+    return stubs
+
+
+def run_parallel(clients: list[Client], jobs: list, call) -> tuple[float, list[float], list]:
+    """Run ``call(client, job)`` for all jobs on len(clients) threads; wall time, latencies, results."""
+    latencies: list[float] = []
+    results: list = []
+    lock = threading.Lock()
+    queue = list(reversed(jobs))
+
+    def worker(client: Client) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                job = queue.pop()
+            start = time.perf_counter()
+            result = call(client, job)
+            elapsed = time.perf_counter() - start
+            with lock:
+                latencies.append(elapsed)
+                results.append(result)
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start, latencies, results
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else values[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--allocations", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=200, help="allocations held at once (<= capacity)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="fsb-", dir="/tmp"))
+    cluster = Cluster(root)
+    try:
+        cluster.start()
+        clients = [cluster.client() for _ in range(args.concurrency)]
+        cluster.wait_ready(clients[0])
+        # One share per GPU first: the MPS daemons exist before the measurement starts.
+        warm = [clients[0].call("Allocate", fastpod(10, 256, anti_affinity="warm"))
+                for _ in range(2 * GPUS_PER_NODE)]
+        gpus = {(a.node, a.devices[0].gpu_index) for a in warm}
+        print(f"warm-up: {len(warm)} shares keep MPS daemons on {len(gpus)} GPUs up")
+
+        placed: list[tuple[str, str]] = []   # (node, GPU uuid) of every measured allocation
+        alloc_lat: list[float] = []
+        release_lat: list[float] = []
+        alloc_wall = release_wall = 0.0
+        left = args.allocations
+        while left > 0:
+            n = min(left, args.batch)
+            wall, lat, done = run_parallel(clients, [fastpod(1, 64)] * n,
+                                           lambda c, req: c.call("Allocate", req))
+            alloc_wall += wall
+            alloc_lat += lat
+            assert all(a.state == pb.ALLOCATION_STATE_ACTIVE for a in done)
+            placed += [(a.node, a.devices[0].gpu_uuid) for a in done]
+            wall, lat, _ = run_parallel(clients, [a.id for a in done], lambda c, i: c.call(
+                "Release", pb.ReleaseAllocationRequest(allocation_id=i)))
+            release_wall += wall
+            release_lat += lat
+            left -= n
+        ping_wall, ping_lat, _ = run_parallel(clients, [None] * args.allocations,
+                                              lambda c, _: c.call("Ping", common_pb2.Empty()))
+        # Second reference: the node agents alone, the same shares on the same GPUs, no controller.
+        stubs = agent_stubs(root)
+        shares = [(node, agent_pb2.Share(id=f"direct-{i}", kind=common_pb2.SHARE_KIND_FASTPOD,
+                                         device_uuids=[gpu], sm_percent=1, memory_bytes=64 * MiB,
+                                         quota_request=0.01, quota_limit=1.0))
+                  for i, (node, gpu) in enumerate(placed)]
+        agent_wall, agent_lat = 0.0, []
+        for start in range(0, len(shares), args.batch):
+            batch = shares[start:start + args.batch]
+            wall, lat, _ = run_parallel(clients, batch, lambda _c, job: stubs[job[0]].PrepareShare(
+                agent_pb2.PrepareShareRequest(share=job[1]), timeout=60))
+            agent_wall += wall
+            agent_lat += lat
+            run_parallel(clients, batch, lambda _c, job: stubs[job[0]].ReleaseShare(
+                agent_pb2.ReleaseShareRequest(share_id=job[1].id), timeout=60))
+        for a in warm:
+            clients[0].call("Release", pb.ReleaseAllocationRequest(allocation_id=a.id))
+    finally:
+        cluster.stop()
+        if args.keep:
+            print(f"logs: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+    n = args.allocations
+    rows = [("Allocate (fastpod)", n / alloc_wall, alloc_lat), ("Release", n / release_wall, release_lat),
+            ("Ping (baseline)", n / ping_wall, ping_lat),
+            ("agent PrepareShare", n / agent_wall, agent_lat)]
+    print(f"\n{n} calls each, {args.concurrency} concurrent clients, 2 agents x {GPUS_PER_NODE} simulated "
+          f"A100, {os.cpu_count()} CPUs")
+    print(f"{'call':20} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    for name, rate, lat in rows:
+        print(f"{name:20} {rate:9.1f} {statistics.median(lat) * 1000:8.1f} {p99(lat) * 1000:8.1f}")
+    print(f"\nAllocate vs Ping: {n / alloc_wall / (n / ping_wall):.2f}x the throughput, "
+          f"{p99(alloc_lat) / p99(ping_lat):.1f}x the p99 latency")
+    overhead = statistics.median(alloc_lat) - statistics.median(agent_lat)
+    print(f"Allocate vs the agents' PrepareShare alone: {n / alloc_wall / (n / agent_wall):.2f}x the "
+          f"throughput; controller overhead per call (p50) {1000 * overhead:.1f} ms")
+    ok_rate, ok_p99 = n / alloc_wall >= 200, p99(alloc_lat) <= 0.050
+    print(f"targets: >= 200 allocations/s: {'met' if ok_rate else 'NOT met'}; "
+          f"p99 <= 50 ms: {'met' if ok_p99 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""The in-cluster controller: FastPods in, replica Pods holding GPU shares out.
+
+It is the standalone controller's core (validation, engine ledger, agent client, reconciler)
+over :class:`KubeStateStore`, so allocations are recorded in FastPod status before any agent
+is asked to prepare them. What is Kubernetes-specific lives here:
+
+- agents are found through Node objects labelled ``<gpu label>=true`` (endpoint annotation
+  ``fastshare.io/agent-endpoint``, else InternalIP:agent port) and pinged as heartbeats;
+- one FastPod is reconciled by one worker at a time: holding allocations whose Pod is gone
+  are released (Pod deleted behind our back, crash between allocation and Pod creation,
+  scale-down finished), Pods without a holding allocation are deleted, missing replicas are
+  allocated and then created (a failed create releases the allocation again), surplus ones
+  deleted; the share of a deleted Pod is released only once the Pod is really gone;
+- a finalizer keeps a deleted FastPod until every share is released;
+- on start (and on every leadership change) it rebuilds its view from FastPods, their Pods
+  and the agents; it never deletes and re-creates a running Pod to change it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, watch
+
+from fastshare.controller.agent_client import AgentError, AgentPool
+from fastshare.controller.core import AgentFailed, Busy, ControllerCore, KeyConflict, Rejected
+from fastshare.controller.core import Settings as CoreSettings
+from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node
+from fastshare.controller.reconciler import Reconciler
+from fastshare.controller.validation import Request, ValidationError
+from fastshare.k8s.pods import FASTPOD_LABEL, replica_pod, spec_of
+from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
+from fastshare.k8s.store import KubeStateStore, replica_key
+from fastshare.k8s.workqueue import WorkQueue
+
+log = logging.getLogger("fastshare.k8s.controller")
+
+ENDPOINT_ANNOTATION = "fastshare.io/agent-endpoint"
+
+
+@dataclass(frozen=True)
+class KubeSettings:
+    gpu_node_label: str = "fastshare.io/gpu"
+    agent_port: int = 7444
+    workers: int = 4
+    node_interval: float = 2.0      # Node listing + agent pings (heartbeats)
+    resync_interval: float = 30.0   # every FastPod reconciled at least this often
+    watch_timeout: int = 30         # seconds a watch request stays open before it is renewed
+    namespace: str | None = None    # serve one namespace only (None: every namespace)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _get(obj: Any, *path: str) -> Any:
+    """Field access that works for both dicts (custom objects) and typed models (pods)."""
+    for name in path:
+        if obj is None:
+            return None
+        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+    return obj
+
+
+def _ready(pod: client.V1Pod) -> bool:
+    conditions = (pod.status.conditions if pod.status else None) or []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+
+def selector_string(selector: dict[str, Any]) -> str:
+    parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
+    for expr in selector.get("matchExpressions") or []:
+        op, key, values = expr["operator"], expr["key"], ",".join(expr.get("values") or [])
+        parts.append({"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})",
+                      "Exists": key, "DoesNotExist": f"!{key}"}[op])
+    return ",".join(parts)
+
+
+class KubeController:
+    """Watches, a work queue with workers, node sync and the core's reconciler; start()/stop()."""
+
+    def __init__(self, api: client.ApiClient, agents: AgentPool, settings: KubeSettings | None = None,
+                 core_settings: CoreSettings | None = None) -> None:
+        self.api = api
+        self.settings = settings or KubeSettings()
+        self.store = KubeStateStore(api, self.settings.namespace)
+        self.core = ControllerCore(self.store, agents, core_settings or CoreSettings())
+        self.reconciler = Reconciler(self.core)
+        self.pods = client.CoreV1Api(api)
+        self.objects = client.CustomObjectsApi(api)
+        self.queue = WorkQueue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- life cycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Rebuild from the cluster (nodes, agents, FastPod status), then watch and work."""
+        self.sync_nodes()
+        report = self.reconciler.start()
+        log.info("state rebuilt from the cluster: %s", report)
+        # Watch threads are not joined on stop: they block in a read for up to watch_timeout and
+        # then see the stop flag; until then their events go to the closed queue and are dropped.
+        for name, target in (("watch-fastpods", self._watch_fastpods), ("watch-pods", self._watch_pods)):
+            threading.Thread(target=target, name=name, daemon=True).start()
+        self._spawn("housekeeping", self._housekeeping)
+        for i in range(self.settings.workers):
+            self._spawn(f"worker-{i}", self._worker)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self.queue.close()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # -- nodes and agents --------------------------------------------------------------------------
+    def _endpoint(self, node: client.V1Node) -> str | None:
+        annotated = (node.metadata.annotations or {}).get(ENDPOINT_ANNOTATION)
+        if annotated:
+            return annotated
+        for address in (node.status.addresses if node.status else None) or []:
+            if address.type == "InternalIP":
+                return f"{address.address}:{self.settings.agent_port}"
+        return None
+
+    def sync_nodes(self) -> None:
+        """Register new agents, heartbeat reachable ones; silent ones go unavailable on timeout."""
+        label = self.settings.gpu_node_label
+        for node in self.pods.list_node(label_selector=f"{label}=true").items:
+            name, address = node.metadata.name, self._endpoint(node)
+            if address is None:
+                continue
+            labels = dict(node.metadata.labels or {})
+            stored = self.store.get_node(name)
+            try:
+                if stored is None or stored.address != address or not self.core.heartbeat(name):
+                    self.core.register_node(name, address, labels)
+                    self.queue_all()  # capacity appeared: retry unschedulable FastPods
+                else:
+                    self.core.agents.get(name, address).ping()
+            except AgentError as exc:
+                if stored is None:
+                    self.store.put_node(Node(name=name, address=address, labels=labels, available=False))
+                log.info("node agent %s at %s unreachable: %s", name, address, exc.details)
+        self.core.check_liveness()
+
+    # -- event sources ---------------------------------------------------------------------------------
+    def queue_all(self) -> None:
+        for fastpod in self.store.list_fastpods():
+            self.queue.add((fastpod["metadata"]["namespace"], fastpod["metadata"]["name"]))
+
+    def _stream(self, list_fn: Callable[..., Any], on_object: Callable[[Any], None], **kwargs: Any) -> None:
+        """List, then watch from the list's resourceVersion; start over on any error or expiry."""
+        while not self._stop.is_set():
+            try:
+                listing = list_fn(**kwargs)
+                items = listing["items"] if isinstance(listing, dict) else listing.items
+                version = _get(listing, "metadata", "resourceVersion") or _get(
+                    listing, "metadata", "resource_version")
+                for item in items:
+                    on_object(item)
+                stream = watch.Watch()
+                for event in stream.stream(list_fn, resource_version=version,
+                                           timeout_seconds=self.settings.watch_timeout, **kwargs):
+                    if self._stop.is_set():
+                        stream.stop()
+                        return
+                    if event["type"] == "ERROR":
+                        break
+                    on_object(event["object"])
+            except Exception as exc:  # the API server restarted, 410 Gone, a network blip: relist
+                if not self._stop.is_set():
+                    log.info("watch %s restarts: %s", getattr(list_fn, "__name__", "?"), exc)
+                    self._stop.wait(1.0)
+
+    def _watch_fastpods(self) -> None:
+        def on_fastpod(obj: dict[str, Any]) -> None:
+            self.queue.add((obj["metadata"]["namespace"], obj["metadata"]["name"]))
+
+        if self.settings.namespace:
+            self._stream(self.objects.list_namespaced_custom_object, on_fastpod, group=GROUP,
+                         version=VERSION, namespace=self.settings.namespace, plural=PLURAL)
+        else:
+            self._stream(self.objects.list_cluster_custom_object, on_fastpod, group=GROUP, version=VERSION,
+                         plural=PLURAL)
+
+    def _watch_pods(self) -> None:
+        def on_pod(pod: Any) -> None:
+            owner = (_get(pod, "metadata", "labels") or {}).get(FASTPOD_LABEL)
+            if owner:
+                self.queue.add((_get(pod, "metadata", "namespace"), owner))
+
+        if self.settings.namespace:
+            self._stream(self.pods.list_namespaced_pod, on_pod, namespace=self.settings.namespace,
+                         label_selector=FASTPOD_LABEL)
+        else:
+            self._stream(self.pods.list_pod_for_all_namespaces, on_pod, label_selector=FASTPOD_LABEL)
+
+    def _housekeeping(self) -> None:
+        s = self.settings
+        next_reconcile = next_resync = time.monotonic()
+        while not self._stop.wait(s.node_interval):
+            self._safe(self.sync_nodes)
+            now = time.monotonic()
+            if now >= next_reconcile:
+                self._safe(self.reconciler.run_once)
+                next_reconcile = now + self.core.settings.reconcile_interval
+            if now >= next_resync:
+                self._safe(self.queue_all)
+                next_resync = now + s.resync_interval
+
+    @staticmethod
+    def _safe(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("background step failed")
+
+    def _worker(self) -> None:
+        while not self._stop.is_set():
+            key = self.queue.get(timeout=1.0)
+            if key is None:
+                continue
+            try:
+                again = self.reconcile(*key)
+            except Exception:
+                log.exception("reconciling FastPod %s/%s failed; retrying", *key)
+                again = 2.0
+            finally:
+                self.queue.done(key)
+            if again:
+                self.queue.add(key, delay=again)
+
+    # -- one FastPod ---------------------------------------------------------------------------------
+    def reconcile(self, namespace: str, name: str) -> float | None:
+        """Bring one FastPod's Pods and shares in line with its spec; returns a requeue delay."""
+        try:
+            fastpod = self.objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        meta = fastpod["metadata"]
+        deleting = bool(meta.get("deletionTimestamp"))
+        if not deleting and FINALIZER not in (meta.get("finalizers") or []):
+            fastpod = self._patch_finalizers(fastpod, [*(meta.get("finalizers") or []), FINALIZER])
+            meta = fastpod["metadata"]
+        pods = {p.metadata.name: p for p in self.pods.list_namespaced_pod(
+                    namespace, label_selector=f"{FASTPOD_LABEL}={name}").items
+                if any(o.uid == meta["uid"] for o in p.metadata.owner_references or [])}
+        allocations = self.store.allocations_of(fastpod)
+        wait = None
+
+        # Shares whose Pod is gone: deleted behind our back, never created, or scaled down.
+        for pod_name, allocation in allocations.items():
+            if allocation.state in HOLDING and pod_name not in pods:
+                allocations[pod_name] = self._release(allocation, f"pod {pod_name} is gone")
+                if allocations[pod_name].state not in FINISHED:
+                    wait = 2.0  # agent unreachable: the core's reconciler finishes the release
+        # Pods without a share (their share was released or never recorded): not ours to run.
+        for pod_name, pod in pods.items():
+            allocation = allocations.get(pod_name)
+            holds = allocation is not None and allocation.state in HOLDING
+            if not holds and not pod.metadata.deletion_timestamp:
+                log.warning("deleting pod %s/%s: it holds no GPU share", namespace, pod_name)
+                self._delete_pod(namespace, pod_name)
+        for pod_name, allocation in list(allocations.items()):
+            if allocation.state in FINISHED and pod_name not in pods:
+                self.store.forget(allocation.id)
+                del allocations[pod_name]
+
+        live = [p for n, p in pods.items() if not p.metadata.deletion_timestamp
+                and allocations.get(n) is not None and allocations[n].state in HOLDING]
+        if deleting:
+            for pod in live:
+                self._delete_pod(namespace, pod.metadata.name)
+            if pods or any(a.state in HOLDING for a in allocations.values()):
+                return 1.0  # wait until the Pods are gone and their shares released
+            self._patch_finalizers(fastpod, [f for f in meta.get("finalizers") or [] if f != FINALIZER])
+            return None
+
+        desired = int(fastpod["spec"].get("replicas", 1))
+        condition = {"type": "Scheduled", "status": "True", "reason": "Scheduled",
+                     "message": f"{desired} replica(s) placed"}
+        if len(live) > desired:
+            # surplus: not-ready first, then the newest
+            victims = sorted(live, key=lambda p: (_ready(p), -p.metadata.creation_timestamp.timestamp()))
+            for pod in victims[: len(live) - desired]:
+                self._delete_pod(namespace, pod.metadata.name)
+                live.remove(pod)
+        while len(live) < desired:
+            created, problem = self._create_replica(fastpod, set(pods) | set(allocations))
+            if created is None:
+                condition = problem
+                wait = 5.0
+                break
+            live.append(created)
+        self._write_status(fastpod, live, condition)
+        return wait
+
+    def _create_replica(self, fastpod: dict[str, Any], taken: set[str]) -> tuple[Any, dict[str, str]]:
+        meta = fastpod["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        pod_name = f"{name}-{secrets.token_hex(3)}"
+        while pod_name in taken:
+            pod_name = f"{name}-{secrets.token_hex(3)}"
+        request = Request(spec=spec_of(fastpod), owner=f"{namespace}/{name}",
+                          idempotency_key=replica_key(namespace, name, pod_name))
+        try:
+            allocation = self.core.allocate(request)
+        except Rejected as exc:
+            return None, {"type": "Scheduled", "status": "False", "reason": "Unschedulable",
+                          "message": str(exc)}
+        except AgentFailed as exc:
+            return None, {"type": "Scheduled", "status": "False", "reason": "AgentUnavailable",
+                          "message": str(exc)}
+        except (ValidationError, KeyConflict) as exc:
+            return None, {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
+        try:
+            pod = self.pods.create_namespaced_pod(namespace, replica_pod(
+                fastpod, pod_name, allocation, self.settings.gpu_node_label))
+        except client.ApiException as exc:
+            message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}"
+            self._release(allocation, message)
+            return None, {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
+                          "message": message}
+        log.info("FastPod %s/%s: pod %s on %s holds %s", namespace, name, pod_name, allocation.node,
+                 allocation.id)
+        return pod, {}
+
+    def _release(self, allocation: Allocation, reason: str) -> Allocation:
+        try:
+            return self.core.release(allocation.id, reason)
+        except Busy:
+            return allocation
+
+    def _delete_pod(self, namespace: str, name: str) -> None:
+        try:
+            self.pods.delete_namespaced_pod(name, namespace)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def _patch_finalizers(self, fastpod: dict[str, Any], finalizers: list[str]) -> dict[str, Any]:
+        meta = fastpod["metadata"]
+        body = {"metadata": {"finalizers": finalizers, "resourceVersion": meta["resourceVersion"]}}
+        return self.objects.patch_namespaced_custom_object(GROUP, VERSION, meta["namespace"], PLURAL,
+                                                           meta["name"], body)
+
+    def _write_status(self, fastpod: dict[str, Any], live: list[Any], scheduled: dict[str, str]) -> None:
+        meta, spec = fastpod["metadata"], fastpod["spec"]
+        ready = sum(1 for p in live if _ready(p))
+        desired = int(spec.get("replicas", 1))
+        old = {c["type"]: c for c in (fastpod.get("status") or {}).get("conditions") or []}
+        conditions = []
+        for condition in (scheduled, {
+            "type": "Ready", "status": "True" if ready == desired else "False",
+            "reason": "AllReplicasReady" if ready == desired else "ReplicasNotReady",
+            "message": f"{ready}/{desired} replica(s) ready",
+        }):
+            previous = old.get(condition["type"])
+            same = previous is not None and previous["status"] == condition["status"]
+            conditions.append({**condition, "observedGeneration": meta.get("generation", 0),
+                               "lastTransitionTime": previous["lastTransitionTime"] if same else _now()})
+        selector = selector_string(spec["selector"])
+        status = {"replicas": len(live), "readyReplicas": ready, "selector": selector,
+                  "observedGeneration": meta.get("generation", 0), "conditions": conditions}
+        current = fastpod.get("status") or {}
+        if all(current.get(k) == v for k, v in status.items()):
+            return
+        self.objects.patch_namespaced_custom_object_status(GROUP, VERSION, meta["namespace"], PLURAL,
+                                                           meta["name"], {"status": status})
+
+
+def run_with_leader_election(make_controller: Callable[[], KubeController], elector, stop: threading.Event,
+                             on_lost: Callable[[], None] | None = None) -> None:
+    """Run a controller only while ``elector`` holds the Lease; a fresh one per term of office.
+
+    A new term rebuilds everything from the cluster (never from the previous term's memory).
+    ``on_lost`` is called when leadership is lost (the CLI exits, as client-go programs do).
+    """
+    current: list[KubeController] = []
+
+    def changed(leading: bool) -> None:
+        if leading:
+            controller = make_controller()
+            controller.start()
+            current.append(controller)
+        elif current:
+            current.pop().stop()
+            if on_lost is not None and not stop.is_set():
+                on_lost()
+
+    elector.run(stop, changed)

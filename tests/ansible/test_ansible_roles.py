@@ -1,0 +1,63 @@
+"""Role pieces that can run on this machine without provisioning it.
+
+The roles themselves run against real systemd hosts in the molecule scenario; here: argument
+validation (fails before any task), the mig-parted file the boot unit reads (rendered by the
+role's template, parsed by fastshare's parser), and the Kubernetes manifests module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from fs_collection import COLLECTION, REPO, run_module, run_tasks
+
+from fastshare.device import mig_parted
+from fastshare.k8s import manifests
+
+
+@pytest.mark.parametrize(("role", "bad_vars", "expected"), [
+    ("gpu_node", {"gpu_node_gpu_backend": "cuda"}, "gpu_node_gpu_backend must be one of: nvml, sim"),
+    ("controller", {"controller_deploy_mode": "docker"},
+     "controller_deploy_mode must be one of: systemd, kubernetes"),
+    ("gpu_node", {"gpu_node_reboot_timeout": "soon"}, "gpu_node_reboot_timeout"),
+    ("pki", {"pki_usage": "email"}, "pki_usage must be one of: server, client, both"),
+])
+def test_role_arguments_are_validated_before_anything_runs(collections_path: Path, tmp_path: Path,
+                                                          role: str, bad_vars: dict, expected: str):
+    results = run_tasks(collections_path, [
+        {"ansible.builtin.include_role": {"name": f"{COLLECTION}.{role}"}, "vars": bad_vars}], tmp_path)
+    # The include, then the role's argument validation task, which must fail and stop the role.
+    failed = [r for r in results if r.get("failed")]
+    assert len(failed) == 1 and "Validation of arguments failed" in failed[0]["msg"], results
+    assert expected in failed[0]["msg"]
+    assert len(results) == 2, "no task of the role may run after a failed validation"
+
+
+def test_boot_unit_layout_file_is_what_fastshare_parses(collections_path: Path, tmp_path: Path):
+    layout = [{"devices": [0], "mig_devices": {"3g.20gb": 1, "1g.5gb": 2}},
+              {"devices": [1, 2], "mig_enabled": False},
+              {"devices": "all"}]
+    out = tmp_path / "mig-config.yaml"
+    template = REPO / "roles" / "gpu_node" / "templates" / "mig-config.yaml.j2"
+    [result] = run_tasks(collections_path, [
+        {"ansible.builtin.template": {"src": str(template), "dest": str(out), "mode": "0644"},
+         "vars": {"gpu_node_mig_layout": layout, "gpu_node_mig_config_name": "fastshare"}},
+    ], tmp_path)
+    assert not result.get("failed"), result.get("msg")
+    configs = mig_parted.parse_config(out.read_text())
+    specs = configs["fastshare"]
+    assert [(s.devices, s.mig_enabled, dict(s.mig_devices)) for s in specs] == [
+        ((0,), True, {"3g.20gb": 1, "1g.5gb": 2}), ((1, 2), False, {}), ("all", True, {})]
+
+
+def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Path):
+    values = {"namespace": "gpu-sharing"}
+    result = run_module(collections_path, f"{COLLECTION}.k8s_manifests", {"values": values})
+    assert result["changed"] is False and result["namespace"] == "gpu-sharing"
+    assert result["resources"] == yaml.safe_load(yaml.safe_dump(manifests.render(values)))
+    kinds = {r["kind"] for r in result["resources"]}
+    assert {"CustomResourceDefinition", "Namespace", "Deployment", "DaemonSet", "Service"} <= kinds
+    bad = run_module(collections_path, f"{COLLECTION}.k8s_manifests", {"values": {"controller": 3}})
+    assert bad["failed"] and "values" in bad["msg"]

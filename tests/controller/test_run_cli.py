@@ -1,0 +1,126 @@
+"""`fastshare run` and `fastshare status` as a user runs them, against real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from .conftest import assert_consistent, fastshare_bin, states, wait_for
+
+
+@pytest.fixture
+def env(cluster):
+    cluster.add_machine("node-a", ["A100-SXM4-40GB", "L4"], mig_enabled=True)
+    cluster.start_controller()
+    cluster.start_agent("node-a")
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")},
+            "FASTSHARE_CONTROLLER": cluster.address, "FASTSHARE_TLS_DIR": str(cluster.pki.dir)}
+
+
+def _run(env, *args, timeout=120):
+    return subprocess.run([fastshare_bin(), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _active(cluster) -> list[str]:
+    return [i for i, s in states(cluster).items() if s == "active"]
+
+
+def test_runs_command_with_the_allocation_env_and_propagates_exit_code(cluster, env):
+    out = _run(env, "run", "--sm", "30", "--mem", "1GiB", "--quota", "0.2:0.5", "--model", "L4", "--",
+               "sh", "-c", 'echo "$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $CUDA_VISIBLE_DEVICES '
+                           '$CUDA_MPS_PIPE_DIRECTORY"; exit 3')
+    assert out.returncode == 3, out.stderr
+    sm, visible, pipe = out.stdout.split()
+    assert sm == "30" and visible.startswith("GPU-") and pipe.endswith("/pipe")
+    assert "released" in out.stderr
+    assert _active(cluster) == []
+    assert_consistent(cluster)
+
+
+def test_releases_when_the_command_crashes(cluster, env):
+    out = _run(env, "run", "--kind", "exclusive", "--mig-profile", "1g.5gb", "--", "sh", "-c", "kill -9 $$")
+    assert out.returncode == 128 + 9, out.stderr
+    assert _active(cluster) == []
+    assert_consistent(cluster)
+
+
+def test_forwards_signals_to_the_command(cluster, env):
+    script = 'trap "echo got-term; exit 7" TERM; echo ready; while :; do sleep 0.1; done'
+    args = [fastshare_bin(), "run", "--kind", "mps", "--mem", "1GiB", "--", "sh", "-c", script]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "got-term" in stdout
+    assert proc.returncode == 7, stderr
+    assert _active(cluster) == []
+
+
+def test_kill_9_of_run_is_covered_by_the_lease(cluster, env):
+    args = [fastshare_bin(), "run", "--kind", "mps", "--mem", "1GiB", "--lease-ttl", "5", "--",
+            "sleep", "300"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: len(_active(cluster)) == 1, 60, "allocation")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        wait_for(lambda: set(states(cluster).values()) == {"released"}, 60,
+                 "the lease to expire and the reconciler to release")
+        assert_consistent(cluster)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)   # the orphaned `sleep`
+
+
+def test_rejected_and_invalid_requests_fail_clearly(cluster, env):
+    out = _run(env, "run", "--kind", "whole", "--gpus", "2", "--", "true")
+    assert out.returncode == 1 and "rejected: no node has 2 idle" in out.stderr
+    out = _run(env, "run", "--sm", "30", "--mem", "1GiB", "--quota", "0.6:0.3", "--", "true")
+    assert out.returncode == 1 and "spec.quota_limit" in out.stderr
+    out = _run(env, "run", "--mem", "lots", "--", "true")
+    assert out.returncode != 0 and "--mem" in out.stderr
+    assert states(cluster) == {}
+
+
+def test_status_json_and_table(cluster, env):
+    proc = subprocess.Popen([fastshare_bin(), "run", "--kind", "exclusive", "--mig-profile", "3g.20gb", "--",
+                             "sleep", "300"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(_active(cluster)) == 1, 60, "allocation")
+        data = json.loads(_run(env, "status", "--json").stdout)
+        (node,) = data["nodes"]
+        assert node["name"] == "node-a" and node["available"]
+        a100 = node["gpus"][0]
+        assert a100["mig_slices"][0]["mig_profile"] == "3g.20gb"
+        assert data["allocations"][0]["state"] == "ALLOCATION_STATE_ACTIVE"
+        table = _run(env, "status").stdout
+        assert "node-a" in table and "MIG" in table and "exclusive" in table
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert _active(cluster) == []
+
+
+def test_command_is_stopped_when_its_allocation_is_released_elsewhere(cluster, env):
+    from fastshare.v1 import controller_pb2 as pb
+
+    args = [fastshare_bin(), "run", "--kind", "mps", "--mem", "1GiB", "--lease-ttl", "6", "--",
+            "sleep", "300"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        (alloc_id,) = wait_for(lambda: _active(cluster), 60, "allocation")
+        cluster.client().call("Release", pb.ReleaseAllocationRequest(allocation_id=alloc_id))
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "the allocation was released; stopping the command" in stderr

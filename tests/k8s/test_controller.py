@@ -1,0 +1,191 @@
+"""The in-cluster controller against the real API server, without GPUs or agents reachable:
+finalizer, status, Unschedulable reasons, orphan pods, deletion, leader election.
+
+(The full path through node agents is in test_controller_agents.py.)"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import uuid
+
+import pytest
+from kubernetes import client
+
+from fastshare.controller.agent_client import AgentPool
+from fastshare.controller.core import Settings as CoreSettings
+from fastshare.k8s.controller import (
+    ENDPOINT_ANNOTATION,
+    KubeController,
+    KubeSettings,
+    run_with_leader_election,
+)
+from fastshare.k8s.leader import LeaderElector
+from fastshare.k8s.pods import FASTPOD_LABEL
+from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION, fastpod_manifest
+from fastshare.security import certs
+from fastshare.security.tls import TlsPaths
+
+from .conftest import wait_for
+
+MPS = {"kind": "mps", "memory": "2Gi"}
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> TlsPaths:
+    root = tmp_path_factory.mktemp("pki")
+    certs.init_ca(root / "ca")
+    certs.issue(root / "ca", "controller", root / "pki", sans=["127.0.0.1", "localhost"])
+    return TlsPaths.in_dir(root / "pki", "controller")
+
+
+def _settings(namespace: str) -> KubeSettings:
+    return KubeSettings(namespace=namespace, workers=2, node_interval=0.5, resync_interval=3,
+                        watch_timeout=10)
+
+
+def _core_settings() -> CoreSettings:
+    return CoreSettings(heartbeat_timeout=3.0, reconcile_interval=2.0, busy_wait=10.0)
+
+
+@pytest.fixture
+def make_controller(api_client, fastpod_crd, tls):
+    started: list[KubeController] = []
+
+    def make(namespace: str) -> KubeController:
+        controller = KubeController(api_client, AgentPool(tls, deadline=5.0), _settings(namespace),
+                                    _core_settings())
+        started.append(controller)
+        return controller
+
+    yield make
+    for controller in started:
+        controller.stop()
+        controller.core.agents.close()
+
+
+def _fastpod(objects, namespace, name):
+    return objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+def _condition(fastpod, kind):
+    return next((c for c in (fastpod.get("status") or {}).get("conditions") or [] if c["type"] == kind), None)
+
+
+def test_without_gpu_nodes_a_fastpod_is_unschedulable_with_the_reason(api_client, namespace, make_controller):
+    make_controller(namespace).start()
+    objects = client.CustomObjectsApi(api_client)
+    objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fastpod_manifest("a", MPS, 2))
+    fp = wait_for(lambda: (f := _fastpod(objects, namespace, "a")) and _condition(f, "Scheduled") and f,
+                  "Scheduled condition")
+    scheduled = _condition(fp, "Scheduled")
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "Unschedulable")
+    assert "no nodes" in scheduled["message"]
+    assert FINALIZER in fp["metadata"]["finalizers"]
+    assert fp["status"]["replicas"] == 0 and fp["status"]["readyReplicas"] == 0
+    assert fp["status"]["selector"] == "app=a"
+    assert _condition(fp, "Ready")["reason"] == "ReplicasNotReady"
+    assert client.CoreV1Api(api_client).list_namespaced_pod(namespace).items == []
+
+
+def _dead_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+
+
+def test_a_gpu_node_whose_agent_is_down_is_unschedulable(api_client, namespace, make_controller):
+    node = f"gpu-{uuid.uuid4().hex[:6]}"
+    core = client.CoreV1Api(api_client)
+    core.create_node(client.V1Node(metadata=client.V1ObjectMeta(
+        name=node, labels={"fastshare.io/gpu": "true"}, annotations={ENDPOINT_ANNOTATION: _dead_endpoint()})))
+    controller = make_controller(namespace)
+    controller.start()
+    assert controller.store.get_node(node).available is False
+    objects = client.CustomObjectsApi(api_client)
+    objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fastpod_manifest("b", MPS))
+    fp = wait_for(lambda: (f := _fastpod(objects, namespace, "b")) and _condition(f, "Scheduled") and f,
+                  "Scheduled condition")
+    scheduled = _condition(fp, "Scheduled")
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "Unschedulable")
+    assert scheduled["message"]
+    core.delete_node(node)
+
+
+def test_pods_without_a_share_are_deleted_and_deletion_waits_for_the_finalizer(api_client, namespace,
+                                                                                make_controller):
+    make_controller(namespace).start()
+    objects = client.CustomObjectsApi(api_client)
+    fp = objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                 fastpod_manifest("c", MPS, replicas=0))
+    wait_for(lambda: FINALIZER in (_fastpod(objects, namespace, "c")["metadata"].get("finalizers") or []),
+             "finalizer")
+    core = client.CoreV1Api(api_client)
+    stray = client.V1Pod(
+        metadata=client.V1ObjectMeta(
+            name="c-stray", labels={FASTPOD_LABEL: "c", "app": "c"},
+            owner_references=[client.V1OwnerReference(api_version=f"{GROUP}/{VERSION}", kind="FastPod",
+                                                      name="c", uid=fp["metadata"]["uid"], controller=True)]),
+        spec=client.V1PodSpec(containers=[client.V1Container(name="m", image="busybox")]))
+    core.create_namespaced_pod(namespace, stray)
+    wait_for(lambda: not core.list_namespaced_pod(namespace).items, "stray pod deleted")
+    objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "c")
+
+    def gone():
+        try:
+            _fastpod(objects, namespace, "c")
+            return False
+        except client.ApiException as exc:
+            return exc.status == 404
+
+    wait_for(gone, "FastPod deleted after its finalizer is removed")
+
+
+def test_only_the_leader_runs_a_controller_and_a_standby_takes_over(api_client, namespace, make_controller):
+    objects = client.CustomObjectsApi(api_client)
+    lease = f"ctl-{uuid.uuid4().hex[:6]}"
+    running: list[str] = []
+    terms: list[str] = []
+    stops = {name: threading.Event() for name in ("one", "two")}
+
+    def factory(name):
+        def make():
+            controller = make_controller(namespace)
+            original_stop = controller.stop
+
+            def stop(timeout=30.0):
+                if name in running:
+                    running.remove(name)
+                original_stop(timeout)
+
+            controller.stop = stop
+            running.append(name)
+            terms.append(name)
+            return controller
+        return make
+
+    threads = []
+    for name, event in stops.items():
+        elector = LeaderElector(api_client, namespace, lease, name, lease_duration=4, renew_deadline=3,
+                                retry_period=0.3)
+        thread = threading.Thread(target=run_with_leader_election, args=(factory(name), elector, event))
+        thread.start()
+        threads.append(thread)
+    try:
+        wait_for(lambda: len(running) == 1, "one leader")
+        first = running[0]
+        objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fastpod_manifest("d", MPS))
+        wait_for(lambda: _condition(_fastpod(objects, namespace, "d"), "Scheduled"), "leader reconciled d")
+        assert len(running) == 1
+        stops[first].set()  # the leader shuts down cleanly and releases the lease
+        wait_for(lambda: running and running[0] != first, "standby took over", timeout=60)
+        objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fastpod_manifest("e", MPS))
+        wait_for(lambda: _condition(_fastpod(objects, namespace, "e"), "Scheduled"), "the new leader acted")
+        assert len(running) == 1
+        assert terms == [first, next(n for n in stops if n != first)]
+    finally:
+        for event in stops.values():
+            event.set()
+        for thread in threads:
+            thread.join(60)
+    assert running == []

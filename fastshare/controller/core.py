@@ -180,15 +180,14 @@ class ControllerCore:
             placed = self.ledger.place(engine_request)
             if isinstance(placed, Rejection):
                 raise Rejected(placed.reason)
-            node = self.store.get_node(placed.node)
-            now = self.clock()
-            record = Allocation(
-                id=allocation_id, spec=request.spec, owner=request.owner, state=State.PENDING,
-                node=placed.node, idempotency_key=request.idempotency_key,
-                devices=_devices(placed, node), assignment=placed.to_dict(), created_at=now,
-                updated_at=now, lease_ttl=request.lease_ttl,
-                lease_expires_at=now + request.lease_ttl if request.lease_ttl else 0.0)
-            try:
+            try:   # until the record is stored, the reservation lives in memory only: undo it on failure
+                now = self.clock()
+                record = Allocation(
+                    id=allocation_id, spec=request.spec, owner=request.owner, state=State.PENDING,
+                    node=placed.node, idempotency_key=request.idempotency_key,
+                    devices=_devices(placed, self.store.get_node(placed.node)), assignment=placed.to_dict(),
+                    created_at=now, updated_at=now, lease_ttl=request.lease_ttl,
+                    lease_expires_at=now + request.lease_ttl if request.lease_ttl else 0.0)
                 self.store.create_allocation(record)
             except DuplicateKey as dup:   # a concurrent call with the same key won
                 self.ledger.release(allocation_id)

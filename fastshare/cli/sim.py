@@ -57,7 +57,15 @@ def sim(pods: str | None, nodes: str | None, policy: str, tune: float, seed: int
         _res, summary = exp.run(progress)
     data_dir = Path(pods).resolve().parent
     if plot:
-        _plot(plot, summary, published_curves(data_dir, trace, "fgd").get(seed))
+        curves = published_curves(data_dir, trace, "fgd")
+        if seed in curves:
+            ref, label = curves[seed], "FGD (published, same seed)"
+        elif curves:  # another seed: the mean published curve
+            ref = [sum(c[x] for c in curves.values()) / len(curves) for x in range(131)]
+            label = f"FGD (published, mean of {len(curves)} seeds)"
+        else:
+            ref, label = None, ""
+        _plot(plot, summary, ref, label)
     if as_json:
         print_json(summary)
         return
@@ -71,7 +79,7 @@ def sim(pods: str | None, nodes: str | None, policy: str, tune: float, seed: int
                   summary["wall_s"]]])
 
 
-def _plot(path: str, summary: dict, published_fgd: list[float] | None) -> None:
+def _plot(path: str, summary: dict, published_fgd: list[float] | None, label: str) -> None:
     try:
         import matplotlib
 
@@ -83,7 +91,7 @@ def _plot(path: str, summary: dict, published_fgd: list[float] | None) -> None:
     xs = [p[0] for p in summary["curve"]]
     ax.plot(xs, [p[1] for p in summary["curve"]], label=f"{summary['policy']} (this run)")
     if published_fgd:
-        ax.plot(range(len(published_fgd)), published_fgd, "--", label="FGD (published, same seed)")
+        ax.plot(range(len(published_fgd)), published_fgd, "--", label=label)
     ax.plot([0, 100], [0, 100], ":", color="grey", linewidth=0.8)
     ax.set_xlabel("arrived workload (% of GPU capacity)")
     ax.set_ylabel("GPU allocation ratio (%)")

@@ -100,8 +100,9 @@ class Policy:
         raise NotImplementedError
 
     def state_key(self, model: str, cpu_left: int, gpus: tuple[int, ...], task: Task) -> tuple | None:
-        """A key such that equal keys give equal ``score`` results (for caching), or None
-        to key on the raw state."""
+        """A key such that equal keys give equal scores (the chosen GPUs may differ; callers
+        that cache by this key ask ``score`` again for the node they pick), or None to key on
+        the raw state."""
         return None
 
 
@@ -265,7 +266,7 @@ class _FragKeyed(Policy):
     def state_key(self, model, cpu_left, gpus, task):
         th = self.frag.thresholds
         return (model if self.frag.model_dependent or task.models else "", bisect.bisect_right(th, cpu_left),
-                bisect.bisect_right(th, cpu_left - task.cpu), gpus)
+                bisect.bisect_right(th, cpu_left - task.cpu), tuple(sorted(gpus)))
 
 
 class FGDPolicy(_FragKeyed):

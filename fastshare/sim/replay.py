@@ -37,7 +37,8 @@ class SimResult:
     pods_failed: int
     gpu_pods_failed: int
     frag_ratio: float
-    decision_s: list[float] = field(default_factory=list)
+    decision_s: list[float] = field(default_factory=list)      # wall time per decision
+    decision_cpu_s: list[float] = field(default_factory=list)  # this thread's CPU time per decision
     wall_s: float = 0.0
 
 
@@ -67,6 +68,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
     next_x = 0
     placements: list[Placement] = []
     times: list[float] = []
+    cpu_times: list[float] = []
     uses_tags = policy.uses_tags
     randomized = policy.randomized
 
@@ -87,19 +89,23 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
         if s is None:
             if len(score_cache) > 2_000_000:  # bound memory on very long replays
                 score_cache.clear()
-            value, chosen = policy.score(model[i], cpu[i], gpus[i], task, tg)
-            s = score_cache[key] = (_neg(value), chosen)
+            s = score_cache[key] = _neg(policy.score(model[i], cpu[i], gpus[i], task, tg)[0])
         return s
+
+    def choose(i: int, task: Task) -> tuple[int, ...]:
+        tg = frozenset(tags[i]) if uses_tags else frozenset()
+        return policy.score(model[i], cpu[i], gpus[i], task, tg)[1]
 
     def push(h: list, i: int, task: Task) -> None:
         if fits(i, task):
-            heapq.heappush(h, (score(i, task)[0], ranks[i], version[i], i))
+            heapq.heappush(h, (score(i, task), ranks[i], version[i], i))
 
     gc_was_enabled = gc.isenabled()
     gc.disable()  # the replay makes no reference cycles; collector pauses would only add jitter
     try:
         for k, pod in enumerate(order):
             start = time.perf_counter()
+            cpu_start = time.thread_time()
             task = Task(pod.cpu_milli, pod.gpu_milli if pod.num_gpu else 0, pod.num_gpu, pod.gpu_spec)
             chosen = None
             if randomized:
@@ -110,7 +116,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
             else:
                 h = heaps.get(task)
                 if h is None:
-                    h = heaps[task] = [(score(i, task)[0], ranks[i], version[i], i)
+                    h = heaps[task] = [(score(i, task), ranks[i], version[i], i)
                                        for i in range(n) if fits(i, task)]
                     heapq.heapify(h)
                 else:
@@ -127,7 +133,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
                     if mem[i] < pod.memory_mib:  # memory filters but never scores: look further
                         skipped.append(heapq.heappop(h))
                         continue
-                    chosen = (i, score(i, task)[1])
+                    chosen = (i, choose(i, task))
                     break
                 for e in skipped:
                     heapq.heappush(h, e)
@@ -150,6 +156,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
                 allocated += pod.gpu_request
                 placements.append(Placement(pod, i, tuple(gi)))
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.thread_time() - cpu_start)
             arrived += pod.gpu_request
             while next_x < curve_points and arrived * 100 >= next_x * capacity:
                 curve.append((next_x, round(allocated * 100 / capacity, 2)))
@@ -176,5 +183,6 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
         gpu_pods_failed=sum(1 for p in failed if p.pod.num_gpu),
         frag_ratio=frag_ratio,
         decision_s=times,
+        decision_cpu_s=cpu_times,
         wall_s=time.perf_counter() - t0,
     )

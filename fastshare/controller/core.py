@@ -180,15 +180,14 @@ class ControllerCore:
             placed = self.ledger.place(engine_request)
             if isinstance(placed, Rejection):
                 raise Rejected(placed.reason)
-            node = self.store.get_node(placed.node)
-            now = self.clock()
-            record = Allocation(
-                id=allocation_id, spec=request.spec, owner=request.owner, state=State.PENDING,
-                node=placed.node, idempotency_key=request.idempotency_key,
-                devices=_devices(placed, node), assignment=placed.to_dict(), created_at=now,
-                updated_at=now, lease_ttl=request.lease_ttl,
-                lease_expires_at=now + request.lease_ttl if request.lease_ttl else 0.0)
-            try:
+            try:   # until the record is stored, the reservation lives in memory only: undo it on failure
+                now = self.clock()
+                record = Allocation(
+                    id=allocation_id, spec=request.spec, owner=request.owner, state=State.PENDING,
+                    node=placed.node, idempotency_key=request.idempotency_key,
+                    devices=_devices(placed, self.store.get_node(placed.node)), assignment=placed.to_dict(),
+                    created_at=now, updated_at=now, lease_ttl=request.lease_ttl,
+                    lease_expires_at=now + request.lease_ttl if request.lease_ttl else 0.0)
                 self.store.create_allocation(record)
             except DuplicateKey as dup:   # a concurrent call with the same key won
                 self.ledger.release(allocation_id)
@@ -241,7 +240,10 @@ class ControllerCore:
             try:
                 if allocation.assignment.get("enable_mig"):
                     gpu_uuid = allocation.devices[0].gpu_uuid
-                    if client.set_mig_mode(gpu_uuid, True).pending:
+                    mode = client.set_mig_mode(gpu_uuid, True)
+                    if mode.changed:   # the GPU is a MIG GPU now, also after this allocation ends
+                        self.refresh_node(node, client.inventory())
+                    if mode.pending:
                         raise AgentFailed(f"MIG mode on {node.name} {gpu_uuid} waits for a GPU reset",
                                           allocation, unreachable=False)
                 reply = client.prepare(self.share_for(allocation))
@@ -365,6 +367,18 @@ class ControllerCore:
             self.store.mark_node(name, available=False)
             self.ledger.set_available(name, False)
         return lost
+
+    def refresh_node(self, node: Node, inventory: agent_pb2.Inventory) -> None:
+        """Take over GPU facts that changed on the node (e.g. MIG mode) without re-registration."""
+        fresh = node_from_inventory(node.name, node.address, node.labels, inventory, node.last_heartbeat)
+        if fresh.gpus == node.gpus:
+            return
+        fresh = replace(fresh, available=node.available, registered_at=node.registered_at)
+        self.store.put_node(fresh)
+        self._gpus = None
+        for assignment, why in self.ledger.set_node(node_view(fresh), self.is_available(node.name)):
+            log.error("allocation %s no longer fits node %s: %s", assignment.request.id, node.name, why)
+        log.info("node %s: GPU facts changed (e.g. MIG mode); view refreshed", node.name)
 
     def adopt_node(self, node: Node, inventory: agent_pb2.Inventory | None) -> None:
         """At start: a node from the store, reachable (inventory) or not."""

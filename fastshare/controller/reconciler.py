@@ -89,6 +89,9 @@ class Reconciler:
     def _pass(self, inventories: dict[str, agent_pb2.Inventory | None],
               only: list[str] | None = None) -> Report:
         report = Report(unreachable=sorted(n for n, inv in inventories.items() if inv is None))
+        for node in self.core.store.list_nodes():
+            if inventories.get(node.name) is not None:
+                self.core.refresh_node(node, inventories[node.name])
         holding = [a for a in self.core.store.list_allocations(HOLDING) if only is None or a.node in only]
         for allocation in holding:
             self._allocation(allocation, inventories.get(allocation.node), report)

@@ -70,13 +70,13 @@ def run_module(collections_path: Path, module: str, args: dict, *, check: bool =
 
 
 def run_tasks(collections_path: Path, tasks: list[dict], tmp_path: Path, *, python: str | None = None,
-              extra_args: list[str] | None = None) -> list[dict]:
+              extra_args: list[str] | None = None, gather_facts: bool = False) -> list[dict]:
     """Run tasks in one localhost play (one Ansible start-up for many calls); one result each.
 
     Every task gets ignore_errors so that later tasks still run; callers assert on `failed`.
     """
     play = [{"name": "fastshare.gpu module test", "hosts": "localhost", "connection": "local",
-             "gather_facts": False,
+             "gather_facts": gather_facts, "gather_subset": ["!all", "min"],
              "vars": {"ansible_python_interpreter": python or sys.executable},
              "tasks": [{"ignore_errors": True, **task} for task in tasks]}]
     playbook = tmp_path / "play.yml"

@@ -7,6 +7,7 @@ role's template, parsed by fastshare's parser), and the Kubernetes manifests mod
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from fs_collection import COLLECTION, REPO, run_module, run_tasks
 
 from fastshare.device import mig_parted
 from fastshare.k8s import manifests
+from fastshare.security.certs import describe
 
 
 @pytest.mark.parametrize(("role", "bad_vars", "expected"), [
@@ -61,3 +63,31 @@ def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Pat
     assert {"CustomResourceDefinition", "Namespace", "Deployment", "DaemonSet", "Service"} <= kinds
     bad = run_module(collections_path, f"{COLLECTION}.k8s_manifests", {"values": {"controller": 3}})
     assert bad["failed"] and "values" in bad["msg"]
+
+
+def test_pki_issues_once_then_renews_only_when_due_or_names_change(collections_path: Path, tmp_path: Path):
+    """roles/pki with the CA on localhost, all files under tmp_path (fastshare certs does the work)."""
+    fastshare = str(Path(sys.executable).with_name("fastshare"))
+    tls = tmp_path / "tls"
+
+    def converge(**extra) -> bool:
+        role_vars = {"pki_ca_host": "localhost", "pki_ca_dir": str(tmp_path / "ca"), "pki_name": "gpu9",
+                     "pki_sans": ["gpu9", "10.0.0.9"], "pki_fastshare": fastshare,
+                     "pki_dest_dir": str(tls), "pki_owner": "root", "pki_group": "root", **extra}
+        results = run_tasks(collections_path, [
+            {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"}, "vars": role_vars}],
+            tmp_path, gather_facts=True)
+        failed = [r.get("msg") for r in results if r.get("failed")]
+        assert not failed, failed
+        return any(r.get("changed") for r in results)
+
+    assert converge() is True
+    key = tls / "gpu9.key"
+    assert (tls / "gpu9.crt").is_file() and (tls / "ca.crt").is_file()
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    first = (tls / "gpu9.crt").read_bytes()
+    assert converge() is False, "a valid certificate with the same names must not be issued again"
+    assert converge(pki_renew_days=40) is True, "30-day certificates are due when 40 days are required"
+    assert (tls / "gpu9.crt").read_bytes() != first
+    assert converge(pki_sans=["gpu9", "10.0.0.9", "gpu9.example"]) is True
+    assert "gpu9.example" in describe(tls / "gpu9.crt")["sans"]

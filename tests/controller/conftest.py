@@ -116,7 +116,7 @@ class ControllerProc(Proc):
         self.state_dir = state_dir
         args = [fastshare_bin(), "controller", "serve", "--state-dir", str(state_dir), "--tls-dir",
                 str(pki.dir), "--listen", self.address, "--heartbeat-interval", "1", "--heartbeat-timeout",
-                "6", "--reconcile-interval", "2", "--agent-deadline", "10", "--log-level", "info", *extra]
+                "10", "--reconcile-interval", "2", "--agent-deadline", "10", "--log-level", "info", *extra]
         super().__init__(args, root / f"controller-{port}-{time.monotonic_ns()}.log", env)
 
 

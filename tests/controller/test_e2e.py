@@ -162,3 +162,18 @@ def test_concurrent_allocations_never_overcommit(two_nodes):
     l4 = next(g for n in two_nodes.status().nodes for g in n.gpus if g.model == "L4")
     assert l4.sm_percent_used == 90 and len(l4.allocation_ids) == 3
     assert_consistent(two_nodes)
+
+
+def test_mig_mode_enabled_on_demand_is_remembered(two_nodes):
+    """An exclusive slice on an H100 without MIG switches it to MIG mode (Hopper: at once); after
+    the slice is gone the GPU is still in MIG mode, so it is no whole GPU any more."""
+    c = two_nodes.client()
+    ex = allocate(c, "exclusive", mig_profile="1g.10gb", models=["H100*"])
+    assert ex.node == "node-b" and ex.devices[0].mig_uuid.startswith("MIG-")
+    h100 = next(g for g in two_nodes.node("node-b").gpus if g.model.startswith("H100"))
+    assert h100.mig_enabled
+    c.call("Release", pb.ReleaseAllocationRequest(allocation_id=ex.id))
+    with pytest.raises(grpc.RpcError) as exc:
+        allocate(c, "whole", gpu_count=1, models=["H100*"])
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert_consistent(two_nodes)

@@ -3,7 +3,8 @@
 `hosts` proves the host machinery (create/destroy, ssh, systemd, network, offline pip);
 `default` converges the collection's playbooks/site.yml and verifies a working cluster. The
 `default` scenario needs the roles, playbooks and services; until they have all landed its test
-names exactly which of them are missing instead of pretending to pass.
+names exactly which of them are missing instead of pretending to pass, and a failure caused by a
+known defect outside molecule/ is reported as xfail naming that defect.
 
 Each test prints the scenario's wall time; the full log goes to the pytest temp dir.
 """
@@ -34,9 +35,9 @@ DEFAULT_NEEDS = {
 }
 
 # Defects outside molecule/ that make the default scenario fail although the hosts, the scenario
-# and verify are right: (text in the log, what is wrong, who fixes it). A run that fails with one
-# of these is reported as xfail naming it; any other failure fails the test, and once the defect
-# is fixed the scenario has to pass for real.
+# and verify are right: (task name in the log, error in the log, the defect and its issue). A run
+# that fails with both texts in its log is reported as xfail naming the defect; any other failure
+# fails the test, and once the defect is fixed the scenario has to pass for real.
 KNOWN_BLOCKERS = [
     ("Write the controller configuration",
      "not enough arguments for format string",

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fastshare.placement.policies import MILLI, Fragmentation, Policy, Task, Typical, gpu_fits
+from fastshare.placement.policies import MILLI, Fragmentation, Policy, Task, Typical, clustering_tag, gpu_fits
 from fastshare.sim.trace import SimNode, SimPod
 
 
@@ -150,7 +150,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
                         g[j] -= take
                     gpus[i] = tuple(g)
                     if uses_tags:
-                        tags[i][(task.num_gpu, task.milli)] += 1
+                        tags[i][clustering_tag(task)] += 1
                 version[i] += 1
                 changes.append(i)
                 allocated += pod.gpu_request

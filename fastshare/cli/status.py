@@ -88,10 +88,17 @@ def status(client_config, as_json: bool, include_finished: bool) -> None:
     render(st)
 
 
+def _node_state(node) -> str:
+    state = "available" if node.available else "UNAVAILABLE"
+    if node.cordoned:
+        state += ", cordoned" + (f": {node.cordon_reason}" if node.cordon_reason else "")
+    return state
+
+
 def render(st) -> None:
     now = time.time()
     print_table("Nodes", ["NODE", "ADDRESS", "STATE", "GPUS", "HEARTBEAT"], [
-        (n.name, n.address, "available" if n.available else "UNAVAILABLE", len(n.gpus),
+        (n.name, n.address, _node_state(n), len(n.gpus),
          f"{max(0, now - n.last_heartbeat):.0f}s ago" if n.last_heartbeat else "-") for n in st.nodes])
     marks: dict[str, str] = {}
     labels: dict[str, str] = {}

@@ -59,7 +59,8 @@ def cluster_status(nodes: list[Node], allocations: list[Allocation]) -> pb.Clust
     available = {n.name: n.available for n in nodes}
     for n in nodes:
         ns = out.nodes.add(name=n.name, address=n.address, available=n.available,
-                           last_heartbeat=n.last_heartbeat, labels=n.labels)
+                           last_heartbeat=n.last_heartbeat, labels=n.labels, cordoned=n.cordoned,
+                           cordon_reason=n.cordon_reason)
         for g in n.gpus:
             usage[(n.name, g.index)] = ns.gpus.add(
                 index=g.index, uuid=g.uuid, model=g.model, memory_bytes=g.memory_bytes, sm_count=g.sm_count,

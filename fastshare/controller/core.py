@@ -328,7 +328,8 @@ class ControllerCore:
         """An agent (re)announced itself: pull its inventory, refresh the ledger, reconcile it."""
         inventory = self.agents.get(name, address).inventory()
         now = self.clock()
-        node = node_from_inventory(name, address, labels, inventory, now)
+        node = _keep_cordon(node_from_inventory(name, address, labels, inventory, now),
+                            self.store.get_node(name))
         self.store.put_node(node)
         self._gpus = None
         with self._nodes_lock:
@@ -373,24 +374,45 @@ class ControllerCore:
         fresh = node_from_inventory(node.name, node.address, node.labels, inventory, node.last_heartbeat)
         if fresh.gpus == node.gpus:
             return
-        fresh = replace(fresh, available=node.available, registered_at=node.registered_at)
+        fresh = _keep_cordon(replace(fresh, available=node.available, registered_at=node.registered_at), node)
         self.store.put_node(fresh)
         self._gpus = None
         for assignment, why in self.ledger.set_node(node_view(fresh), self.is_available(node.name)):
             log.error("allocation %s no longer fits node %s: %s", assignment.request.id, node.name, why)
         log.info("node %s: GPU facts changed (e.g. MIG mode); view refreshed", node.name)
 
+    def set_schedulable(self, name: str, schedulable: bool, reason: str = "") -> Node:
+        """Cordon or uncordon a node: recorded first, then the engine stops (or resumes)
+        placing there; existing allocations are not touched."""
+        node = self.store.get_node(name)
+        if node is None:
+            known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"
+            raise NotFound(f"node {name!r} is not known to this controller (known: {known})")
+        node = replace(node, cordoned=not schedulable, cordon_reason="" if schedulable else reason)
+        self.store.put_node(node)
+        self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
+        log.info("node %s %s%s", name, "cordoned: no new work" if node.cordoned else "uncordoned",
+                 f" ({reason})" if node.cordoned and reason else "")
+        return node
+
     def adopt_node(self, node: Node, inventory: agent_pb2.Inventory | None) -> None:
         """At start: a node from the store, reachable (inventory) or not."""
         now = self.clock()
         if inventory is not None:
-            node = replace(node_from_inventory(node.name, node.address, node.labels, inventory, now),
-                           registered_at=node.registered_at)
+            fresh = node_from_inventory(node.name, node.address, node.labels, inventory, now)
+            node = _keep_cordon(replace(fresh, registered_at=node.registered_at), node)
             with self._nodes_lock:
                 self._registered.add(node.name)
                 self._last_seen[node.name] = now
         self.store.put_node(replace(node, available=inventory is not None))
         self._gpus = None
+
+
+def _keep_cordon(fresh: Node, stored: Node | None) -> Node:
+    """A node rebuilt from its agent's inventory keeps the operator's cordon."""
+    if stored is None:
+        return fresh
+    return replace(fresh, cordoned=stored.cordoned, cordon_reason=stored.cordon_reason)
 
 
 def _devices(assignment: Assignment, node: Node | None) -> list[Device]:

@@ -2,8 +2,8 @@
 
 Translates the API's :class:`Spec` into the engine's ``Request`` (globs in the model
 allow-list become the models present, a MIG profile name becomes its SM count and memory),
-keeps unavailable nodes in the engine (their shares are still held) but out of reach of new
-requests, and rebuilds the engine from persisted assignments after a restart.
+keeps unavailable and cordoned nodes in the engine (their shares are still held) but out of
+reach of new requests, and rebuilds the engine from persisted assignments after a restart.
 """
 
 from __future__ import annotations
@@ -50,11 +50,15 @@ class Ledger:
         self._engine = Engine(mps_oversubscription=mps_oversubscription)
         self._views: dict[str, NodeView] = {}
         self._available: dict[str, bool] = {}
+        self._cordoned: dict[str, str] = {}   # node -> the operator's reason
 
     # -- cluster view -------------------------------------------------------------------------
     def _view(self, view: NodeView, available: bool) -> NodeView:
         labels = dict(view.labels)
-        labels[STATE_LABEL] = "available" if available else "unavailable"
+        if not available:
+            labels[STATE_LABEL] = "unavailable"
+        else:
+            labels[STATE_LABEL] = "cordoned" if view.name in self._cordoned else "available"
         return NodeView(name=view.name, cpu_milli=view.cpu_milli, memory_mib=view.memory_mib,
                         gpus=view.gpus, labels=labels, links=view.links)
 
@@ -93,6 +97,17 @@ class Ledger:
         with self._lock:
             if name in self._views and self._available.get(name) != available:
                 self._available[name] = available
+                self._rebuild(self._engine.assignments.values())
+
+    def set_cordoned(self, name: str, cordoned: bool, reason: str = "") -> None:
+        """Cordon (no new work, shares kept) or uncordon a node; unknown names are remembered."""
+        with self._lock:
+            before = name in self._cordoned
+            if cordoned:
+                self._cordoned[name] = reason
+            else:
+                self._cordoned.pop(name, None)
+            if before != cordoned and name in self._views:
                 self._rebuild(self._engine.assignments.values())
 
     def models(self) -> set[str]:
@@ -146,10 +161,15 @@ class Ledger:
                     self._engine.release(result)
                     return Rejection(problem)
             if isinstance(result, Rejection):
+                notes = []
                 down = sorted(n for n, ok in self._available.items() if not ok)
                 if down:
-                    return Rejection(f"{result.reason} (unavailable, no new work: {', '.join(down)})",
-                                     result.details)
+                    notes.append(f"unavailable, no new work: {', '.join(down)}")
+                if self._cordoned:
+                    notes.append("cordoned: " + ", ".join(
+                        f"{n} ({why})" if why else n for n, why in sorted(self._cordoned.items())))
+                if notes:
+                    return Rejection(f"{result.reason} ({'; '.join(notes)})", result.details)
             return result
 
     def _quota_problem(self, placed: Assignment) -> str | None:

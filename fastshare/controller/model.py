@@ -122,3 +122,5 @@ class Node:
     last_heartbeat: float = 0.0
     registered_at: float = 0.0
     inventory: dict[str, Any] = field(default_factory=dict)  # the agent's raw inventory, for the engine
+    cordoned: bool = False           # an operator said: no new work here (e.g. MIG change)
+    cordon_reason: str = ""

@@ -66,7 +66,10 @@ class Reconciler:
             inventories = self._inventories()
             for node in self.core.store.list_nodes():
                 self.core.adopt_node(node, inventories.get(node.name))
-            nodes = [(node_view(n), n.available) for n in self.core.store.list_nodes()]
+            stored = self.core.store.list_nodes()
+            for n in stored:
+                self.core.ledger.set_cordoned(n.name, n.cordoned, n.cordon_reason)
+            nodes = [(node_view(n), n.available) for n in stored]
             holding = self.core.store.list_allocations(HOLDING)
             self._grace_leases(holding)
             for assignment, why in self.core.ledger.reset(

@@ -194,6 +194,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return convert.cluster_status(nodes, self.core.store.list_allocations(states))
 
     @_guard
+    def SetSchedulable(self, request: pb.SetSchedulableRequest, context) -> pb.NodeStatus:
+        if not request.node:
+            raise ValidationError("node", "name the node to cordon or uncordon")
+        if len(request.reason) > 256:
+            raise ValidationError("reason", f"at most 256 characters, got {len(request.reason)}")
+        node = self.core.set_schedulable(request.node, request.schedulable, request.reason)
+        node.available = self.core.is_available(node.name)
+        held = self.core.store.list_allocations(HOLDING, node=node.name)
+        return convert.cluster_status([node], held).nodes[0]
+
+    @_guard
     def Ping(self, request: common_pb2.Empty, context) -> common_pb2.Empty:
         return common_pb2.Empty()
 

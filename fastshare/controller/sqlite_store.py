@@ -21,7 +21,7 @@ from typing import Any
 from fastshare.controller.model import Allocation, Device, Gpu, Node, Spec, State
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore, StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -64,6 +64,10 @@ _MIGRATIONS: dict[int, str] = {
     );
     CREATE INDEX allocations_state ON allocations(state);
     CREATE INDEX allocations_node ON allocations(node);
+    """,
+    2: """
+    ALTER TABLE nodes ADD COLUMN cordoned INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE nodes ADD COLUMN cordon_reason TEXT NOT NULL DEFAULT ''
     """,
 }
 
@@ -143,13 +147,15 @@ class SqliteStore(StateStore):
             try:
                 self._db.execute(
                     "INSERT INTO nodes (name, address, labels, inventory, available, last_heartbeat, "
-                    "registered_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                    "registered_at, cordoned, cordon_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT(name) DO UPDATE SET "
                     "address=excluded.address, labels=excluded.labels, inventory=excluded.inventory, "
                     "available=excluded.available, last_heartbeat=excluded.last_heartbeat, "
-                    "registered_at=excluded.registered_at",
+                    "registered_at=excluded.registered_at, cordoned=excluded.cordoned, "
+                    "cordon_reason=excluded.cordon_reason",
                     (node.name, node.address, json.dumps(node.labels, sort_keys=True),
                      json.dumps(node.inventory, sort_keys=True), int(node.available),
-                     node.last_heartbeat, node.registered_at))
+                     node.last_heartbeat, node.registered_at, int(node.cordoned), node.cordon_reason))
                 self._db.execute("DELETE FROM gpus WHERE node = ?", (node.name,))
                 self._db.executemany(
                     "INSERT INTO gpus (node, idx, uuid, model, memory_bytes, sm_count, mig_capable, "
@@ -168,7 +174,8 @@ class SqliteStore(StateStore):
                 for g in self._db.execute("SELECT * FROM gpus WHERE node = ? ORDER BY idx", (row["name"],))]
         return Node(name=row["name"], address=row["address"], labels=json.loads(row["labels"]),
                     gpus=gpus, available=bool(row["available"]), last_heartbeat=row["last_heartbeat"],
-                    registered_at=row["registered_at"], inventory=json.loads(row["inventory"]))
+                    registered_at=row["registered_at"], inventory=json.loads(row["inventory"]),
+                    cordoned=bool(row["cordoned"]), cordon_reason=row["cordon_reason"])
 
     def get_node(self, name: str) -> Node | None:
         with self._lock:

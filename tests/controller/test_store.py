@@ -108,6 +108,31 @@ def test_list_filters_by_state_and_node(store):
     assert [a.id for a in store.list_allocations(node="n2")] == ["a2", "a3"]
 
 
+def test_a_version_1_state_file_is_migrated_keeping_its_rows(tmp_path):
+    from fastshare.controller.sqlite_store import _MIGRATIONS
+
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.executescript(_MIGRATIONS[1])
+    db.execute("INSERT INTO nodes VALUES ('n1', 'h:1', '{}', '{}', 1, 2.0, 1.0)")
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    s = SqliteStore(tmp_path / "state.db")
+    assert s.schema_version() == SCHEMA_VERSION
+    node = s.get_node("n1")
+    assert (node.address, node.cordoned, node.cordon_reason) == ("h:1", False, "")
+    s.close()
+
+
+def test_cordon_survives_reopen(tmp_path):
+    s = SqliteStore(tmp_path / "state.db")
+    s.put_node(Node(name="n1", address="h:1", cordoned=True, cordon_reason="MIG change"))
+    s.close()
+    s = SqliteStore(tmp_path / "state.db")
+    assert (s.get_node("n1").cordoned, s.get_node("n1").cordon_reason) == (True, "MIG change")
+    s.close()
+
+
 def test_nodes_with_gpus(store):
     node = Node(name="n1", address="127.0.0.1:1", labels={"zone": "a"},
                 gpus=[Gpu(0, "GPU-a", "NVIDIA A100-SXM4-40GB", 40 * 2**30, 108, True, False),

@@ -5,6 +5,10 @@ agent acts, and the row is completed after. After a crash the rows in an interme
 ('preparing', 'creating', 'starting', 'releasing', 'destroying', 'stopping') tell the
 reconciler exactly which step might be half done. Rows are small and every transaction is
 short: no device or process work ever happens while the database lock is held.
+
+Share rows are also kept parsed in memory (this process is the journal's only writer): every
+capacity check reads all shares of a device, and parsing every row's JSON on every request
+made prepare O(shares on the node).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from fastshare.node.model import Prepared, ShareSpec
 
 SCHEMA_VERSION = 1
+_SHARE_COLUMNS = "spec, state, device_uuid, port, prepared"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS shares (
     id TEXT PRIMARY KEY,
@@ -107,13 +112,16 @@ class Journal:
         with self._lock:
             self._db.executescript(_SCHEMA)  # idempotent (IF NOT EXISTS)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self._shares: dict[str, ShareRow] = {
+                r[0]: _share_row(r[1:]) for r in self._db.execute(f"SELECT id, {_SHARE_COLUMNS} FROM shares")}
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, share_id: str | None = None) -> Iterator[sqlite3.Connection]:
+        """One transaction; with ``share_id``, that share's cached row follows the commit."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -122,11 +130,18 @@ class Journal:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+            if share_id is not None:
+                row = self._db.execute(f"SELECT {_SHARE_COLUMNS} FROM shares WHERE id=?",
+                                       (share_id,)).fetchone()
+                if row is None:
+                    self._shares.pop(share_id, None)
+                else:
+                    self._shares[share_id] = _share_row(row)
 
     # shares -------------------------------------------------------------------------------
 
     def begin_share(self, spec: ShareSpec, device_uuid: str, port: int | None) -> None:
-        with self._tx() as db:
+        with self._tx(spec.id) as db:
             db.execute("INSERT INTO shares (id, spec, state, device_uuid, port, updated) "
                        "VALUES (?, ?, 'preparing', ?, ?, ?)",
                        (spec.id, spec.to_json(), device_uuid, port, time.time()))
@@ -134,40 +149,36 @@ class Journal:
     def insert_ready_share(self, spec: ShareSpec, device_uuid: str, port: int | None,
                            prepared: Prepared) -> None:
         """One-commit prepare, for shares whose only side effect is derived (share files)."""
-        with self._tx() as db:
+        with self._tx(spec.id) as db:
             db.execute("INSERT INTO shares (id, spec, state, device_uuid, port, prepared, updated) "
                        "VALUES (?, ?, 'ready', ?, ?, ?, ?)",
                        (spec.id, spec.to_json(), device_uuid, port, prepared.to_json(), time.time()))
 
     def share_ready(self, share_id: str, device_uuid: str, prepared: Prepared) -> None:
-        with self._tx() as db:
+        with self._tx(share_id) as db:
             db.execute("UPDATE shares SET state='ready', device_uuid=?, prepared=?, updated=? WHERE id=?",
                        (device_uuid, prepared.to_json(), time.time(), share_id))
 
     def set_share_state(self, share_id: str, state: str) -> None:
-        with self._tx() as db:
+        with self._tx(share_id) as db:
             db.execute("UPDATE shares SET state=?, updated=? WHERE id=?", (state, time.time(), share_id))
 
     def set_share_device(self, share_id: str, device_uuid: str) -> None:
-        with self._tx() as db:
+        with self._tx(share_id) as db:
             db.execute("UPDATE shares SET device_uuid=?, updated=? WHERE id=?",
                        (device_uuid, time.time(), share_id))
 
     def delete_share(self, share_id: str) -> None:
-        with self._tx() as db:
+        with self._tx(share_id) as db:
             db.execute("DELETE FROM shares WHERE id=?", (share_id,))
 
     def share(self, share_id: str) -> ShareRow | None:
         with self._lock:
-            row = self._db.execute("SELECT spec, state, device_uuid, port, prepared FROM shares WHERE id=?",
-                                   (share_id,)).fetchone()
-        return _share_row(row) if row else None
+            return self._shares.get(share_id)
 
     def shares(self) -> list[ShareRow]:
         with self._lock:
-            rows = self._db.execute("SELECT spec, state, device_uuid, port, prepared FROM shares "
-                                    "ORDER BY id").fetchall()
-        return [_share_row(r) for r in rows]
+            return [self._shares[k] for k in sorted(self._shares)]
 
     # MIG instances ------------------------------------------------------------------------
 

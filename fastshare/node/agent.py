@@ -128,6 +128,9 @@ class Agent:
         self._mps_health: dict[str, bool] = {}
         self._ports_in_use: set[int] = set()
         self._refresh_lock = threading.Lock()
+        # Share-file write coalescing: changes requested / covered by a finished write, per device.
+        self._files_wanted: dict[str, int] = {}
+        self._files_written: dict[str, int] = {}
 
     # --- bookkeeping -------------------------------------------------------------------------
 
@@ -465,12 +468,24 @@ class Agent:
             self._mps_health[dev.uuid] = True
 
     def _write_share_files(self, device_uuid: str, deadline: Deadline, exclude: str | None = None) -> None:
-        """Rewrite the device's files from the journal (the one source), under its file lock."""
+        """Rewrite the device's files from the journal (the one source), under its file lock.
+
+        Called after the caller's journal commit. Concurrent callers on one device coalesce: a
+        write that read the journal after our commit already says what we would write, so we
+        return as soon as one has finished (the number is taken before the journal is read)."""
+        with self._state:
+            wanted = self._files_wanted[device_uuid] = self._files_wanted.get(device_uuid, 0) + 1
         with self._file_locks.hold(device_uuid, deadline):
+            if exclude is None and self._files_written.get(device_uuid, 0) >= wanted:
+                return
+            with self._state:
+                covers = self._files_wanted[device_uuid]
             entries = [sharefiles.ShareEntry(r.spec.id, r.spec.quota_request, r.spec.quota_limit,
                                              r.spec.memory_bytes, r.port or 0)
                        for r in self._live_shares(device_uuid, exclude) if r.spec.kind == "fastpod"]
             sharefiles.write(self.config.share_root, device_uuid, entries)
+            if exclude is None:
+                self._files_written[device_uuid] = covers
 
     # --- release -----------------------------------------------------------------------------
 

@@ -226,6 +226,25 @@ def test_concurrent_requests_on_one_gpu_never_overcommit(agent, devices):
     assert len({r.device_uuids[0] for r in results if r}) == 7 == len(devices.mig_instances(GPU_MIG))
 
 
+def test_concurrent_fast_path_changes_leave_exact_share_files(agent):
+    """Concurrent prepares and releases on a running daemon coalesce their share-file writes;
+    whatever the interleaving, the files end up listing exactly the shares that remain."""
+    agent.start()
+    gpu = _uuids(agent)[GPU_A]
+    stub = agent.unix()
+    stub.PrepareShare(fastpod("first", gpu, sm=4, mem_gib=1, req=0.04, lim=0.1), timeout=120)  # daemon up
+    _, errors = _parallel(16, lambda i: stub.PrepareShare(
+        fastpod(f"c{i}", gpu, sm=4, mem_gib=1, req=0.04, lim=0.1), timeout=120))
+    assert errors == [None] * 16
+    listed = {e.key for e in sharefiles.read(agent.rundir / "shares", gpu)}
+    assert listed == {"first"} | {f"c{i}" for i in range(16)}
+    _, errors = _parallel(8, lambda i: _release(stub, f"c{2 * i}"))
+    assert errors == [None] * 8
+    remaining = {"first"} | {f"c{2 * i + 1}" for i in range(8)}
+    assert {e.key for e in sharefiles.read(agent.rundir / "shares", gpu)} == remaining
+    assert len({e.port for e in sharefiles.read(agent.rundir / "shares", gpu)}) == len(remaining)
+
+
 def test_fastpod_on_a_mig_device_gets_its_own_daemon(agent, devices):
     agent.start()
     gpu = _uuids(agent)[GPU_MIG]

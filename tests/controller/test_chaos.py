@@ -236,10 +236,13 @@ def test_chaos_kills_never_break_the_invariants(cluster: Cluster,
     for name, agent in cluster.agents.items():
         if not agent.alive():
             cluster.start_agent(name, wait=False)
-    for name in cluster.agents:
+    for name, agent in cluster.agents.items():
+        # The controller may still count a just-killed agent as available (heartbeat timeout):
+        # wait for the new process itself to answer too.
+        wait_for(lambda agent=agent: agent.share_ids(cluster.pki) is not None, 120, f"agent {name} answering")
         cluster.wait_node(name, available=True, timeout=120)
     wait_for(lambda: settled(cluster), 120, "allocations settled after the chaos")
-    assert_consistent(cluster)
+    wait_for(lambda: assert_consistent(cluster) is None, 120, "the controller and agents agreeing")
     wait_for(lambda: not agent_leftovers(cluster), 120, "agents free of leftovers")
     final = cluster.status()
     for node in final.nodes:

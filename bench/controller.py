@@ -12,7 +12,9 @@ Every Allocate is a full life cycle step: validation, placement, three SQLite co
 PrepareShare RPC to the agent with its deadline.
 
     python bench/controller.py [--allocations 400] [--concurrency 8]
-Targets (issue #5): >= 200 allocations/s and p99 <= 50 ms.
+Targets (issue #5): >= 200 allocations/s and p99 <= 50 ms. It also prints the resident memory
+of the controller and of each agent after the warm-up and after every further tenth of the
+allocations: `--allocations 10000` is issue #9's load test (memory must stay flat).
 """
 
 from __future__ import annotations
@@ -157,6 +159,13 @@ def run_parallel(clients: list[Client], jobs: list, call) -> tuple[float, list[f
     return time.perf_counter() - start, latencies, results
 
 
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else values[0]
 
@@ -179,6 +188,9 @@ def main() -> None:
                 for _ in range(2 * GPUS_PER_NODE)]
         gpus = {(a.node, a.devices[0].gpu_index) for a in warm}
         print(f"warm-up: {len(warm)} shares keep MPS daemons on {len(gpus)} GPUs up")
+        names = ("controller", "node-1", "node-2")
+        rss = [(0, [rss_mib(p.pid) for p in cluster.procs])]
+        step = max(args.batch, args.allocations // 10)
 
         placed: list[tuple[str, str]] = []   # (node, GPU uuid) of every measured allocation
         alloc_lat: list[float] = []
@@ -198,6 +210,9 @@ def main() -> None:
             release_wall += wall
             release_lat += lat
             left -= n
+            done_so_far = args.allocations - left
+            if done_so_far // step > rss[-1][0] // step or left == 0:
+                rss.append((done_so_far, [rss_mib(p.pid) for p in cluster.procs]))
         ping_wall, ping_lat, _ = run_parallel(clients, [None] * args.allocations,
                                               lambda c, _: c.call("Ping", common_pb2.Empty()))
         # Second reference: the node agents alone, the same shares on the same GPUs, no controller.
@@ -238,6 +253,13 @@ def main() -> None:
     overhead = statistics.median(alloc_lat) - statistics.median(agent_lat)
     print(f"Allocate vs the agents' PrepareShare alone: {n / alloc_wall / (n / agent_wall):.2f}x the "
           f"throughput; p50 latency difference {1000 * overhead:+.1f} ms (noisy on a shared machine)")
+    print("\nresident memory (MiB) after N allocate+release cycles:")
+    print(f"{'N':>8} " + " ".join(f"{name:>11}" for name in names))
+    for count, values in rss:
+        print(f"{count:8d} " + " ".join(f"{v:11.1f}" for v in values))
+    first, last = rss[0][1], rss[-1][1]
+    growth = (f"{name} {b / a:.2f}x" for name, a, b in zip(names, first, last, strict=True))
+    print("end vs start: " + ", ".join(growth))
     ok_rate, ok_p99 = n / alloc_wall >= 200, p99(alloc_lat) <= 0.050
     print(f"targets: >= 200 allocations/s: {'met' if ok_rate else 'NOT met'}; "
           f"p99 <= 50 ms: {'met' if ok_p99 else 'NOT met'}")

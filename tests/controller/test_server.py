@@ -57,6 +57,10 @@ def test_client_without_certificate_or_token_is_refused(cluster):
     with pytest.raises(grpc.RpcError) as exc:
         client.call("Ping", common_pb2.Empty(), timeout=10)
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Plain text: no TLS at all, refused at the handshake.
+    with grpc.insecure_channel(cluster.address) as plain, pytest.raises(grpc.RpcError) as exc:
+        plain.unary_unary("/fastshare.v1.Controller/Ping")(b"", timeout=10)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_token_port(cluster):

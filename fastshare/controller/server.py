@@ -42,6 +42,7 @@ from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
+from fastshare.sqlite_file import write_failure
 from fastshare.v1 import common_pb2
 from fastshare.v1 import controller_pb2 as pb
 from fastshare.v1 import controller_pb2_grpc as pb_grpc
@@ -120,6 +121,9 @@ def _guard(method: Callable[..., Any]) -> Callable[..., Any]:
         except grpc.RpcError:
             raise
         except Exception as exc:
+            if reason := write_failure(exc):
+                log.error("%s: %s", method.__name__, reason)
+                context.abort(grpc.StatusCode.UNAVAILABLE, reason)
             if isinstance(exc, ValidationError | Rejected | NotFound | KeyConflict | Busy | Conflict
                           | AgentFailed | AgentError):
                 _abort(context, exc)

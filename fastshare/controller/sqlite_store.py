@@ -20,6 +20,7 @@ from typing import Any
 
 from fastshare.controller.model import Allocation, Device, Gpu, Node, Spec, State
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore, StoreError
+from fastshare.sqlite_file import open_state_file
 
 SCHEMA_VERSION = 2
 
@@ -107,12 +108,9 @@ class SqliteStore(StateStore):
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
-                                   timeout=30)
+        self._db = open_state_file(self.path, synchronous="NORMAL", what="controller state",
+                                   recovery="the controller forgets every allocation and node")
         self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
         self._migrate()
 
     def _migrate(self) -> None:

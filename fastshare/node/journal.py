@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastshare.node.model import Prepared, ShareSpec
+from fastshare.sqlite_file import open_state_file
 
 SCHEMA_VERSION = 1
 _SHARE_COLUMNS = "spec, state, device_uuid, port, prepared"
@@ -99,12 +100,10 @@ class Journal:
 
     def __init__(self, path: Path) -> None:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db = open_state_file(path, synchronous="FULL", what="node agent journal",
+                                   recovery="the agent forgets which shares, MIG instances and MPS "
+                                            "daemons it made and never cleans them up")
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise JournalError(f"{path} has schema version {version}, newer than this agent "

@@ -24,6 +24,7 @@ from fastshare.node.agent import Agent, AgentError, Deadline, Snapshot
 from fastshare.node.journal import ShareRow
 from fastshare.node.model import Prepared, ShareSpec
 from fastshare.security.tls import peer_identity
+from fastshare.sqlite_file import write_failure
 from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger("fastshare.node")
@@ -87,7 +88,11 @@ def rpc(mutating: bool) -> Callable:
             except _Abort as exc:
                 code = exc.code.name
                 context.abort(exc.code, exc.message)
-            except Exception:
+            except Exception as exc:
+                if reason := write_failure(exc):
+                    code = "UNAVAILABLE"
+                    log.error("%s: %s", name, reason)
+                    context.abort(grpc.StatusCode.UNAVAILABLE, reason)
                 code = "INTERNAL"
                 log.exception("%s failed", name)
                 context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the agent; see its log")

@@ -176,3 +176,19 @@ def test_dead_mps_daemon_is_restarted_by_housekeeping(agent):
     old = mps.daemon_pid(gpu)
     mps.command(gpu, "quit")  # the daemon dies behind the agent's back
     wait_for(lambda: mps.answers(gpu) and mps.daemon_pid(gpu) != old, what="MPS daemon restarted")
+
+
+def test_damaged_journal_is_refused_and_left_as_it_was(agent):
+    """The journal is the only record of what the agent made: never start over silently."""
+    agent.start()
+    agent.stop()
+    journal = agent.workdir / "state" / "journal.db"
+    journal.write_bytes(b"\x00garbage" * 512)
+    for extra in ("-wal", "-shm"):
+        journal.with_name(journal.name + extra).unlink(missing_ok=True)
+    before = journal.read_bytes()
+    agent.start(wait_ready=False)
+    assert agent.wait_exit() != 0
+    log = agent.log.read_text().split("---- start")[-1]
+    assert "node agent journal" in log and "is damaged" in log and "Traceback" not in log
+    assert journal.read_bytes() == before

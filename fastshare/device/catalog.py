@@ -55,7 +55,7 @@ class GpuModel:
         """A profile by name ("3g.20gb", case-insensitive) or id (9 or "9")."""
         text = str(name_or_id).strip().lower()
         for p in self.profiles:
-            if p.name.lower() == text or (text.isdigit() and p.profile_id == int(text)):
+            if p.name.lower() == text or (text.isascii() and text.isdigit() and p.profile_id == int(text)):
                 return p
         known = ", ".join(f"{p.name} (id {p.profile_id})" for p in self.profiles) or "none"
         raise CatalogError(f"profile {name_or_id!r} does not exist on {self.key}; known: {known}")

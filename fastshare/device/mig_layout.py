@@ -52,7 +52,7 @@ class GpuShape:
     def profile(self, name_or_id: str | int) -> MigProfile:
         text = str(name_or_id).strip().lower()
         for p in self.profiles:
-            if p.name.lower() == text or (text.isdigit() and p.profile_id == int(text)):
+            if p.name.lower() == text or (text.isascii() and text.isdigit() and p.profile_id == int(text)):
                 return p
         known = ", ".join(f"{p.name} (id {p.profile_id})" for p in self.profiles)
         raise LayoutError(f"unknown MIG profile {name_or_id!r} on {self.label}; known: {known}")
@@ -143,7 +143,7 @@ def parse_layout(text: str | dict[str, int], shape: GpuShape) -> Counter[int]:
 def _count(name: object, value: object) -> int:
     try:
         count = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise LayoutError(f"count for {name!r} must be an integer >= 0, got {value!r}") from None
     if count < 0 or str(value).strip() not in (str(count), f"+{count}"):
         raise LayoutError(f"count for {name!r} must be an integer >= 0, got {value!r}")

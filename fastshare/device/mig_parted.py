@@ -86,7 +86,10 @@ class GpuPlan:
 
 def parse_config(source: str | Mapping[str, Any]) -> dict[str, list[DeviceSpec]]:
     """Named configs from YAML text or an already-loaded mapping."""
-    data = yaml.safe_load(source) if isinstance(source, str) else source
+    try:
+        data = yaml.safe_load(source) if isinstance(source, str) else source
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"not valid YAML: {exc}".replace("\n", " ")) from None
     if not isinstance(data, Mapping):
         raise ConfigError("config must be a mapping with 'version' and 'mig-configs'")
     if data.get("version") != "v1":

@@ -32,6 +32,19 @@ class CatalogError(ValueError):
     """Unknown model or profile, or no profile can satisfy a request (message says why)."""
 
 
+
+def find_profile(profiles: Iterable[MigProfile], name_or_id: str | int) -> MigProfile | None:
+    """A profile by name ("3g.20gb", case-insensitive) or id (9 or "9"), or None."""
+    text = str(name_or_id).strip().lower()
+    for p in profiles:
+        if p.name.lower() == text or (text.isascii() and text.isdigit() and p.profile_id == int(text)):
+            return p
+    return None
+
+
+def known_profiles(profiles: Iterable[MigProfile]) -> str:
+    return ", ".join(f"{p.name} (id {p.profile_id})" for p in profiles) or "none"
+
 @dataclass(frozen=True)
 class GpuModel:
     """One GPU model as the catalog knows it."""
@@ -53,12 +66,11 @@ class GpuModel:
 
     def profile(self, name_or_id: str | int) -> MigProfile:
         """A profile by name ("3g.20gb", case-insensitive) or id (9 or "9")."""
-        text = str(name_or_id).strip().lower()
-        for p in self.profiles:
-            if p.name.lower() == text or (text.isascii() and text.isdigit() and p.profile_id == int(text)):
-                return p
-        known = ", ".join(f"{p.name} (id {p.profile_id})" for p in self.profiles) or "none"
-        raise CatalogError(f"profile {name_or_id!r} does not exist on {self.key}; known: {known}")
+        found = find_profile(self.profiles, name_or_id)
+        if found is None:
+            raise CatalogError(f"profile {name_or_id!r} does not exist on {self.key}; "
+                               f"known: {known_profiles(self.profiles)}")
+        return found
 
     def profile_by_enum(self, enum_index: int) -> MigProfile | None:
         """The profile NVML reports for a NVML_GPU_INSTANCE_PROFILE_* index, if any."""

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from fastshare.device.api import DeviceError, Devices, MigInstance, MigProfile
-from fastshare.device.catalog import GpuModel
+from fastshare.device.catalog import GpuModel, find_profile, known_profiles
 
 
 class LayoutError(ValueError):
@@ -50,12 +50,11 @@ class GpuShape:
         return cls(profiles, memory, max(p.slices for p in profiles), label)
 
     def profile(self, name_or_id: str | int) -> MigProfile:
-        text = str(name_or_id).strip().lower()
-        for p in self.profiles:
-            if p.name.lower() == text or (text.isascii() and text.isdigit() and p.profile_id == int(text)):
-                return p
-        known = ", ".join(f"{p.name} (id {p.profile_id})" for p in self.profiles)
-        raise LayoutError(f"unknown MIG profile {name_or_id!r} on {self.label}; known: {known}")
+        found = find_profile(self.profiles, name_or_id)
+        if found is None:
+            raise LayoutError(f"unknown MIG profile {name_or_id!r} on {self.label}; "
+                              f"known: {known_profiles(self.profiles)}")
+        return found
 
     def mask(self, profile: MigProfile, start: int) -> int:
         return ((1 << profile.memory_slices) - 1) << start

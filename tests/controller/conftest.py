@@ -128,13 +128,15 @@ class AgentProc(Proc):
         self.port = port
         self.address = f"127.0.0.1:{port}"
         short = cluster.short / name
+        # The same port range on every restart of this agent, a different one per agent.
+        slot = list(cluster.agents).index(name) if name in cluster.agents else len(cluster.agents)
         config = {
             "node_name": name, "listen": self.address, "unix_socket": str(short / "node.sock"),
             "state_dir": str(cluster.root / f"{name}-state"), "run_dir": str(short / "run"),
             "device_backend": "sim", "sim_state": str(cluster.root / f"{name}.json"),
             "mps_control_binary": str(Path(fastshare_bin()).parent / "fastshare-mps-standin"),
             "metrics_listen": "", "mps_timeout_s": 30, "controller_address": cluster.address,
-            "share_ports": f"{20000 + 100 * len(cluster.agents)}-{20099 + 100 * len(cluster.agents)}",
+            "share_ports": f"{20000 + 100 * slot}-{20099 + 100 * slot}",
             "tls": {"cert": str(cluster.pki.dir / f"{name}.crt"), "key": str(cluster.pki.dir / f"{name}.key"),
                     "ca": str(cluster.pki.dir / "ca.crt")}}
         path = cluster.root / f"{name}.yaml"

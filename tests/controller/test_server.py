@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import grpc
 import pytest
+from security.handmade import issue_client_cert
 
 from fastshare.controller.client import Client, ClientConfig
+from fastshare.security import certs
 from fastshare.v1 import common_pb2
 from fastshare.v1 import controller_pb2 as pb
 
@@ -61,6 +64,25 @@ def test_client_without_certificate_or_token_is_refused(cluster):
     with grpc.insecure_channel(cluster.address) as plain, pytest.raises(grpc.RpcError) as exc:
         plain.unary_unary("/fastshare.v1.Controller/Ping")(b"", timeout=10)
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_expired_or_foreign_client_certificates_are_refused(cluster):
+    cluster.start_controller()
+    # Signed by the cluster CA but expired yesterday: refused at the handshake.
+    issue_client_cert(cluster.pki.ca, "expired", cluster.pki.dir, ends_in_days=-1)
+    # Valid, but issued by another CA (the client trusts the controller's CA to reach the handshake).
+    foreign = cluster.root / "foreign"
+    certs.init_ca(cluster.root / "other-ca")
+    certs.issue(cluster.root / "other-ca", "client", foreign, usage="client")
+    shutil.copy(cluster.pki.dir / "ca.crt", foreign / "ca.crt")
+    for config in (dict(tls_name="expired"), dict(tls_dir=foreign, tls_name="client")):
+        client = Client(ClientConfig(address=cluster.address, **{"tls_dir": cluster.pki.dir, **config}))
+        cluster.clients.append(client)
+        for method, request in (("Ping", common_pb2.Empty()), ("Allocate", pb.AllocateRequest())):
+            with pytest.raises(grpc.RpcError) as exc:
+                client.call(method, request, timeout=10)
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, (config, method)
+    assert cluster.client(tls_name="client").call("Ping", common_pb2.Empty(), timeout=10) is not None
 
 
 def test_token_port(cluster):

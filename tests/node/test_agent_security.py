@@ -6,8 +6,11 @@ import subprocess
 
 import grpc
 import pytest
+from security.handmade import issue_client_cert
 
-from fastshare.v1 import agent_pb2
+from fastshare.node.client import channel
+from fastshare.security.tls import TlsPaths
+from fastshare.v1 import agent_pb2, agent_pb2_grpc
 
 from .harness import BIN, GPU_A, fastpod, rpc_error
 
@@ -18,10 +21,21 @@ def _gpu(agent):
     return agent.unix().GetInventory(INV, timeout=30).gpus[GPU_A].uuid
 
 
-@pytest.mark.parametrize("client", ["no-cert", "wrong-ca"])
-def test_mtls_port_refuses_clients_without_a_cluster_certificate(agent, client):
+def _expired_client(agent, tmp_path) -> agent_pb2_grpc.NodeAgentStub:
+    """Signed by the cluster CA and named like the controller, but its validity ended yesterday."""
+    issue_client_cert(agent.pki / "ca", "controller", tmp_path / "expired", ends_in_days=-1)
+    paths = TlsPaths.in_dir(tmp_path / "expired", "controller")
+    paths = TlsPaths(paths.cert, paths.key, agent.pki / "ca" / "ca.crt")
+    return agent_pb2_grpc.NodeAgentStub(channel(f"127.0.0.1:{agent.ports['listen']}", tls=paths))
+
+
+@pytest.mark.parametrize("client", ["no-cert", "wrong-ca", "expired", "plaintext"])
+def test_mtls_port_refuses_clients_without_a_cluster_certificate(agent, client, tmp_path):
     agent.start()
-    stub = agent.no_client_cert() if client == "no-cert" else agent.mtls("intruder")
+    stub = {"no-cert": agent.no_client_cert, "wrong-ca": lambda: agent.mtls("intruder"),
+            "expired": lambda: _expired_client(agent, tmp_path),
+            "plaintext": lambda: agent_pb2_grpc.NodeAgentStub(
+                grpc.insecure_channel(f"127.0.0.1:{agent.ports['listen']}"))}[client]()
     for call, request in ((stub.PrepareShare, fastpod("x", _gpu(agent))), (stub.GetInventory, INV)):
         assert rpc_error(call, request).code() == grpc.StatusCode.UNAVAILABLE  # TLS handshake refused
     assert agent.unix().GetInventory(INV, timeout=30).shares == []

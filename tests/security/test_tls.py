@@ -3,15 +3,10 @@
 The node agent and the controller both build their ports from ``server_credentials``; their
 own tests repeat the refusals against the real services."""
 
-import datetime as dt
 from concurrent import futures
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fastshare.security import certs as pki
 from fastshare.security.tls import (
@@ -22,6 +17,8 @@ from fastshare.security.tls import (
     secure_channel,
     server_credentials,
 )
+
+from .handmade import issue_client_cert
 
 METHOD = "/test.Echo/Who"
 
@@ -51,28 +48,9 @@ def pkis(tmp_path):
     pki.issue(tmp_path / "ca", "admin", tmp_path / "admin", usage="client", days=1)
     pki.issue(tmp_path / "ca", "worker", tmp_path / "worker", usage="client", days=1)
     pki.issue(tmp_path / "other-ca", "admin", tmp_path / "intruder", usage="client", days=1)
-    _issue_client(tmp_path / "ca", "admin", tmp_path / "expired", ends_in_days=-1)
-    _issue_client(tmp_path / "ca", "admin", tmp_path / "handmade", ends_in_days=1)  # control
+    issue_client_cert(tmp_path / "ca", "admin", tmp_path / "expired", ends_in_days=-1)
+    issue_client_cert(tmp_path / "ca", "admin", tmp_path / "handmade", ends_in_days=1)  # control
     return tmp_path
-
-
-def _issue_client(ca_dir, name, out_dir, ends_in_days):
-    """A client certificate of the cluster CA, valid until ``ends_in_days`` from now."""
-    ca_cert, ca_key = pki.load_ca(ca_dir)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(days=10))
-            .not_valid_after(now + dt.timedelta(days=ends_in_days))
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    out_dir.mkdir(parents=True)
-    (out_dir / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (out_dir / f"{name}.key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
 def _serve(paths: TlsPaths, require: bool):

@@ -3,10 +3,22 @@ from the TokenRequest API) can do exactly what the controller needs, and nothing
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from kubernetes import client, utils
 
+from fastshare.controller.agent_client import AgentPool
+from fastshare.controller.core import Settings as CoreSettings
 from fastshare.k8s import manifests
+from fastshare.k8s.controller import KubeController, KubeSettings
+from fastshare.k8s.leader import LeaderElector
+from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
+from fastshare.security import certs
+from fastshare.security.tls import TlsPaths
+
+from .agents import Agent, kubelet_step, register_node
+from .conftest import wait_for
 
 NAMESPACE = "fastshare-system"
 
@@ -120,3 +132,58 @@ def test_the_node_agent_service_account_has_no_permissions(control_plane, api_cl
             assert not _allowed(api, *attrs), attrs
     finally:
         api.close()
+
+
+def test_the_controller_does_its_whole_job_with_exactly_that_role(controller_api, api_client, namespace,
+                                                                   rbac_installed, tmp_path):
+    """Leader Lease, node watch, finalizer, replica Pod with nodeName, status, Pod deletion and
+    finalizer removal, all with the service account's token; the admin plays only user and kubelet."""
+    certs.init_ca(tmp_path / "ca")
+    certs.issue(tmp_path / "ca", "controller", tmp_path / "controller", usage="client", days=1)
+    tls = TlsPaths.in_dir(tmp_path / "controller", "controller")
+    admin = client.CoreV1Api(api_client)
+    agent = Agent(tmp_path, tmp_path / "ca", f"rbac-{uuid.uuid4().hex[:4]}", ["V100-SXM2-32GB"], mig=False)
+    agent.start(tls)
+    register_node(admin, agent)
+    elector = LeaderElector(controller_api, NAMESPACE, rbac_installed["controller"]["leaseName"], "rbac-test")
+    controller = KubeController(controller_api, AgentPool(tls, deadline=10.0),
+                                KubeSettings(namespace=namespace, workers=2, node_interval=0.5,
+                                             resync_interval=3, watch_timeout=10),
+                                CoreSettings(heartbeat_timeout=3.0, reconcile_interval=2.0, busy_wait=10.0))
+    objects = client.CustomObjectsApi(api_client)
+    try:
+        assert elector.step() and elector.is_leader  # create + get/update of its own Lease
+        controller.start()
+        objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                fastpod_manifest("r", {"kind": "mps", "memory": "2Gi"}, 1))
+
+        def running():
+            kubelet_step(admin, namespace)
+            fastpod = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "r")
+            nodes = [p.spec.node_name for p in admin.list_namespaced_pod(namespace).items]
+            return (fastpod.get("status") or {}).get("readyReplicas") == 1 and nodes == [agent.name]
+
+        wait_for(running, "replica running under the controller's role", timeout=120)
+        objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "r")
+
+        def gone():
+            kubelet_step(admin, namespace)
+            try:
+                objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "r")
+                return False
+            except client.ApiException as exc:
+                return exc.status == 404
+
+        wait_for(gone, "FastPod released and its finalizer removed", timeout=120)
+        assert agent.shares(tls) == [] and admin.list_namespaced_pod(namespace).items == []
+        for forbidden in (lambda: client.CoreV1Api(controller_api).delete_node(agent.name),
+                          lambda: client.CoreV1Api(controller_api).list_namespaced_secret(namespace)):
+            with pytest.raises(client.ApiException) as info:
+                forbidden()
+            assert info.value.status == 403
+    finally:
+        controller.stop()
+        controller.core.agents.close()
+        elector.release()
+        agent.stop()
+        admin.delete_node(agent.name)

@@ -75,6 +75,10 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     tokens: tuple[str, ...] = ()
     if values.get("token_file"):
         try:
+            mode = Path(values["token_file"]).stat().st_mode & 0o777
+            if mode & 0o077:  # the tokens are passwords: refuse a file others can read or change
+                fail(f"--token-file: {values['token_file']} has mode {mode:04o}; allowed: 0600 or 0400 "
+                     "(owner only)", f"chmod 600 {values['token_file']}")
             tokens = tuple(line.strip() for line in Path(values["token_file"]).read_text().splitlines()
                            if line.strip() and not line.startswith("#"))
         except OSError as exc:

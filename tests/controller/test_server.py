@@ -88,6 +88,14 @@ def test_expired_or_foreign_client_certificates_are_refused(cluster):
 def test_token_port(cluster):
     tokens = cluster.root / "tokens"
     tokens.write_text("# accepted\ns3cret\n")
+    tokens.chmod(0o644)
+    out = subprocess.run([fastshare_bin(), "controller", "serve", "--state-dir", str(cluster.state_dir),
+                          "--tls-dir", str(cluster.pki.dir), "--listen", cluster.address,
+                          "--client-auth", "any", "--token-file", str(tokens)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--token-file" in out.stderr and "0644" in out.stderr
+    assert "s3cret" not in out.stderr + out.stdout
+    tokens.chmod(0o600)
     token_port = free_port()
     cluster.start_controller(extra=["--client-auth", "any", "--token-file", str(tokens), "--token-listen",
                                     f"127.0.0.1:{token_port}"])

@@ -17,8 +17,22 @@ from fastshare.device import catalog
 
 MAX_LEASE_TTL = 7 * 24 * 3600
 MIN_LEASE_TTL = 5
+# Ranges that do not depend on the cluster. The FastPod CRD's schema is rendered from these
+# (fastshare.k8s.manifests), so the API server and the controller refuse the same requests.
+MAX_GPUS_PER_NODE = 16
+MAX_SM_COUNT = 1024
+MAX_LIST_ENTRIES = 64
+MAX_MODEL_LENGTH = 128
+TAG_PATTERN = r"^[A-Za-z0-9._/-]{1,63}$"
 _KEY_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
-_TAG_RE = re.compile(r"^[A-Za-z0-9._/-]{1,63}$")
+_TAG_RE = re.compile(TAG_PATTERN)
+
+
+def schema_limits() -> dict[str, int | str]:
+    """The ranges above, under the names the CRD template uses."""
+    return {"max_gpu_count": MAX_GPUS_PER_NODE, "max_sm_count": MAX_SM_COUNT,
+            "max_list_entries": MAX_LIST_ENTRIES, "max_model_length": MAX_MODEL_LENGTH,
+            "tag_pattern": TAG_PATTERN}
 GiB = 1024**3
 MiB = 1024**2
 
@@ -57,10 +71,14 @@ def _unused(spec: Spec, kind: Kind, names: Iterable[str]) -> None:
 
 
 def _strings(field: str, values: Sequence[str]) -> None:
-    if len(values) > 64:
-        raise ValidationError(field, f"at most 64 entries, got {len(values)}")
+    if len(values) > MAX_LIST_ENTRIES:
+        raise ValidationError(field, f"at most {MAX_LIST_ENTRIES} entries, got {len(values)}")
     if not all(values):
         raise ValidationError(field, "entries must not be empty")
+    too_long = [v for v in values if len(v) > MAX_MODEL_LENGTH]
+    if too_long:
+        raise ValidationError(field, f"entries of at most {MAX_MODEL_LENGTH} characters, got "
+                                     f"{len(too_long[0])}")
 
 
 def _mig_models(gpus: Sequence[Gpu]) -> list[catalog.GpuModel]:
@@ -79,6 +97,8 @@ def _exclusive(spec: Spec, gpus: Sequence[Gpu]) -> None:
                                                   f"sm_count or sm_percent, got {shapes or 'none'}")
     if spec.sm_percent and not 1 <= spec.sm_percent <= 100:
         raise ValidationError("spec.sm_percent", f"must be in 1..100, got {spec.sm_percent}")
+    if not 0 <= spec.sm_count <= MAX_SM_COUNT:
+        raise ValidationError("spec.sm_count", f"must be in 1..{MAX_SM_COUNT}, got {spec.sm_count}")
     if not gpus:
         return
     models = _mig_models(gpus)
@@ -142,6 +162,9 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
     elif kind is Kind.WHOLE:
         if spec.gpu_count < 1:
             raise ValidationError("spec.gpu_count", f"must be >= 1 for kind whole, got {spec.gpu_count}")
+        if spec.gpu_count > MAX_GPUS_PER_NODE:
+            raise ValidationError("spec.gpu_count",
+                                  f"must be in 1..{MAX_GPUS_PER_NODE}, got {spec.gpu_count}")
         if max_gpus_per_node and spec.gpu_count > max_gpus_per_node:
             raise ValidationError("spec.gpu_count", f"must be <= {max_gpus_per_node} (the most GPUs any "
                                                     f"node has), got {spec.gpu_count}")

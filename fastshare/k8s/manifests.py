@@ -14,6 +14,8 @@ from typing import Any
 import jinja2
 import yaml
 
+from fastshare.controller import validation
+
 # Apply order: the namespace and CRD first, workloads last.
 TEMPLATES = (
     "namespace.yaml.j2",
@@ -67,6 +69,7 @@ def _environment() -> jinja2.Environment:
         autoescape=False,  # YAML, not HTML
     )
     env.filters["to_nice_yaml"] = _to_nice_yaml
+    env.globals["limits"] = validation.schema_limits()  # not a value: the controller's own ranges
     return env
 
 

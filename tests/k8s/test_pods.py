@@ -7,7 +7,7 @@ import time
 import uuid
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kubernetes import client
 
@@ -44,9 +44,10 @@ _gpu = st.fixed_dictionaries(
         "quotaRequest": st.sampled_from([0, 0.1, 0.5, 1, 1.5]),
         "quotaLimit": st.sampled_from([0, 0.2, 0.5, 1, 2]),
         "migProfile": st.sampled_from(["1g.10gb", "3g.40gb", "7g.80gb"]),
-        "smCount": st.integers(0, 200),
+        "smCount": st.sampled_from([0, 1, 42, 200, 1024, 1025]),
         "count": st.integers(0, 20),
-        "models": st.lists(st.sampled_from(["A100", "H100*", ""]), max_size=3, unique=True),
+        "models": st.lists(st.sampled_from(["A100", "H100*", "", "M" * 128, "M" * 129]),
+                           max_size=3, unique=True),
         "affinity": st.sampled_from(["a", "team/x", "bad tag"]),
     },
 )
@@ -54,6 +55,9 @@ _gpu = st.fixed_dictionaries(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(gpu=_gpu)
+@example(gpu={"kind": "whole", "count": 17})  # at the limits the two share (validation.schema_limits)
+@example(gpu={"kind": "exclusive", "smCount": 1025})
+@example(gpu={"kind": "mps", "memory": "1Gi", "models": ["M" * 129]})
 def test_the_crd_and_the_controller_validation_agree(api_client, fastpod_crd, namespace, gpu):
     """Whatever the API server admits, the controller accepts (with no GPU known) and vice versa,
     except that the CRD refuses a field written as zero where it does not apply (or must be > 0),

@@ -281,15 +281,28 @@ def assert_consistent(cluster: Cluster) -> None:
     for name, shares in on_agents.items():
         orphans = {s for s in shares if s.startswith("fs-")} - recorded
         assert not orphans, f"{name} holds shares no allocation records: {orphans}"
+    problems = capacity_problems(status)
+    assert not problems, problems
+
+
+def capacity_problems(status: pb.ClusterStatus) -> list[str]:
+    problems = []
     for node in status.nodes:
         for gpu in node.gpus:
-            assert gpu.sm_percent_used <= 100, f"{node.name} GPU {gpu.index}: {gpu.sm_percent_used} % SMs"
-            assert gpu.memory_bytes_used <= gpu.memory_bytes, f"{node.name} GPU {gpu.index} memory over"
-            used = [0] * 8
+            where = f"{node.name} GPU {gpu.index}"
+            if gpu.sm_percent_used > 100:
+                problems.append(f"{where}: {gpu.sm_percent_used} % SMs")
+            if gpu.memory_bytes_used > gpu.memory_bytes:
+                problems.append(f"{where}: memory {gpu.memory_bytes_used} > {gpu.memory_bytes}")
+            if gpu.quota_request_used > 1.0 + 1e-9:
+                problems.append(f"{where}: quota requests {gpu.quota_request_used}")
+            cells = [0] * max(8, gpu.memory_slices)
             for s in gpu.mig_slices:
-                for i in range(s.mig_start, s.mig_start + s.mig_size):
-                    used[i] += 1
-            assert max(used) <= 1, f"{node.name} GPU {gpu.index}: MIG slices overlap {list(gpu.mig_slices)}"
+                for c in range(s.mig_start, s.mig_start + s.mig_size):
+                    cells[c] += 1
+            if max(cells) > 1:
+                problems.append(f"{where}: MIG slices overlap")
+    return problems
 
 
 def states(cluster: Cluster) -> dict[str, str]:

@@ -27,7 +27,7 @@ import pytest
 from fastshare.v1 import agent_pb2
 from fastshare.v1 import controller_pb2 as pb
 
-from .conftest import KINDS, Cluster, GiB, assert_consistent, wait_for
+from .conftest import KINDS, Cluster, GiB, assert_consistent, capacity_problems, wait_for
 
 REQUESTS = int(os.environ.get("FASTSHARE_CHAOS_REQUESTS", "200"))
 SEED = int(os.environ.get("FASTSHARE_CHAOS_SEED", "7"))
@@ -154,26 +154,6 @@ def chaos_loop(cluster: Cluster, tally: Tally, stop: threading.Event) -> None:
         tally.recoveries += 1
 
 
-def capacity_problems(status: pb.ClusterStatus) -> list[str]:
-    problems = []
-    for node in status.nodes:
-        for gpu in node.gpus:
-            where = f"{node.name} GPU {gpu.index}"
-            if gpu.sm_percent_used > 100:
-                problems.append(f"{where}: {gpu.sm_percent_used} % SMs")
-            if gpu.memory_bytes_used > gpu.memory_bytes:
-                problems.append(f"{where}: memory {gpu.memory_bytes_used} > {gpu.memory_bytes}")
-            if gpu.quota_request_used > 1.0 + 1e-9:
-                problems.append(f"{where}: quota requests {gpu.quota_request_used}")
-            cells = [0] * max(8, gpu.memory_slices)
-            for s in gpu.mig_slices:
-                for c in range(s.mig_start, s.mig_start + s.mig_size):
-                    cells[c] += 1
-            if max(cells) > 1:
-                problems.append(f"{where}: MIG slices overlap")
-    return problems
-
-
 def observe_loop(cluster: Cluster, tally: Tally, stop: threading.Event) -> None:
     client = cluster.client()
     while not stop.wait(0.5):
@@ -259,6 +239,7 @@ def test_chaos_kills_never_break_the_invariants(cluster: Cluster,
               f"{tally.released} releases; {tally.kills} kills, {tally.recoveries} recoveries; "
               f"{tally.observations} observations, {len(tally.violations)} violations; "
               f"answer latency p50 {p50:.0f} ms, p99 {p99:.0f} ms")
+    assert tally.observations > 0, "the observer never saw a cluster status"
     assert not tally.violations, tally.violations[:10]
     assert not tally.unanswered, tally.unanswered[:10]
     assert tally.allocated + tally.rejected + tally.retryable_failures == tally.allocate_requests

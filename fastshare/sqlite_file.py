@@ -31,11 +31,11 @@ def open_state_file(path: Path, *, synchronous: str, what: str, recovery: str) -
         db.execute(f"PRAGMA synchronous={synchronous}")
         db.execute("PRAGMA foreign_keys=ON")
         problems = [row[0] for row in db.execute("PRAGMA quick_check")]
-    except sqlite3.DatabaseError as exc:
+    except sqlite3.OperationalError as exc:  # locked, read-only, full: the file itself may be fine
         db.close()
-        if isinstance(exc, sqlite3.OperationalError) and "locked" not in str(exc):
-            raise StateFileError(f"{what} {path}: cannot use it ({exc}); check that the directory is "
-                                 "writable and has free space") from None
+        raise StateFileError(f"{what} {path}: cannot use it ({exc}); another process may hold it, or "
+                             "the directory is not writable or has no free space") from None
+    except sqlite3.DatabaseError as exc:      # e.g. "file is not a database"
         problems = [str(exc)]
     if problems != ["ok"]:
         db.close()

@@ -32,7 +32,6 @@ class CatalogError(ValueError):
     """Unknown model or profile, or no profile can satisfy a request (message says why)."""
 
 
-
 def find_profile(profiles: Iterable[MigProfile], name_or_id: str | int) -> MigProfile | None:
     """A profile by name ("3g.20gb", case-insensitive) or id (9 or "9"), or None."""
     text = str(name_or_id).strip().lower()
@@ -44,6 +43,7 @@ def find_profile(profiles: Iterable[MigProfile], name_or_id: str | int) -> MigPr
 
 def known_profiles(profiles: Iterable[MigProfile]) -> str:
     return ", ".join(f"{p.name} (id {p.profile_id})" for p in profiles) or "none"
+
 
 @dataclass(frozen=True)
 class GpuModel:

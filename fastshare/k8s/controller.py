@@ -19,6 +19,7 @@ is asked to prepare them. What is Kubernetes-specific lives here:
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import secrets
 import threading
@@ -32,10 +33,10 @@ from kubernetes import client, watch
 from fastshare.controller.agent_client import AgentError, AgentPool
 from fastshare.controller.core import AgentFailed, Busy, ControllerCore, KeyConflict, Rejected
 from fastshare.controller.core import Settings as CoreSettings
-from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node
+from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, State
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.validation import Request, ValidationError
-from fastshare.k8s.pods import FASTPOD_LABEL, replica_pod, spec_of
+from fastshare.k8s.pods import FASTPOD_LABEL, MPS_PATH_ENV, replica_pod, spec_of
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
 from fastshare.k8s.store import KubeStateStore, replica_key
 from fastshare.k8s.workqueue import WorkQueue
@@ -69,6 +70,14 @@ def _get(obj: Any, *path: str) -> Any:
     return obj
 
 
+def api_message(exc: client.ApiException) -> str:
+    """The API server's own explanation (it names the field of a refused object)."""
+    try:
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(exc.body or "")[:500]
+
+
 def _ready(pod: client.V1Pod) -> bool:
     conditions = (pod.status.conditions if pod.status else None) or []
     return any(c.type == "Ready" and c.status == "True" for c in conditions)
@@ -96,6 +105,7 @@ class KubeController:
         self.pods = client.CoreV1Api(api)
         self.objects = client.CustomObjectsApi(api)
         self.queue = WorkQueue()
+        self._templates_ok: dict[str, int] = {}   # FastPod uid -> generation whose Pod dry-ran fine
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -289,6 +299,7 @@ class KubeController:
             if pods or any(a.state in HOLDING for a in allocations.values()):
                 return 1.0  # wait until the Pods are gone and their shares released
             self._patch_finalizers(fastpod, [f for f in meta.get("finalizers") or [] if f != FINALIZER])
+            self._templates_ok.pop(meta["uid"], None)
             return None
 
         desired = int(fastpod["spec"].get("replicas", 1))
@@ -300,6 +311,8 @@ class KubeController:
             for pod in victims[: len(live) - desired]:
                 self._delete_pod(namespace, pod.metadata.name)
                 live.remove(pod)
+        if len(live) < desired and (refused := self._template_refusal(fastpod)) is not None:
+            condition, desired = refused, len(live)
         while len(live) < desired:
             created, problem = self._create_replica(fastpod, set(pods) | set(allocations))
             if created is None:
@@ -309,6 +322,30 @@ class KubeController:
             live.append(created)
         self._write_status(fastpod, live, condition)
         return wait
+
+    def _template_refusal(self, fastpod: dict[str, Any]) -> dict[str, str] | None:
+        """Dry-run a replica Pod once per FastPod generation: a template the API server refuses
+        gets a condition naming the field before any GPU share is allocated for it."""
+        meta = fastpod["metadata"]
+        generation = meta.get("generation", 0)
+        if self._templates_ok.get(meta["uid"]) == generation:
+            return None
+        probe = Allocation(id="dry-run", spec=spec_of(fastpod), owner="", state=State.PENDING, node="dry-run",
+                           env={"CUDA_VISIBLE_DEVICES": "GPU-dry-run",
+                                **{var: f"/run/fastshare/mps/dry-run/{var.lower()}" for var in MPS_PATH_ENV}})
+        pod = replica_pod(fastpod, f"{meta['name']}-dry-run", probe, self.settings.gpu_node_label)
+        try:
+            self.pods.create_namespaced_pod(meta["namespace"], pod, dry_run="All")
+        except client.ApiException as exc:
+            if exc.status in (409, 429) or exc.status >= 500:
+                raise   # not about the template: retried
+            return {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
+                    "message": f"the pod template is refused: {exc.status} {exc.reason}: {api_message(exc)}"}
+        except (TypeError, ValueError) as exc:   # the client's own model check (e.g. a non-string label)
+            return {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
+                    "message": f"the pod template is refused: {' '.join(str(exc).split())[:500]}"}
+        self._templates_ok[meta["uid"]] = generation
+        return None
 
     def _create_replica(self, fastpod: dict[str, Any], taken: set[str]) -> tuple[Any, dict[str, str]]:
         meta = fastpod["metadata"]
@@ -332,7 +369,7 @@ class KubeController:
             pod = self.pods.create_namespaced_pod(namespace, replica_pod(
                 fastpod, pod_name, allocation, self.settings.gpu_node_label))
         except client.ApiException as exc:
-            message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}"
+            message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}: {api_message(exc)}"
             self._release(allocation, message)
             return None, {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
                           "message": message}

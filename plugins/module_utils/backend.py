@@ -63,7 +63,9 @@ def open_backend(module):
     """The host's GPUs; fails the module with NVML's reason when they cannot be reached."""
     devices, error = try_open_backend(module)
     if error is not None:
-        module.fail_json(msg=f"cannot open the {module.params['gpu_backend']} GPU backend: {error}",
+        backend = module.params["gpu_backend"]
+        option = f"sim_state={module.params['sim_state']}" if backend == "sim" else f"gpu_backend={backend}"
+        module.fail_json(msg=f"cannot open the {backend} GPU backend ({option}): {error}",
                          nvml_error=error.code)
     return devices
 

@@ -341,6 +341,8 @@ def main():
                            mutually_exclusive=[("layout", "config_file")],
                            required_together=[("config_file", "config_name")],
                            supports_check_mode=True)
+    if module.params["layout"] is None and not module.params["config_file"]:
+        module.fail_json(msg="one of layout or config_file is needed (layout is null)", changed=False)
     devices = open_backend(module)
     try:
         result = run(module, devices)

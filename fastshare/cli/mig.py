@@ -141,16 +141,20 @@ COMMANDS = [mig_group]
 @click.option("--select", "name", required=True, help="name of the config under mig-configs")
 @click.option("--apply", "do_apply", is_flag=True, help="carry the plan out (default: only show it)")
 @click.option("--force", is_flag=True, help="allow destroying instances that are in use")
+@click.option("--agent-journal", type=click.Path(dir_okay=False),
+              help="node agent journal: MIG devices its shares hold count as in use")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name: str, do_apply: bool,
-               force: bool, as_json: bool) -> None:
+               force: bool, agent_journal: str | None, as_json: bool) -> None:
     """Make the host's GPUs match a named mig-parted config (plan, or --apply)."""
     from fastshare.device.mig_parted import ConfigError, apply_host, parse_config, plan_host, resolve
+    from fastshare.node.journal import held_device_uuids
 
     with devices_from(gpu_backend, sim_state) as devices:
         try:
             configs = parse_config(config_file.read())
-            plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force)
+            plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force,
+                              held=held_device_uuids(agent_journal))
         except ConfigError as exc:
             fail(f"{config_file.name}: {exc}")
         results = apply_host(devices, plans) if do_apply else [p.to_dict() for p in plans]
@@ -160,13 +164,12 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
         return
     rows = []
     for r in results:
-        waits = bool(r.get("reset_required") or r["reset_pending"])
-        prefix = "after a GPU reset: " if waits and r["mig_enabled"] else ""
-        what = [prefix + s["description"] for s in r["steps"]] or ["(no instance changes)"]
+        what = [s["description"] for s in r["steps"]] or ["(no instance changes)"]
         if r["mode_change"]:
             what.insert(0, f"{'enable' if r['mig_enabled'] else 'disable'} MIG mode")
-        if waits:
-            what.append("GPU reset required for the MIG mode change")
+        if r["reset_required"]:
+            what.append("GPU reset required for the MIG mode change"
+                        + ("; run again after it to create the instances" if r["mig_enabled"] else ""))
         rows.append([r["gpu"], r["layout"] or ("MIG off" if not r["mig_enabled"] else "-"),
                      "yes" if r["changed"] else "no", "\n".join(what)])
     print_table(f"config {name!r} ({'applied' if do_apply else 'plan'})",

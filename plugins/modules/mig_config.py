@@ -253,6 +253,7 @@ from ansible.module_utils.basic import AnsibleModule  # noqa: E402  (Ansible: im
 from ansible_collections.fastshare.gpu.plugins.module_utils.backend import (  # noqa: E402
     BACKEND_REQUIRED_IF,
     DeviceError,
+    JournalError,
     backend_argument_spec,
     held_device_uuids,
     open_backend,
@@ -349,7 +350,7 @@ def main():
     devices = open_backend(module)
     try:
         result = run(module, devices)
-    except MigConfigError as exc:
+    except (MigConfigError, JournalError) as exc:
         module.fail_json(msg=str(exc), changed=False)
     except DeviceError as exc:
         module.fail_json(msg=str(exc), nvml_error=exc.code)

@@ -55,8 +55,9 @@ def _maybe(draw, strategy, wild_share: int = 4):
 @st.composite
 def layout_entries(draw) -> dict:
     entry = {}
-    if draw(st.booleans()):
-        entry["devices"] = _maybe(draw, st.just("all") | st.lists(st.integers(0, 3), max_size=3))
+    if draw(st.integers(0, 4)):   # else the default, "all" (GPU 2 is a T4: no MIG)
+        mig_gpus = st.lists(st.integers(0, 1), min_size=1, max_size=2, unique=True)
+        entry["devices"] = _maybe(draw, mig_gpus | mig_gpus | st.lists(st.integers(0, 3), max_size=3))
     if draw(st.integers(0, 3)) == 0:
         entry["mig_enabled"] = _maybe(draw, st.booleans())
     if draw(st.integers(0, 4)):

@@ -30,7 +30,7 @@ from kubernetes import client, watch
 
 from fastshare.controller.agent_client import AgentPool
 from fastshare.controller.core import Settings as CoreSettings
-from fastshare.k8s import envtest, manifests
+from fastshare.k8s import envtest
 from fastshare.k8s.controller import KubeController, KubeSettings
 from fastshare.k8s.pods import FASTPOD_LABEL
 from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
@@ -136,8 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, envtest.ControlPlane(envtest.find_assets()) as plane:
         root = Path(tmp)
         api = plane.api_client()
-        client.ApiextensionsV1Api(api).create_custom_resource_definition(manifests.crd())
-        time.sleep(2)  # CRD established (the tests wait on the condition; a short pause suffices here)
+        envtest.install_crds(api)
         certs.init_ca(root / "ca")
         certs.issue(root / "ca", "controller", root / "controller", usage="client", days=1)
         tls = TlsPaths.in_dir(root / "controller", "controller")

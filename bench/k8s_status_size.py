@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kubernetes import client
 
 from fastshare.controller.model import Allocation, Device, Kind, Spec, State
-from fastshare.k8s import envtest, manifests
+from fastshare.k8s import envtest
 from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.k8s.store import status_entry
 
@@ -47,8 +47,7 @@ def _median_ms(fn) -> float:
 def main() -> None:
     with envtest.ControlPlane(envtest.find_assets()) as plane:
         api = plane.api_client()
-        client.ApiextensionsV1Api(api).create_custom_resource_definition(manifests.crd())
-        time.sleep(3)  # CRD established
+        envtest.install_crds(api)
         core, objects = client.CoreV1Api(api), client.CustomObjectsApi(api)
         core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="ns")))
         core.create_namespaced_config_map("ns", {"metadata": {"name": "c"}, "data": {"a": "0"}})

@@ -1,12 +1,13 @@
 """The in-cluster controller: FastPods in, replica Pods holding GPU shares out.
 
 It is the standalone controller's core (validation, engine ledger, agent client, reconciler)
-over :class:`KubeStateStore`, so allocations are recorded in FastPod status before any agent
-is asked to prepare them. What is Kubernetes-specific lives here:
+over :class:`KubeStateStore`, so each allocation is recorded (one FastShareAllocation object per
+replica) before any agent is asked to prepare it. What is Kubernetes-specific lives here:
 
 - agents are found through Node objects labelled ``<gpu label>=true`` (endpoint annotation
   ``fastshare.io/agent-endpoint``, else InternalIP:agent port) and pinged as heartbeats;
-- one FastPod is reconciled by one worker at a time: holding allocations whose Pod is gone
+- one FastPod is reconciled by one worker at a time (its missing replicas are allocated and
+  created in parallel batches, its status written once per pass): holding allocations whose Pod is gone
   are released (Pod deleted behind our back, crash between allocation and Pod creation,
   scale-down finished), Pods without a holding allocation are deleted, missing replicas are
   allocated and then created (a failed create releases the allocation again), surplus ones
@@ -18,6 +19,7 @@ is asked to prepare them. What is Kubernetes-specific lives here:
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import secrets
@@ -37,7 +39,7 @@ from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.k8s.pods import FASTPOD_LABEL, replica_pod, spec_of
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
-from fastshare.k8s.store import KubeStateStore, replica_key
+from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
 
 log = logging.getLogger("fastshare.k8s.controller")
@@ -50,6 +52,7 @@ class KubeSettings:
     gpu_node_label: str = "fastshare.io/gpu"
     agent_port: int = 7444
     workers: int = 4
+    create_parallelism: int = 8     # replicas of one FastPod allocated and created at once (at most)
     node_interval: float = 2.0      # Node listing + agent pings (heartbeats)
     resync_interval: float = 30.0   # every FastPod reconciled at least this often
     watch_timeout: int = 30         # seconds a watch request stays open before it is renewed
@@ -96,12 +99,14 @@ class KubeController:
         self.pods = client.CoreV1Api(api)
         self.objects = client.CustomObjectsApi(api)
         self.queue = WorkQueue()
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
+                                                           thread_name_prefix="replica")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     # -- life cycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        """Rebuild from the cluster (nodes, agents, FastPod status), then watch and work."""
+        """Rebuild from the cluster (nodes, agents, allocation records), then watch and work."""
         self.sync_nodes()
         report = self.reconciler.start()
         log.info("state rebuilt from the cluster: %s", report)
@@ -119,6 +124,7 @@ class KubeController:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -257,12 +263,20 @@ class KubeController:
         if not deleting and FINALIZER not in (meta.get("finalizers") or []):
             fastpod = self._patch_finalizers(fastpod, [*(meta.get("finalizers") or []), FINALIZER])
             meta = fastpod["metadata"]
+        self.store.remember_owner(fastpod)
+        # Pods before records: a record made after this listing cannot be mistaken for one whose
+        # Pod is gone (and this FastPod's replicas are only made by this pass).
         pods = {p.metadata.name: p for p in self.pods.list_namespaced_pod(
                     namespace, label_selector=f"{FASTPOD_LABEL}={name}").items
                 if any(o.uid == meta["uid"] for o in p.metadata.owner_references or [])}
-        allocations = self.store.allocations_of(fastpod)
+        allocations, marked = self.store.allocations_of(namespace, name)
         wait = None
 
+        # Records marked for deletion (someone deleted them): their Pod goes, then their share.
+        for pod_name in marked & set(pods):
+            if allocations[pod_name].state in HOLDING and not pods[pod_name].metadata.deletion_timestamp:
+                log.warning("deleting pod %s/%s: its allocation record was deleted", namespace, pod_name)
+                self._delete_pod(namespace, pod_name)
         # Shares whose Pod is gone: deleted behind our back, never created, or scaled down.
         for pod_name, allocation in allocations.items():
             if allocation.state in HOLDING and pod_name not in pods:
@@ -281,7 +295,7 @@ class KubeController:
                 self.store.forget(allocation.id)
                 del allocations[pod_name]
 
-        live = [p for n, p in pods.items() if not p.metadata.deletion_timestamp
+        live = [p for n, p in pods.items() if not p.metadata.deletion_timestamp and n not in marked
                 and allocations.get(n) is not None and allocations[n].state in HOLDING]
         if deleting:
             for pod in live:
@@ -300,45 +314,77 @@ class KubeController:
             for pod in victims[: len(live) - desired]:
                 self._delete_pod(namespace, pod.metadata.name)
                 live.remove(pod)
-        while len(live) < desired:
-            created, problem = self._create_replica(fastpod, set(pods) | set(allocations))
-            if created is None:
+        if len(live) < desired:
+            taken = set(pods) | set(allocations)
+            created, problem = self._create_replicas(fastpod, desired - len(live), taken)
+            for pod, allocation in created:
+                live.append(pod)
+                allocations[pod.metadata.name] = allocation
+            if problem is not None:
                 condition = problem
                 wait = 5.0
-                break
-            live.append(created)
-        self._write_status(fastpod, live, condition)
+        self._write_status(fastpod, live, allocations, condition)
         return wait
 
-    def _create_replica(self, fastpod: dict[str, Any], taken: set[str]) -> tuple[Any, dict[str, str]]:
+    def _create_replicas(self, fastpod: dict[str, Any], count: int, taken: set[str]
+                         ) -> tuple[list[tuple[Any, Allocation]], dict[str, str] | None]:
+        """Up to ``count`` new replicas, in parallel batches of 1, 2, 4, ... (``create_parallelism``
+        at most), stopping at the first problem, so that a FastPod that cannot be placed costs one
+        attempt per pass, not ``count`` (as ReplicaSets do)."""
+        names: list[str] = []
+        prefix = fastpod["metadata"]["name"]
+        while len(names) < count:
+            candidate = f"{prefix}-{secrets.token_hex(3)}"
+            if candidate not in taken:
+                taken.add(candidate)
+                names.append(candidate)
+        created: list[tuple[Any, Allocation]] = []
+        batch = 1
+        while names:
+            size = min(batch, len(names), self.settings.create_parallelism)
+            chunk, names = names[:size], names[size:]
+            futures = [self._pool.submit(self._create_replica, fastpod, n) for n in chunk]
+            concurrent.futures.wait(futures)  # all of them, also when one raised: nothing left running
+            problem = None
+            for future in futures:
+                pod, allocation, trouble = future.result()
+                if pod is not None:
+                    created.append((pod, allocation))
+                problem = problem or trouble
+            if problem is not None:
+                return created, problem
+            batch *= 2
+        return created, None
+
+    def _create_replica(self, fastpod: dict[str, Any], pod_name: str
+                        ) -> tuple[Any, Allocation | None, dict[str, str] | None]:
+        """Allocate (record first, then the agent), then create the Pod; a failed create releases."""
         meta = fastpod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        pod_name = f"{name}-{secrets.token_hex(3)}"
-        while pod_name in taken:
-            pod_name = f"{name}-{secrets.token_hex(3)}"
         request = Request(spec=spec_of(fastpod), owner=f"{namespace}/{name}",
                           idempotency_key=replica_key(namespace, name, pod_name))
         try:
             allocation = self.core.allocate(request)
         except Rejected as exc:
-            return None, {"type": "Scheduled", "status": "False", "reason": "Unschedulable",
-                          "message": str(exc)}
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "Unschedulable",
+                                "message": str(exc)}
         except AgentFailed as exc:
-            return None, {"type": "Scheduled", "status": "False", "reason": "AgentUnavailable",
-                          "message": str(exc)}
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "AgentUnavailable",
+                                "message": str(exc)}
         except (ValidationError, KeyConflict) as exc:
-            return None, {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "Invalid",
+                                "message": str(exc)}
         try:
             pod = self.pods.create_namespaced_pod(namespace, replica_pod(
                 fastpod, pod_name, allocation, self.settings.gpu_node_label))
         except client.ApiException as exc:
             message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}"
             self._release(allocation, message)
-            return None, {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
-                          "message": message}
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
+                                "message": message}
         log.info("FastPod %s/%s: pod %s on %s holds %s", namespace, name, pod_name, allocation.node,
                  allocation.id)
-        return pod, {}
+        return pod, allocation, None
 
     def _release(self, allocation: Allocation, reason: str) -> Allocation:
         try:
@@ -359,7 +405,10 @@ class KubeController:
         return self.objects.patch_namespaced_custom_object(GROUP, VERSION, meta["namespace"], PLURAL,
                                                            meta["name"], body)
 
-    def _write_status(self, fastpod: dict[str, Any], live: list[Any], scheduled: dict[str, str]) -> None:
+    def _write_status(self, fastpod: dict[str, Any], live: list[Any], allocations: dict[str, Allocation],
+                      scheduled: dict[str, str]) -> None:
+        """The FastPod's status, once per pass (and only if it changed): counts, conditions, and
+        where each replica runs (summaries of its allocation records)."""
         meta, spec = fastpod["metadata"], fastpod["spec"]
         ready = sum(1 for p in live if _ready(p))
         desired = int(spec.get("replicas", 1))
@@ -376,7 +425,8 @@ class KubeController:
                                "lastTransitionTime": previous["lastTransitionTime"] if same else _now()})
         selector = selector_string(spec["selector"])
         status = {"replicas": len(live), "readyReplicas": ready, "selector": selector,
-                  "observedGeneration": meta.get("generation", 0), "conditions": conditions}
+                  "observedGeneration": meta.get("generation", 0), "conditions": conditions,
+                  "assignments": [summary(pod, allocations[pod]) for pod in sorted(allocations)]}
         current = fastpod.get("status") or {}
         if all(current.get(k) == v for k, v in status.items()):
             return

@@ -254,6 +254,9 @@ def test_agent_down_makes_new_replicas_unschedulable_with_a_reason(api_client, n
     finally:
         agents["h100"].start(pki[1])
     wait_for(lambda: view.settled(1), "scheduled once the agent is back", timeout=120)
+    view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "mig")
+    # the agents serve the whole module: leave them without shares
+    wait_for(lambda: (kubelet_step(view.core, namespace), view.shares() == [])[1], "released", timeout=120)
 
 
 def test_one_replica_key_allocated_by_two_controllers_at_once_is_one_share(

@@ -7,7 +7,9 @@ without a holding record is therefore a true orphan (prepare without record) and
 Per allocation, by state (skipping allocations another thread is working on):
 - pending   -> prepare again (idempotent by share id) and activate; refused -> compensate;
 - prepared  -> activate;
-- active    -> lease expired: release; agent lost the share: prepare again (roll forward);
+- active    -> lease expired: release; agent lost the share: prepare again (roll forward) - only
+               if the record is older than the inventory (a share prepared after the agent
+               answered is not in it);
 - releasing -> release on the agent again, then mark released/failed.
 Nodes that cannot be reached are left alone: their allocations keep their capacity and
 their state until the node is back.
@@ -63,6 +65,7 @@ class Reconciler:
     def start(self) -> Report:
         """Controller start: rebuild the ledger from the store + agents, then reconcile."""
         with self._lock:
+            asked_at = self.core.clock()
             inventories = self._inventories()
             for node in self.core.store.list_nodes():
                 self.core.adopt_node(node, inventories.get(node.name))
@@ -75,7 +78,7 @@ class Reconciler:
             for assignment, why in self.core.ledger.reset(
                     nodes, [Assignment.from_dict(a.assignment) for a in holding]):
                 log.error("allocation %s cannot be restored into the ledger: %s", assignment.request.id, why)
-            return self._pass(inventories)
+            return self._pass(inventories, asked_at=asked_at)
 
     def _grace_leases(self, holding: list[Allocation]) -> None:
         """Clients cannot renew while the controller is down: a lease gets at least one full
@@ -87,17 +90,20 @@ class Reconciler:
 
     def run_once(self, nodes: list[str] | None = None) -> Report:
         with self._lock:
-            return self._pass(self._inventories(nodes), nodes)
+            asked_at = self.core.clock()
+            return self._pass(self._inventories(nodes), nodes, asked_at)
 
     def _pass(self, inventories: dict[str, agent_pb2.Inventory | None],
-              only: list[str] | None = None) -> Report:
+              only: list[str] | None = None, asked_at: float = 0.0) -> Report:
+        """``asked_at``: when the inventories were asked for; a record changed since then may hold
+        a share they do not show yet."""
         report = Report(unreachable=sorted(n for n, inv in inventories.items() if inv is None))
         for node in self.core.store.list_nodes():
             if inventories.get(node.name) is not None:
                 self.core.refresh_node(node, inventories[node.name])
         holding = [a for a in self.core.store.list_allocations(HOLDING) if only is None or a.node in only]
         for allocation in holding:
-            self._allocation(allocation, inventories.get(allocation.node), report)
+            self._allocation(allocation, inventories.get(allocation.node), report, asked_at)
         # Orphans: shares on a reachable agent that no holding record explains.
         records = {a.id: a for a in self.core.store.list_allocations(HOLDING)}
         busy = self.core.busy()
@@ -120,7 +126,7 @@ class Reconciler:
         return report
 
     def _allocation(self, allocation: Allocation, inventory: agent_pb2.Inventory | None,
-                    report: Report) -> None:
+                    report: Report, asked_at: float = 0.0) -> None:
         core = self.core
         with core.claim(allocation.id) as got:
             if not got:
@@ -144,7 +150,8 @@ class Reconciler:
                 elif current.state in (State.PENDING, State.PREPARED):
                     core.complete(current)
                     report.completed.append(current.id)
-                elif current.state is State.ACTIVE and current.id not in {s.id for s in inventory.shares}:
+                elif (current.state is State.ACTIVE and current.updated_at < asked_at
+                      and current.id not in {s.id for s in inventory.shares}):
                     log.warning("allocation %s is active but node %s lost its share; preparing it again",
                                 current.id, current.node)
                     core.complete(core.store.transition(current.id, [State.ACTIVE], State.PENDING))

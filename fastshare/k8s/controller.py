@@ -20,6 +20,7 @@ replica) before any agent is asked to prepare it. What is Kubernetes-specific li
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import datetime
 import json
 import logging
@@ -53,7 +54,7 @@ class KubeSettings:
     gpu_node_label: str = "fastshare.io/gpu"
     agent_port: int = 7444
     workers: int = 4
-    create_parallelism: int = 8     # replicas of one FastPod allocated and created at once (at most)
+    create_parallelism: int = 16    # replicas of one FastPod allocated and created at once (at most)
     node_interval: float = 2.0      # Node listing + agent pings (heartbeats)
     resync_interval: float = 30.0   # every FastPod reconciled at least this often
     watch_timeout: int = 30         # seconds a watch request stays open before it is renewed
@@ -86,13 +87,28 @@ def selector_string(selector: dict[str, Any]) -> str:
     return ",".join(parts)
 
 
+def _pooled(api: client.ApiClient, connections: int) -> client.ApiClient:
+    """``api``, or a client with its configuration and a pool of ``connections``: when more
+    threads talk at once than the pool holds (default 5 per CPU), connections are thrown away and
+    every new one costs a TLS handshake on both sides, which under load was most of the API
+    server's CPU."""
+    if (api.configuration.connection_pool_maxsize or 0) >= connections:
+        return api
+    configuration = copy.deepcopy(api.configuration)
+    configuration.connection_pool_maxsize = connections
+    return client.ApiClient(configuration)
+
+
 class KubeController:
     """Watches, a work queue with workers, node sync and the core's reconciler; start()/stop()."""
 
     def __init__(self, api: client.ApiClient, agents: AgentPool, settings: KubeSettings | None = None,
                  core_settings: CoreSettings | None = None) -> None:
-        self.api = api
         self.settings = settings or KubeSettings()
+        # workers + replica creators + two watches + housekeeping + one spare
+        pooled = _pooled(api, self.settings.workers + self.settings.create_parallelism + 4)
+        self._own_api = pooled is not api
+        self.api = api = pooled
         self.store = KubeStateStore(api, self.settings.namespace)
         self.core = ControllerCore(self.store, agents, core_settings or CoreSettings())
         self.reconciler = Reconciler(self.core)
@@ -125,6 +141,8 @@ class KubeController:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_api:
+            self.api.close()
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)

@@ -39,6 +39,7 @@ from fastshare.controller.core import Settings as CoreSettings
 from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.validation import Request, ValidationError
+from fastshare.k8s.podcache import PodCache
 from fastshare.k8s.pods import FASTPOD_LABEL, is_ready, replica_pod, spec_of
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
@@ -115,6 +116,7 @@ class KubeController:
         self.pods = client.CoreV1Api(api)
         self.objects = client.CustomObjectsApi(api)
         self.queue = WorkQueue()
+        self.podcache = PodCache()
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
                                                            thread_name_prefix="replica")
         self._stop = threading.Event()
@@ -130,6 +132,8 @@ class KubeController:
         # then see the stop flag; until then their events go to the closed queue and are dropped.
         for name, target in (("watch-fastpods", self._watch_fastpods), ("watch-pods", self._watch_pods)):
             threading.Thread(target=target, name=name, daemon=True).start()
+        if not self.podcache.wait_synced(60.0):  # passes wait for it anyway (reconcile requeues)
+            log.warning("no Pod listing after 60 s; FastPods wait until it arrives")
         self._spawn("housekeeping", self._housekeeping)
         for i in range(self.settings.workers):
             self._spawn(f"worker-{i}", self._worker)
@@ -185,13 +189,17 @@ class KubeController:
         for fastpod in self.store.list_fastpods():
             self.queue.add((fastpod["metadata"]["namespace"], fastpod["metadata"]["name"]))
 
-    def _stream(self, list_fn: Callable[..., Any], on_object: Callable[[Any], None], **kwargs: Any) -> None:
-        """List, then watch from the list's resourceVersion; start over on any error or expiry."""
+    def _stream(self, list_fn: Callable[..., Any], on_event: Callable[[str, dict[str, Any]], None],
+                on_list: Callable[[dict[str, Any]], None] | None = None, **kwargs: Any) -> None:
+        """List (``on_list``, then each item as "LISTED"), then watch from the list's
+        resourceVersion (``on_event(type, object)``); start over on any error or expiry."""
         while not self._stop.is_set():
             try:
                 listing = _raw(list_fn(**kwargs, _preload_content=False))
+                if on_list is not None:
+                    on_list(listing)
                 for item in listing["items"]:
-                    on_object(item)
+                    on_event("LISTED", item)
                 stream = watch.Watch()
                 for event in stream.stream(list_fn, resource_version=listing["metadata"]["resourceVersion"],
                                            timeout_seconds=self.settings.watch_timeout, deserialize=False,
@@ -201,14 +209,14 @@ class KubeController:
                         return
                     if event["type"] == "ERROR":
                         break
-                    on_object(event["object"])
+                    on_event(event["type"], event["object"])
             except Exception as exc:  # the API server restarted, 410 Gone, a network blip: relist
                 if not self._stop.is_set():
                     log.info("watch %s restarts: %s", getattr(list_fn, "__name__", "?"), exc)
                     self._stop.wait(1.0)
 
     def _watch_fastpods(self) -> None:
-        def on_fastpod(obj: dict[str, Any]) -> None:
+        def on_fastpod(_: str, obj: dict[str, Any]) -> None:
             self.queue.add((obj["metadata"]["namespace"], obj["metadata"]["name"]))
 
         if self.settings.namespace:
@@ -219,16 +227,23 @@ class KubeController:
                          plural=PLURAL)
 
     def _watch_pods(self) -> None:
-        def on_pod(pod: dict[str, Any]) -> None:
+        def on_list(listing: dict[str, Any]) -> None:
+            self.podcache.replace(listing["items"], listing["metadata"]["resourceVersion"])
+
+        def on_pod(kind: str, pod: dict[str, Any]) -> None:
+            if kind == "DELETED":
+                self.podcache.remove(pod)
+            elif kind in ("ADDED", "MODIFIED"):
+                self.podcache.put(pod)
             owner = (_meta(pod).get("labels") or {}).get(FASTPOD_LABEL)
             if owner:
                 self.queue.add((_meta(pod)["namespace"], owner))
 
         if self.settings.namespace:
-            self._stream(self.pods.list_namespaced_pod, on_pod, namespace=self.settings.namespace,
+            self._stream(self.pods.list_namespaced_pod, on_pod, on_list, namespace=self.settings.namespace,
                          label_selector=FASTPOD_LABEL)
         else:
-            self._stream(self.pods.list_pod_for_all_namespaces, on_pod, label_selector=FASTPOD_LABEL)
+            self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, label_selector=FASTPOD_LABEL)
 
     def _housekeeping(self) -> None:
         s = self.settings
@@ -280,11 +295,12 @@ class KubeController:
             fastpod = self._patch_finalizers(fastpod, [*(meta.get("finalizers") or []), FINALIZER])
             meta = fastpod["metadata"]
         self.store.remember_owner(fastpod)
-        # Pods before records: a record made after this listing cannot be mistaken for one whose
-        # Pod is gone (and this FastPod's replicas are only made by this pass).
-        listing = _raw(self.pods.list_namespaced_pod(namespace, label_selector=f"{FASTPOD_LABEL}={name}",
-                                                     _preload_content=False))
-        pods = {_meta(p)["name"]: p for p in listing["items"]
+        if not self.podcache.synced:
+            return 1.0
+        # Pods (from the watch's cache, see podcache) before records: a record made after this
+        # cannot be mistaken for one whose Pod is gone (this FastPod's replicas are only made by
+        # this pass, and go into the cache from the create's reply).
+        pods = {_meta(p)["name"]: p for p in self.podcache.of(namespace, name)
                 if any(o["uid"] == meta["uid"] for o in _meta(p).get("ownerReferences") or [])}
         allocations, marked = self.store.allocations_of(namespace, name)
         wait = None
@@ -395,6 +411,7 @@ class KubeController:
         try:
             pod = _raw(self.pods.create_namespaced_pod(namespace, replica_pod(
                 fastpod, pod_name, allocation, self.settings.gpu_node_label), _preload_content=False))
+            self.podcache.put(pod)
         except client.ApiException as exc:
             message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}"
             self._release(allocation, message)
@@ -411,11 +428,19 @@ class KubeController:
             return allocation
 
     def _delete_pod(self, namespace: str, name: str) -> None:
+        """Delete a Pod; the reply goes into the cache at once (marked, or gone), so that the
+        next pass does not count it as live and delete another one."""
         try:
-            self.pods.delete_namespaced_pod(name, namespace)
+            pod = _raw(self.pods.delete_namespaced_pod(name, namespace, _preload_content=False))
         except client.ApiException as exc:
             if exc.status != 404:
                 raise
+            self.podcache.gone(namespace, name)
+            return
+        if pod.get("kind") == "Pod" and _meta(pod).get("deletionTimestamp"):
+            self.podcache.put(pod)
+        elif pod.get("kind") == "Pod":
+            self.podcache.remove(pod)
 
     def _patch_finalizers(self, fastpod: dict[str, Any], finalizers: list[str]) -> dict[str, Any]:
         meta = fastpod["metadata"]

@@ -398,7 +398,7 @@ class KubeController:
         request = Request(spec=spec_of(fastpod), owner=f"{namespace}/{name}",
                           idempotency_key=replica_key(namespace, name, pod_name))
         try:
-            allocation = self.core.allocate(request)
+            allocation = self.core.allocate(request, lookup=False)  # a fresh name: creating is the check
         except Rejected as exc:
             return None, None, {"type": "Scheduled", "status": "False", "reason": "Unschedulable",
                                 "message": str(exc)}
@@ -474,7 +474,8 @@ class KubeController:
         if all(current.get(k) == v for k, v in status.items()):
             return
         self.objects.patch_namespaced_custom_object_status(GROUP, VERSION, meta["namespace"], PLURAL,
-                                                           meta["name"], {"status": status})
+                                                           meta["name"], {"status": status},
+                                                           _preload_content=False).drain_conn()
 
 
 def run_with_leader_election(make_controller: Callable[[], KubeController], elector, stop: threading.Event,

@@ -384,8 +384,8 @@ class KubeController:
                                 **{var: f"/run/fastshare/mps/dry-run/{var.lower()}" for var in MPS_PATH_ENV}})
         pod = replica_pod(fastpod, f"{meta['name']}-dry-run", probe, self.settings.gpu_node_label)
         try:
-            self.pods.create_namespaced_pod(meta["namespace"], pod, dry_run="All",
-                                            _preload_content=False).release_conn()
+            _raw(self.pods.create_namespaced_pod(meta["namespace"], pod, dry_run="All",
+                                                 _preload_content=False))
         except client.ApiException as exc:
             if exc.status in (409, 429) or exc.status >= 500:
                 raise   # not about the template: retried

@@ -75,7 +75,7 @@ class Engine:
     """Placement over a cluster view. Deterministic: same view + same calls = same answers.
 
     ``policy`` scores nodes for ``fastpod`` and ``whole`` requests (default: fastshare's own
-    policy learning typical shapes from the requests it sees); ``mps_oversubscription`` lets
+    policy, learning the request mix from the requests it sees); ``mps_oversubscription`` lets
     memory-only MPS shares promise up to that factor of a GPU's memory (1.0 = none)."""
 
     def __init__(self, nodes: Iterable[NodeView] = (), policy: Policy | None = None,
@@ -84,8 +84,8 @@ class Engine:
             raise InvalidRequest(f"mps_oversubscription: must be in [1, 16] (got {mps_oversubscription})")
         self.mps_oversubscription = mps_oversubscription
         if policy is None:
-            from fastshare.placement.fastshare_policy import AdaptivePolicy
-            policy = AdaptivePolicy()
+            from fastshare.placement.fastshare_policy import FastsharePolicy
+            policy = FastsharePolicy()
         self.policy = policy
         self._nodes: dict[str, _Node] = {}
         self._assignments: dict[str, Assignment] = {}
@@ -147,9 +147,10 @@ class Engine:
     def place(self, request: Request) -> Assignment | Rejection:
         if request.id in self._assignments:
             raise InvalidRequest(f"id: request {request.id} is already placed")
-        hook = getattr(self.policy, "observe", None)
-        if hook is not None:
-            hook(request)
+        if request.kind == "fastpod":
+            self.policy.observe(Task(request.cpu_milli, request.sm_milli, 1))
+        elif request.kind == "whole":
+            self.policy.observe(Task(request.cpu_milli, MILLI, request.gpus))
         nodes, why = self._filter_nodes(request)
         if not nodes:
             return Rejection(why)

@@ -71,6 +71,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
     cpu_times: list[float] = []
     uses_tags = policy.uses_tags
     randomized = policy.randomized
+    generation = policy.generation
 
     def fits(i: int, task: Task) -> bool:
         if cpu[i] < task.cpu or (task.num_gpu and not gpus[i]):
@@ -107,6 +108,12 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
             start = time.perf_counter()
             cpu_start = time.thread_time()
             task = Task(pod.cpu_milli, pod.gpu_milli if pod.num_gpu else 0, pod.num_gpu, pod.gpu_spec)
+            policy.observe(task)
+            if policy.generation != generation:  # a learning policy changed its scores: rescore
+                generation = policy.generation
+                heaps.clear()
+                seen.clear()
+                score_cache.clear()
             chosen = None
             if randomized:
                 feasible = [i for i in range(n) if fits(i, task) and mem[i] >= pod.memory_mib]

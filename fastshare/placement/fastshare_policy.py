@@ -61,20 +61,26 @@ class FastsharePolicy(Policy):
     """Expected-final-fill scoring with a CPU-aware node value; learns the request mix online."""
 
     name = "fastshare"
+    CPU_ONLY_IN_RHO = 0.0
+    KAPPA = KAPPA
+    QUANTUM = QUANTUM
+    IN_USE = True
 
     def __init__(self) -> None:
         self.counts = [0.0] * (BINS + 1)
         self.cpu_of_gpu_tasks = 0      # CPU milli asked by GPU tasks seen
         self.milli_of_gpu_tasks = 0    # GPU milli asked by them
+        self.cpu_of_cpu_tasks = 0
         self.seen = 0
         self._refresh_at = 1
         self.generation = 0
-        self.values = value_table(self.counts)
+        self.values = value_table(self.counts, self.KAPPA)
         self.rho = 0.0                 # CPU milli the mix needs per GPU milli (0 = unknown)
 
     # ---- learning ------------------------------------------------------------------------------
     def observe(self, task: Task) -> None:
         if task.num_gpu <= 0 or task.milli <= 0:
+            self.cpu_of_cpu_tasks += task.cpu
             return
         per_gpu = task.milli if task.sharing else MILLI
         self.counts[_bin_up(per_gpu)] += task.num_gpu
@@ -83,8 +89,8 @@ class FastsharePolicy(Policy):
         self.seen += 1
         if self.seen >= self._refresh_at:
             self._refresh_at = self.seen * 2
-            values = value_table(self.counts)
-            rho = self.cpu_of_gpu_tasks / self.milli_of_gpu_tasks
+            values = value_table(self.counts, self.KAPPA)
+            rho = (self.cpu_of_gpu_tasks + self.CPU_ONLY_IN_RHO * self.cpu_of_cpu_tasks) / self.milli_of_gpu_tasks
             moved = max(abs(a - b) for a, b in zip(values, self.values, strict=True))
             if moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho):
                 self.values, self.rho = values, rho
@@ -121,7 +127,7 @@ class FastsharePolicy(Policy):
             taken = MILLI * task.num_gpu if task.num_gpu else 0
             gain = taken + self.node_value(left, after(gpus, chosen, task)) - before
         in_use = sum(gpus) < MILLI * len(gpus)
-        return (int(gain // QUANTUM), in_use), chosen
+        return (int(gain // self.QUANTUM), in_use and self.IN_USE), chosen
 
     def state_key(self, model, cpu_left, gpus, task):
         return (self.generation, cpu_left // CPU_STEP, (cpu_left - task.cpu) // CPU_STEP, tuple(sorted(gpus)))

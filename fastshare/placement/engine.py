@@ -88,6 +88,7 @@ class Engine:
             policy = FastsharePolicy()
         self.policy = policy
         self._nodes: dict[str, _Node] = {}
+        self._cpu_total = self._gpu_total = 0
         self._assignments: dict[str, Assignment] = {}
         self._affinity: dict[str, tuple[str, int]] = {}  # affinity tag -> (node, gpu)
         for n in nodes:
@@ -98,13 +99,20 @@ class Engine:
         if view.name in self._nodes:
             raise InvalidRequest(f"node {view.name}: already in the cluster view")
         self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus])
+        self._capacity(view, +1)
 
     def remove_node(self, name: str) -> None:
         """Forget a node; refused while assignments still live on it."""
         held = [a.request.id for a in self._assignments.values() if a.node == name]
         if held:
             raise InvalidRequest(f"node {name}: still holds {len(held)} assignment(s), e.g. {held[0]}")
-        del self._nodes[name]
+        self._capacity(self._nodes.pop(name).view, -1)
+
+    def _capacity(self, view: NodeView, sign: int) -> None:
+        """Keep the cluster's CPU and GPU totals and tell the policy (it weighs CPU by them)."""
+        self._cpu_total += sign * view.cpu_milli
+        self._gpu_total += sign * len(view.gpus) * MILLI
+        self.policy.cluster(self._cpu_total, self._gpu_total)
 
     @property
     def nodes(self) -> list[NodeView]:

@@ -61,23 +61,24 @@ class FastsharePolicy(Policy):
     """Expected-final-fill scoring with a CPU-aware node value; learns the request mix online."""
 
     name = "fastshare"
-    CPU_ONLY_IN_RHO = 0.0
-    KAPPA = KAPPA
-    QUANTUM = QUANTUM
-    IN_USE = True
 
     def __init__(self) -> None:
         self.counts = [0.0] * (BINS + 1)
-        self.cpu_of_gpu_tasks = 0      # CPU milli asked by GPU tasks seen
+        self.cpu_of_gpu_tasks = 0      # CPU milli asked by the GPU tasks seen
         self.milli_of_gpu_tasks = 0    # GPU milli asked by them
-        self.cpu_of_cpu_tasks = 0
+        self.cpu_of_cpu_tasks = 0      # CPU milli asked by the CPU-only tasks seen
+        self.supply = 0.0              # the cluster's CPU milli per GPU milli (0 = not told)
         self.seen = 0
         self._refresh_at = 1
         self.generation = 0
-        self.values = value_table(self.counts, self.KAPPA)
-        self.rho = 0.0                 # CPU milli the mix needs per GPU milli (0 = unknown)
+        self.values = value_table(self.counts)
+        self.rho = 0.0                 # CPU milli to keep per free GPU milli (0 = unknown)
 
     # ---- learning ------------------------------------------------------------------------------
+    def cluster(self, cpu_milli: int, gpu_milli: int) -> None:
+        self.supply = cpu_milli / gpu_milli if gpu_milli > 0 else 0.0
+        self._refresh_at = min(self._refresh_at, self.seen + 1)
+
     def observe(self, task: Task) -> None:
         if task.num_gpu <= 0 or task.milli <= 0:
             self.cpu_of_cpu_tasks += task.cpu
@@ -89,12 +90,21 @@ class FastsharePolicy(Policy):
         self.seen += 1
         if self.seen >= self._refresh_at:
             self._refresh_at = self.seen * 2
-            values = value_table(self.counts, self.KAPPA)
-            rho = (self.cpu_of_gpu_tasks + self.CPU_ONLY_IN_RHO * self.cpu_of_cpu_tasks) / self.milli_of_gpu_tasks
-            moved = max(abs(a - b) for a, b in zip(values, self.values, strict=True))
-            if moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho):
-                self.values, self.rho = values, rho
-                self.generation += 1
+            self._refresh()
+
+    def _refresh(self) -> None:
+        values = value_table(self.counts)
+        rho = self.cpu_of_gpu_tasks / self.milli_of_gpu_tasks
+        if self.supply > 0:
+            # When the mix asks more CPU than the cluster has, CPU-only tasks compete for the
+            # CPU that GPUs need, so keep CPU for them too (fully from 10 % over on).
+            cpu_only = self.cpu_of_cpu_tasks / self.milli_of_gpu_tasks
+            pressure = (rho + cpu_only) / self.supply
+            rho += min(1.0, max(0.0, (pressure - 1.0) / 0.1)) * cpu_only
+        moved = max(abs(a - b) for a, b in zip(values, self.values, strict=True))
+        if moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho):
+            self.values, self.rho = values, rho
+            self.generation += 1
 
     # ---- scoring -------------------------------------------------------------------------------
     def node_value(self, cpu_left: int, gpus: tuple[int, ...]) -> float:
@@ -127,7 +137,7 @@ class FastsharePolicy(Policy):
             taken = MILLI * task.num_gpu if task.num_gpu else 0
             gain = taken + self.node_value(left, after(gpus, chosen, task)) - before
         in_use = sum(gpus) < MILLI * len(gpus)
-        return (int(gain // self.QUANTUM), in_use and self.IN_USE), chosen
+        return (int(gain // QUANTUM), in_use), chosen
 
     def state_key(self, model, cpu_left, gpus, task):
         return (self.generation, cpu_left // CPU_STEP, (cpu_left - task.cpu) // CPU_STEP, tuple(sorted(gpus)))

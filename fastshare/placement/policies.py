@@ -99,6 +99,9 @@ class Policy:
     def observe(self, task: Task) -> None:
         """Called once per arriving request, before it is placed (learning policies override)."""
 
+    def cluster(self, cpu_milli: int, gpu_milli: int) -> None:
+        """Called with the cluster's CPU and GPU capacity whenever it changes."""
+
     def score(self, model: str, cpu_left: int, gpus: tuple[int, ...], task: Task,
               tags: frozenset = frozenset()) -> Choice:
         raise NotImplementedError

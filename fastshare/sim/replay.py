@@ -71,6 +71,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
     cpu_times: list[float] = []
     uses_tags = policy.uses_tags
     randomized = policy.randomized
+    policy.cluster(sum(cpu), capacity)
     generation = policy.generation
 
     def fits(i: int, task: Task) -> bool:

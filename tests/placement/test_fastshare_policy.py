@@ -51,7 +51,7 @@ def test_observe_learns_the_mix_and_bumps_the_generation():
 def test_a_small_share_completes_the_gpu_next_to_a_large_one():
     pol = taught((Task(1000, 810, 1), 50), (Task(1000, 470, 1), 40), (Task(1000, 160, 1), 3))
     states = [(64000, (MILLI, MILLI)), (64000, (190, MILLI)), (64000, (530, MILLI))]
-    score, chosen = pol.score("T4", *states[1], Task(1000, 160, 1))
+    _score, chosen = pol.score("T4", *states[1], Task(1000, 160, 1))
     assert best_node(pol, states, Task(1000, 160, 1)) == 1 and chosen == (0,)
 
 

@@ -28,7 +28,7 @@ a quantum. Until it has seen a request, every free milli counts as fillable.
 
 from __future__ import annotations
 
-from fastshare.placement.policies import MILLI, Policy, Task, after, default_gpus
+from fastshare.placement.policies import MILLI, Policy, Task, default_gpus
 
 STEP = 10         # milli resolution of the value table (openb sizes are multiples of 10)
 BINS = MILLI // STEP
@@ -61,6 +61,9 @@ class FastsharePolicy(Policy):
     """Expected-final-fill scoring with a CPU-aware node value; learns the request mix online."""
 
     name = "fastshare"
+    FIRST_REFRESH = 1
+    WARMUP = 1 << 30
+    DRIFT = 100
 
     def __init__(self) -> None:
         self.counts = [0.0] * (BINS + 1)
@@ -69,7 +72,7 @@ class FastsharePolicy(Policy):
         self.cpu_of_cpu_tasks = 0      # CPU milli asked by the CPU-only tasks seen
         self.supply = 0.0              # the cluster's CPU milli per GPU milli (0 = not told)
         self.seen = 0
-        self._refresh_at = 1
+        self._refresh_at = self.FIRST_REFRESH
         self.generation = 0
         self.values = value_table(self.counts)
         self.rho = 0.0                 # CPU milli to keep per free GPU milli (0 = unknown)
@@ -102,41 +105,49 @@ class FastsharePolicy(Policy):
             pressure = (rho + cpu_only) / self.supply
             rho += min(1.0, max(0.0, (pressure - 1.0) / 0.1)) * cpu_only
         moved = max(abs(a - b) for a, b in zip(values, self.values, strict=True))
-        if moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho):
+        early = self.seen <= self.WARMUP
+        if (moved > (QUANTUM if early else self.DRIFT)
+                or abs(rho - self.rho) > (0.02 if early else 0.25) * max(rho, self.rho)):
             self.values, self.rho = values, rho
             self.generation += 1
 
     # ---- scoring -------------------------------------------------------------------------------
+    def _cpu_factor(self, cpu_left: int, free: int) -> float:
+        """Share of ``free`` GPU milli that ``cpu_left`` can feed at the learned CPU per milli."""
+        if self.rho <= 0 or free <= 0:
+            return 1.0
+        return min(1.0, max(0, cpu_left) // CPU_STEP * CPU_STEP / (self.rho * free))
+
     def node_value(self, cpu_left: int, gpus: tuple[int, ...]) -> float:
         """Milli the node's free GPUs are expected to gain, scaled by the share of them its
         CPU can feed."""
-        free = sum(gpus)
-        if free <= 0:
-            return 0.0
         v = self.values
-        total = sum(v[g // STEP] for g in gpus)
-        if self.rho > 0:
-            cpu = max(0, cpu_left) // CPU_STEP * CPU_STEP
-            total *= min(1.0, cpu / (self.rho * free))
-        return total
+        return sum(v[g // STEP] for g in gpus) * self._cpu_factor(cpu_left, sum(gpus))
 
     def score(self, model, cpu_left, gpus, task, tags=frozenset()):
-        before = self.node_value(cpu_left, gpus)
-        left = cpu_left - task.cpu
+        v = self.values
+        total = sum(v[g // STEP] for g in gpus)
+        free = sum(gpus)
+        before = total * self._cpu_factor(cpu_left, free)
         if task.sharing:
+            m = task.milli
+            # the GPU whose value drops least (lowest index on ties); the CPU factor after
+            # placement is the same whichever GPU takes the share
             best, idx = None, -1
             for i, g in enumerate(gpus):
-                if g >= task.milli:
-                    s = task.milli + self.node_value(left, after(gpus, (i,), task))
-                    if best is None or s > best:
-                        best, idx = s, i
+                if g >= m:
+                    d = v[(g - m) // STEP] - v[g // STEP]
+                    if best is None or d > best:
+                        best, idx = d, i
             chosen: tuple[int, ...] = (idx,)
-            gain = best - before
+            taken = m
+            total += best
         else:
             chosen = default_gpus(gpus, task)
-            taken = MILLI * task.num_gpu if task.num_gpu else 0
-            gain = taken + self.node_value(left, after(gpus, chosen, task)) - before
-        in_use = sum(gpus) < MILLI * len(gpus)
+            taken = MILLI * len(chosen)
+            total += sum(v[0] - v[gpus[i] // STEP] for i in chosen)
+        gain = taken + total * self._cpu_factor(cpu_left - task.cpu, free - taken) - before
+        in_use = free < MILLI * len(gpus)
         return (int(gain // QUANTUM), in_use), chosen
 
     def state_key(self, model, cpu_left, gpus, task):

@@ -23,7 +23,10 @@ whole for large requests.
 ``p`` and ``rho`` are learned from the requests the policy is shown (``observe``), never
 from a trace file: the table is re-derived after every doubling of the request count and
 adopted (``generation`` + 1, so cached scores are dropped) only when it moved by more than
-a quantum. Until it has seen a request, every free milli counts as fillable.
+a quantum. Until it has seen a request, every free milli counts as fillable. ``rho`` is the
+CPU the GPU requests ask per GPU milli; when the whole mix (CPU-only requests included)
+asks more CPU than the cluster has (``cluster``), CPU-only requests compete for the CPU that
+GPUs need, and their CPU is added to ``rho``.
 """
 
 from __future__ import annotations
@@ -61,9 +64,6 @@ class FastsharePolicy(Policy):
     """Expected-final-fill scoring with a CPU-aware node value; learns the request mix online."""
 
     name = "fastshare"
-    FIRST_REFRESH = 1
-    WARMUP = 1 << 30
-    DRIFT = 100
 
     def __init__(self) -> None:
         self.counts = [0.0] * (BINS + 1)
@@ -72,7 +72,7 @@ class FastsharePolicy(Policy):
         self.cpu_of_cpu_tasks = 0      # CPU milli asked by the CPU-only tasks seen
         self.supply = 0.0              # the cluster's CPU milli per GPU milli (0 = not told)
         self.seen = 0
-        self._refresh_at = self.FIRST_REFRESH
+        self._refresh_at = 1
         self.generation = 0
         self.values = value_table(self.counts)
         self.rho = 0.0                 # CPU milli to keep per free GPU milli (0 = unknown)
@@ -105,9 +105,7 @@ class FastsharePolicy(Policy):
             pressure = (rho + cpu_only) / self.supply
             rho += min(1.0, max(0.0, (pressure - 1.0) / 0.1)) * cpu_only
         moved = max(abs(a - b) for a, b in zip(values, self.values, strict=True))
-        early = self.seen <= self.WARMUP
-        if (moved > (QUANTUM if early else self.DRIFT)
-                or abs(rho - self.rho) > (0.02 if early else 0.25) * max(rho, self.rho)):
+        if moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho):
             self.values, self.rho = values, rho
             self.generation += 1
 

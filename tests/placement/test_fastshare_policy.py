@@ -88,3 +88,14 @@ def test_the_engine_teaches_its_default_policy():
     eng.place(Request("c", "mps", gpu_memory_mib=1024))
     assert eng.policy.seen == 2
     assert eng.policy.counts[30] == 1 and eng.policy.counts[BINS] == 1 and STEP == 10
+
+
+def test_cpu_only_demand_counts_only_when_the_cluster_is_short_of_cpu():
+    mix = ((Task(10_000, MILLI, 1), 50), (Task(8_000, 0, 0), 50))   # 10 + 8 CPU milli per GPU milli
+    plenty, short = taught(*mix), taught(*mix)
+    plenty.cluster(20 * 8000, 8000)
+    short.cluster(12 * 8000, 8000)
+    plenty.observe(Task(10_000, MILLI, 1))
+    short.observe(Task(10_000, MILLI, 1))
+    assert plenty.rho == pytest.approx(10)
+    assert short.rho == pytest.approx(10 + 8 * 50 / 51)

@@ -8,10 +8,12 @@ leave 60; a GPU whose node has run out of CPU ends wherever it is.
 
 So the policy values a GPU with ``f`` milli free by ``V(f)``, the milli that later arrivals
 are expected to add to it: the next task to land is drawn from the request mix among the
-sizes that fit, and a hole whose fitting sizes are rare may stay empty for good (``KAPPA``,
-one constant for every workload)::
+sizes that fit, and a hole whose fitting sizes are rare may stay empty for good. With
+``P = P(m <= f)`` the chance that the hole gets another task is ``P^2 / (P^2 + KAPPA)``
+(one constant for every workload): rare fitting sizes are few, and the holes only they fit
+are many, so that chance falls faster than ``P``::
 
-    V(f) = sum_{m <= f} p(m) * (m + V(f - m)) / (P(m <= f) + KAPPA)
+    V(f) = sum_{m <= f} p(m) * (m + V(f - m)) / (P + KAPPA / P)
 
 A node is worth the sum of its GPUs' values, scaled down when its CPU cannot feed them (the
 CPU the request mix needs per GPU milli, ``rho``, times the free milli). A task goes where
@@ -35,7 +37,7 @@ from fastshare.placement.policies import MILLI, Policy, Task, default_gpus
 
 STEP = 10         # milli resolution of the value table (openb sizes are multiples of 10)
 BINS = MILLI // STEP
-KAPPA = 0.01      # weight of "nothing more arrives that fits" against the mix of fitting sizes
+KAPPA = 0.001     # how fast a hole's chance of being filled falls with the share of sizes that fit
 QUANTUM = 10      # score resolution in milli: closer choices tie
 CPU_STEP = 500    # CPU resolution in milli (keeps scores cacheable per node state)
 
@@ -51,8 +53,8 @@ def value_table(counts: list[float], kappa: float = KAPPA) -> list[float]:
     fit = 0.0
     for f in range(1, BINS + 1):
         fit += p[f]
-        if fit + kappa > 0:
-            v[f] = sum(p[m] * (m * STEP + v[f - m]) for m in range(1, f + 1) if p[m]) / (fit + kappa)
+        if fit > 0:
+            v[f] = sum(p[m] * (m * STEP + v[f - m]) for m in range(1, f + 1) if p[m]) / (fit + kappa / fit)
     return v
 
 

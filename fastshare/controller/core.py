@@ -164,11 +164,13 @@ class ControllerCore:
             return node in self._registered and node in self._last_seen
 
     # -- allocate --------------------------------------------------------------------------------
-    def allocate(self, request: Request) -> Allocation:
+    def allocate(self, request: Request, lookup: bool = True) -> Allocation:
+        """``lookup=False``: the caller made the key just now, so looking it up first is a wasted
+        read; a duplicate is still caught, by the store's create (DuplicateKey)."""
         gpus, most = self.known_gpus()
         validate(request, gpus, most)
         request = replace(request, spec=normalise(request.spec))
-        if request.idempotency_key:
+        if request.idempotency_key and lookup:
             existing = self.store.find_by_key(request.idempotency_key)
             if existing is not None:
                 return self._same_request(existing, request)

@@ -362,9 +362,11 @@ class KubeController:
 
     def _create_replicas(self, fastpod: dict[str, Any], count: int, taken: set[str]
                          ) -> tuple[list[tuple[dict[str, Any], Allocation]], dict[str, str] | None]:
-        """Up to ``count`` new replicas, in parallel batches of 1, 2, 4, ... (``create_parallelism``
-        at most), stopping at the first problem, so that a FastPod that cannot be placed costs one
-        attempt per pass, not ``count`` (as ReplicaSets do)."""
+        """Up to ``count`` new replicas, in parallel, with a slow start: one at first, one more in
+        flight per success (so 1, 2, 4, ... per round trip, ``create_parallelism`` at most), and no
+        new one after the first problem, so that a FastPod that cannot be placed costs one attempt
+        per pass, not ``count`` (as ReplicaSets do). A window, not batches: nothing waits for the
+        slowest of a batch."""
         names: list[str] = []
         prefix = fastpod["metadata"]["name"]
         while len(names) < count:
@@ -373,22 +375,26 @@ class KubeController:
                 taken.add(candidate)
                 names.append(candidate)
         created: list[tuple[dict[str, Any], Allocation]] = []
-        batch = 1
-        while names:
-            size = min(batch, len(names), self.settings.create_parallelism)
-            chunk, names = names[:size], names[size:]
-            futures = [self._pool.submit(self._create_replica, fastpod, n) for n in chunk]
-            concurrent.futures.wait(futures)  # all of them, also when one raised: nothing left running
-            problem = None
-            for future in futures:
-                pod, allocation, trouble = future.result()
+        problem: dict[str, str] | None = None
+        error: BaseException | None = None
+        window, running = 1, set()
+        while running or (names and problem is None and error is None):
+            while names and problem is None and error is None and len(running) < window:
+                running.add(self._pool.submit(self._create_replica, fastpod, names.pop()))
+            done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                try:
+                    pod, allocation, trouble = future.result()
+                except Exception as exc:  # raised once nothing of this pass runs any more
+                    error = error or exc
+                    continue
                 if pod is not None:
                     created.append((pod, allocation))
+                    window = min(window + 1, self.settings.create_parallelism)
                 problem = problem or trouble
-            if problem is not None:
-                return created, problem
-            batch *= 2
-        return created, None
+        if error is not None:
+            raise error
+        return created, problem
 
     def _create_replica(self, fastpod: dict[str, Any], pod_name: str
                         ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:

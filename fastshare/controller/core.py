@@ -165,13 +165,28 @@ class ControllerCore:
 
     # -- allocate --------------------------------------------------------------------------------
     def allocate(self, request: Request) -> Allocation:
+        """Place, record, prepare, activate; returns once the answer survives a power loss.
+
+        What must be on disk before the answer is the ``pending`` record (the intent), not the
+        later steps: if a power loss takes ``prepared``/``active``, the reconciler prepares
+        the pending record again, and the agent (which made its share durable before it
+        answered) hands back the same share: the same active allocation the caller was told
+        about. So the intent's fdatasync starts right after its commit and runs while the
+        agent prepares, instead of after the last commit. A failure (compensated, refused)
+        goes through the API's full barrier (see ``server._guard``)."""
+        allocation, intent = self._allocate(request)
+        self.store.sync(intent)
+        return allocation
+
+    def _allocate(self, request: Request) -> tuple[Allocation, object | None]:
+        """The allocation, and the durability ticket that covers it (None: everything so far)."""
         gpus, most = self.known_gpus()
         validate(request, gpus, most)
         request = replace(request, spec=normalise(request.spec))
         if request.idempotency_key:
             existing = self.store.find_by_key(request.idempotency_key)
             if existing is not None:
-                return self._same_request(existing, request)
+                return self._same_request(existing, request), None
         allocation_id = ID_PREFIX + secrets.token_hex(8)
         engine_request = self.ledger.to_request(allocation_id, request.spec)
         if isinstance(engine_request, Rejection):
@@ -191,13 +206,14 @@ class ControllerCore:
                 self.store.create_allocation(record)
             except DuplicateKey as dup:   # a concurrent call with the same key won
                 self.ledger.release(allocation_id)
-                return self._same_request(dup.existing, request)
+                return self._same_request(dup.existing, request), None
             except BaseException:
                 self.ledger.release(allocation_id)
                 raise
+            intent = self.store.flush_soon()
             self._publish(record)
             faults.point("controller.after_commit")
-            return self.complete(record)
+            return self.complete(record), intent
 
     def _same_request(self, existing: Allocation, request: Request) -> Allocation:
         """A retry: the same allocation, driven to active if a crash left it half-done."""
@@ -272,23 +288,36 @@ class ControllerCore:
 
     # -- release ---------------------------------------------------------------------------------
     def release(self, allocation_id: str, reason: str = "") -> Allocation:
+        """Release; returns once the answer survives a power loss. As for :meth:`allocate`,
+        the ``releasing`` record (the intent) is what must be on disk: a lost ``released``
+        step is redone by the reconciler (release is idempotent on the agent)."""
         allocation = self.get(allocation_id)
         if allocation.state in FINISHED:
+            self.store.sync()
             return allocation
         with self.claim(allocation_id, wait=self.settings.busy_wait) as got:
             if not got:
                 raise Busy(f"allocation {allocation_id} is being changed by another call; retry")
-            return self.release_claimed(self.get(allocation_id), reason)
+            allocation = self._mark_releasing(self.get(allocation_id), reason)
+            intent = self.store.flush_soon()
+            if allocation.state is State.RELEASING:
+                allocation = self.finish_release(allocation)
+        self.store.sync(intent)
+        return allocation
 
     def release_claimed(self, allocation: Allocation, reason: str = "") -> Allocation:
-        if allocation.state in FINISHED:
+        allocation = self._mark_releasing(allocation, reason)
+        return self.finish_release(allocation) if allocation.state is State.RELEASING else allocation
+
+    def _mark_releasing(self, allocation: Allocation, reason: str) -> Allocation:
+        """The release intent: record ``releasing`` (unless finished or releasing already)."""
+        if allocation.state in FINISHED or allocation.state is State.RELEASING:
             return allocation
-        if allocation.state is not State.RELEASING:
-            changes = {"reason": reason} if reason else {}
-            allocation = self._publish(self.store.transition(
-                allocation.id, [State.PENDING, State.PREPARED, State.ACTIVE], State.RELEASING, **changes))
-            faults.point("controller.after_release_commit")
-        return self.finish_release(allocation)
+        changes = {"reason": reason} if reason else {}
+        allocation = self._publish(self.store.transition(
+            allocation.id, [State.PENDING, State.PREPARED, State.ACTIVE], State.RELEASING, **changes))
+        faults.point("controller.after_release_commit")
+        return allocation
 
     def finish_release(self, allocation: Allocation) -> Allocation:
         """Free a releasing allocation on its agent, then in the store and the ledger.

@@ -7,7 +7,13 @@ For each GPU or MIG device UUID with fastpod shares:
 
 Request comes BEFORE limit (KubeShare v2 once wrote them swapped; this module is the one
 writer and ``read`` is the reader the tests check it against). Files are replaced atomically
-(temp + fsync + rename + directory fsync) and removed when the last share leaves.
+(temp + rename: a reader sees the old or the new file, never a mix), left alone when they
+already say exactly that, and removed when the last share leaves.
+
+They are not fsynced: they are derived state. They live under the run directory (tmpfs,
+``/run/fastshare/shares`` by default) and the agent rewrites every one of them from its
+journal at each start, before it serves, so after a power loss they are rebuilt, never
+trusted. (The fsyncs were a third of the agent's time per prepare under load.)
 """
 
 from __future__ import annotations
@@ -41,27 +47,22 @@ def port_path(root: Path, device_uuid: str) -> Path:
 
 
 def _replace(path: Path, text: str) -> None:
+    """Atomically make ``path`` contain ``text``; no write at all when it already does."""
+    try:
+        if path.read_text() == text:
+            return
+    except (FileNotFoundError, UnicodeDecodeError):
+        pass
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check(entry: ShareEntry) -> None:
@@ -81,7 +82,6 @@ def write(root: Path, device_uuid: str, entries: list[ShareEntry]) -> None:
         for path in (cfg, ports):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-                _fsync_dir(path.parent)
         return
     ordered = sorted(entries)
     for entry in ordered:
@@ -118,7 +118,10 @@ def _rows(path: Path, width: int) -> list[list[str]]:
 
 
 def devices(root: Path) -> list[str]:
-    """Device UUIDs that currently have a config file."""
-    directory = Path(root) / "config"
-    return sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) \
-        if directory.is_dir() else []
+    """Device UUIDs that currently have a config or a port file (a crash between the two
+    renames or unlinks can leave one alone; the agent's start rewrites or removes both)."""
+    found = set()
+    for directory in (Path(root) / "config", Path(root) / "podmanagerport"):
+        if directory.is_dir():
+            found.update(p.name for p in directory.iterdir() if not p.name.startswith("."))
+    return sorted(found)

@@ -66,34 +66,50 @@ def write_failure(exc: BaseException) -> str | None:
 
 
 class GroupSync:
-    """Group commit for one WAL-mode, ``synchronous=NORMAL`` connection (this process is the
-    file's only writer).
+    """Group commit and background checkpoints for one WAL-mode, ``synchronous=NORMAL``
+    connection (this process is the file's only writer).
 
     The writer calls :meth:`committed` right after each COMMIT (still under its own lock).
     :meth:`sync` returns once every commit counted before the call (or up to a ticket) is on
     disk; :meth:`flush_soon` starts that fdatasync in the background and returns the ticket,
     so a caller can overlap it with other work (an RPC) and wait for it later. One flush runs
     at a time, outside the connection lock; callers that arrive meanwhile wait for the next
-    one, which covers them all. A checkpoint that moved frames into the main file synced both
-    files itself (SQLite does that in NORMAL mode), and SQLite keeps the WAL file while this
-    connection is open.
+    one, which covers them all.
+
+    Checkpoints (copying the WAL into the main file, with an fsync of each) run here too, on
+    a connection of their own, every ``CHECKPOINT_EVERY`` commits: SQLite's automatic
+    checkpoint would run them inside a COMMIT, under the writer's lock, and stall every
+    request for two fsyncs (1 % of commits took 5-25 ms). The writer's own automatic
+    checkpoint stays as a safety net at ``SAFETY_PAGES``; it then only copies what arrived
+    since the last background one. A checkpoint syncs both files itself (NORMAL), and
+    SQLite keeps the WAL file while the connection is open, so a flush of the WAL file is
+    always enough.
     """
 
-    def __init__(self, path: Path) -> None:
+    CHECKPOINT_EVERY = 200
+    SAFETY_PAGES = 8000
+
+    def __init__(self, path: Path, db: sqlite3.Connection) -> None:
+        self._path = Path(path)
         self._wal = Path(f"{path}-wal")
         self._cond = threading.Condition()
         self._committed = 0
         self._synced = 0
         self._wanted = 0          # highest ticket a background flush was asked for
+        self._checkpointed = 0    # commits covered by the last background checkpoint
         self._syncing = False
         self._directory_synced = False
         self._worker: threading.Thread | None = None
         self._closed = False
         self.syncs = 0            # fdatasync calls made (tests, benchmarks)
+        self.checkpoints = 0
+        db.execute(f"PRAGMA wal_autocheckpoint={self.SAFETY_PAGES}")
 
     def committed(self) -> None:
         with self._cond:
             self._committed += 1
+            if self._committed - self._checkpointed >= self.CHECKPOINT_EVERY:
+                self._wake()
 
     def sync(self, ticket: int | None = None) -> None:
         """Durability barrier: every commit made before this call (or counted in ``ticket``)
@@ -110,31 +126,57 @@ class GroupSync:
         """Start making every commit so far durable without waiting; ``sync(ticket)`` waits."""
         with self._cond:
             ticket = self._committed
-            if self._synced < ticket and not self._closed:
+            if self._synced < ticket:
                 self._wanted = max(self._wanted, ticket)
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._background, name="group-sync",
-                                                    daemon=True)
-                    self._worker.start()
-                self._cond.notify_all()
+                self._wake()
             return ticket
 
     def close(self) -> None:
-        """Stop the background flusher (the connection is closing)."""
+        """Stop the background thread (the connection is closing)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            worker = self._worker
+        if worker is not None:
+            worker.join(timeout=30)
+
+    def _wake(self) -> None:
+        """With the condition held: get the background thread going."""
+        if self._closed:
+            return
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._background, name="group-sync", daemon=True)
+            self._worker.start()
+        self._cond.notify_all()
 
     def _background(self) -> None:
-        with self._cond:
-            while not self._closed:
-                if self._wanted > self._synced and not self._syncing:
-                    try:
-                        self._flush_locked()
-                    except OSError:   # a waiting sync() flushes again itself and reports the error
-                        self._wanted = self._synced
-                else:
-                    self._cond.wait()
+        checkpointer: sqlite3.Connection | None = None
+        try:
+            with self._cond:
+                while not self._closed:
+                    if self._wanted > self._synced and not self._syncing:
+                        try:
+                            self._flush_locked()
+                        except OSError:   # a waiting sync() flushes again itself and reports the error
+                            self._wanted = self._synced
+                    elif self._committed - self._checkpointed >= self.CHECKPOINT_EVERY:
+                        self._checkpointed = self._committed
+                        self._cond.release()
+                        try:
+                            if checkpointer is None:
+                                checkpointer = sqlite3.connect(self._path, timeout=30, isolation_level=None)
+                                checkpointer.execute("PRAGMA synchronous=NORMAL")
+                            checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                            self.checkpoints += 1
+                        except sqlite3.Error:   # busy or failing: the writer's safety net remains
+                            pass
+                        finally:
+                            self._cond.acquire()
+                    else:
+                        self._cond.wait()
+        finally:
+            if checkpointer is not None:
+                checkpointer.close()
 
     def _flush_locked(self) -> None:
         """One fdatasync; called and returns with the condition held, releases it meanwhile."""

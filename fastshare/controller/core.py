@@ -4,8 +4,11 @@ An allocation is committed to the store (with the engine's reservation) BEFORE t
 is asked to prepare it; each later step is one compare-and-set transition. Whatever point a
 crash interrupts, the record says what is left to do and :mod:`reconciler` finishes it:
 
-    pending --prepare on agent--> prepared --> active --release--> releasing --agent--> released
-       \\______________ agent refused / unreachable: compensate ______________/        (or failed)
+    pending --prepare on agent--> active --release--> releasing --agent--> released
+       \\__________ agent refused / unreachable: compensate __________/        (or failed)
+
+(``prepared``, between the agent's answer and activation, was a commit of its own in earlier
+versions; such records are still completed.)
 
 Agent RPCs (with deadlines) never run under the ledger lock; an allocation is worked on by
 one thread at a time (``claim``).
@@ -112,6 +115,7 @@ class ControllerCore:
         self._last_seen: dict[str, float] = {}
         self._nodes_lock = threading.Lock()
         self._gpus: tuple[list[Gpu], int] | None = None
+        self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through _put_node
 
     # -- per-allocation exclusion ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -153,6 +157,21 @@ class ControllerCore:
             self._gpus = cached
         return cached
 
+    def node_facts(self, name: str) -> Node | None:
+        """A node's address and GPUs without a store read per request (they change only when
+        the core itself writes the node; liveness fields of the copy may be stale)."""
+        node = self._node_cache.get(name)
+        if node is None:
+            node = self.store.get_node(name)
+            if node is not None:
+                self._node_cache[name] = node
+        return node
+
+    def _put_node(self, node: Node) -> None:
+        self.store.put_node(node)
+        self._node_cache[node.name] = node
+        self._gpus = None
+
     def get(self, allocation_id: str) -> Allocation:
         found = self.store.get_allocation(allocation_id)
         if found is None:
@@ -168,12 +187,14 @@ class ControllerCore:
         """Place, record, prepare, activate; returns once the answer survives a power loss.
 
         What must be on disk before the answer is the ``pending`` record (the intent), not the
-        later steps: if a power loss takes ``prepared``/``active``, the reconciler prepares
+        later steps: if a power loss takes the ``active`` step, the reconciler prepares
         the pending record again, and the agent (which made its share durable before it
         answered) hands back the same share: the same active allocation the caller was told
         about. So the intent's fdatasync starts right after its commit and runs while the
-        agent prepares, instead of after the last commit. A failure (compensated, refused)
-        goes through the API's full barrier (see ``server._guard``)."""
+        agent prepares, instead of after the last commit (a power loss before it completes
+        leaves the agent a share without a record: an orphan the reconciler frees, and
+        nobody was answered). A failure (compensated, refused) goes through the API's full
+        barrier (see ``server._guard``)."""
         allocation, intent = self._allocate(request)
         self.store.sync(intent)
         return allocation
@@ -200,7 +221,7 @@ class ControllerCore:
                 record = Allocation(
                     id=allocation_id, spec=request.spec, owner=request.owner, state=State.PENDING,
                     node=placed.node, idempotency_key=request.idempotency_key,
-                    devices=_devices(placed, self.store.get_node(placed.node)), assignment=placed.to_dict(),
+                    devices=_devices(placed, self.node_facts(placed.node)), assignment=placed.to_dict(),
                     created_at=now, updated_at=now, lease_ttl=request.lease_ttl,
                     lease_expires_at=now + request.lease_ttl if request.lease_ttl else 0.0)
                 self.store.create_allocation(record)
@@ -251,14 +272,14 @@ class ControllerCore:
         The caller holds the claim on the allocation.
         """
         if allocation.state is State.PENDING:
-            node = self.store.get_node(allocation.node)
+            node = self.node_facts(allocation.node)
             client = self.agents.get(node.name, node.address)
             try:
                 if allocation.assignment.get("enable_mig"):
                     gpu_uuid = allocation.devices[0].gpu_uuid
                     mode = client.set_mig_mode(gpu_uuid, True)
                     if mode.changed:   # the GPU is a MIG GPU now, also after this allocation ends
-                        self.refresh_node(node, client.inventory())
+                        self.refresh_node(self.store.get_node(node.name), client.inventory())
                     if mode.pending:
                         raise AgentFailed(f"MIG mode on {node.name} {gpu_uuid} waits for a GPU reset",
                                           allocation, unreachable=False)
@@ -271,11 +292,13 @@ class ControllerCore:
                 exc.allocation = self.compensate(allocation, str(exc))
                 raise
             faults.point("controller.after_prepare")
+            # One commit records the agent's answer and activates (a separate 'prepared'
+            # commit in between bought nothing: the reconciler treats both alike).
             allocation = self._publish(self.store.transition(
-                allocation.id, [State.PENDING], State.PREPARED, env=_env(allocation, reply),
+                allocation.id, [State.PENDING], State.ACTIVE, env=_env(allocation, reply),
                 devices=_prepared_devices(allocation, reply)))
-            faults.point("controller.after_prepared")
-        if allocation.state is State.PREPARED:
+            faults.point("controller.after_activate")
+        if allocation.state is State.PREPARED:   # written by earlier versions
             allocation = self._publish(self.store.transition(allocation.id, [State.PREPARED], State.ACTIVE))
         return allocation
 
@@ -325,7 +348,7 @@ class ControllerCore:
         If the agent cannot be reached it stays releasing (its capacity stays held) and the
         reconciler finishes when the node is back.
         """
-        node = self.store.get_node(allocation.node)
+        node = self.node_facts(allocation.node)
         try:
             self.agents.get(node.name, node.address).release(allocation.id)
         except AgentError as exc:
@@ -359,8 +382,7 @@ class ControllerCore:
         now = self.clock()
         node = _keep_cordon(node_from_inventory(name, address, labels, inventory, now),
                             self.store.get_node(name))
-        self.store.put_node(node)
-        self._gpus = None
+        self._put_node(node)
         with self._nodes_lock:
             self._registered.add(name)
             self._last_seen[name] = now
@@ -404,8 +426,7 @@ class ControllerCore:
         if fresh.gpus == node.gpus:
             return
         fresh = _keep_cordon(replace(fresh, available=node.available, registered_at=node.registered_at), node)
-        self.store.put_node(fresh)
-        self._gpus = None
+        self._put_node(fresh)
         for assignment, why in self.ledger.set_node(node_view(fresh), self.is_available(node.name)):
             log.error("allocation %s no longer fits node %s: %s", assignment.request.id, node.name, why)
         log.info("node %s: GPU facts changed (e.g. MIG mode); view refreshed", node.name)
@@ -418,7 +439,7 @@ class ControllerCore:
             known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"
             raise NotFound(f"node {name!r} is not known to this controller (known: {known})")
         node = replace(node, cordoned=not schedulable, cordon_reason="" if schedulable else reason)
-        self.store.put_node(node)
+        self._put_node(node)
         self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
         log.info("node %s %s%s", name, "cordoned: no new work" if node.cordoned else "uncordoned",
                  f" ({reason})" if node.cordoned and reason else "")
@@ -433,8 +454,7 @@ class ControllerCore:
             with self._nodes_lock:
                 self._registered.add(node.name)
                 self._last_seen[node.name] = now
-        self.store.put_node(replace(node, available=inventory is not None))
-        self._gpus = None
+        self._put_node(replace(node, available=inventory is not None))
 
 
 def _keep_cordon(fresh: Node, stored: Node | None) -> Node:

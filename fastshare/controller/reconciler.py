@@ -6,7 +6,7 @@ without a holding record is therefore a true orphan (prepare without record) and
 
 Per allocation, by state (skipping allocations another thread is working on):
 - pending   -> prepare again (idempotent by share id) and activate; refused -> compensate;
-- prepared  -> activate;
+- prepared  -> activate (written by earlier versions only);
 - active    -> lease expired: release; agent lost the share: prepare again (roll forward);
 - releasing -> release on the agent again, then mark released/failed.
 Nodes that cannot be reached are left alone: their allocations keep their capacity and

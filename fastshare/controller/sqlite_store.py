@@ -4,20 +4,24 @@ WAL mode, one connection used by one writer at a time (a lock), schema versioned
 ``PRAGMA user_version`` with forward-only migrations.
 
 Durability: ``synchronous=NORMAL`` plus a group-commit barrier (:meth:`SqliteStore.sync`,
-:class:`fastshare.sqlite_file.GroupSync`) that the API runs before every reply.
+:class:`fastshare.sqlite_file.GroupSync`) that the API runs before it answers.
 - kill -9 of the controller: every commit survives as soon as COMMIT returns (it is in the
   WAL file); the crash tests cover each step of allocate and release.
-- power loss / OS crash: only commits made after the last barrier can be lost, and none of
-  them was acknowledged: an Allocate answers after its ``active`` commit and the barrier, a
-  Release after ``released`` (or ``releasing``) and the barrier. What such a loss leaves
-  is a state a kill -9 one step earlier leaves too, which the reconciler already finishes:
-  a lost ``pending`` record makes the agent's share an orphan (prepare without record:
-  freed, nobody was told it exists); a lost ``prepared``/``active`` step is completed again
-  (prepare is idempotent by share id); a lost ``released`` step leaves ``releasing``, which
-  is released again (release is idempotent), and a lost ``releasing`` leaves it ``active``
-  with its share gone, which is prepared again; the caller, never answered, retries.
-The barrier replaces one fsync per commit under the connection lock (``synchronous=FULL``,
-three per Allocate) with one fdatasync shared by every request that committed meanwhile.
+- power loss / OS crash: only commits made after the last barrier can be lost. A lost
+  commit leaves what a kill -9 just before it leaves, which the reconciler finishes: a lost
+  ``pending`` record makes the agent's share an orphan (prepare without record: freed); a
+  lost ``active`` step leaves ``pending``, prepared again (idempotent by share id: the
+  agent, which syncs before it answers, hands back the same share); a lost ``released``
+  step leaves ``releasing``, released again (idempotent); a lost ``releasing`` leaves the
+  allocation ``active`` with its share gone, prepared again.
+- what was acknowledged is never lost: an answer waits for the barrier, except that
+  Allocate and Release wait only for their first commit (``pending``, ``releasing``: the
+  intent, flushed while the agent works), because losing the later step only makes the
+  reconciler redo it to the same end (see ``ControllerCore.allocate``). An Allocate
+  answered ``active`` cannot come back as released or vanish; a released one cannot come
+  back as active.
+The barrier replaces one fsync per commit under the connection lock (``synchronous=FULL``)
+with one fdatasync shared by every request that committed meanwhile.
 """
 
 from __future__ import annotations
@@ -124,7 +128,7 @@ class SqliteStore(StateStore):
         self._db = open_state_file(self.path, synchronous="NORMAL", what="controller state",
                                    recovery="the controller forgets every allocation and node")
         self._db.row_factory = sqlite3.Row
-        self._group = GroupSync(self.path)
+        self._group = GroupSync(self.path, self._db)
         self._migrate()
 
     def _migrate(self) -> None:

@@ -120,10 +120,12 @@ class Journal:
         with self._lock:
             self._db.executescript(_SCHEMA)  # idempotent (IF NOT EXISTS)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            self._group = GroupSync(path)
+            self._group = GroupSync(path, self._db)
             self._group.committed()
-            self._shares: dict[str, ShareRow] = {
-                r[0]: _share_row(r[1:]) for r in self._db.execute(f"SELECT id, {_SHARE_COLUMNS} FROM shares")}
+            self._shares: dict[str, ShareRow] = {}
+            self._on_device: dict[str, set[str]] = {}   # device UUID -> ids of the shares that touch it
+            for r in self._db.execute(f"SELECT id, {_SHARE_COLUMNS} FROM shares").fetchall():
+                self._cache(r[0], _share_row(r[1:]))
 
     def close(self) -> None:
         self._group.close()
@@ -150,10 +152,21 @@ class Journal:
             if share_id is not None:
                 row = self._db.execute(f"SELECT {_SHARE_COLUMNS} FROM shares WHERE id=?",
                                        (share_id,)).fetchone()
-                if row is None:
-                    self._shares.pop(share_id, None)
-                else:
-                    self._shares[share_id] = _share_row(row)
+                self._cache(share_id, _share_row(row) if row is not None else None)
+
+    def _cache(self, share_id: str, row: ShareRow | None) -> None:
+        """With the lock held: the parsed row (None: gone) and the per-device index."""
+        old = self._shares.pop(share_id, None)
+        if old is not None:
+            for device in _devices_of(old):
+                ids = self._on_device[device]
+                ids.discard(share_id)
+                if not ids:
+                    del self._on_device[device]
+        if row is not None:
+            self._shares[share_id] = row
+            for device in _devices_of(row):
+                self._on_device.setdefault(device, set()).add(share_id)
 
     # shares -------------------------------------------------------------------------------
 
@@ -196,6 +209,12 @@ class Journal:
     def shares(self) -> list[ShareRow]:
         with self._lock:
             return [self._shares[k] for k in sorted(self._shares)]
+
+    def shares_on(self, device_uuid: str) -> list[ShareRow]:
+        """Shares that hold ``device_uuid`` (where they live, or one of the devices they asked
+        for), from an index: capacity checks must not scan every share of the node."""
+        with self._lock:
+            return [self._shares[k] for k in sorted(self._on_device.get(device_uuid, ()))]
 
     # MIG instances ------------------------------------------------------------------------
 
@@ -264,6 +283,10 @@ class Journal:
             rows = self._db.execute("SELECT device_uuid, gpu_uuid, state, pid, compute_mode_set, sm_ceiling, "
                                     "mem_ceiling FROM mps_daemons ORDER BY device_uuid").fetchall()
         return [MpsRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+
+
+def _devices_of(row: ShareRow) -> set[str]:
+    return {row.device_uuid, *row.spec.device_uuids}
 
 
 def _share_row(row: tuple) -> ShareRow:

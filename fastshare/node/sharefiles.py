@@ -19,8 +19,8 @@ trusted. (The fsyncs were a third of the agent's time per prepare under load.)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,19 +54,39 @@ def _replace(path: Path, text: str) -> None:
     except (FileNotFoundError, UnicodeDecodeError):
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    tmp = str(path.parent / f".{path.name}.new")   # one writer per device (the agent's file lock)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
+        if _exchange(tmp, path):
+            os.unlink(tmp)          # now the old file
+        else:
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(new: str, path: Path) -> bool:
+    """Atomically swap ``new`` and the existing ``path`` (renameat2 RENAME_EXCHANGE); False
+    when that is not possible (no file there yet, old kernel or libc, filesystem without it),
+    and the caller renames over instead. Why: on ext4 a rename over an existing file forces
+    writeback of the new file first (auto_da_alloc), 0.2-5 ms per file on a busy disk, which
+    these derived, never-fsynced files do not need; the swap costs ~20 us."""
+    if _renameat2 is None:
+        return False
+    return _renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(str(path)), _RENAME_EXCHANGE) == 0
+
+
 def _check(entry: ShareEntry) -> None:
-    if not entry.key or any(c.isspace() for c in entry.key):
+    if entry.key.split() != [entry.key]:   # empty, or with whitespace
         raise ShareFileError(f"share key {entry.key!r} must be non-empty without whitespace")
     if not 0 < entry.request <= entry.limit <= 1:
         raise ShareFileError(f"share {entry.key}: need 0 < request ({entry.request}) <= limit "

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 
 import click
 
 from fastshare.cli._output import fail, print_json, print_table
 from fastshare.cli.gpu import backend_options, devices_from
-from fastshare.device.mig_layout import LayoutError, apply_plan, format_layout, plan_for_gpu, shape_of
+from fastshare.device.api import Devices
+from fastshare.device.mig_layout import (
+    GpuShape,
+    LayoutError,
+    Plan,
+    apply_plan,
+    format_layout,
+    plan_for_gpu,
+    shape_of,
+)
 
 _LAYOUT_HELP = "profiles and counts, e.g. '3g.20gb=1,2g.10gb=1,1g.5gb=2' or profile ids '9,19,14,19'"
 
@@ -29,37 +39,43 @@ def _show_plan(gpu: int, layout: str, shape_label: str, plan_dict: dict, as_json
     print_table(title, ["#", "step"], [[n + 1, s["description"]] for n, s in enumerate(steps)])
 
 
+def _layout_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The options `mig plan` and `mig apply` share: what they plan is the same."""
+    for option in reversed([
+        backend_options,
+        click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index"),
+        click.option("--layout", required=True, help=_LAYOUT_HELP),
+        click.option("--force", is_flag=True, help="allow destroying instances that are in use"),
+        click.option("--json", "as_json", is_flag=True, help="machine-readable output"),
+    ]):
+        command = option(command)
+    return command
+
+
+def _planned(devices: Devices, gpu_index: int, layout: str, force: bool) -> tuple[GpuShape, Plan]:
+    try:
+        return plan_for_gpu(devices, gpu_index, layout, force=force)
+    except LayoutError as exc:
+        fail(f"GPU {gpu_index}: {exc}")
+
+
 @mig_group.command("plan")
-@backend_options
-@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
-@click.option("--layout", required=True, help=_LAYOUT_HELP)
-@click.option("--force", is_flag=True, help="allow destroying instances that are in use")
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@_layout_options
 def mig_plan(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
              as_json: bool) -> None:
     """Show the steps that would turn the current layout into LAYOUT (changes nothing)."""
     with devices_from(gpu_backend, sim_state) as devices:
-        try:
-            shape, plan = plan_for_gpu(devices, gpu_index, layout, force=force)
-        except LayoutError as exc:
-            fail(f"GPU {gpu_index}: {exc}")
+        shape, plan = _planned(devices, gpu_index, layout, force)
     _show_plan(gpu_index, layout, shape.label, plan.to_dict(), as_json, f"plan for GPU {gpu_index}")
 
 
 @mig_group.command("apply")
-@backend_options
-@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
-@click.option("--layout", required=True, help=_LAYOUT_HELP)
-@click.option("--force", is_flag=True, help="allow destroying instances that are in use")
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@_layout_options
 def mig_apply(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
               as_json: bool) -> None:
     """Create/destroy MIG instances so GPU IDX has exactly LAYOUT."""
     with devices_from(gpu_backend, sim_state) as devices:
-        try:
-            shape, plan = plan_for_gpu(devices, gpu_index, layout, force=force)
-        except LayoutError as exc:
-            fail(f"GPU {gpu_index}: {exc}")
+        shape, plan = _planned(devices, gpu_index, layout, force)
         instances = apply_plan(devices, gpu_index, plan)
     if as_json:
         print_json({"gpu": gpu_index, "layout": layout, **plan.to_dict(),
@@ -125,16 +141,20 @@ COMMANDS = [mig_group]
 @click.option("--select", "name", required=True, help="name of the config under mig-configs")
 @click.option("--apply", "do_apply", is_flag=True, help="carry the plan out (default: only show it)")
 @click.option("--force", is_flag=True, help="allow destroying instances that are in use")
+@click.option("--agent-journal", type=click.Path(dir_okay=False),
+              help="node agent journal: MIG devices its shares hold count as in use")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name: str, do_apply: bool,
-               force: bool, as_json: bool) -> None:
+               force: bool, agent_journal: str | None, as_json: bool) -> None:
     """Make the host's GPUs match a named mig-parted config (plan, or --apply)."""
     from fastshare.device.mig_parted import ConfigError, apply_host, parse_config, plan_host, resolve
+    from fastshare.node.journal import held_device_uuids
 
     with devices_from(gpu_backend, sim_state) as devices:
         try:
             configs = parse_config(config_file.read())
-            plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force)
+            plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force,
+                              held=held_device_uuids(agent_journal))
         except ConfigError as exc:
             fail(f"{config_file.name}: {exc}")
         results = apply_host(devices, plans) if do_apply else [p.to_dict() for p in plans]
@@ -144,13 +164,12 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
         return
     rows = []
     for r in results:
-        waits = bool(r.get("reset_required") or r["reset_pending"])
-        prefix = "after a GPU reset: " if waits and r["mig_enabled"] else ""
-        what = [prefix + s["description"] for s in r["steps"]] or ["(no instance changes)"]
+        what = [s["description"] for s in r["steps"]] or ["(no instance changes)"]
         if r["mode_change"]:
             what.insert(0, f"{'enable' if r['mig_enabled'] else 'disable'} MIG mode")
-        if waits:
-            what.append("GPU reset required for the MIG mode change")
+        if r["reset_required"]:
+            what.append("GPU reset required for the MIG mode change"
+                        + ("; run again after it to create the instances" if r["mig_enabled"] else ""))
         rows.append([r["gpu"], r["layout"] or ("MIG off" if not r["mig_enabled"] else "-"),
                      "yes" if r["changed"] else "no", "\n".join(what)])
     print_table(f"config {name!r} ({'applied' if do_apply else 'plan'})",

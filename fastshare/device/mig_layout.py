@@ -95,6 +95,9 @@ class Step:
         return (f"{self.action} {self.profile_name} (id {self.profile_id}) at start {self.start} "
                 f"(memory slices {self.start}..{self.start + self.size - 1})")
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"description": self.describe()}
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -111,7 +114,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "changed": self.changed,
-            "steps": [asdict(s) | {"description": s.describe()} for s in self.steps],
+            "steps": [s.to_dict() for s in self.steps],
             "keep": [asdict(p) for p in self.keep],
             "final": [asdict(p) for p in self.final],
         }

@@ -19,7 +19,7 @@ use is touched unless forced), :func:`apply_host` carries the plan out.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +30,11 @@ from fastshare.device.catalog import find_model
 from fastshare.device.mig_layout import (
     GpuShape,
     LayoutError,
+    Placed,
     Plan,
+    Step,
     apply_plan,
+    check_layout,
     format_layout,
     parse_layout,
     plan_layout,
@@ -63,24 +66,28 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class GpuPlan:
-    """What one GPU needs: a MIG mode change and/or layout steps, or nothing."""
+    """What one GPU needs in this run: a MIG mode change and/or layout steps, or nothing.
+
+    ``plan`` holds only the steps this run can carry out: none while a mode change waits for a
+    GPU reset (Ampere), then the layout is created by the first run after the reset."""
 
     gpu_index: int
     mig_enabled: bool
-    mode_change: bool                      # MIG mode must be switched first
-    plan: Plan | None                      # None when MIG ends up disabled
+    mode_change: bool                      # MIG mode must be switched
+    plan: Plan | None                      # steps of this run (None: no instance changes)
+    shape: GpuShape | None = None          # the profile table the plan is written in
     layout: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
-    reset_pending: bool = False            # mode already requested, waits for a GPU reset
+    reset_required: bool = False           # after this run the mode change waits for a GPU reset
 
     @property
     def changed(self) -> bool:
-        return self.mode_change or (bool(self.plan and self.plan.changed) and not self.reset_pending)
+        return self.mode_change or bool(self.plan and self.plan.changed)
 
     def to_dict(self) -> dict[str, Any]:
         return {"gpu": self.gpu_index, "mig_enabled": self.mig_enabled, "mode_change": self.mode_change,
                 "layout": self.layout, "changed": self.changed, "notes": list(self.notes),
-                "reset_pending": self.reset_pending,
+                "reset_required": self.reset_required,
                 "steps": self.plan.to_dict()["steps"] if self.plan else []}
 
 
@@ -178,76 +185,119 @@ def _shape(devices: Devices, gpu: GpuInfo) -> GpuShape:
     return GpuShape.from_model(model)
 
 
-def plan_host(devices: Devices, chosen: Mapping[int, DeviceSpec], *, force: bool = False) -> list[GpuPlan]:
-    """Per-GPU plans (check mode shows these; nothing is changed here)."""
-    plans = []
+def _waits_for_reset(gpu: GpuInfo) -> bool:
+    """A mode change on this GPU stays pending until a reset (Ampere); unknown models: assume so."""
+    model = find_model(gpu.name)
+    return True if model is None else model.mig_pending_until_reset
+
+
+def plan_host(devices: Devices, chosen: Mapping[int, DeviceSpec], *, force: bool = False,
+              held: Collection[str] = frozenset()) -> list[GpuPlan]:
+    """Per-GPU plans; nothing is changed here, so every refusal comes before any change.
+
+    An instance is in use when processes run on it or its UUID is in ``held`` (devices that
+    fastshare shares hold, from the node agent's journal): in-use instances are kept unless
+    ``force``; ``force`` never covers running processes, because NVML refuses to destroy those."""
     gpus = {g.index: g for g in devices.gpus()}
-    for index in sorted(chosen):
-        spec, gpu = chosen[index], gpus[index]
-        if not spec.mig_enabled:
-            plans.append(_disable_plan(devices, gpu, spec, force))
-            continue
-        if not gpu.mig_capable:
-            raise ConfigError(f"{spec.where}: GPU {index} ({gpu.name}) does not support MIG")
-        shape = _shape(devices, gpu)
-        try:
-            wanted = parse_layout(dict(spec.mig_devices), shape)
-            current = list(gpu.mig_instances) if gpu.mig_current else []
-            plan = plan_layout(shape, current, wanted, force=force)
-        except LayoutError as exc:
-            raise ConfigError(f"{spec.where}: GPU {index}: {exc}") from exc
-        pending = not gpu.mig_current and gpu.mig_pending
-        notes = ("MIG mode is enabled but pending a GPU reset; instances are created after it",) if pending \
-            else ()
-        plans.append(GpuPlan(index, True, not gpu.mig_pending, plan, format_layout(wanted, shape), notes,
-                             reset_pending=pending))
-    return plans
+    return [_plan_gpu(devices, gpus[index], chosen[index], force, held) for index in sorted(chosen)]
 
 
-def _disable_plan(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool) -> GpuPlan:
+def _plan_gpu(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
+              held: Collection[str]) -> GpuPlan:
+    if not spec.mig_enabled:
+        return _disable_plan(devices, gpu, spec, force, held)
+    if not gpu.mig_capable:
+        raise ConfigError(f"{spec.where}: GPU {gpu.index} ({gpu.name}) does not support MIG")
+    shape = _shape(devices, gpu)
+    mode_change = not gpu.mig_pending     # pending True while current False: enable already asked
+    reset_required = not gpu.mig_current and (not mode_change or _waits_for_reset(gpu))
+    try:
+        wanted = parse_layout(dict(spec.mig_devices), shape)
+        plan = None if reset_required else _checked_plan(shape, gpu, wanted, force, held)
+        if reset_required and (reason := check_layout(shape, wanted)):
+            raise LayoutError(f"impossible layout: {reason}")
+    except LayoutError as exc:
+        raise ConfigError(_labelled(spec.where, gpu, exc)) from None
+    notes = ("MIG mode change waits for a GPU reset; instances are created by the first run after it",) \
+        if reset_required else ()
+    return GpuPlan(gpu.index, True, mode_change, plan, shape, format_layout(wanted, shape), notes,
+                   reset_required)
+
+
+def _disable_plan(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
+                  held: Collection[str]) -> GpuPlan:
     if not gpu.mig_capable:
         return GpuPlan(gpu.index, False, False, None, notes=("GPU has no MIG; nothing to do",))
-    plan = None
+    plan = shape = None
     if gpu.mig_current and gpu.mig_instances:
         shape = _shape(devices, gpu)
         try:
-            plan = plan_layout(shape, list(gpu.mig_instances), Counter(), force=force)
+            plan = _checked_plan(shape, gpu, Counter(), force, held)
         except LayoutError as exc:
-            raise ConfigError(f"{spec.where}: GPU {gpu.index}: {exc}") from exc
-    pending = gpu.mig_current and not gpu.mig_pending
-    notes = ("MIG mode is disabled but pending a GPU reset",) if pending else ()
-    return GpuPlan(gpu.index, False, bool(gpu.mig_pending), plan, notes=notes, reset_pending=pending)
+            raise ConfigError(_labelled(spec.where, gpu, exc)) from None
+    mode_change = gpu.mig_pending
+    reset_required = gpu.mig_current and (not mode_change or _waits_for_reset(gpu))
+    notes = ("MIG mode change waits for a GPU reset",) if reset_required else ()
+    return GpuPlan(gpu.index, False, mode_change, plan, shape, notes=notes, reset_required=reset_required)
+
+
+def _checked_plan(shape: GpuShape, gpu: GpuInfo, wanted: Counter[int], force: bool,
+                  held: Collection[str]) -> Plan:
+    current = gpu.mig_instances if gpu.mig_current else ()
+    placed = [Placed(m.profile_id, m.start, m.processes > 0 or (m.uuid or "") in held, m.uuid or "")
+              for m in current]
+    plan = plan_layout(shape, placed, wanted, force=force)
+    running = {(m.profile_id, m.start): m for m in current if m.processes}
+    for step in plan.steps:
+        if step.action == "destroy" and (m := running.get((step.profile_id, step.start))):
+            raise LayoutError(f"{m.profile_name} at start {m.start} ({m.uuid}) has {m.processes} running "
+                              "process(es); NVML cannot destroy it even with force: stop the processes first")
+    return plan
+
+
+def _labelled(where: str, gpu: GpuInfo, exc: Exception) -> str:
+    label = f"GPU {gpu.index} ({gpu.name})"
+    text = str(exc)
+    return f"{where}: {text}" if label in text else f"{where}: {label}: {text}"
 
 
 def apply_host(devices: Devices, plans: Sequence[GpuPlan]) -> list[dict[str, Any]]:
     """Carry out the plans GPU by GPU; a DeviceError names the GPU and the failed step.
 
-    Order per GPU: destroy instances, switch the mode, create instances. When enabling MIG on
-    Ampere stays pending until a reset, creation is skipped and reported (``reset_required``)."""
+    Order per GPU: destroy instances, switch the mode, create instances. Each result is the
+    plan's dict with the steps actually carried out and whether a reset is still required."""
     results = []
     for gp in plans:
-        result = gp.to_dict() | {"reset_required": gp.reset_pending}
         try:
-            if not gp.mig_enabled:
-                if gp.plan and gp.plan.changed:
-                    apply_plan(devices, gp.gpu_index, gp.plan)
-                if gp.mode_change:
-                    result["reset_required"] = devices.set_mig_mode(gp.gpu_index, False)
-            else:
-                if gp.mode_change:
-                    devices.set_mig_mode(gp.gpu_index, True)
-                gpu = devices.gpu(gp.gpu_index)
-                if not gpu.mig_current:
-                    result["reset_required"] = True
-                elif gp.mode_change:
-                    # MIG just came on: plan against NVML's own profiles (the plan used the catalog).
-                    shape = _shape(devices, gpu)
-                    fresh = plan_layout(shape, devices.mig_instances(gp.gpu_index),
-                                        parse_layout(gp.layout, shape))
-                    apply_plan(devices, gp.gpu_index, fresh)
-                elif gp.plan and gp.plan.changed:
-                    apply_plan(devices, gp.gpu_index, gp.plan)
+            steps = _apply_gpu(devices, gp)
         except DeviceError as exc:
             raise DeviceError(f"GPU {gp.gpu_index}: {exc}", exc.code) from exc
-        results.append(result)
+        now = devices.gpu(gp.gpu_index)
+        results.append(gp.to_dict() | {"steps": [s.to_dict() for s in steps],
+                                       "reset_required": now.mig_current != now.mig_pending})
     return results
+
+
+def _apply_gpu(devices: Devices, gp: GpuPlan) -> list[Step]:
+    done: list[Step] = []
+    if not gp.mig_enabled:
+        if gp.plan and gp.plan.changed:
+            apply_plan(devices, gp.gpu_index, gp.plan)
+            done.extend(gp.plan.steps)
+        if gp.mode_change:
+            devices.set_mig_mode(gp.gpu_index, False)
+        return done
+    if gp.mode_change:
+        devices.set_mig_mode(gp.gpu_index, True)
+    gpu = devices.gpu(gp.gpu_index)
+    if not gpu.mig_current:
+        return done                       # the layout waits for the GPU reset
+    plan = gp.plan
+    if gp.mode_change or plan is None:
+        # MIG just came on: plan against NVML's own profiles (the plan used the catalog).
+        shape = _shape(devices, gpu)
+        plan = plan_layout(shape, devices.mig_instances(gp.gpu_index), parse_layout(gp.layout, shape))
+    if plan.changed:
+        apply_plan(devices, gp.gpu_index, plan)
+        done.extend(plan.steps)
+    return done

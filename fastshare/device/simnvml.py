@@ -95,6 +95,26 @@ def _deref(ref: Any) -> Any:
     return ref
 
 
+def _fill(array_ref: Any, count_ref: Any, handles: list[Any]) -> int:
+    """NVML's "array + count" out-parameters: too small an array is INSUFFICIENT_SIZE."""
+    count, array = _deref(count_ref), _deref(array_ref)
+    if count is None or array is None:
+        raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    if len(array) < len(handles):
+        raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+    for i, handle in enumerate(handles):
+        array[i] = handle
+    count.value = len(handles)
+    return _pynvml.NVML_SUCCESS
+
+
+def _ci_slices(profile_id: int, gi_profile: Any) -> int:
+    """Compute slices of a compute-instance profile; NOT_SUPPORTED if it exceeds the GPU instance."""
+    slices = _CI_SLICES.get(profile_id)
+    if slices is None or slices > gi_profile.slices:
+        raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
+    return slices
+
 # --- the machine file -------------------------------------------------------------------------
 class _Store:
     """One JSON file plus an fcntl lock file: many readers or one writer at a time."""
@@ -317,11 +337,17 @@ class SimNvml:
         gi = _gi(gpu, gi_id)
         return gpu, gi, _ci(gi, ci_id)
 
+    def _whole_gpu(self, st: dict[str, Any], handle: Any,
+                   refuse: int = _pynvml.NVML_ERROR_INVALID_ARGUMENT) -> dict:
+        """The GPU of a GPU handle; a MIG device handle gets ``refuse``, the code NVML answers."""
+        gpu, gi, _ = self._device(st, handle)
+        if gi is not None:
+            raise _err(refuse)
+        return gpu
+
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
         with self._store().read() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
+            gpu = self._whole_gpu(st, handle, _pynvml.NVML_ERROR_NOT_SUPPORTED)
             return gpu["index"]
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
@@ -365,9 +391,7 @@ class SimNvml:
 
     def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
         with self._store().read() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
+            gpu = self._whole_gpu(st, handle, _pynvml.NVML_ERROR_NOT_SUPPORTED)
             bus_id = _bus_id(gpu)
             device_id = _model(gpu).pci_device_id
         info = _pynvml.nvmlPciInfo_t()
@@ -432,9 +456,7 @@ class SimNvml:
                         _pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS):
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         with self._store().write() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
+            gpu = self._whole_gpu(st, handle, _pynvml.NVML_ERROR_NOT_SUPPORTED)
             gpu["compute_mode"] = mode
 
     # --- topology -----------------------------------------------------------------------------
@@ -491,9 +513,7 @@ class SimNvml:
         if not 0 <= profile < _pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         with self._store().read() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gpu = self._whole_gpu(st, handle)
             model = _require_mig(gpu)
         spec = model.profile_by_enum(profile)
         if spec is None:
@@ -524,9 +544,7 @@ class SimNvml:
                                                    placements_ref: Any, count_ref: Any) -> int:
         """Every allowed placement of the profile, occupied or not (like the _v2 C call)."""
         with self._store().read() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gpu = self._whole_gpu(st, handle)
             model = _require_mig(gpu)
         spec = _profile_by_id(model, profile_id)
         count = _deref(count_ref)
@@ -545,9 +563,7 @@ class SimNvml:
 
     def nvmlDeviceGetGpuInstanceRemainingCapacity(self, handle: Any, profile_id: int) -> int:
         with self._store().read() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gpu = self._whole_gpu(st, handle)
             model = _require_mig(gpu)
             spec = _profile_by_id(model, profile_id)
             return remaining_capacity(gpu, model, spec)
@@ -558,9 +574,7 @@ class SimNvml:
         if want is None:
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         with self._store().write() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gpu = self._whole_gpu(st, handle)
             model = _require_mig(gpu)
             spec = _profile_by_id(model, profile_id)
             if want.start not in spec.placements or want.size != spec.memory_slices:
@@ -574,9 +588,7 @@ class SimNvml:
         """NVML's own placer; like the driver, it fills from the top memory slice down, which
         is why creating 19,19,14,9 in that order fails on an A100 (MIG user guide)."""
         with self._store().write() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gpu = self._whole_gpu(st, handle)
             model = _require_mig(gpu)
             spec = _profile_by_id(model, profile_id)
             starts = [s for s in reversed(spec.placements) if _fits(gpu, model, spec, s)]
@@ -600,29 +612,17 @@ class SimNvml:
     def nvmlDeviceGetGpuInstances(self, handle: Any, profile_id: int, instances_ref: Any,
                                   count_ref: Any) -> int:
         with self._store().read() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gpu = self._whole_gpu(st, handle)
             model = _require_mig(gpu)
             _profile_by_id(model, profile_id)
             found = sorted((g for g in gpu["gpu_instances"] if g["profile_id"] == profile_id),
                            key=lambda g: g["id"])
-        count = _deref(count_ref)
-        array = _deref(instances_ref)
-        if count is None or array is None:
-            raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if len(array) < len(found):
-            raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-        for i, g in enumerate(found):
-            array[i] = _make(_pynvml.c_nvmlGpuInstance_t, _GI, gpu["index"], g["id"])
-        count.value = len(found)
-        return _pynvml.NVML_SUCCESS
+        return _fill(instances_ref, count_ref,
+                     [_make(_pynvml.c_nvmlGpuInstance_t, _GI, gpu["index"], g["id"]) for g in found])
 
     def nvmlDeviceGetGpuInstanceById(self, handle: Any, gi_id: int) -> Any:
         with self._store().read() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gpu = self._whole_gpu(st, handle)
             _require_mig(gpu)
             if not any(g["id"] == gi_id for g in gpu["gpu_instances"]):
                 raise _err(_pynvml.NVML_ERROR_NOT_FOUND)
@@ -661,9 +661,7 @@ class SimNvml:
         with self._store().read() as st:
             gpu, gi = self._gpu_instance(st, gpu_instance)
             spec = _profile_by_id(_model(gpu), gi["profile_id"])
-        slices = _CI_SLICES.get(profile)
-        if slices is None or slices > spec.slices:
-            raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
+        slices = _ci_slices(profile, spec)
         if version == 2:
             info = _pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
             name = spec.name if slices == spec.slices else f"{slices}c.{spec.name}"
@@ -686,9 +684,7 @@ class SimNvml:
         with self._store().read() as st:
             gpu, gi = self._gpu_instance(st, gpu_instance)
             spec = _profile_by_id(_model(gpu), gi["profile_id"])
-        slices = _CI_SLICES.get(profile_id)
-        if slices is None or slices > spec.slices:
-            raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
+        slices = _ci_slices(profile_id, spec)
         free = spec.slices - sum(c["slices"] for c in gi["compute_instances"])
         return free // slices
 
@@ -696,9 +692,7 @@ class SimNvml:
         with self._store().write() as st:
             gpu, gi = self._gpu_instance(st, gpu_instance)
             spec = _profile_by_id(_model(gpu), gi["profile_id"])
-            slices = _CI_SLICES.get(profile_id)
-            if slices is None or slices > spec.slices:
-                raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
+            slices = _ci_slices(profile_id, spec)
             used = sum(c["slices"] for c in gi["compute_instances"])
             if used + slices > spec.slices:
                 raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
@@ -716,16 +710,9 @@ class SimNvml:
             gpu, gi = self._gpu_instance(st, gpu_instance)
             found = sorted((c for c in gi["compute_instances"] if c["profile_id"] == profile_id),
                            key=lambda c: c["id"])
-        count = _deref(count_ref)
-        array = _deref(instances_ref)
-        if count is None or array is None:
-            raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if len(array) < len(found):
-            raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-        for i, c in enumerate(found):
-            array[i] = _make(_pynvml.c_nvmlComputeInstance_t, _CI, gpu["index"], gi["id"], c["id"])
-        count.value = len(found)
-        return _pynvml.NVML_SUCCESS
+        return _fill(instances_ref, count_ref,
+                     [_make(_pynvml.c_nvmlComputeInstance_t, _CI, gpu["index"], gi["id"], c["id"])
+                      for c in found])
 
     def _compute_instance(self, st: dict, handle: Any) -> tuple[dict, dict, dict]:
         _, index, gi_id, ci_id = _decode(handle, _CI)
@@ -765,9 +752,7 @@ class SimNvml:
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> Any:
         with self._store().read() as st:
-            gpu, gi, _ = self._device(st, handle)
-            if gi is not None:
-                raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gpu = self._whole_gpu(st, handle)
             model = _require_mig(gpu)
             if not 0 <= index < model.compute_slices:
                 raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)

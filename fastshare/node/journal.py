@@ -293,3 +293,16 @@ def _share_row(row: tuple) -> ShareRow:
     spec, state, device_uuid, port, prepared = row
     return ShareRow(ShareSpec.from_json(spec), state, device_uuid, port,
                     Prepared.from_json(prepared) if prepared else None)
+
+
+def held_device_uuids(path: Path | str | None) -> set[str]:
+    """UUIDs of the devices fastshare shares hold, from a node agent's journal (none if absent).
+
+    MIG reconfiguration (``fastshare mig config``, the mig_config module) treats these as in use."""
+    if not path or not Path(path).exists():
+        return set()
+    journal = Journal(Path(path))
+    try:
+        return {row.device_uuid for row in journal.shares()}
+    finally:
+        journal.close()

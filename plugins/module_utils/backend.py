@@ -8,9 +8,7 @@ installed on the managed node, so the CLI, the node agent and Ansible plan and a
 
 from __future__ import annotations
 
-import os
 import traceback
-from pathlib import Path
 
 from ansible.module_utils.basic import missing_required_lib
 
@@ -97,12 +95,6 @@ def layout_facts(devices):
 
 def held_device_uuids(journal_path):
     """UUIDs of the devices that fastshare shares hold, from the node agent's journal."""
-    if not journal_path or not os.path.exists(journal_path):
-        return set()
-    from fastshare.node.journal import Journal  # only needed when a journal is given
+    from fastshare.node.journal import held_device_uuids as held  # only needed here
 
-    journal = Journal(Path(journal_path))
-    try:
-        return {row.device_uuid for row in journal.shares()}
-    finally:
-        journal.close()
+    return held(journal_path)

@@ -1,20 +1,19 @@
 # Copyright: (c) 2026, fastshare developers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Declarative MIG layouts for the mig_config module: plan every GPU first, then act.
+"""The mig_config module's side of declarative MIG layouts: its options in, its results out.
 
-The placement planning is fastshare's (``fastshare.device.mig_layout``, the planner behind
-``fastshare mig plan``); this file only decides, per GPU, which mode change and which plan
-the requested layout needs, so that every refusal happens before anything is changed.
+Planning and carrying out are fastshare's (``fastshare.device.mig_parted``, also behind
+``fastshare mig config``): every GPU is planned before anything changes. This file turns the
+module's ``layout`` option into the same per-GPU entries a mig-parted file gives, and renders
+plans and results the way the module reports them (steps, predicted devices, diff text).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-
 try:
-    from fastshare.device import catalog, mig_layout, mig_parted
+    from fastshare.device import mig_parted
 except ImportError:  # the module fails with missing_required_lib before using any of this
-    catalog = mig_layout = mig_parted = None
+    mig_parted = None
 
 
 class MigConfigError(Exception):
@@ -22,7 +21,7 @@ class MigConfigError(Exception):
 
 
 def layout_targets(layout, gpus):
-    """{gpu index: (mig_enabled, {profile: count})} from the module's ``layout`` option."""
+    """{gpu index: mig_parted.DeviceSpec} from the module's ``layout`` option."""
     by_index = {g.index: g for g in gpus}
     valid = f"0..{len(gpus) - 1}" if gpus else "none: the host has no GPU"
     targets = {}
@@ -45,7 +44,8 @@ def layout_targets(layout, gpus):
             wanted = entry["mig_devices"] or {}
             if not entry["mig_enabled"] and any(int(_count(where, k, v)) for k, v in wanted.items()):
                 raise MigConfigError(f"{where}: mig_devices requires mig_enabled=true")
-            targets[index] = (entry["mig_enabled"], {str(k): _count(where, k, v) for k, v in wanted.items()})
+            counts = tuple((str(k), _count(where, k, v)) for k, v in wanted.items())
+            targets[index] = mig_parted.DeviceSpec((index,), entry["mig_enabled"], counts, where=where)
     return targets
 
 
@@ -62,7 +62,7 @@ def _count(where, profile, value):
 
 
 def config_file_targets(path, name, gpus):
-    """{gpu index: (mig_enabled, {profile: count})} from a mig-parted config file.
+    """{gpu index: mig_parted.DeviceSpec} from a mig-parted config file.
 
     Parsing, ``device-filter`` matching and the one-entry-per-GPU rule are fastshare's
     (``fastshare.device.mig_parted``), as for every other consumer of these files.
@@ -73,140 +73,35 @@ def config_file_targets(path, name, gpus):
     except OSError as exc:
         raise MigConfigError(f"config_file: cannot read {path}: {exc.strerror}") from None
     try:
-        chosen = mig_parted.resolve(mig_parted.parse_config(text), name, gpus)
+        return mig_parted.resolve(mig_parted.parse_config(text), name, gpus)
     except (mig_parted.ConfigError, ValueError) as exc:
         raise MigConfigError(f"config_file {path}: {exc}") from None
-    return {index: (spec.mig_enabled, dict(spec.mig_devices)) for index, spec in chosen.items()}
 
 
-class GpuChange:
-    """What one GPU needs: a mode change, a placement plan, or nothing."""
-
-    def __init__(self, gpu, mig_enabled, wanted):
-        self.gpu = gpu
-        self.mig_enabled = mig_enabled
-        self.wanted = wanted            # {profile name: count}
-        self.mode_change = None         # None | True (enable) | False (disable)
-        self.expect_pending = False     # the mode change waits for a GPU reset (Ampere)
-        self.shape = None
-        self.plan = None                # mig_layout.Plan of destroys/creates, when known
-        self.pending = False            # after apply: mode change waiting for a reset
-        self.steps_done = []
-
-    @property
-    def changed(self):
-        return self.mode_change is not None or bool(self.plan and self.plan.steps)
-
-
-def plan_gpu(devices, gpu, mig_enabled, wanted, held, force):
-    """Decide what ``gpu`` needs; raises MigConfigError (naming the instance) when refused."""
-    change = GpuChange(gpu, mig_enabled, wanted)
-    label = f"GPU {gpu.index} ({gpu.name})"
-    if not gpu.mig_capable:
-        if mig_enabled:
-            raise MigConfigError(f"{label} does not support MIG")
-        return change
-    instances = devices.mig_instances(gpu.index) if gpu.mig_current else []
-    placed = [_placed(m, held) for m in instances]
-    model = catalog.find_model(gpu.name)
-    if not mig_enabled:
-        if gpu.mig_current:
-            change.shape = mig_layout.shape_of(devices, gpu.index)
-            change.plan = _plan(change.shape, placed, Counter(), force, label)
-            _refuse_busy_destroys(change, instances, label)
-        if gpu.mig_current or gpu.mig_pending:
-            change.mode_change = False
-            change.expect_pending = gpu.mig_current and _pending_until_reset(model)
-        return change
-    if gpu.mig_current:
-        change.shape = mig_layout.shape_of(devices, gpu.index)
-        try:
-            counts = mig_layout.parse_layout(wanted, change.shape)
-        except mig_layout.LayoutError as exc:
-            raise MigConfigError(_labelled(label, exc)) from None
-        change.plan = _plan(change.shape, placed, counts, force, label)
-        _refuse_busy_destroys(change, instances, label)
-        if not gpu.mig_pending:   # a disable is pending: enabling again cancels it
-            change.mode_change = True
-        return change
-    # MIG is off now: check the layout against the model's table, then enable.
-    change.mode_change = None if gpu.mig_pending else True
-    change.expect_pending = gpu.mig_pending or _pending_until_reset(model)
-    if model is not None and model.mig_capable:
-        change.shape = mig_layout.GpuShape.from_model(model)
-        try:
-            counts = mig_layout.parse_layout(wanted, change.shape)
-        except mig_layout.LayoutError as exc:
-            raise MigConfigError(_labelled(label, exc)) from None
-        if not change.expect_pending:
-            change.plan = _plan(change.shape, [], counts, force, label)
-        elif reason := mig_layout.check_layout(change.shape, counts):
-            raise MigConfigError(f"{label}: impossible layout: {reason}")
-    return change
-
-
-def _labelled(label, exc):
-    text = str(exc)
-    return text if label in text else f"{label}: {text}"
-
-
-def _pending_until_reset(model):
-    """Unknown models are assumed to need a reset (the safe assumption for reporting)."""
-    return True if model is None else model.mig_pending_until_reset
-
-
-def _placed(instance, held):
-    busy = instance.processes > 0 or (instance.uuid is not None and instance.uuid in held)
-    return mig_layout.Placed(instance.profile_id, instance.start, busy, instance.uuid or "")
-
-
-def _plan(shape, placed, counts, force, label):
+def plan_targets(devices, targets, force, held):
+    """mig_parted plans for every targeted GPU; MigConfigError names the entry and the GPU."""
     try:
-        return mig_layout.plan_layout(shape, placed, counts, force=force)
-    except mig_layout.LayoutError as exc:
-        raise MigConfigError(_labelled(label, exc)) from None
+        return mig_parted.plan_host(devices, targets, force=force, held=held)
+    except mig_parted.ConfigError as exc:
+        raise MigConfigError(str(exc)) from None
 
 
-def _refuse_busy_destroys(change, instances, label):
-    """force overrides fastshare's own shares, never running processes: NVML refuses those."""
-    for step in change.plan.steps:
-        if step.action != "destroy":
-            continue
-        for inst in instances:
-            if inst.start == step.start and inst.processes:
-                raise MigConfigError(
-                    f"{label}: {inst.profile_name} at start {inst.start} ({inst.uuid}) has "
-                    f"{inst.processes} running process(es); NVML cannot destroy it even with force: "
-                    "stop the processes first")
-
-
-def apply_change(devices, change):
-    """Carry out a planned change; DeviceError names the step that failed and what was done."""
-    gpu = change.gpu
-    if change.mode_change is False:
-        if change.plan and change.plan.steps:
-            mig_layout.apply_plan(devices, gpu.index, change.plan)
-            change.steps_done.extend(change.plan.steps)
-        change.pending = devices.set_mig_mode(gpu.index, False)
-        return
-    if change.mode_change is True:
-        change.pending = devices.set_mig_mode(gpu.index, True)
-        if change.pending:
-            return
-        if not gpu.mig_current:
-            # MIG was just switched on: plan again against what NVML now reports.
-            change.shape, change.plan = mig_layout.plan_for_gpu(devices, gpu.index, change.wanted)
-    elif change.expect_pending:
-        change.pending = True
-        return
-    if change.plan is not None and change.plan.steps:
-        mig_layout.apply_plan(devices, gpu.index, change.plan)
-        change.steps_done.extend(change.plan.steps)
+def apply_plans(devices, plans):
+    """Carry the plans out (mig_parted.apply_host): per GPU the steps done and the reset state."""
+    return mig_parted.apply_host(devices, plans)
 
 
 def step_dict(gpu_index, step):
-    return dict(gpu=gpu_index, action=step.action, profile=step.profile_name, profile_id=step.profile_id,
-                start=step.start, size=step.size, description=f"GPU {gpu_index}: {step.describe()}")
+    """A step (``Step.to_dict()`` form) as the module returns it."""
+    return dict(gpu=gpu_index, action=step["action"], profile=step["profile_name"],
+                profile_id=step["profile_id"], start=step["start"], size=step["size"],
+                description=f"GPU {gpu_index}: {step['description']}")
+
+
+def predicted_mode(gpu_plan, gpu):
+    """MIG mode (current, pending) the GPU will report once the plan has run."""
+    pending = gpu_plan.mig_enabled if gpu_plan.mode_change else gpu.mig_pending
+    return dict(current=gpu.mig_current if gpu_plan.reset_required else pending, pending=pending)
 
 
 def describe_layout(gpu, mig_on, pending, placed_devices):
@@ -221,14 +116,14 @@ def describe_layout(gpu, mig_on, pending, placed_devices):
     return "\n".join(lines) + "\n"
 
 
-def predicted_devices(change, instances):
-    """(profile, start, size, uuid) of the MIG devices the GPU will have once the change is done."""
-    if change.plan is None or change.pending or change.expect_pending or not change.mig_enabled:
+def predicted_devices(gpu_plan, instances):
+    """(profile, start, size, uuid) of the MIG devices the GPU will have once the plan has run."""
+    if gpu_plan.plan is None or not gpu_plan.mig_enabled:
         return []
     by_start = {d[1]: d for d in instances}
     result = []
-    for p in change.plan.final:
-        prof = change.shape.profile(p.profile_id)
+    for p in gpu_plan.plan.final:
+        prof = gpu_plan.shape.profile(p.profile_id)
         kept = by_start.get(p.start)
         uuid = kept[3] if kept and kept[0] == prof.name else None
         result.append((prof.name, p.start, prof.memory_slices, uuid))

@@ -259,12 +259,13 @@ from ansible_collections.fastshare.gpu.plugins.module_utils.backend import (  # 
 )
 from ansible_collections.fastshare.gpu.plugins.module_utils.mig import (  # noqa: E402
     MigConfigError,
-    apply_change,
+    apply_plans,
     config_file_targets,
     describe_layout,
     layout_targets,
-    plan_gpu,
+    plan_targets,
     predicted_devices,
+    predicted_mode,
     step_dict,
 )
 
@@ -289,41 +290,43 @@ def _devices_of(instances):
     return [(m.profile_name, m.start, m.size, m.uuid) for m in instances]
 
 
+def _predicted(gpu_plan, gpu, before):
+    """Check mode: (plan, steps, MIG mode, reset required, devices) as the run would leave them."""
+    steps = [s.to_dict() for s in gpu_plan.plan.steps] if gpu_plan.plan else []
+    return (gpu_plan, steps, predicted_mode(gpu_plan, gpu), gpu_plan.reset_required,
+            predicted_devices(gpu_plan, before))
+
+
+def _observed(gpu_plan, result, gpu_now):
+    """After the run: the same tuple, read back from the GPU."""
+    mode = dict(current=gpu_now.mig_current, pending=gpu_now.mig_pending)
+    return gpu_plan, result["steps"], mode, result["reset_required"], _devices_of(gpu_now.mig_instances)
+
+
 def run(module, devices):
-    gpus = devices.gpus()
+    gpus = {g.index: g for g in devices.gpus()}
     if module.params["config_file"]:
-        targets = config_file_targets(module.params["config_file"], module.params["config_name"], gpus)
+        targets = config_file_targets(module.params["config_file"], module.params["config_name"],
+                                      list(gpus.values()))
     else:
-        targets = layout_targets(module.params["layout"], gpus)
+        targets = layout_targets(module.params["layout"], list(gpus.values()))
     held = held_device_uuids(module.params["agent_journal"])
-    before = {g.index: _devices_of(g.mig_instances) for g in gpus}
+    before = {index: _devices_of(g.mig_instances) for index, g in gpus.items()}
     # Plan every GPU first: any refusal happens before anything changes.
-    changes = [plan_gpu(devices, g, *targets[g.index], held=held, force=module.params["force"])
-               for g in gpus if g.index in targets]
-    if not module.check_mode:
-        for change in changes:
-            apply_change(devices, change)
-        after_gpus = {g.index: g for g in devices.gpus()}
+    plans = plan_targets(devices, targets, module.params["force"], held)
+    if module.check_mode:
+        outcomes = [_predicted(gp, gpus[gp.gpu_index], before[gp.gpu_index]) for gp in plans]
+    else:
+        results = apply_plans(devices, plans)
+        now = {g.index: g for g in devices.gpus()}
+        outcomes = [_observed(gp, r, now[gp.gpu_index]) for gp, r in zip(plans, results, strict=True)]
     steps, report, diff_before, diff_after = [], [], [], []
-    for change in changes:
-        gpu = change.gpu
-        if module.check_mode:
-            planned = change.plan.steps if change.plan else ()
-            pending = change.expect_pending
-            current = gpu.mig_current if change.mode_change is None or pending else change.mode_change
-            mode = dict(current=current, pending=change.mig_enabled if change.mode_change is not None
-                        else gpu.mig_pending)
-            after = predicted_devices(change, before[gpu.index])
-        else:
-            planned = change.steps_done
-            pending = change.pending or change.expect_pending
-            now = after_gpus[gpu.index]
-            mode = dict(current=now.mig_current, pending=now.mig_pending)
-            after = _devices_of(now.mig_instances)
-        steps.extend(step_dict(gpu.index, s) for s in planned)
-        changed = change.mode_change is not None or bool(planned)
-        report.append(dict(index=gpu.index, uuid=gpu.uuid, name=gpu.name, changed=changed,
-                           mig_enabled=change.mig_enabled, mig_mode=mode, reset_required=bool(pending),
+    for gp, done, mode, reset_required, after in outcomes:
+        gpu = gpus[gp.gpu_index]
+        steps.extend(step_dict(gpu.index, s) for s in done)
+        report.append(dict(index=gpu.index, uuid=gpu.uuid, name=gpu.name,
+                           changed=gp.mode_change or bool(done), mig_enabled=gp.mig_enabled,
+                           mig_mode=mode, reset_required=reset_required,
                            mig_devices=[dict(profile=p, start=s, size=z, uuid=u) for p, s, z, u in after]))
         diff_before.append(describe_layout(gpu, gpu.mig_current, gpu.mig_pending, before[gpu.index]))
         diff_after.append(describe_layout(gpu, mode["current"], mode["pending"], after))

@@ -130,3 +130,27 @@ def test_mig_config_plan_apply_idempotent(env, tmp_path: Path):
     assert again["changed"] is False
     bad = run(["mig", "config", "--file", str(cfg), "--select", "large"], env, ok=False)
     assert "config 'large' not found; available: small" in bad.output
+
+
+def test_mig_config_keeps_devices_held_by_shares_unless_forced(env, machine: Path, tmp_path: Path):
+    """--agent-journal: a MIG device a node agent share holds is in use, as for the Ansible module."""
+    from fastshare.node.journal import Journal
+    from fastshare.node.model import ShareSpec
+
+    cfg = tmp_path / "mig.yaml"
+    cfg.write_text("version: v1\nmig-configs:\n  halves: [{devices: [0], mig-enabled: true,"
+                   " mig-devices: {\"3g.20gb\": 2}}]\n  whole: [{devices: [0], mig-enabled: true,"
+                   " mig-devices: {\"7g.40gb\": 1}}]\n")
+    base = ["mig", "config", "--file", str(cfg)]
+    run([*base, "--select", "halves", "--apply"], env)
+    held = simnvml.load_machine(machine)["gpus"][0]["gpu_instances"][0]["compute_instances"][0]["uuid"]
+    journal = Journal(tmp_path / "journal.db")
+    journal.begin_share(ShareSpec(id="share-1", kind="exclusive", device_uuids=(held,)), held, None)
+    journal.close()
+    with_journal = [*base, "--select", "whole", "--apply", "--agent-journal", str(tmp_path / "journal.db")]
+    before = machine.read_bytes()
+    refused = run(with_journal, env, ok=False)
+    assert refused.exit_code != 0 and held in refused.output and "force" in refused.output
+    assert machine.read_bytes() == before
+    run([*with_journal, "--force"], env)
+    assert [g["profile_id"] for g in simnvml.load_machine(machine)["gpus"][0]["gpu_instances"]] == [0]

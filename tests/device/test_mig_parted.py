@@ -86,13 +86,37 @@ def test_apply_is_idempotent_and_reports_pending_reset(devices, machine: Path):
     assert not any(p.changed for p in plan_host(devices, resolve(configs, "balanced", devices.gpus())))
 
 
-def test_busy_instances_block_unless_forced_and_nvml_still_refuses(devices, machine: Path):
+def test_instances_with_processes_are_refused_at_planning_even_with_force(devices, machine: Path):
+    """NVML refuses to destroy an instance with processes: say so before changing anything."""
     configs = parse_config(CONFIG)
     apply_host(devices, plan_host(devices, resolve(configs, "custom", devices.gpus())))
     inst = devices.mig_instances(0)[0]
     simnvml.add_process(machine, 0, mig_uuid=inst.uuid)
+    before = machine.read_bytes()
     with pytest.raises(ConfigError, match=f"7g.40gb at start 0 .{inst.uuid}. is in use"):
         plan_host(devices, resolve(configs, "all-disabled", devices.gpus()))
-    forced = plan_host(devices, resolve(configs, "all-disabled", devices.gpus()), force=True)
-    with pytest.raises(DeviceError, match=r"GPU 0: .*IN_USE"):
-        apply_host(devices, forced)
+    with pytest.raises(ConfigError, match=f"{inst.uuid}. has 1 running process.*stop the processes"):
+        plan_host(devices, resolve(configs, "all-disabled", devices.gpus()), force=True)
+    assert machine.read_bytes() == before
+
+
+def test_instances_held_by_shares_need_force(devices, machine: Path):
+    """A MIG device a fastshare share holds counts as in use even without processes."""
+    configs = parse_config(CONFIG)
+    apply_host(devices, plan_host(devices, resolve(configs, "custom", devices.gpus())))
+    held = {devices.mig_instances(0)[0].uuid}
+    chosen = resolve(configs, "all-disabled", devices.gpus())
+    with pytest.raises(ConfigError, match="is in use"):
+        plan_host(devices, chosen, held=held)
+    apply_host(devices, plan_host(devices, chosen, held=held, force=True))
+    assert devices.gpu(0).mig_instances == ()
+
+
+def test_apply_failure_names_the_gpu_and_the_step(devices, machine: Path):
+    configs = parse_config(CONFIG)
+    apply_host(devices, plan_host(devices, resolve(configs, "custom", devices.gpus())))
+    plans = plan_host(devices, resolve(configs, "all-disabled", devices.gpus()))
+    inst = devices.mig_instances(0)[0]
+    simnvml.add_process(machine, 0, mig_uuid=inst.uuid)   # appears between plan and apply
+    with pytest.raises(DeviceError, match=r"GPU 0: step 'destroy 7g.40gb .*IN_USE"):
+        apply_host(devices, plans)

@@ -19,7 +19,8 @@ def k8s() -> None:
 @k8s.command("manifests")
 @click.option("--values", "values_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="YAML file overriding templates/defaults.yaml (namespace, image, ...).")
-@click.option("--crd-only", is_flag=True, help="Print only the FastPod CustomResourceDefinition.")
+@click.option("--crd-only", is_flag=True,
+              help="Print only the CustomResourceDefinitions (FastPod, FastShareAllocation).")
 def manifests_cmd(values_file: Path | None, crd_only: bool) -> None:
     """Print the manifests (CRD, namespace, RBAC, controller, node agent) as YAML for kubectl apply."""
     from fastshare.k8s import manifests
@@ -34,7 +35,7 @@ def manifests_cmd(values_file: Path | None, crd_only: bool) -> None:
             fail(f"{values_file}: must be a YAML mapping of values, got {type(values).__name__}")
     try:
         if crd_only:
-            sys.stdout.write(yaml.safe_dump(manifests.crd(values), sort_keys=False))
+            sys.stdout.write(yaml.safe_dump_all(manifests.crds(values), sort_keys=False))
         else:
             sys.stdout.write(manifests.render_text(values))
     except manifests.ValuesError as exc:

@@ -183,7 +183,7 @@ class ControllerCore:
             return node in self._registered and node in self._last_seen
 
     # -- allocate --------------------------------------------------------------------------------
-    def allocate(self, request: Request) -> Allocation:
+    def allocate(self, request: Request, lookup: bool = True) -> Allocation:
         """Place, record, prepare, activate; returns once the answer survives a power loss.
 
         What must be on disk before the answer is the ``pending`` record (the intent), not the
@@ -194,17 +194,20 @@ class ControllerCore:
         agent prepares, instead of after the last commit (a power loss before it completes
         leaves the agent a share without a record: an orphan the reconciler frees, and
         nobody was answered). A failure (compensated, refused) goes through the API's full
-        barrier (see ``server._guard``)."""
-        allocation, intent = self._allocate(request)
+        barrier (see ``server._guard``).
+
+        ``lookup=False``: the caller made the key just now, so looking it up first is a wasted
+        read; a duplicate is still caught, by the store's create (DuplicateKey)."""
+        allocation, intent = self._allocate(request, lookup)
         self.store.sync(intent)
         return allocation
 
-    def _allocate(self, request: Request) -> tuple[Allocation, object | None]:
+    def _allocate(self, request: Request, lookup: bool) -> tuple[Allocation, object | None]:
         """The allocation, and the durability ticket that covers it (None: everything so far)."""
         gpus, most = self.known_gpus()
         validate(request, gpus, most)
         request = replace(request, spec=normalise(request.spec))
-        if request.idempotency_key:
+        if request.idempotency_key and lookup:
             existing = self.store.find_by_key(request.idempotency_key)
             if existing is not None:
                 return self._same_request(existing, request), None

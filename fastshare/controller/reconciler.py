@@ -7,7 +7,9 @@ without a holding record is therefore a true orphan (prepare without record) and
 Per allocation, by state (skipping allocations another thread is working on):
 - pending   -> prepare again (idempotent by share id) and activate; refused -> compensate;
 - prepared  -> activate (written by earlier versions only);
-- active    -> lease expired: release; agent lost the share: prepare again (roll forward);
+- active    -> lease expired: release; agent lost the share: prepare again (roll forward) - only
+               if the record is older than the inventory (a share prepared after the agent
+               answered is not in it);
 - releasing -> release on the agent again, then mark released/failed.
 Nodes that cannot be reached are left alone: their allocations keep their capacity and
 their state until the node is back.
@@ -63,6 +65,7 @@ class Reconciler:
     def start(self) -> Report:
         """Controller start: rebuild the ledger from the store + agents, then reconcile."""
         with self._lock:
+            asked_at = self.core.clock()
             inventories = self._inventories()
             for node in self.core.store.list_nodes():
                 self.core.adopt_node(node, inventories.get(node.name))
@@ -75,7 +78,7 @@ class Reconciler:
             for assignment, why in self.core.ledger.reset(
                     nodes, [Assignment.from_dict(a.assignment) for a in holding]):
                 log.error("allocation %s cannot be restored into the ledger: %s", assignment.request.id, why)
-            return self._pass(inventories)
+            return self._pass(inventories, asked_at=asked_at)
 
     def _grace_leases(self, holding: list[Allocation]) -> None:
         """Clients cannot renew while the controller is down: a lease gets at least one full
@@ -87,17 +90,22 @@ class Reconciler:
 
     def run_once(self, nodes: list[str] | None = None) -> Report:
         with self._lock:
-            return self._pass(self._inventories(nodes), nodes)
+            asked_at = self.core.clock()
+            return self._pass(self._inventories(nodes), nodes, asked_at)
 
     def _pass(self, inventories: dict[str, agent_pb2.Inventory | None],
-              only: list[str] | None = None) -> Report:
+              only: list[str] | None = None, asked_at: float = 0.0) -> Report:
+        """``asked_at``: when the inventories were asked for; a record changed since then may hold
+        a share they do not show yet."""
         report = Report(unreachable=sorted(n for n, inv in inventories.items() if inv is None))
         for node in self.core.store.list_nodes():
             if inventories.get(node.name) is not None:
                 self.core.refresh_node(node, inventories[node.name])
         holding = [a for a in self.core.store.list_allocations(HOLDING) if only is None or a.node in only]
+        shares = {n: {s.id for s in inv.shares} for n, inv in inventories.items() if inv is not None}
         for allocation in holding:
-            self._allocation(allocation, inventories.get(allocation.node), report)
+            if not self._settled(allocation, shares.get(allocation.node), asked_at):
+                self._allocation(allocation, shares.get(allocation.node), report, asked_at)
         # Orphans: shares on a reachable agent that no holding record explains.
         records = {a.id: a for a in self.core.store.list_allocations(HOLDING)}
         busy = self.core.busy()
@@ -119,8 +127,19 @@ class Reconciler:
                     log.warning("could not free orphan share %s on %s: %s", share.id, node, exc)
         return report
 
-    def _allocation(self, allocation: Allocation, inventory: agent_pb2.Inventory | None,
-                    report: Report) -> None:
+    def _settled(self, allocation: Allocation, shares: set[str] | None, asked_at: float) -> bool:
+        """Nothing to do for the record as listed (active, lease alive, its share on its agent, or
+        the agent unreachable, or the record too new to tell): it is not read again. With
+        hundreds of records a fresh read of each was most of a pass."""
+        if allocation.state is not State.ACTIVE:
+            return False
+        if allocation.lease_expires_at and self.core.clock() > allocation.lease_expires_at:
+            return False
+        return shares is None or allocation.id in shares or allocation.updated_at >= asked_at
+
+    def _allocation(self, allocation: Allocation, shares: set[str] | None,
+                    report: Report, asked_at: float = 0.0) -> None:
+        """``shares``: what the allocation's agent holds (None: unreachable)."""
         core = self.core
         with core.claim(allocation.id) as got:
             if not got:
@@ -131,7 +150,7 @@ class Reconciler:
             expired = bool(current.lease_expires_at) and core.clock() > current.lease_expires_at
             try:
                 if current.state is State.RELEASING:
-                    if inventory is not None:
+                    if shares is not None:
                         done = core.finish_release(current)
                         if done.state in FINISHED:
                             report.released.append(done.id)
@@ -139,12 +158,13 @@ class Reconciler:
                     log.info("allocation %s: lease expired, releasing", current.id)
                     done = core.release_claimed(current, reason="lease expired")
                     report.released.append(done.id)
-                elif inventory is None:
+                elif shares is None:
                     return
                 elif current.state in (State.PENDING, State.PREPARED):
                     core.complete(current)
                     report.completed.append(current.id)
-                elif current.state is State.ACTIVE and current.id not in {s.id for s in inventory.shares}:
+                elif (current.state is State.ACTIVE and current.updated_at < asked_at
+                      and current.id not in shares):
                     log.warning("allocation %s is active but node %s lost its share; preparing it again",
                                 current.id, current.node)
                     core.complete(core.store.transition(current.id, [State.ACTIVE], State.PENDING))

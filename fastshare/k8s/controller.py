@@ -1,12 +1,13 @@
 """The in-cluster controller: FastPods in, replica Pods holding GPU shares out.
 
 It is the standalone controller's core (validation, engine ledger, agent client, reconciler)
-over :class:`KubeStateStore`, so allocations are recorded in FastPod status before any agent
-is asked to prepare them. What is Kubernetes-specific lives here:
+over :class:`KubeStateStore`, so each allocation is recorded (one FastShareAllocation object per
+replica) before any agent is asked to prepare it. What is Kubernetes-specific lives here:
 
 - agents are found through Node objects labelled ``<gpu label>=true`` (endpoint annotation
   ``fastshare.io/agent-endpoint``, else InternalIP:agent port) and pinged as heartbeats;
-- one FastPod is reconciled by one worker at a time: holding allocations whose Pod is gone
+- one FastPod is reconciled by one worker at a time (its missing replicas are allocated and
+  created in parallel batches, its status written once per pass): holding allocations whose Pod is gone
   are released (Pod deleted behind our back, crash between allocation and Pod creation,
   scale-down finished), Pods without a holding allocation are deleted, missing replicas are
   allocated and then created (a failed create releases the allocation again), surplus ones
@@ -18,7 +19,10 @@ is asked to prepare them. What is Kubernetes-specific lives here:
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import datetime
+import json
 import logging
 import secrets
 import threading
@@ -35,9 +39,10 @@ from fastshare.controller.core import Settings as CoreSettings
 from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.validation import Request, ValidationError
-from fastshare.k8s.pods import FASTPOD_LABEL, replica_pod, spec_of
+from fastshare.k8s.podcache import PodCache
+from fastshare.k8s.pods import FASTPOD_LABEL, is_ready, replica_pod, spec_of
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
-from fastshare.k8s.store import KubeStateStore, replica_key
+from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
 
 log = logging.getLogger("fastshare.k8s.controller")
@@ -50,6 +55,7 @@ class KubeSettings:
     gpu_node_label: str = "fastshare.io/gpu"
     agent_port: int = 7444
     workers: int = 4
+    create_parallelism: int = 16    # replicas of one FastPod allocated and created at once (at most)
     node_interval: float = 2.0      # Node listing + agent pings (heartbeats)
     resync_interval: float = 30.0   # every FastPod reconciled at least this often
     watch_timeout: int = 30         # seconds a watch request stays open before it is renewed
@@ -60,18 +66,17 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _get(obj: Any, *path: str) -> Any:
-    """Field access that works for both dicts (custom objects) and typed models (pods)."""
-    for name in path:
-        if obj is None:
-            return None
-        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-    return obj
+def _raw(response: Any) -> dict[str, Any]:
+    """The JSON of a ``_preload_content=False`` response. Pods are handled as plain dicts: the
+    client's typed models cost ~7 ms per Pod to build, which dominated a 50-replica pass."""
+    try:
+        return json.loads(response.data)
+    finally:
+        response.release_conn()
 
 
-def _ready(pod: client.V1Pod) -> bool:
-    conditions = (pod.status.conditions if pod.status else None) or []
-    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+def _meta(pod: dict[str, Any]) -> dict[str, Any]:
+    return pod["metadata"]
 
 
 def selector_string(selector: dict[str, Any]) -> str:
@@ -83,25 +88,43 @@ def selector_string(selector: dict[str, Any]) -> str:
     return ",".join(parts)
 
 
+def _pooled(api: client.ApiClient, connections: int) -> client.ApiClient:
+    """``api``, or a client with its configuration and a pool of ``connections``: when more
+    threads talk at once than the pool holds (default 5 per CPU), connections are thrown away and
+    every new one costs a TLS handshake on both sides, which under load was most of the API
+    server's CPU."""
+    if (api.configuration.connection_pool_maxsize or 0) >= connections:
+        return api
+    configuration = copy.deepcopy(api.configuration)
+    configuration.connection_pool_maxsize = connections
+    return client.ApiClient(configuration)
+
+
 class KubeController:
     """Watches, a work queue with workers, node sync and the core's reconciler; start()/stop()."""
 
     def __init__(self, api: client.ApiClient, agents: AgentPool, settings: KubeSettings | None = None,
                  core_settings: CoreSettings | None = None) -> None:
-        self.api = api
         self.settings = settings or KubeSettings()
+        # workers + replica creators + two watches + housekeeping + one spare
+        pooled = _pooled(api, self.settings.workers + self.settings.create_parallelism + 4)
+        self._own_api = pooled is not api
+        self.api = api = pooled
         self.store = KubeStateStore(api, self.settings.namespace)
         self.core = ControllerCore(self.store, agents, core_settings or CoreSettings())
         self.reconciler = Reconciler(self.core)
         self.pods = client.CoreV1Api(api)
         self.objects = client.CustomObjectsApi(api)
         self.queue = WorkQueue()
+        self.podcache = PodCache()
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
+                                                           thread_name_prefix="replica")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     # -- life cycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        """Rebuild from the cluster (nodes, agents, FastPod status), then watch and work."""
+        """Rebuild from the cluster (nodes, agents, allocation records), then watch and work."""
         self.sync_nodes()
         report = self.reconciler.start()
         log.info("state rebuilt from the cluster: %s", report)
@@ -109,6 +132,8 @@ class KubeController:
         # then see the stop flag; until then their events go to the closed queue and are dropped.
         for name, target in (("watch-fastpods", self._watch_fastpods), ("watch-pods", self._watch_pods)):
             threading.Thread(target=target, name=name, daemon=True).start()
+        if not self.podcache.wait_synced(60.0):  # passes wait for it anyway (reconcile requeues)
+            log.warning("no Pod listing after 60 s; FastPods wait until it arrives")
         self._spawn("housekeeping", self._housekeeping)
         for i in range(self.settings.workers):
             self._spawn(f"worker-{i}", self._worker)
@@ -119,6 +144,9 @@ class KubeController:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_api:
+            self.api.close()
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -161,32 +189,34 @@ class KubeController:
         for fastpod in self.store.list_fastpods():
             self.queue.add((fastpod["metadata"]["namespace"], fastpod["metadata"]["name"]))
 
-    def _stream(self, list_fn: Callable[..., Any], on_object: Callable[[Any], None], **kwargs: Any) -> None:
-        """List, then watch from the list's resourceVersion; start over on any error or expiry."""
+    def _stream(self, list_fn: Callable[..., Any], on_event: Callable[[str, dict[str, Any]], None],
+                on_list: Callable[[dict[str, Any]], None] | None = None, **kwargs: Any) -> None:
+        """List (``on_list``, then each item as "LISTED"), then watch from the list's
+        resourceVersion (``on_event(type, object)``); start over on any error or expiry."""
         while not self._stop.is_set():
             try:
-                listing = list_fn(**kwargs)
-                items = listing["items"] if isinstance(listing, dict) else listing.items
-                version = _get(listing, "metadata", "resourceVersion") or _get(
-                    listing, "metadata", "resource_version")
-                for item in items:
-                    on_object(item)
+                listing = _raw(list_fn(**kwargs, _preload_content=False))
+                if on_list is not None:
+                    on_list(listing)
+                for item in listing["items"]:
+                    on_event("LISTED", item)
                 stream = watch.Watch()
-                for event in stream.stream(list_fn, resource_version=version,
-                                           timeout_seconds=self.settings.watch_timeout, **kwargs):
+                for event in stream.stream(list_fn, resource_version=listing["metadata"]["resourceVersion"],
+                                           timeout_seconds=self.settings.watch_timeout, deserialize=False,
+                                           **kwargs):
                     if self._stop.is_set():
                         stream.stop()
                         return
                     if event["type"] == "ERROR":
                         break
-                    on_object(event["object"])
+                    on_event(event["type"], event["object"])
             except Exception as exc:  # the API server restarted, 410 Gone, a network blip: relist
                 if not self._stop.is_set():
                     log.info("watch %s restarts: %s", getattr(list_fn, "__name__", "?"), exc)
                     self._stop.wait(1.0)
 
     def _watch_fastpods(self) -> None:
-        def on_fastpod(obj: dict[str, Any]) -> None:
+        def on_fastpod(_: str, obj: dict[str, Any]) -> None:
             self.queue.add((obj["metadata"]["namespace"], obj["metadata"]["name"]))
 
         if self.settings.namespace:
@@ -197,16 +227,23 @@ class KubeController:
                          plural=PLURAL)
 
     def _watch_pods(self) -> None:
-        def on_pod(pod: Any) -> None:
-            owner = (_get(pod, "metadata", "labels") or {}).get(FASTPOD_LABEL)
+        def on_list(listing: dict[str, Any]) -> None:
+            self.podcache.replace(listing["items"], listing["metadata"]["resourceVersion"])
+
+        def on_pod(kind: str, pod: dict[str, Any]) -> None:
+            if kind == "DELETED":
+                self.podcache.remove(pod)
+            elif kind in ("ADDED", "MODIFIED"):
+                self.podcache.put(pod)
+            owner = (_meta(pod).get("labels") or {}).get(FASTPOD_LABEL)
             if owner:
-                self.queue.add((_get(pod, "metadata", "namespace"), owner))
+                self.queue.add((_meta(pod)["namespace"], owner))
 
         if self.settings.namespace:
-            self._stream(self.pods.list_namespaced_pod, on_pod, namespace=self.settings.namespace,
+            self._stream(self.pods.list_namespaced_pod, on_pod, on_list, namespace=self.settings.namespace,
                          label_selector=FASTPOD_LABEL)
         else:
-            self._stream(self.pods.list_pod_for_all_namespaces, on_pod, label_selector=FASTPOD_LABEL)
+            self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, label_selector=FASTPOD_LABEL)
 
     def _housekeeping(self) -> None:
         s = self.settings
@@ -257,12 +294,22 @@ class KubeController:
         if not deleting and FINALIZER not in (meta.get("finalizers") or []):
             fastpod = self._patch_finalizers(fastpod, [*(meta.get("finalizers") or []), FINALIZER])
             meta = fastpod["metadata"]
-        pods = {p.metadata.name: p for p in self.pods.list_namespaced_pod(
-                    namespace, label_selector=f"{FASTPOD_LABEL}={name}").items
-                if any(o.uid == meta["uid"] for o in p.metadata.owner_references or [])}
-        allocations = self.store.allocations_of(fastpod)
+        self.store.remember_owner(fastpod)
+        if not self.podcache.synced:
+            return 1.0
+        # Pods (from the watch's cache, see podcache) before records: a record made after this
+        # cannot be mistaken for one whose Pod is gone (this FastPod's replicas are only made by
+        # this pass, and go into the cache from the create's reply).
+        pods = {_meta(p)["name"]: p for p in self.podcache.of(namespace, name)
+                if any(o["uid"] == meta["uid"] for o in _meta(p).get("ownerReferences") or [])}
+        allocations, marked = self.store.allocations_of(namespace, name)
         wait = None
 
+        # Records marked for deletion (someone deleted them): their Pod goes, then their share.
+        for pod_name in marked & set(pods):
+            if allocations[pod_name].state in HOLDING and not _meta(pods[pod_name]).get("deletionTimestamp"):
+                log.warning("deleting pod %s/%s: its allocation record was deleted", namespace, pod_name)
+                self._delete_pod(namespace, pod_name)
         # Shares whose Pod is gone: deleted behind our back, never created, or scaled down.
         for pod_name, allocation in allocations.items():
             if allocation.state in HOLDING and pod_name not in pods:
@@ -273,7 +320,7 @@ class KubeController:
         for pod_name, pod in pods.items():
             allocation = allocations.get(pod_name)
             holds = allocation is not None and allocation.state in HOLDING
-            if not holds and not pod.metadata.deletion_timestamp:
+            if not holds and not _meta(pod).get("deletionTimestamp"):
                 log.warning("deleting pod %s/%s: it holds no GPU share", namespace, pod_name)
                 self._delete_pod(namespace, pod_name)
         for pod_name, allocation in list(allocations.items()):
@@ -281,11 +328,11 @@ class KubeController:
                 self.store.forget(allocation.id)
                 del allocations[pod_name]
 
-        live = [p for n, p in pods.items() if not p.metadata.deletion_timestamp
+        live = [p for n, p in pods.items() if not _meta(p).get("deletionTimestamp") and n not in marked
                 and allocations.get(n) is not None and allocations[n].state in HOLDING]
         if deleting:
             for pod in live:
-                self._delete_pod(namespace, pod.metadata.name)
+                self._delete_pod(namespace, _meta(pod)["name"])
             if pods or any(a.state in HOLDING for a in allocations.values()):
                 return 1.0  # wait until the Pods are gone and their shares released
             self._patch_finalizers(fastpod, [f for f in meta.get("finalizers") or [] if f != FINALIZER])
@@ -295,50 +342,90 @@ class KubeController:
         condition = {"type": "Scheduled", "status": "True", "reason": "Scheduled",
                      "message": f"{desired} replica(s) placed"}
         if len(live) > desired:
-            # surplus: not-ready first, then the newest
-            victims = sorted(live, key=lambda p: (_ready(p), -p.metadata.creation_timestamp.timestamp()))
+            # surplus: not-ready first, then the newest (RFC 3339 UTC times sort as strings)
+            by_age = sorted(live, key=lambda p: _meta(p)["creationTimestamp"], reverse=True)
+            victims = sorted(by_age, key=is_ready)
             for pod in victims[: len(live) - desired]:
-                self._delete_pod(namespace, pod.metadata.name)
+                self._delete_pod(namespace, _meta(pod)["name"])
                 live.remove(pod)
-        while len(live) < desired:
-            created, problem = self._create_replica(fastpod, set(pods) | set(allocations))
-            if created is None:
+        if len(live) < desired:
+            taken = set(pods) | set(allocations)
+            created, problem = self._create_replicas(fastpod, desired - len(live), taken)
+            for pod, allocation in created:
+                live.append(pod)
+                allocations[_meta(pod)["name"]] = allocation
+            if problem is not None:
                 condition = problem
                 wait = 5.0
-                break
-            live.append(created)
-        self._write_status(fastpod, live, condition)
+        self._write_status(fastpod, live, allocations, condition)
         return wait
 
-    def _create_replica(self, fastpod: dict[str, Any], taken: set[str]) -> tuple[Any, dict[str, str]]:
+    def _create_replicas(self, fastpod: dict[str, Any], count: int, taken: set[str]
+                         ) -> tuple[list[tuple[dict[str, Any], Allocation]], dict[str, str] | None]:
+        """Up to ``count`` new replicas, in parallel, with a slow start: one at first, one more in
+        flight per success (so 1, 2, 4, ... per round trip, ``create_parallelism`` at most), and no
+        new one after the first problem, so that a FastPod that cannot be placed costs one attempt
+        per pass, not ``count`` (as ReplicaSets do). A window, not batches: nothing waits for the
+        slowest of a batch."""
+        names: list[str] = []
+        prefix = fastpod["metadata"]["name"]
+        while len(names) < count:
+            candidate = f"{prefix}-{secrets.token_hex(3)}"
+            if candidate not in taken:
+                taken.add(candidate)
+                names.append(candidate)
+        created: list[tuple[dict[str, Any], Allocation]] = []
+        problem: dict[str, str] | None = None
+        error: BaseException | None = None
+        window, running = 1, set()
+        while running or (names and problem is None and error is None):
+            while names and problem is None and error is None and len(running) < window:
+                running.add(self._pool.submit(self._create_replica, fastpod, names.pop()))
+            done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                try:
+                    pod, allocation, trouble = future.result()
+                except Exception as exc:  # raised once nothing of this pass runs any more
+                    error = error or exc
+                    continue
+                if pod is not None:
+                    created.append((pod, allocation))
+                    window = min(window + 1, self.settings.create_parallelism)
+                problem = problem or trouble
+        if error is not None:
+            raise error
+        return created, problem
+
+    def _create_replica(self, fastpod: dict[str, Any], pod_name: str
+                        ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
+        """Allocate (record first, then the agent), then create the Pod; a failed create releases."""
         meta = fastpod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        pod_name = f"{name}-{secrets.token_hex(3)}"
-        while pod_name in taken:
-            pod_name = f"{name}-{secrets.token_hex(3)}"
         request = Request(spec=spec_of(fastpod), owner=f"{namespace}/{name}",
                           idempotency_key=replica_key(namespace, name, pod_name))
         try:
-            allocation = self.core.allocate(request)
+            allocation = self.core.allocate(request, lookup=False)  # a fresh name: creating is the check
         except Rejected as exc:
-            return None, {"type": "Scheduled", "status": "False", "reason": "Unschedulable",
-                          "message": str(exc)}
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "Unschedulable",
+                                "message": str(exc)}
         except AgentFailed as exc:
-            return None, {"type": "Scheduled", "status": "False", "reason": "AgentUnavailable",
-                          "message": str(exc)}
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "AgentUnavailable",
+                                "message": str(exc)}
         except (ValidationError, KeyConflict) as exc:
-            return None, {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "Invalid",
+                                "message": str(exc)}
         try:
-            pod = self.pods.create_namespaced_pod(namespace, replica_pod(
-                fastpod, pod_name, allocation, self.settings.gpu_node_label))
+            pod = _raw(self.pods.create_namespaced_pod(namespace, replica_pod(
+                fastpod, pod_name, allocation, self.settings.gpu_node_label), _preload_content=False))
+            self.podcache.put(pod)
         except client.ApiException as exc:
             message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}"
             self._release(allocation, message)
-            return None, {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
-                          "message": message}
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
+                                "message": message}
         log.info("FastPod %s/%s: pod %s on %s holds %s", namespace, name, pod_name, allocation.node,
                  allocation.id)
-        return pod, {}
+        return pod, allocation, None
 
     def _release(self, allocation: Allocation, reason: str) -> Allocation:
         try:
@@ -347,11 +434,19 @@ class KubeController:
             return allocation
 
     def _delete_pod(self, namespace: str, name: str) -> None:
+        """Delete a Pod; the reply goes into the cache at once (marked, or gone), so that the
+        next pass does not count it as live and delete another one."""
         try:
-            self.pods.delete_namespaced_pod(name, namespace)
+            pod = _raw(self.pods.delete_namespaced_pod(name, namespace, _preload_content=False))
         except client.ApiException as exc:
             if exc.status != 404:
                 raise
+            self.podcache.gone(namespace, name)
+            return
+        if pod.get("kind") == "Pod" and _meta(pod).get("deletionTimestamp"):
+            self.podcache.put(pod)
+        elif pod.get("kind") == "Pod":
+            self.podcache.remove(pod)
 
     def _patch_finalizers(self, fastpod: dict[str, Any], finalizers: list[str]) -> dict[str, Any]:
         meta = fastpod["metadata"]
@@ -359,9 +454,12 @@ class KubeController:
         return self.objects.patch_namespaced_custom_object(GROUP, VERSION, meta["namespace"], PLURAL,
                                                            meta["name"], body)
 
-    def _write_status(self, fastpod: dict[str, Any], live: list[Any], scheduled: dict[str, str]) -> None:
+    def _write_status(self, fastpod: dict[str, Any], live: list[dict[str, Any]],
+                      allocations: dict[str, Allocation], scheduled: dict[str, str]) -> None:
+        """The FastPod's status, once per pass (and only if it changed): counts, conditions, and
+        where each replica runs (summaries of its allocation records)."""
         meta, spec = fastpod["metadata"], fastpod["spec"]
-        ready = sum(1 for p in live if _ready(p))
+        ready = sum(1 for p in live if is_ready(p))
         desired = int(spec.get("replicas", 1))
         old = {c["type"]: c for c in (fastpod.get("status") or {}).get("conditions") or []}
         conditions = []
@@ -376,12 +474,14 @@ class KubeController:
                                "lastTransitionTime": previous["lastTransitionTime"] if same else _now()})
         selector = selector_string(spec["selector"])
         status = {"replicas": len(live), "readyReplicas": ready, "selector": selector,
-                  "observedGeneration": meta.get("generation", 0), "conditions": conditions}
+                  "observedGeneration": meta.get("generation", 0), "conditions": conditions,
+                  "assignments": [summary(pod, allocations[pod]) for pod in sorted(allocations)]}
         current = fastpod.get("status") or {}
         if all(current.get(k) == v for k, v in status.items()):
             return
         self.objects.patch_namespaced_custom_object_status(GROUP, VERSION, meta["namespace"], PLURAL,
-                                                           meta["name"], {"status": status})
+                                                           meta["name"], {"status": status},
+                                                           _preload_content=False).drain_conn()
 
 
 def run_with_leader_election(make_controller: Callable[[], KubeController], elector, stop: threading.Event,

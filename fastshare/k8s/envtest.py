@@ -356,3 +356,33 @@ def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def install_crds(api, timeout: float = 60.0) -> list[dict]:
+    """Create the rendered CustomResourceDefinitions and wait until each is Established and its
+    resource can be listed (what tests and benches need before creating objects)."""
+    from kubernetes import client
+
+    from fastshare.k8s import manifests
+
+    ext = client.ApiextensionsV1Api(api)
+    objects = client.CustomObjectsApi(api)
+    crds = manifests.crds()
+    for crd in crds:
+        ext.create_custom_resource_definition(crd)
+    deadline = time.monotonic() + timeout
+    for crd in crds:
+        name, spec = crd["metadata"]["name"], crd["spec"]
+        version = spec["versions"][0]["name"]
+        while True:
+            try:
+                conditions = ext.read_custom_resource_definition(name).status.conditions or []
+                if any(c.type == "Established" and c.status == "True" for c in conditions):
+                    objects.list_cluster_custom_object(spec["group"], version, spec["names"]["plural"])
+                    break
+            except client.ApiException:
+                pass
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"CRD {name} not served after {timeout:.0f} s")
+            time.sleep(0.1)
+    return crds

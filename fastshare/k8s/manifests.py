@@ -20,6 +20,7 @@ from fastshare.controller import validation
 TEMPLATES = (
     "namespace.yaml.j2",
     "crd-fastpods.yaml.j2",
+    "crd-fastshareallocations.yaml.j2",
     "rbac.yaml.j2",
     "controller.yaml.j2",
     "node-agent.yaml.j2",
@@ -85,6 +86,11 @@ def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(render_text(values)) if doc]
 
 
+def crds(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The CustomResourceDefinitions alone (FastPod, FastShareAllocation), in apply order."""
+    return [d for d in render(values) if d["kind"] == "CustomResourceDefinition"]
+
+
 def crd(values: dict[str, Any] | None = None) -> dict[str, Any]:
     """The FastPod CustomResourceDefinition alone."""
-    return next(d for d in render(values) if d["kind"] == "CustomResourceDefinition")
+    return next(d for d in crds(values) if d["metadata"]["name"] == "fastpods.fastshare.io")

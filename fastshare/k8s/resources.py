@@ -1,4 +1,5 @@
-"""Names of the FastPod API and a builder for FastPod objects (used by tests, bench and docs)."""
+"""Names of the fastshare custom resources and a builder for FastPod objects (used by tests, bench
+and docs)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from typing import Any
 GROUP, VERSION, PLURAL, KIND = "fastshare.io", "v1alpha1", "fastpods", "FastPod"
 API_VERSION = f"{GROUP}/{VERSION}"
 FINALIZER = "fastshare.io/release-shares"
+# One FastShareAllocation per replica: the controller's state of record (fastshare.k8s.store).
+ALLOCATION_PLURAL, ALLOCATION_KIND = "fastshareallocations", "FastShareAllocation"
+ALLOCATION_FINALIZER = "fastshare.io/release-share"   # on an allocation object while it holds a share
+ALLOCATION_LABEL = "fastshare.io/allocation"          # the allocation id (= the agent's share id)
 
 
 def fastpod_manifest(name: str, gpu: dict[str, Any], replicas: int = 1,

@@ -13,7 +13,7 @@ import uuid
 import pytest
 from kubernetes import client
 
-from fastshare.k8s import envtest, manifests
+from fastshare.k8s import envtest
 
 _ASSETS = pytest.StashKey[object]()
 
@@ -64,21 +64,8 @@ def api_client(control_plane):
 
 @pytest.fixture(scope="session")
 def fastpod_crd(api_client):
-    """The rendered FastPod CRD, installed and Established."""
-    crd = manifests.crd()
-    ext = client.ApiextensionsV1Api(api_client)
-    ext.create_custom_resource_definition(crd)
-    wait_for(lambda: _established(ext.read_custom_resource_definition(crd["metadata"]["name"])),
-             "FastPod CRD Established")
-    # Established means served; give discovery/OpenAPI a moment by listing once successfully.
-    objects = client.CustomObjectsApi(api_client)
-    wait_for(lambda: objects.list_cluster_custom_object("fastshare.io", "v1alpha1", "fastpods") is not None,
-             "fastpods served")
-    return crd
-
-
-def _established(crd) -> bool:
-    return any(c.type == "Established" and c.status == "True" for c in (crd.status.conditions or []))
+    """The rendered CRDs (FastPod, FastShareAllocation), installed and served; returns FastPod's."""
+    return envtest.install_crds(api_client)[0]
 
 
 def wait_for(predicate, what: str, timeout: float = 60.0):

@@ -189,3 +189,19 @@ def test_only_the_leader_runs_a_controller_and_a_standby_takes_over(api_client, 
         for thread in threads:
             thread.join(60)
     assert running == []
+
+
+def test_an_unplaceable_fastpod_costs_one_attempt_per_pass_not_one_per_replica(api_client, namespace,
+                                                                               make_controller):
+    """Replicas are created through a slow-start window: the first failure stops the pass."""
+    controller = make_controller(namespace)
+    controller.podcache.replace([], "0")  # not started: no watch fills it
+    attempts = []
+    allocate = controller.core.allocate
+    controller.core.allocate = lambda *a, **k: (attempts.append(a), allocate(*a, **k))[1]
+    objects = client.CustomObjectsApi(api_client)
+    manifest = fastpod_manifest("many", MPS, 20)
+    objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    assert controller.reconcile(namespace, "many") == 5.0  # retried later
+    assert len(attempts) == 1
+    assert _condition(_fastpod(objects, namespace, "many"), "Scheduled")["reason"] == "Unschedulable"

@@ -1,21 +1,32 @@
 """The whole in-cluster path on a real API server with real node agents on simulated GPUs:
-FastPod -> allocation recorded in status -> agent prepares the share -> Pod with nodeName, env
-and MPS mounts; scale 3 -> 1 -> 0 -> 2; Pod deleted behind the controller's back; FastPod
-deletion; controller restart (no double allocation, no leaked share); agent down."""
+FastPod -> allocation recorded (a FastShareAllocation object) -> agent prepares the share -> Pod
+with nodeName, env and MPS mounts; scale 3 -> 1 -> 0 -> 2; Pod deleted behind the controller's
+back; FastPod deletion; controller restart (no double allocation, no leaked share); a controller
+process killed between the record and the Pod; one replica key allocated by two controllers at
+once; agent down."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import threading
 import uuid
+from pathlib import Path
 
 import pytest
 from kubernetes import client
 
+from fastshare.controller import faults
 from fastshare.controller.agent_client import AgentPool
 from fastshare.controller.core import Settings as CoreSettings
+from fastshare.controller.model import State
+from fastshare.controller.store import StoreError
 from fastshare.controller.validation import Request
 from fastshare.k8s.controller import KubeController, KubeSettings
 from fastshare.k8s.pods import FASTPOD_LABEL, spec_of
-from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
+from fastshare.k8s.resources import ALLOCATION_PLURAL, GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.k8s.store import replica_key
 from fastshare.security import certs
 from fastshare.security.tls import TlsPaths
@@ -88,6 +99,12 @@ class View:
     def shares(self):
         return sorted(s for a in self.agents.values() for s in a.shares(self.tls))
 
+    def records(self):
+        """This FastPod's allocation objects, by pod name."""
+        items = self.objects.list_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, ALLOCATION_PLURAL, label_selector=f"{FASTPOD_LABEL}={self.name}")
+        return {o["spec"]["pod"]: o["spec"] for o in items["items"]}
+
     def active(self):
         entries = (self.fastpod().get("status") or {}).get("assignments") or []
         return {e["pod"]: e for e in entries if e["state"] == "active"}
@@ -100,6 +117,7 @@ class View:
         status = self.fastpod().get("status") or {}
         return (len(pods) == replicas and sorted(p.metadata.name for p in pods) == sorted(active)
                 and self.shares() == sorted(e["allocation"] for e in active.values())
+                and sorted(self.records()) == sorted(active)
                 and status.get("replicas") == replicas and status.get("readyReplicas") == replicas)
 
     def scale(self, replicas):
@@ -131,8 +149,10 @@ def test_mps_replicas_scale_survive_external_deletes_and_are_released_on_delete(
     fp = view.fastpod()
     conditions = {c["type"]: c["status"] for c in fp["status"]["conditions"]}
     assert conditions == {"Scheduled": "True", "Ready": "True"}
+    records = view.records()
     for entry in fp["status"]["assignments"]:
         assert entry["node"] == agents["v100"].name and entry["gpuUUIDs"][0].startswith("GPU-")
+        assert {k: v for k, v in records[entry["pod"]].items() if k != "record"} == entry
 
     for replicas in (1, 0, 2):
         view.scale(replicas)
@@ -156,6 +176,7 @@ def test_mps_replicas_scale_survive_external_deletes_and_are_released_on_delete(
 
     wait_for(gone, "FastPod deleted once its shares are released", timeout=120)
     assert view.shares() == [] and view.pods(include_terminating=True) == []
+    wait_for(lambda: view.records() == {}, "allocation records gone with the FastPod")
 
 
 @pytest.mark.parametrize(("gpu", "node"), [
@@ -233,3 +254,88 @@ def test_agent_down_makes_new_replicas_unschedulable_with_a_reason(api_client, n
     finally:
         agents["h100"].start(pki[1])
     wait_for(lambda: view.settled(1), "scheduled once the agent is back", timeout=120)
+    view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "mig")
+    # the agents serve the whole module: leave them without shares
+    wait_for(lambda: (kubelet_step(view.core, namespace), view.shares() == [])[1], "released", timeout=120)
+
+
+def test_one_replica_key_allocated_by_two_controllers_at_once_is_one_share(
+        api_client, namespace, controller, agents, pki):
+    """Split brain on one replica: both controllers' engines place it, only one record is created
+    (the object's name is the replica), the other controller gets the winner's allocation, and
+    the agent holds one share; asking again returns the same allocation."""
+    view = View(api_client, namespace, "dup", agents, pki[1])
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                 fastpod_manifest("dup", {"kind": "mps", "memory": "2Gi"}, 0))
+    cores = [controller(), controller()]
+    for c in cores:
+        c.sync_nodes()
+    for round_ in range(3):
+        request = Request(spec=spec_of(view.fastpod()), owner=f"{namespace}/dup",
+                          idempotency_key=replica_key(namespace, "dup", f"dup-{round_}"))
+        barrier = threading.Barrier(2)
+        results: list[object] = []
+
+        def allocate(c, request=request, barrier=barrier, results=results):
+            barrier.wait()
+            try:
+                results.append(c.core.allocate(request))
+            except StoreError as exc:  # lost a compare-and-set while completing the winner's record
+                results.append(exc)
+
+        threads = [threading.Thread(target=allocate, args=(c,)) for c in cores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        records = view.records()
+        assert list(records) == [f"dup-{round_}"], records
+        winner = records[f"dup-{round_}"]["allocation"]
+        assert {r.id for r in results if not isinstance(r, Exception)} == {winner}, results
+        again = cores[round_ % 2].core.allocate(request)
+        assert (again.id, again.state) == (winner, State.ACTIVE)
+        assert view.shares() == [winner]
+        cores[0].core.release(winner)
+        cores[0].store.forget(winner)
+        assert view.shares() == [] and view.records() == {}
+
+
+def _controller_process(control_plane, namespace, pki, fault: str, log: Path) -> subprocess.Popen:
+    """`fastshare k8s controller` that kills itself (SIGKILL) at ``fault``."""
+    exe = shutil.which("fastshare") or str(Path(sys.executable).parent / "fastshare")
+    args = [exe, "k8s", "controller", "--kubeconfig", str(control_plane.kubeconfig),
+            "--namespace", namespace, "--lease-namespace", namespace, "--identity", "doomed",
+            "--tls-dir", str(pki[0] / "controller"), "--lease-duration", "3", "--node-interval", "0.5"]
+    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, faults.ENV: fault})
+
+
+# Every crash point an allocation passes (the release points are covered by the core's tests).
+ALLOCATE_FAULTS = [p for p in faults.POINTS if "release" not in p]
+
+
+@pytest.mark.parametrize("fault", ALLOCATE_FAULTS)
+def test_controller_killed_between_record_and_pod_leaks_nothing(
+        control_plane, api_client, namespace, controller, agents, pki, tmp_path, fault):
+    """kill -9 of a real controller process after the record was created and before the Pod:
+    the next controller finishes or rolls the replica back, and no share is left over."""
+    view = View(api_client, namespace, "crash", agents, pki[1])
+    manifest = fastpod_manifest("crash", {"kind": "mps", "memory": "2Gi"}, 2)
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    proc = _controller_process(control_plane, namespace, pki, fault, tmp_path / "controller.log")
+    try:
+        assert proc.wait(120) == -9, (tmp_path / "controller.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    records = view.records()
+    assert [r["state"] for r in records.values()] in (["pending"], ["prepared"], ["active"])
+    assert view.pods() == []
+    crashed = next(iter(records.values()))["allocation"]
+    assert (crashed in view.shares()) == (fault != "controller.after_commit")  # prepared after that
+
+    controller().start()  # the restarted controller (a fresh process would rebuild the same way)
+    wait_for(lambda: view.settled(2) and crashed not in view.shares() and crashed not in
+             {r["allocation"] for r in view.records().values()}, "crashed replica rolled back", timeout=120)
+    assert len(view.shares()) == 2

@@ -41,6 +41,7 @@ def test_rbac_has_no_wildcards_and_exactly_the_controller_needs():
         ("fastshare.io", "fastpods"): {"get", "list", "watch", "update", "patch"},
         ("fastshare.io", "fastpods/status"): {"get", "update", "patch"},
         ("fastshare.io", "fastpods/finalizers"): {"update"},
+        ("fastshare.io", "fastshareallocations"): {"create", "get", "list", "update", "delete"},
         ("", "pods"): {"create", "get", "list", "watch", "delete"},
         ("", "nodes"): {"get", "list", "watch"},
         ("", "events"): {"create"},
@@ -86,7 +87,8 @@ def test_cli_prints_the_same_objects_as_yaml(tmp_path):
     assert result.exit_code == 0, result.output
     assert list(yaml.safe_load_all(result.output)) == manifests.render({"namespace": "gpu"})
     crd_only = CliRunner().invoke(main, ["k8s", "manifests", "--crd-only"])
-    assert yaml.safe_load(crd_only.output)["metadata"]["name"] == "fastpods.fastshare.io"
+    assert [d["metadata"]["name"] for d in yaml.safe_load_all(crd_only.output)] == [
+        "fastpods.fastshare.io", "fastshareallocations.fastshare.io"]
 
 
 def test_cli_rejects_a_bad_values_file_with_the_key(tmp_path):

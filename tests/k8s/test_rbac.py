@@ -68,6 +68,10 @@ ALLOWED = [
     ("update", "fastpods", "fastshare.io", "team-a", "job", ""),
     ("patch", "fastpods", "fastshare.io", "team-a", "job", "status"),
     ("update", "fastpods", "fastshare.io", "team-a", "job", "finalizers"),
+    ("create", "fastshareallocations", "fastshare.io", "team-a", "", ""),
+    ("update", "fastshareallocations", "fastshare.io", "team-a", "job-0", ""),
+    ("delete", "fastshareallocations", "fastshare.io", "team-a", "job-0", ""),
+    ("list", "fastshareallocations", "fastshare.io", "", "", ""),
     ("create", "pods", "", "team-a", "", ""),
     ("delete", "pods", "", "team-a", "job-0", ""),
     ("watch", "pods", "", "", "", ""),
@@ -91,6 +95,9 @@ DENIED = [
     ("create", "deployments", "apps", "team-a", "", ""),
     ("escalate", "clusterroles", "rbac.authorization.k8s.io", "", "", ""),
     ("patch", "fastpods", "fastshare.io", "team-a", "job", "scale"),
+    ("patch", "fastshareallocations", "fastshare.io", "team-a", "job-0", ""),
+    ("watch", "fastshareallocations", "fastshare.io", "", "", ""),
+    ("deletecollection", "fastshareallocations", "fastshare.io", "team-a", "", ""),
 ]
 
 

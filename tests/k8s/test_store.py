@@ -1,5 +1,7 @@
 """KubeStateStore against the real API server: the same contract as the SQLite store (which serves
-as the oracle in a property test), compare-and-set between two controllers, no lost writes."""
+as the oracle in a property test), one FastShareAllocation object per allocation (owned by the
+FastPod, protected by a finalizer while it holds a share), compare-and-set between two
+controllers, no lost writes."""
 
 from __future__ import annotations
 
@@ -16,7 +18,15 @@ from kubernetes import client
 from fastshare.controller.model import Allocation, Device, Kind, Spec, State
 from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.store import Conflict, DuplicateKey, StoreError
-from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
+from fastshare.k8s.resources import (
+    ALLOCATION_FINALIZER,
+    ALLOCATION_LABEL,
+    ALLOCATION_PLURAL,
+    GROUP,
+    PLURAL,
+    VERSION,
+    fastpod_manifest,
+)
 from fastshare.k8s.store import KubeStateStore, replica_key
 
 SPEC = Spec(kind=Kind.FASTPOD, sm_percent=30, memory_bytes=2**30, node_selector=(("zone", "a"),))
@@ -37,11 +47,12 @@ def fastpod(api_client, fastpod_crd, namespace):
 
 
 def _alloc(where: tuple[str, str], i: str, state: State = State.PENDING, node: str = "n1") -> Allocation:
-    """Allocation ids are unique cluster-wide (the API server is shared by all tests)."""
+    """Allocation ids are unique cluster-wide (the API server is shared by all tests); the pod (and
+    so the object's name) is unique in the namespace."""
     namespace, name = where
     now = time.time()
     return Allocation(id=f"{name}-{i}", spec=SPEC, owner=f"{namespace}/{name}", state=state, node=node,
-                      idempotency_key=replica_key(namespace, name, f"pod-{i}"),
+                      idempotency_key=replica_key(namespace, name, _pod(where, i)),
                       devices=[Device(gpu_index=0, gpu_uuid="GPU-1", model="A100")],
                       assignment={"gpu": 0, "sm": 30, "ratio": 0.25}, created_at=now, updated_at=now)
 
@@ -50,12 +61,26 @@ def _id(where: tuple[str, str], i: str) -> str:
     return f"{where[1]}-{i}"
 
 
+def _pod(where: tuple[str, str], i: str) -> str:
+    return f"{where[1]}-pod-{i}"
+
+
+def _object(api_client, where: tuple[str, str], i: str) -> dict | None:
+    try:
+        return client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+            GROUP, VERSION, where[0], ALLOCATION_PLURAL, _pod(where, i))
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
 def _mine(allocations: list[Allocation], where: tuple[str, str]) -> list[Allocation]:
     """The store lists the whole cluster; tests share one API server."""
     return [a for a in allocations if a.owner == f"{where[0]}/{where[1]}"]
 
 
-def test_round_trip_index_and_status_entry(store, fastpod, api_client):
+def test_round_trip_and_the_allocation_object(store, fastpod, api_client):
     a = _alloc(fastpod, "a1")
     store.create_allocation(a)
     assert store.get_allocation(_id(fastpod, "a1")) == a
@@ -66,11 +91,33 @@ def test_round_trip_index_and_status_entry(store, fastpod, api_client):
     assert _mine(other.list_allocations(states=[State.PENDING], node="n1"), fastpod) == [a]
     assert _mine(other.list_allocations(node="n2"), fastpod) == []
     assert _mine(other.list_allocations(states=[State.ACTIVE]), fastpod) == []
+    assert other.allocations_of(*fastpod) == ({_pod(fastpod, "a1"): a}, set())
+    # one object, named after the pod, owned by the FastPod, kept by a finalizer while it holds
+    owner = client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+        GROUP, VERSION, fastpod[0], PLURAL, fastpod[1])
+    obj = _object(api_client, fastpod, "a1")
+    assert obj["metadata"]["labels"][ALLOCATION_LABEL] == _id(fastpod, "a1")
+    assert [(r["kind"], r["uid"]) for r in obj["metadata"]["ownerReferences"]] == [
+        ("FastPod", owner["metadata"]["uid"])]
+    assert obj["metadata"]["finalizers"] == [ALLOCATION_FINALIZER]
+    spec = obj["spec"]
+    assert (spec["pod"], spec["node"], spec["state"], spec["gpuUUIDs"], spec["allocation"]) == (
+        _pod(fastpod, "a1"), "n1", "pending", ["GPU-1"], _id(fastpod, "a1"))
+    assert "record" in spec and "record" not in (owner.get("status") or {})
+
+
+def test_the_schema_keeps_a_record_consistent(store, fastpod, api_client):
+    store.create_allocation(_alloc(fastpod, "s1"))
     objects = client.CustomObjectsApi(api_client)
-    fp = objects.get_namespaced_custom_object(GROUP, VERSION, fastpod[0], PLURAL, fastpod[1])
-    entry = fp["status"]["assignments"][0]
-    assert (entry["pod"], entry["node"], entry["state"], entry["gpuUUIDs"]) == (
-        "pod-a1", "n1", "pending", ["GPU-1"])
+    obj = _object(api_client, fastpod, "s1")
+    for change, message in (({"state": "active"}, "must match the record"),
+                            ({"allocation": "fs-other"}, "immutable"),
+                            ({"record": {**obj["spec"]["record"], "owner": "x/y"}}, "immutable")):
+        body = {**obj, "spec": {**obj["spec"], **change}}
+        with pytest.raises(client.ApiException) as info:
+            objects.replace_namespaced_custom_object(GROUP, VERSION, fastpod[0], ALLOCATION_PLURAL,
+                                                     _pod(fastpod, "s1"), body)
+        assert info.value.status == 422 and message in info.value.body, change
 
 
 def test_transition_is_compare_and_set(store, fastpod):
@@ -98,15 +145,79 @@ def test_duplicate_key_returns_the_existing_allocation(store, fastpod):
         store.create_allocation(replace(_alloc(fastpod, "a3"), owner="other/thing"))
 
 
-def test_forget_only_drops_finished_allocations(store, fastpod):
+def test_forget_only_drops_finished_allocations(store, fastpod, api_client):
     store.create_allocation(_alloc(fastpod, "a1"))
     with pytest.raises(StoreError, match="release it first"):
         store.forget(_id(fastpod, "a1"))
     store.transition(_id(fastpod, "a1"), [State.PENDING], State.RELEASING)
+    assert _object(api_client, fastpod, "a1")["metadata"]["finalizers"] == [ALLOCATION_FINALIZER]
     store.transition(_id(fastpod, "a1"), [State.RELEASING], State.FAILED)
+    assert not _object(api_client, fastpod, "a1")["metadata"].get("finalizers")  # nothing left to guard
     store.forget(_id(fastpod, "a1"))
     assert store.get_allocation(_id(fastpod, "a1")) is None
+    assert _object(api_client, fastpod, "a1") is None
     assert _mine(store.list_allocations(), fastpod) == []
+    store.forget(_id(fastpod, "a1"))  # twice is fine
+
+
+def test_a_deleted_record_that_holds_a_share_stays_until_released(store, fastpod, api_client):
+    """kubectl delete (or the garbage collector in foreground mode) only marks it: the record of a
+    share the agent still holds cannot vanish."""
+    store.create_allocation(_alloc(fastpod, "d1", state=State.ACTIVE))
+    client.CustomObjectsApi(api_client).delete_namespaced_custom_object(
+        GROUP, VERSION, fastpod[0], ALLOCATION_PLURAL, _pod(fastpod, "d1"))
+    assert _object(api_client, fastpod, "d1")["metadata"]["deletionTimestamp"]
+    other = KubeStateStore(api_client)
+    allocations, marked = other.allocations_of(*fastpod)
+    assert marked == {_pod(fastpod, "d1")} and allocations[_pod(fastpod, "d1")].state is State.ACTIVE
+    other.transition(_id(fastpod, "d1"), [State.ACTIVE], State.RELEASING)
+    assert _object(api_client, fastpod, "d1") is not None
+    other.transition(_id(fastpod, "d1"), [State.RELEASING], State.RELEASED)
+    assert _object(api_client, fastpod, "d1") is None  # released: the deletion completes
+    other.forget(_id(fastpod, "d1"))
+
+
+def test_two_controllers_creating_one_replica_store_one_record(store, fastpod, api_client):
+    """Creating the object IS the idempotency check: the loser gets DuplicateKey with the winner's."""
+    stores = [store, KubeStateStore(api_client)]
+    for round_ in range(4):
+        barrier = threading.Barrier(2)
+        results: list[object] = []
+        candidates = [replace(_alloc(fastpod, f"c{round_}"), id=f"{_id(fastpod, f'c{round_}')}-{n}")
+                      for n in range(2)]
+
+        def create(s, a, results=results, barrier=barrier):
+            barrier.wait()
+            try:
+                s.create_allocation(a)
+                results.append(a.id)
+            except DuplicateKey as exc:
+                results.append(exc)
+
+        pairs = zip(stores, candidates, strict=True)
+        threads = [threading.Thread(target=create, args=pair) for pair in pairs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        winner = [r for r in results if isinstance(r, str)]
+        losers = [r for r in results if isinstance(r, DuplicateKey)]
+        assert len(winner) == 1 and len(losers) == 1, results
+        assert losers[0].existing.id == winner[0]
+        assert [a.id for a in _mine(store.list_allocations(), fastpod)
+                if a.idempotency_key == candidates[0].idempotency_key] == winner
+
+
+def test_a_stale_copy_never_overwrites_a_newer_record(store, fastpod, api_client):
+    """Each store keeps the last object it saw; the other controller moved on meanwhile."""
+    other = KubeStateStore(api_client)
+    store.create_allocation(_alloc(fastpod, "s1"))
+    assert other.get_allocation(_id(fastpod, "s1")).state is State.PENDING   # other's copy: pending
+    store.transition(_id(fastpod, "s1"), [State.PENDING], State.RELEASING)
+    with pytest.raises(Conflict, match="is releasing, expected one of: pending"):
+        other.transition(_id(fastpod, "s1"), [State.PENDING], State.PREPARED)
+    assert other.update(_id(fastpod, "s1"), lease_ttl=7).state is State.RELEASING  # re-read, kept
+    assert store.transition(_id(fastpod, "s1"), [State.RELEASING], State.FAILED).lease_ttl == 7
 
 
 def test_two_controllers_racing_on_one_allocation_never_both_win(store, fastpod, api_client):

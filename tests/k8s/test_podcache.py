@@ -1,0 +1,61 @@
+"""The controller's Pod cache (no API server needed): what a reconcile pass may believe about its
+replicas while watch events, its own create/delete replies and relists arrive in any order."""
+
+from __future__ import annotations
+
+from fastshare.k8s.podcache import PodCache
+from fastshare.k8s.pods import FASTPOD_LABEL
+
+
+def _pod(name: str, version: int, fastpod: str = "fp", namespace: str = "ns", deleting: bool = False) -> dict:
+    meta = {"name": name, "namespace": namespace, "resourceVersion": str(version),
+            "labels": {FASTPOD_LABEL: fastpod}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"kind": "Pod", "metadata": meta}
+
+
+def _names(cache: PodCache, fastpod: str = "fp", namespace: str = "ns") -> list[str]:
+    return sorted(p["metadata"]["name"] for p in cache.of(namespace, fastpod))
+
+
+def test_not_synced_until_the_first_list():
+    cache = PodCache()
+    assert not cache.synced and not cache.wait_synced(0.01)
+    cache.replace([_pod("a", 5)], "10")
+    assert cache.synced and _names(cache) == ["a"]
+
+
+def test_an_older_event_never_overwrites_a_newer_reply():
+    cache = PodCache()
+    cache.replace([], "1")
+    cache.put(_pod("a", 20, deleting=True))       # our delete's reply
+    cache.put(_pod("a", 12))                       # the watch's late ADDED/MODIFIED
+    assert cache.of("ns", "fp")[0]["metadata"]["deletionTimestamp"]
+
+
+def test_a_deleted_pod_cannot_come_back_from_a_late_reply_but_a_new_one_with_its_name_can():
+    cache = PodCache()
+    cache.replace([], "1")
+    cache.remove(_pod("a", 30))
+    cache.put(_pod("a", 25))                       # the create reply, processed late
+    assert _names(cache) == []
+    cache.put(_pod("a", 40))                       # re-created later under the same name
+    assert _names(cache) == ["a"]
+    cache.gone("ns", "a")                          # the API said 404
+    assert _names(cache) == []
+
+
+def test_a_relist_drops_what_it_does_not_show_but_keeps_what_is_newer_than_it():
+    cache = PodCache()
+    cache.replace([_pod("old", 3), _pod("kept", 4)], "5")
+    cache.put(_pod("mine", 9))                     # created after the next list was taken
+    cache.replace([_pod("kept", 4)], "8")          # "old" was deleted while no watch ran
+    assert _names(cache) == ["kept", "mine"]
+
+
+def test_pods_are_told_apart_by_fastpod_and_namespace():
+    cache = PodCache()
+    cache.replace([_pod("a", 1), _pod("b", 2, fastpod="other"), _pod("c", 3, namespace="ns2")], "3")
+    assert _names(cache) == ["a"] and _names(cache, "other") == ["b"]
+    assert _names(cache, namespace="ns2") == ["c"]

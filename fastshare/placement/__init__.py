@@ -29,7 +29,7 @@ API (everything else in the package is internal)::
 """
 
 from fastshare.placement.engine import Engine
-from fastshare.placement.fastshare_policy import AdaptivePolicy, FastsharePolicy
+from fastshare.placement.fastshare_policy import FastsharePolicy
 from fastshare.placement.model import (
     Assignment,
     GpuView,
@@ -55,8 +55,8 @@ from fastshare.placement.policies import (
 
 
 def make_policy(name: str, typical: list[Typical] | None = None, seed: int = 42) -> Policy:
-    """A policy by name. ``typical`` (task shapes of the workload) feeds fgd and fastshare;
-    without it fastshare learns them from the requests it places."""
+    """A policy by name. ``typical`` (task shapes of the workload) feeds fgd; fastshare
+    learns the request mix from the requests it is shown (``Policy.observe``)."""
     name = name.lower()
     if name == "random":
         return RandomPolicy(seed)
@@ -73,12 +73,12 @@ def make_policy(name: str, typical: list[Typical] | None = None, seed: int = 42)
             raise InvalidRequest("policy: fgd needs the workload's typical task shapes")
         return FGDPolicy(typical)
     if name == "fastshare":
-        return FastsharePolicy(typical) if typical else AdaptivePolicy()
+        return FastsharePolicy()  # learns the request mix online; ``typical`` is not used
     raise InvalidRequest(f"policy: must be one of {', '.join(POLICY_NAMES)} (got {name!r})")
 
 
 __all__ = [
-    "POLICY_NAMES", "AdaptivePolicy", "Assignment", "Engine", "FastsharePolicy", "GpuView",
+    "POLICY_NAMES", "Assignment", "Engine", "FastsharePolicy", "GpuView",
     "InvalidRequest", "MigSlot", "NodeView", "Policy", "Rejection", "Request", "Task", "make_policy",
     "typical_shapes",
 ]

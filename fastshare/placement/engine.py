@@ -75,7 +75,7 @@ class Engine:
     """Placement over a cluster view. Deterministic: same view + same calls = same answers.
 
     ``policy`` scores nodes for ``fastpod`` and ``whole`` requests (default: fastshare's own
-    policy learning typical shapes from the requests it sees); ``mps_oversubscription`` lets
+    policy, learning the request mix from the requests it sees); ``mps_oversubscription`` lets
     memory-only MPS shares promise up to that factor of a GPU's memory (1.0 = none)."""
 
     def __init__(self, nodes: Iterable[NodeView] = (), policy: Policy | None = None,
@@ -84,10 +84,11 @@ class Engine:
             raise InvalidRequest(f"mps_oversubscription: must be in [1, 16] (got {mps_oversubscription})")
         self.mps_oversubscription = mps_oversubscription
         if policy is None:
-            from fastshare.placement.fastshare_policy import AdaptivePolicy
-            policy = AdaptivePolicy()
+            from fastshare.placement.fastshare_policy import FastsharePolicy
+            policy = FastsharePolicy()
         self.policy = policy
         self._nodes: dict[str, _Node] = {}
+        self._cpu_total = self._gpu_total = 0
         self._assignments: dict[str, Assignment] = {}
         self._affinity: dict[str, tuple[str, int]] = {}  # affinity tag -> (node, gpu)
         for n in nodes:
@@ -98,13 +99,20 @@ class Engine:
         if view.name in self._nodes:
             raise InvalidRequest(f"node {view.name}: already in the cluster view")
         self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus])
+        self._capacity(view, +1)
 
     def remove_node(self, name: str) -> None:
         """Forget a node; refused while assignments still live on it."""
         held = [a.request.id for a in self._assignments.values() if a.node == name]
         if held:
             raise InvalidRequest(f"node {name}: still holds {len(held)} assignment(s), e.g. {held[0]}")
-        del self._nodes[name]
+        self._capacity(self._nodes.pop(name).view, -1)
+
+    def _capacity(self, view: NodeView, sign: int) -> None:
+        """Keep the cluster's CPU and GPU totals and tell the policy (it weighs CPU by them)."""
+        self._cpu_total += sign * view.cpu_milli
+        self._gpu_total += sign * len(view.gpus) * MILLI
+        self.policy.cluster(self._cpu_total, self._gpu_total)
 
     @property
     def nodes(self) -> list[NodeView]:
@@ -147,9 +155,10 @@ class Engine:
     def place(self, request: Request) -> Assignment | Rejection:
         if request.id in self._assignments:
             raise InvalidRequest(f"id: request {request.id} is already placed")
-        hook = getattr(self.policy, "observe", None)
-        if hook is not None:
-            hook(request)
+        if request.kind == "fastpod":
+            self.policy.observe(Task(request.cpu_milli, request.sm_milli, 1))
+        elif request.kind == "whole":
+            self.policy.observe(Task(request.cpu_milli, MILLI, request.gpus))
         nodes, why = self._filter_nodes(request)
         if not nodes:
             return Rejection(why)

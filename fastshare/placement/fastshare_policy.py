@@ -1,87 +1,155 @@
-"""fastshare's default placement policy.
+"""fastshare's default placement policy: expected final fill, learned online.
 
-``FastsharePolicy`` scores like FGD (expected fragmentation against the typical task shapes,
-quantised so that near-equal choices tie) and breaks those ties towards nodes that are
-already in use, which keeps idle nodes whole for large requests. ``AdaptivePolicy`` is the
-engine's default: it learns the typical shapes from the requests it is asked to place, so
-a controller needs no trace; until it has seen any it behaves like BestFit.
+When requests outnumber the cluster (the normal state of a busy GPU cluster, and of the
+published experiments, which offer 130 % of capacity), what a placement decides is not
+whether a task runs but how full its GPU ends up: an 810-milli share alone on a fresh GPU
+leaves a 190-milli hole that the rare small tasks seldom fill, while two 470-milli shares
+leave 60; a GPU whose node has run out of CPU ends wherever it is.
+
+So the policy values a GPU with ``f`` milli free by ``V(f)``, the milli that later arrivals
+are expected to add to it: the next task to land is drawn from the request mix among the
+sizes that fit, and a hole whose fitting sizes are rare may stay empty for good. With
+``P = P(m <= f)`` the chance that the hole gets another task is ``P^2 / (P^2 + KAPPA)``
+(one constant for every workload): rare fitting sizes are few, and the holes only they fit
+are many, so that chance falls faster than ``P``::
+
+    V(f) = sum_{m <= f} p(m) * (m + V(f - m)) / (P + KAPPA / P)
+
+A node is worth the sum of its GPUs' values, scaled down when its CPU cannot feed them (the
+CPU the request mix needs per GPU milli, ``rho``, times the free milli). A task goes where
+``taken + value(after) - value(before)`` is highest: where it adds the most to the final
+allocation. Scores are truncated to ``QUANTUM`` milli so near-equal choices tie; ties go to
+nodes already in use, then to the caller's node order (first fit), which keeps idle nodes
+whole for large requests.
+
+``p`` and ``rho`` are learned from the requests the policy is shown (``observe``), never
+from a trace file: the table is re-derived after every doubling of the request count and
+adopted (``generation`` + 1, so cached scores are dropped) only when it moved by more than
+a quantum. Until it has seen a request, every free milli counts as fillable. ``rho`` is the
+CPU the GPU requests ask per GPU milli; when the whole mix (CPU-only requests included)
+asks more CPU than the cluster has (``cluster``), CPU-only requests compete for the CPU that
+GPUs need, and their CPU is added to ``rho``.
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter
-from collections.abc import Sequence
+from fastshare.placement.policies import MILLI, Policy, Task, default_gpus
 
-from fastshare.placement.policies import (
-    MILLI,
-    BestFitPolicy,
-    Fragmentation,
-    Policy,
-    Task,
-    Typical,
-    _FragKeyed,
-    after,
-    default_gpus,
-    typical_shapes,
-)
+STEP = 10         # milli resolution of the value table (openb sizes are multiples of 10)
+BINS = MILLI // STEP
+KAPPA = 0.001     # how fast a hole's chance of being filled falls with the share of sizes that fit
+QUANTUM = 10      # score resolution in milli: closer choices tie
+CPU_STEP = 500    # CPU resolution in milli (keeps scores cacheable per node state)
 
 
-def _quantised(delta: float) -> int:
-    return int(100.0 / (1.0 + math.exp(-delta / 1000.0)))
+def value_table(counts: list[float], kappa: float = KAPPA) -> list[float]:
+    """``V[b]``: expected milli later added to a GPU with ``b * STEP`` milli free, given
+    arrival counts per size bin (``counts[b]`` = tasks asking ``b * STEP`` milli per GPU)."""
+    total = sum(counts[1:])
+    if total <= 0:
+        return [float(b * STEP) for b in range(BINS + 1)]
+    p = [c / total for c in counts]
+    v = [0.0] * (BINS + 1)
+    fit = 0.0
+    for f in range(1, BINS + 1):
+        fit += p[f]
+        if fit > 0:
+            v[f] = sum(p[m] * (m * STEP + v[f - m]) for m in range(1, f + 1) if p[m]) / (fit + kappa / fit)
+    return v
 
 
-class FastsharePolicy(_FragKeyed):
-    """FGD-style fragmentation score with packing-aware tie-breaking (one policy, no knobs)."""
-
-    name = "fastshare"
-
-    def __init__(self, typical: Sequence[Typical]) -> None:
-        self.frag = Fragmentation(typical)
-
-    def score(self, model, cpu_left, gpus, task, tags=frozenset()):
-        frag = self.frag
-        before = frag(model, cpu_left, gpus)
-        left = cpu_left - task.cpu
-        if task.sharing:
-            best, idx = None, -1
-            for i, g in enumerate(gpus):
-                if g >= task.milli:
-                    s = _quantised(before - frag(model, left, after(gpus, (i,), task)))
-                    if best is None or s > best:
-                        best, idx = s, i
-            chosen: tuple[int, ...] = (idx,)
-        else:
-            chosen = default_gpus(gpus, task)
-            best = _quantised(before - frag(model, left, after(gpus, chosen, task)))
-        in_use = sum(gpus) < MILLI * len(gpus)
-        return (best, in_use), chosen
+def _bin_up(milli: int) -> int:
+    return min(BINS, -(-milli // STEP))
 
 
-class AdaptivePolicy(Policy):
-    """The engine's default: FastsharePolicy over the shapes of the requests seen so far
-    (re-derived after every doubling of the request count, so the cost stays logarithmic)."""
+class FastsharePolicy(Policy):
+    """Expected-final-fill scoring with a CPU-aware node value; learns the request mix online."""
 
     name = "fastshare"
 
     def __init__(self) -> None:
-        self.seen: Counter[Task] = Counter()
-        self._inner: Policy = BestFitPolicy()
-        self._next_refresh = 1
+        self.counts = [0.0] * (BINS + 1)
+        self.cpu_of_gpu_tasks = 0      # CPU milli asked by the GPU tasks seen
+        self.milli_of_gpu_tasks = 0    # GPU milli asked by them
+        self.cpu_of_cpu_tasks = 0      # CPU milli asked by the CPU-only tasks seen
+        self.supply = 0.0              # the cluster's CPU milli per GPU milli (0 = not told)
+        self.seen = 0
+        self._refresh_at = 1
+        self.generation = 0
+        self.values = value_table(self.counts)
+        self.rho = 0.0                 # CPU milli to keep per free GPU milli (0 = unknown)
 
-    def observe(self, request) -> None:
-        if request.kind == "fastpod":
-            task = Task(request.cpu_milli, request.sm_milli, 1)
-        elif request.kind == "whole":
-            task = Task(request.cpu_milli, MILLI, request.gpus)
-        else:
+    # ---- learning ------------------------------------------------------------------------------
+    def cluster(self, cpu_milli: int, gpu_milli: int) -> None:
+        self.supply = cpu_milli / gpu_milli if gpu_milli > 0 else 0.0
+        self._refresh_at = min(self._refresh_at, self.seen + 1)
+
+    def observe(self, task: Task) -> None:
+        if task.num_gpu <= 0 or task.milli <= 0:
+            self.cpu_of_cpu_tasks += task.cpu
             return
-        self.seen[task] += 1
-        total = sum(self.seen.values())
-        if total >= self._next_refresh:
-            self._inner = FastsharePolicy(typical_shapes(self.seen.elements()))
-            self._next_refresh = total * 2
+        per_gpu = task.milli if task.sharing else MILLI
+        self.counts[_bin_up(per_gpu)] += task.num_gpu
+        self.cpu_of_gpu_tasks += task.cpu
+        self.milli_of_gpu_tasks += per_gpu * task.num_gpu
+        self.seen += 1
+        if self.seen >= self._refresh_at:
+            self._refresh_at = self.seen * 2
+            self._refresh()
+
+    def _refresh(self) -> None:
+        values = value_table(self.counts)
+        rho = self.cpu_of_gpu_tasks / self.milli_of_gpu_tasks
+        if self.supply > 0:
+            # When the mix asks more CPU than the cluster has, CPU-only tasks compete for the
+            # CPU that GPUs need, so keep CPU for them too (fully from 10 % over on).
+            cpu_only = self.cpu_of_cpu_tasks / self.milli_of_gpu_tasks
+            pressure = (rho + cpu_only) / self.supply
+            rho += min(1.0, max(0.0, (pressure - 1.0) / 0.1)) * cpu_only
+        moved = max(abs(a - b) for a, b in zip(values, self.values, strict=True))
+        if moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho):
+            self.values, self.rho = values, rho
+            self.generation += 1
+
+    # ---- scoring -------------------------------------------------------------------------------
+    def _cpu_factor(self, cpu_left: int, free: int) -> float:
+        """Share of ``free`` GPU milli that ``cpu_left`` can feed at the learned CPU per milli."""
+        if self.rho <= 0 or free <= 0:
+            return 1.0
+        return min(1.0, max(0, cpu_left) // CPU_STEP * CPU_STEP / (self.rho * free))
+
+    def node_value(self, cpu_left: int, gpus: tuple[int, ...]) -> float:
+        """Milli the node's free GPUs are expected to gain, scaled by the share of them its
+        CPU can feed."""
+        v = self.values
+        return sum(v[g // STEP] for g in gpus) * self._cpu_factor(cpu_left, sum(gpus))
 
     def score(self, model, cpu_left, gpus, task, tags=frozenset()):
-        s, chosen = self._inner.score(model, cpu_left, gpus, task, tags)
-        return (s if isinstance(s, tuple) else (s,)), chosen
+        v = self.values
+        total = sum(v[g // STEP] for g in gpus)
+        free = sum(gpus)
+        before = total * self._cpu_factor(cpu_left, free)
+        if task.sharing:
+            m = task.milli
+            # the GPU whose value drops least (lowest index on ties); the CPU factor after
+            # placement is the same whichever GPU takes the share
+            best, idx = None, -1
+            for i, g in enumerate(gpus):
+                if g >= m:
+                    d = v[(g - m) // STEP] - v[g // STEP]
+                    if best is None or d > best:
+                        best, idx = d, i
+            chosen: tuple[int, ...] = (idx,)
+            taken = m
+            total += best
+        else:
+            chosen = default_gpus(gpus, task)
+            taken = MILLI * len(chosen)
+            total += sum(v[0] - v[gpus[i] // STEP] for i in chosen)
+        gain = taken + total * self._cpu_factor(cpu_left - task.cpu, free - taken) - before
+        in_use = free < MILLI * len(gpus)
+        return (int(gain // QUANTUM), in_use), chosen
+
+    def state_key(self, model, cpu_left, gpus, task):
+        return (self.generation, cpu_left // CPU_STEP, (cpu_left - task.cpu) // CPU_STEP, tuple(sorted(gpus)))
+

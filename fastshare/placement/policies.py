@@ -94,6 +94,13 @@ class Policy:
     name = "base"
     uses_tags = False  # GpuClustering also looks at which task shapes a node already holds
     randomized = False
+    generation = 0  # a policy that learns bumps this when its scores change (callers drop caches)
+
+    def observe(self, task: Task) -> None:
+        """Called once per arriving request, before it is placed (learning policies override)."""
+
+    def cluster(self, cpu_milli: int, gpu_milli: int) -> None:
+        """Called with the cluster's CPU and GPU capacity whenever it changes."""
 
     def score(self, model: str, cpu_left: int, gpus: tuple[int, ...], task: Task,
               tags: frozenset = frozenset()) -> Choice:

@@ -71,6 +71,8 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
     cpu_times: list[float] = []
     uses_tags = policy.uses_tags
     randomized = policy.randomized
+    policy.cluster(sum(cpu), capacity)
+    generation = policy.generation
 
     def fits(i: int, task: Task) -> bool:
         if cpu[i] < task.cpu or (task.num_gpu and not gpus[i]):
@@ -100,6 +102,12 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
         if fits(i, task):
             heapq.heappush(h, (score(i, task), ranks[i], version[i], i))
 
+    def build(task: Task) -> list:
+        h = heaps[task] = [(score(i, task), ranks[i], version[i], i) for i in range(n) if fits(i, task)]
+        heapq.heapify(h)
+        seen[task] = len(changes)
+        return h
+
     gc_was_enabled = gc.isenabled()
     gc.disable()  # the replay makes no reference cycles; collector pauses would only add jitter
     try:
@@ -107,6 +115,15 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
             start = time.perf_counter()
             cpu_start = time.thread_time()
             task = Task(pod.cpu_milli, pod.gpu_milli if pod.num_gpu else 0, pod.num_gpu, pod.gpu_spec)
+            policy.observe(task)
+            if policy.generation != generation:
+                # A learning policy changed its scores: rescore every shape now, inside this
+                # decision's time (rescoring lazily would make the next arrival of every shape
+                # slow instead of this one decision).
+                generation = policy.generation
+                score_cache.clear()
+                for t in list(heaps):
+                    build(t)
             chosen = None
             if randomized:
                 feasible = [i for i in range(n) if fits(i, task) and mem[i] >= pod.memory_mib]
@@ -116,13 +133,11 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
             else:
                 h = heaps.get(task)
                 if h is None:
-                    h = heaps[task] = [(score(i, task), ranks[i], version[i], i)
-                                       for i in range(n) if fits(i, task)]
-                    heapq.heapify(h)
+                    h = build(task)
                 else:
                     for i in set(changes[seen[task]:]):
                         push(h, i, task)
-                seen[task] = len(changes)
+                    seen[task] = len(changes)
                 skipped = []
                 while h:
                     entry = h[0]

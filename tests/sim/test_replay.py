@@ -153,3 +153,38 @@ def test_cli_sim_plot(tmp_path):
                                     str(tmp_path / "n.csv"), "--plot", str(png)])
     assert out.exit_code == 0, out.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_learning_policy_is_rescored_when_it_learns():
+    """The replay's per-shape heaps and score cache must give the decisions of scoring every
+    node afresh, also while fastshare's learned table changes under them."""
+    nodes, pods = small_world(seed=3, n_nodes=10, n_pods=400)
+    ranks = list(range(len(nodes)))[::-1]
+    res = simulate(nodes, pods, make_policy("fastshare"), ranks)
+    pol = make_policy("fastshare")
+    assert pol.generation == 0
+    cpu = [n.cpu_milli for n in nodes]
+    mem = [n.memory_mib for n in nodes]
+    gpus = [[MILLI] * n.gpus for n in nodes]
+    for pod, got in zip(pods, res.placements, strict=True):
+        task = Task(pod.cpu_milli, pod.gpu_milli, pod.num_gpu, pod.gpu_spec)
+        pol.observe(task)
+        best = None
+        for i, n in enumerate(nodes):
+            g = tuple(gpus[i])
+            need = task.milli if task.sharing else MILLI
+            if (cpu[i] < task.cpu or mem[i] < pod.memory_mib or (task.models and n.model not in task.models)
+                    or (task.num_gpu and sum(1 for x in g if x >= need) < task.num_gpu)):
+                continue
+            score, chosen = pol.score(n.model, cpu[i], g, task)
+            if best is None or (score, -ranks[i]) > best[0]:
+                best = ((score, -ranks[i]), i, chosen)
+        assert got.node == (best[1] if best else None), pod
+        if best:
+            i, chosen = best[1], best[2]
+            assert tuple(got.gpus) == tuple(chosen)
+            cpu[i] -= pod.cpu_milli
+            mem[i] -= pod.memory_mib
+            for j in chosen:
+                gpus[i][j] -= task.milli if task.sharing else MILLI
+    assert pol.generation > 3

@@ -1,0 +1,102 @@
+"""fastshare's default policy: the value of free milli learned online, and the choices it drives."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastshare.placement import Engine, Request
+from fastshare.placement.fastshare_policy import BINS, STEP, FastsharePolicy, value_table
+from fastshare.placement.policies import MILLI, Task
+
+from .conftest import node
+
+
+def taught(*mix: tuple[Task, int]) -> FastsharePolicy:
+    pol = FastsharePolicy()
+    for task, n in mix:
+        for _ in range(n):
+            pol.observe(task)
+    pol._refresh()  # adopt the whole mix now, not at the next doubling
+    return pol
+
+
+def best_node(pol: FastsharePolicy, states: list[tuple[int, tuple[int, ...]]], task: Task) -> int:
+    """Index of the state the policy prefers (earliest on ties, as the callers do)."""
+    scores = [pol.score("T4", cpu, gpus, task)[0] for cpu, gpus in states]
+    return max(range(len(states)), key=lambda i: (scores[i], -i))
+
+
+def test_value_table_before_any_request_counts_every_free_milli():
+    v = value_table([0.0] * (BINS + 1))
+    assert v[BINS] == MILLI and v[19] == 190
+
+
+def test_value_table_a_hole_no_request_fits_is_worth_nothing():
+    counts = [0.0] * (BINS + 1)
+    counts[81] = 10  # only 810-milli shares arrive
+    v = value_table(counts)
+    assert v[80] == 0 and v[19] == 0
+    assert v[81] == pytest.approx(810 / 1.001) and v[BINS] == pytest.approx(810 / 1.001)
+
+
+def test_observe_learns_the_mix_and_bumps_the_generation():
+    pol = FastsharePolicy()
+    assert pol.generation == 0 and pol.rho == 0
+    pol.observe(Task(4000, 0, 0))            # CPU-only: no GPU size to learn
+    assert pol.seen == 0
+    pol.observe(Task(3000, 500, 1))
+    assert pol.generation == 1 and pol.rho == pytest.approx(3000 / 500)
+    assert pol.values[50] > 0 and pol.values[49] == 0  # only 500-milli shares so far
+
+
+def test_a_small_share_completes_the_gpu_next_to_a_large_one():
+    pol = taught((Task(1000, 810, 1), 50), (Task(1000, 470, 1), 40), (Task(1000, 160, 1), 3))
+    states = [(64000, (MILLI, MILLI)), (64000, (190, MILLI)), (64000, (530, MILLI))]
+    _score, chosen = pol.score("T4", *states[1], Task(1000, 160, 1))
+    assert best_node(pol, states, Task(1000, 160, 1)) == 1 and chosen == (0,)
+
+
+def test_when_large_shares_dominate_a_medium_share_opens_a_fresh_gpu():
+    # Fresh GPUs mostly end as an 810 beside an unfillable hole, so a 470 on a fresh GPU
+    # (two 470s end at 940) is worth more than closing a 530 hole with it.
+    pol = taught((Task(1000, 810, 1), 60), (Task(1000, 470, 1), 40))
+    _score, chosen = pol.score("T4", 64000, (530, MILLI), Task(1000, 470, 1))
+    assert chosen == (1,)
+    # ... and when whole-GPU requests dominate, the fresh GPU is kept for them.
+    pol = taught((Task(1000, MILLI, 1), 60), (Task(1000, 470, 1), 40))
+    _score, chosen = pol.score("T4", 64000, (530, MILLI), Task(1000, 470, 1))
+    assert chosen == (0,)
+
+
+def test_a_cpu_heavy_share_avoids_stranding_gpus():
+    pol = taught((Task(8000, 470, 1), 50), (Task(3000, 810, 1), 50))
+    # same GPUs; on the first node the task would use up the CPU the free GPU needs
+    states = [(9000, (MILLI, MILLI)), (40000, (MILLI, MILLI))]
+    assert best_node(pol, states, Task(8000, 470, 1)) == 1
+
+
+def test_cpu_only_tasks_go_where_cpu_is_spare():
+    pol = taught((Task(8000, MILLI, 1), 50), (Task(16000, 0, 0), 10))
+    states = [(16000, (MILLI, MILLI)), (64000, (MILLI, MILLI)), (20000, (0, 0))]
+    assert best_node(pol, states, Task(16000, 0, 0)) in (1, 2)
+
+
+def test_the_engine_teaches_its_default_policy():
+    eng = Engine([node("n1", n_gpus=2), node("n2", n_gpus=2)])
+    assert isinstance(eng.policy, FastsharePolicy)
+    eng.place(Request("a", "fastpod", sm_percent=30, gpu_memory_mib=1024, cpu_milli=2000))
+    eng.place(Request("b", "whole", gpus=1, cpu_milli=4000))
+    eng.place(Request("c", "mps", gpu_memory_mib=1024))
+    assert eng.policy.seen == 2
+    assert eng.policy.counts[30] == 1 and eng.policy.counts[BINS] == 1 and STEP == 10
+
+
+def test_cpu_only_demand_counts_only_when_the_cluster_is_short_of_cpu():
+    mix = ((Task(10_000, MILLI, 1), 50), (Task(8_000, 0, 0), 50))   # 10 + 8 CPU milli per GPU milli
+    plenty, short = taught(*mix), taught(*mix)
+    plenty.cluster(20 * 8000, 8000)
+    short.cluster(12 * 8000, 8000)
+    plenty.observe(Task(10_000, MILLI, 1))
+    short.observe(Task(10_000, MILLI, 1))
+    assert plenty.rho == pytest.approx(10)
+    assert short.rho == pytest.approx(10 + 8 * 50 / 51)

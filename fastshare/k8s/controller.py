@@ -55,7 +55,7 @@ class KubeSettings:
     gpu_node_label: str = "fastshare.io/gpu"
     agent_port: int = 7444
     workers: int = 4
-    create_parallelism: int = 24    # replicas of one FastPod allocated and created at once (at most)
+    create_parallelism: int = 16    # replicas of one FastPod allocated and created at once (at most)
     node_interval: float = 2.0      # Node listing + agent pings (heartbeats)
     resync_interval: float = 30.0   # every FastPod reconciled at least this often
     watch_timeout: int = 30         # seconds a watch request stays open before it is renewed

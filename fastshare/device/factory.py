@@ -41,8 +41,9 @@ def open_devices(backend: str | None = None, sim_state: str | os.PathLike[str] |
                 "(create one with `fastshare sim-machine create PATH --gpus A100-SXM4-40GB`)",
                 "NOT_CONFIGURED")
         if not Path(path).is_file():
+            what = "is not a file" if Path(path).exists() else "does not exist"
             raise DeviceError(
-                f"simulated machine file {path} does not exist; create it with "
+                f"simulated machine file {path} {what}; create it with "
                 f"`fastshare sim-machine create {path} --gpus A100-SXM4-40GB`", "NOT_FOUND")
         try:
             simnvml.load_machine(path)["gpus"]

@@ -36,11 +36,11 @@ from kubernetes import client, watch
 from fastshare.controller.agent_client import AgentError, AgentPool
 from fastshare.controller.core import AgentFailed, Busy, ControllerCore, KeyConflict, Rejected
 from fastshare.controller.core import Settings as CoreSettings
-from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node
+from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, State
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.k8s.podcache import PodCache
-from fastshare.k8s.pods import FASTPOD_LABEL, is_ready, replica_pod, spec_of
+from fastshare.k8s.pods import FASTPOD_LABEL, MPS_PATH_ENV, is_ready, replica_pod, spec_of
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
@@ -73,6 +73,14 @@ def _raw(response: Any) -> dict[str, Any]:
         return json.loads(response.data)
     finally:
         response.release_conn()
+
+
+def api_message(exc: client.ApiException) -> str:
+    """The API server's own explanation (it names the field of a refused object)."""
+    try:
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(exc.body or "")[:500]
 
 
 def _meta(pod: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +124,7 @@ class KubeController:
         self.pods = client.CoreV1Api(api)
         self.objects = client.CustomObjectsApi(api)
         self.queue = WorkQueue()
+        self._templates_ok: dict[str, int] = {}   # FastPod uid -> generation whose Pod dry-ran fine
         self.podcache = PodCache()
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
                                                            thread_name_prefix="replica")
@@ -336,6 +345,7 @@ class KubeController:
             if pods or any(a.state in HOLDING for a in allocations.values()):
                 return 1.0  # wait until the Pods are gone and their shares released
             self._patch_finalizers(fastpod, [f for f in meta.get("finalizers") or [] if f != FINALIZER])
+            self._templates_ok.pop(meta["uid"], None)
             return None
 
         desired = int(fastpod["spec"].get("replicas", 1))
@@ -348,7 +358,9 @@ class KubeController:
             for pod in victims[: len(live) - desired]:
                 self._delete_pod(namespace, _meta(pod)["name"])
                 live.remove(pod)
-        if len(live) < desired:
+        if len(live) < desired and (refused := self._template_refusal(fastpod)) is not None:
+            condition = refused
+        elif len(live) < desired:
             taken = set(pods) | set(allocations)
             created, problem = self._create_replicas(fastpod, desired - len(live), taken)
             for pod, allocation in created:
@@ -359,6 +371,31 @@ class KubeController:
                 wait = 5.0
         self._write_status(fastpod, live, allocations, condition)
         return wait
+
+    def _template_refusal(self, fastpod: dict[str, Any]) -> dict[str, str] | None:
+        """Dry-run a replica Pod once per FastPod generation: a template the API server refuses
+        gets a condition naming the field before any GPU share is allocated for it."""
+        meta = fastpod["metadata"]
+        generation = meta.get("generation", 0)
+        if self._templates_ok.get(meta["uid"]) == generation:
+            return None
+        probe = Allocation(id="dry-run", spec=spec_of(fastpod), owner="", state=State.PENDING, node="dry-run",
+                           env={"CUDA_VISIBLE_DEVICES": "GPU-dry-run",
+                                **{var: f"/run/fastshare/mps/dry-run/{var.lower()}" for var in MPS_PATH_ENV}})
+        pod = replica_pod(fastpod, f"{meta['name']}-dry-run", probe, self.settings.gpu_node_label)
+        try:
+            _raw(self.pods.create_namespaced_pod(meta["namespace"], pod, dry_run="All",
+                                                 _preload_content=False))
+        except client.ApiException as exc:
+            if exc.status in (409, 429) or exc.status >= 500:
+                raise   # not about the template: retried
+            return {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
+                    "message": f"the pod template is refused: {exc.status} {exc.reason}: {api_message(exc)}"}
+        except (TypeError, ValueError) as exc:   # the client's own model check (e.g. a non-string label)
+            return {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
+                    "message": f"the pod template is refused: {' '.join(str(exc).split())[:500]}"}
+        self._templates_ok[meta["uid"]] = generation
+        return None
 
     def _create_replicas(self, fastpod: dict[str, Any], count: int, taken: set[str]
                          ) -> tuple[list[tuple[dict[str, Any], Allocation]], dict[str, str] | None]:
@@ -419,7 +456,7 @@ class KubeController:
                 fastpod, pod_name, allocation, self.settings.gpu_node_label), _preload_content=False))
             self.podcache.put(pod)
         except client.ApiException as exc:
-            message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}"
+            message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}: {api_message(exc)}"
             self._release(allocation, message)
             return None, None, {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
                                 "message": message}

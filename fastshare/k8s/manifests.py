@@ -8,6 +8,7 @@ manifests`` prints them. Values are ``templates/defaults.yaml`` deep-merged with
 from __future__ import annotations
 
 import copy
+import re
 from importlib import resources
 from typing import Any
 
@@ -39,6 +40,38 @@ def default_values() -> dict[str, Any]:
     return yaml.safe_load((_templates() / "defaults.yaml").read_text())
 
 
+# What a value (or a free-form map's key) may be: the characters of Kubernetes names, labels,
+# image references, paths and quantities. Values are pasted into YAML by the templates, so
+# quotes, colons followed by a space, '#', newlines or braces could change the document.
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+=-]{0,252}$")
+
+
+def _scalar(where: str, default: Any, value: Any) -> Any:
+    """``value`` if it has the default's type and only characters that render as themselves."""
+    kind = type(default)
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31):
+        raise ValuesError(f"{where}: must be an integer in 0..{2**31 - 1}, got {value!r}")
+    if kind is str and not (isinstance(value, str) and _SAFE.match(value)):
+        raise ValuesError(f"{where}: must be 1-253 characters of letters, digits and . _ / : @ + = - "
+                          f"(starting with a letter or digit), got {value!r}")
+    return value
+
+
+def _free_form(where: str, base: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+    """Maps such as labels and resources take the user's keys; keys and leaves must be safe."""
+    merged = copy.deepcopy(base)
+    for key, item in value.items():
+        _scalar(f"{where} key", "", key)
+        if isinstance(item, dict):
+            inner = base.get(key) if isinstance(base.get(key), dict) else {}
+            merged[key] = _free_form(f"{where}.{key}", inner, item)
+        elif (isinstance(item, int | float) and not isinstance(item, bool)) or item == "":
+            merged[key] = item
+        else:
+            merged[key] = _scalar(f"{where}.{key}", "", item)
+    return merged
+
+
 def _merge(base: dict[str, Any], override: dict[str, Any], path: str = "") -> dict[str, Any]:
     """Deep merge; a key absent from the defaults is a typo, so it is refused by name."""
     merged = copy.deepcopy(base)
@@ -49,11 +82,11 @@ def _merge(base: dict[str, Any], override: dict[str, Any], path: str = "") -> di
         if isinstance(base[key], dict):
             if not isinstance(value, dict):
                 raise ValuesError(f"{where}: must be a mapping, got {type(value).__name__}")
-            # Free-form maps (labels, resources) take the user's keys as they are.
             free_form = key in ("labels", "resources")
-            merged[key] = {**base[key], **value} if free_form else _merge(base[key], value, f"{where}.")
+            merged[key] = _free_form(where, base[key], value) if free_form else _merge(base[key], value,
+                                                                                       f"{where}.")
         else:
-            merged[key] = value
+            merged[key] = _scalar(where, base[key], value)
     return merged
 
 

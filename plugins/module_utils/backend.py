@@ -61,7 +61,9 @@ def open_backend(module):
     """The host's GPUs; fails the module with NVML's reason when they cannot be reached."""
     devices, error = try_open_backend(module)
     if error is not None:
-        module.fail_json(msg=f"cannot open the {module.params['gpu_backend']} GPU backend: {error}",
+        backend = module.params["gpu_backend"]
+        option = f"sim_state={module.params['sim_state']}" if backend == "sim" else f"gpu_backend={backend}"
+        module.fail_json(msg=f"cannot open the {backend} GPU backend ({option}): {error}",
                          nvml_error=error.code)
     return devices
 
@@ -93,8 +95,16 @@ def layout_facts(devices):
     return dict(driver_version=devices.driver_version(), gpus=[gpu_dict(g) for g in devices.gpus()])
 
 
+class JournalError(Exception):
+    """The agent journal given to a module cannot be read; the message names the option."""
+
+
 def held_device_uuids(journal_path):
     """UUIDs of the devices that fastshare shares hold, from the node agent's journal."""
     from fastshare.node.journal import held_device_uuids as held  # only needed here
+    from fastshare.sqlite_file import StateFileError
 
-    return held(journal_path)
+    try:
+        return held(journal_path)
+    except StateFileError as exc:
+        raise JournalError(f"agent_journal: {exc}") from None

@@ -41,6 +41,10 @@ def layout_targets(layout, gpus):
             if index in targets:
                 raise MigConfigError(f"{where}.devices: GPU {index} is already configured by an "
                                      "earlier layout entry")
+            gpu = by_index[index]
+            if entry["mig_enabled"] and not gpu.mig_capable:
+                raise MigConfigError(f"{where}.devices: GPU {index} ({gpu.name}) does not support MIG; "
+                                     "leave it out of devices or set mig_enabled: false")
             wanted = entry["mig_devices"] or {}
             if not entry["mig_enabled"] and any(int(_count(where, k, v)) for k, v in wanted.items()):
                 raise MigConfigError(f"{where}: mig_devices requires mig_enabled=true")

@@ -253,6 +253,7 @@ from ansible.module_utils.basic import AnsibleModule  # noqa: E402  (Ansible: im
 from ansible_collections.fastshare.gpu.plugins.module_utils.backend import (  # noqa: E402
     BACKEND_REQUIRED_IF,
     DeviceError,
+    JournalError,
     backend_argument_spec,
     held_device_uuids,
     open_backend,
@@ -344,10 +345,12 @@ def main():
                            mutually_exclusive=[("layout", "config_file")],
                            required_together=[("config_file", "config_name")],
                            supports_check_mode=True)
+    if module.params["layout"] is None and not module.params["config_file"]:
+        module.fail_json(msg="one of layout or config_file is needed (layout is null)", changed=False)
     devices = open_backend(module)
     try:
         result = run(module, devices)
-    except MigConfigError as exc:
+    except (MigConfigError, JournalError) as exc:
         module.fail_json(msg=str(exc), changed=False)
     except DeviceError as exc:
         module.fail_json(msg=str(exc), nvml_error=exc.code)

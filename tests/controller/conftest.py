@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from chaos_invariants import AgentHoldings, GpuLoad, Records, ownership_problems
+from chaos_invariants import capacity_problems as check_capacity
 
 from fastshare.controller.client import Client, ClientConfig
 from fastshare.device import simnvml
@@ -268,41 +270,28 @@ def assert_consistent(cluster: Cluster) -> None:
     every allocation is active AND present on its agent, or finished AND absent from it;
     no agent holds a controller share nobody records; no GPU is over capacity."""
     status = cluster.status()
-    on_agents = {name: agent.share_ids(cluster.pki) for name, agent in cluster.agents.items()}
+    records = Records()
     for a in status.allocations:
-        shares = on_agents[a.node]
         if a.state == pb.ALLOCATION_STATE_ACTIVE:
-            assert a.id in shares, f"{a.id} is active but not prepared on {a.node}"
+            records.active[a.id] = a.node
         else:
             assert a.state in (pb.ALLOCATION_STATE_RELEASED, pb.ALLOCATION_STATE_FAILED), \
                 f"{a.id} is stuck in {pb.AllocationState.Name(a.state)}"
-            assert a.id not in shares, f"{a.id} is finished but {a.node} still holds it"
-    recorded = {a.id for a in status.allocations if a.state == pb.ALLOCATION_STATE_ACTIVE}
-    for name, shares in on_agents.items():
-        orphans = {s for s in shares if s.startswith("fs-")} - recorded
-        assert not orphans, f"{name} holds shares no allocation records: {orphans}"
-    problems = capacity_problems(status)
+            records.finished[a.id] = a.node
+    holdings = [AgentHoldings(name, frozenset(agent.share_ids(cluster.pki)))
+                for name, agent in cluster.agents.items()]
+    problems = ownership_problems(records, holdings, prefix="fs-") + capacity_problems(status)
     assert not problems, problems
 
 
 def capacity_problems(status: pb.ClusterStatus) -> list[str]:
-    problems = []
-    for node in status.nodes:
-        for gpu in node.gpus:
-            where = f"{node.name} GPU {gpu.index}"
-            if gpu.sm_percent_used > 100:
-                problems.append(f"{where}: {gpu.sm_percent_used} % SMs")
-            if gpu.memory_bytes_used > gpu.memory_bytes:
-                problems.append(f"{where}: memory {gpu.memory_bytes_used} > {gpu.memory_bytes}")
-            if gpu.quota_request_used > 1.0 + 1e-9:
-                problems.append(f"{where}: quota requests {gpu.quota_request_used}")
-            cells = [0] * max(8, gpu.memory_slices)
-            for s in gpu.mig_slices:
-                for c in range(s.mig_start, s.mig_start + s.mig_size):
-                    cells[c] += 1
-            if max(cells) > 1:
-                problems.append(f"{where}: MIG slices overlap")
-    return problems
+    """The shared capacity invariant on the controller's own view of every GPU."""
+    return check_capacity(
+        GpuLoad(where=f"{node.name} GPU {gpu.index}", memory_capacity=gpu.memory_bytes,
+                sm_percent=gpu.sm_percent_used, memory_bytes=gpu.memory_bytes_used,
+                quota_request=gpu.quota_request_used, memory_slices=gpu.memory_slices,
+                mig_slices=tuple((s.mig_start, s.mig_size) for s in gpu.mig_slices))
+        for node in status.nodes for gpu in node.gpus)
 
 
 def states(cluster: Cluster) -> dict[str, str]:

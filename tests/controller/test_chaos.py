@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from chaos_invariants import agent_holdings, leftovers
 
 from fastshare.v1 import agent_pb2
 from fastshare.v1 import controller_pb2 as pb
@@ -169,14 +170,9 @@ def observe_loop(cluster: Cluster, tally: Tally, stop: threading.Event) -> None:
 
 def agent_leftovers(cluster: Cluster) -> list[str]:
     """What agents hold that nobody owns once every allocation is released."""
-    left = []
-    for name, agent in cluster.agents.items():
-        inv = agent.stub(cluster.pki).GetInventory(agent_pb2.GetInventoryRequest(), timeout=30)
-        left += [f"{name}: share {s.id}" for s in inv.shares]
-        left += [f"{name}: MPS daemon on {d.device_uuid} (pid {d.pid})" for d in inv.mps_daemons]
-        left += [f"{name}: MIG {m.uuid} ({m.profile_name})" for g in inv.gpus for m in g.mig_devices
-                 if m.created_by_agent]
-    return left
+    request = agent_pb2.GetInventoryRequest()
+    return leftovers(agent_holdings(name, agent.stub(cluster.pki).GetInventory(request, timeout=30))
+                     for name, agent in cluster.agents.items())
 
 
 def settled(cluster: Cluster) -> bool:

@@ -92,6 +92,17 @@ class Agent:
                 self.proc.wait(30)
 
 
+def start_controller(kubeconfig: Path, namespace: str, tls_dir: Path, identity: str, log: Path,
+                     *extra: str) -> subprocess.Popen:
+    """`fastshare k8s controller` as a real process (its own session, for kill -9), serving and
+    electing its leader in ``namespace``, with a short Lease so that take-overs are quick."""
+    args = [str(BIN / "fastshare"), "k8s", "controller", "--kubeconfig", str(kubeconfig), "--namespace",
+            namespace, "--lease-namespace", namespace, "--identity", identity, "--tls-dir", str(tls_dir),
+            "--lease-duration", "3", "--node-interval", "0.5", *extra]
+    with open(log, "ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def register_node(core: client.CoreV1Api, agent: Agent) -> None:
     core.create_node(client.V1Node(metadata=client.V1ObjectMeta(
         name=agent.name, labels={"fastshare.io/gpu": "true"},

@@ -4,10 +4,8 @@ leader, take-over by the standby, clean SIGTERM shutdown that hands the Lease ba
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from kubernetes import client
 from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.security import certs
 
+from .agents import start_controller
 from .conftest import wait_for
 
 
@@ -27,11 +26,7 @@ def tls_dir(tmp_path) -> Path:
 
 
 def _start(control_plane, namespace, tls_dir, identity, log: Path) -> subprocess.Popen:
-    exe = shutil.which("fastshare") or str(Path(sys.executable).parent / "fastshare")
-    args = [exe, "k8s", "controller", "--kubeconfig", str(control_plane.kubeconfig), "--namespace", namespace,
-            "--lease-namespace", namespace, "--identity", identity, "--tls-dir", str(tls_dir),
-            "--lease-duration", "3", "--node-interval", "0.5"]
-    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    return start_controller(control_plane.kubeconfig, namespace, tls_dir, identity, log)
 
 
 def _holder(api_client, namespace):

@@ -166,6 +166,12 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (what contention makes scarce)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else values[0]
 
@@ -192,6 +198,7 @@ def main() -> None:
         rss = [(0, [rss_mib(p.pid) for p in cluster.procs])]
         step = max(args.batch, args.allocations // 10)
 
+        cpu_before = [cpu_seconds(p.pid) for p in cluster.procs]
         placed: list[tuple[str, str]] = []   # (node, GPU uuid) of every measured allocation
         alloc_lat: list[float] = []
         release_lat: list[float] = []
@@ -213,6 +220,7 @@ def main() -> None:
             done_so_far = args.allocations - left
             if done_so_far // step > rss[-1][0] // step or left == 0:
                 rss.append((done_so_far, [rss_mib(p.pid) for p in cluster.procs]))
+        cpu_used = [cpu_seconds(p.pid) - b for p, b in zip(cluster.procs, cpu_before, strict=True)]
         ping_wall, ping_lat, _ = run_parallel(clients, [None] * args.allocations,
                                               lambda c, _: c.call("Ping", common_pb2.Empty()))
         # Second reference: the node agents alone, the same shares on the same GPUs, no controller.
@@ -253,6 +261,8 @@ def main() -> None:
     overhead = statistics.median(alloc_lat) - statistics.median(agent_lat)
     print(f"Allocate vs the agents' PrepareShare alone: {n / alloc_wall / (n / agent_wall):.2f}x the "
           f"throughput; p50 latency difference {1000 * overhead:+.1f} ms (noisy on a shared machine)")
+    print("CPU per Allocate+Release cycle: " + ", ".join(
+        f"{name} {1000 * used / n:.2f} ms" for name, used in zip(names, cpu_used, strict=True)))
     print("\nresident memory (MiB) after N allocate+release cycles:")
     print(f"{'N':>8} " + " ".join(f"{name:>11}" for name in names))
     for count, values in rss:

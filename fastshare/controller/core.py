@@ -4,8 +4,11 @@ An allocation is committed to the store (with the engine's reservation) BEFORE t
 is asked to prepare it; each later step is one compare-and-set transition. Whatever point a
 crash interrupts, the record says what is left to do and :mod:`reconciler` finishes it:
 
-    pending --prepare on agent--> prepared --> active --release--> releasing --agent--> released
-       \\______________ agent refused / unreachable: compensate ______________/        (or failed)
+    pending --prepare on agent--> active --release--> releasing --agent--> released
+       \\__________ agent refused / unreachable: compensate __________/        (or failed)
+
+(``prepared``, between the agent's answer and activation, was a commit of its own in earlier
+versions; such records are still completed.)
 
 Agent RPCs (with deadlines) never run under the ledger lock; an allocation is worked on by
 one thread at a time (``claim``).
@@ -112,6 +115,7 @@ class ControllerCore:
         self._last_seen: dict[str, float] = {}
         self._nodes_lock = threading.Lock()
         self._gpus: tuple[list[Gpu], int] | None = None
+        self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through _put_node
 
     # -- per-allocation exclusion ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -153,6 +157,21 @@ class ControllerCore:
             self._gpus = cached
         return cached
 
+    def node_facts(self, name: str) -> Node | None:
+        """A node's address and GPUs without a store read per request (they change only when
+        the core itself writes the node; liveness fields of the copy may be stale)."""
+        node = self._node_cache.get(name)
+        if node is None:
+            node = self.store.get_node(name)
+            if node is not None:
+                self._node_cache[name] = node
+        return node
+
+    def _put_node(self, node: Node) -> None:
+        self.store.put_node(node)
+        self._node_cache[node.name] = node
+        self._gpus = None
+
     def get(self, allocation_id: str) -> Allocation:
         found = self.store.get_allocation(allocation_id)
         if found is None:
@@ -165,15 +184,33 @@ class ControllerCore:
 
     # -- allocate --------------------------------------------------------------------------------
     def allocate(self, request: Request, lookup: bool = True) -> Allocation:
-        """``lookup=False``: the caller made the key just now, so looking it up first is a wasted
+        """Place, record, prepare, activate; returns once the answer survives a power loss.
+
+        What must be on disk before the answer is the ``pending`` record (the intent), not the
+        later steps: if a power loss takes the ``active`` step, the reconciler prepares
+        the pending record again, and the agent (which made its share durable before it
+        answered) hands back the same share: the same active allocation the caller was told
+        about. So the intent's fdatasync starts right after its commit and runs while the
+        agent prepares, instead of after the last commit (a power loss before it completes
+        leaves the agent a share without a record: an orphan the reconciler frees, and
+        nobody was answered). A failure (compensated, refused) goes through the API's full
+        barrier (see ``server._guard``).
+
+        ``lookup=False``: the caller made the key just now, so looking it up first is a wasted
         read; a duplicate is still caught, by the store's create (DuplicateKey)."""
+        allocation, intent = self._allocate(request, lookup)
+        self.store.sync(intent)
+        return allocation
+
+    def _allocate(self, request: Request, lookup: bool) -> tuple[Allocation, object | None]:
+        """The allocation, and the durability ticket that covers it (None: everything so far)."""
         gpus, most = self.known_gpus()
         validate(request, gpus, most)
         request = replace(request, spec=normalise(request.spec))
         if request.idempotency_key and lookup:
             existing = self.store.find_by_key(request.idempotency_key)
             if existing is not None:
-                return self._same_request(existing, request)
+                return self._same_request(existing, request), None
         allocation_id = ID_PREFIX + secrets.token_hex(8)
         engine_request = self.ledger.to_request(allocation_id, request.spec)
         if isinstance(engine_request, Rejection):
@@ -187,19 +224,20 @@ class ControllerCore:
                 record = Allocation(
                     id=allocation_id, spec=request.spec, owner=request.owner, state=State.PENDING,
                     node=placed.node, idempotency_key=request.idempotency_key,
-                    devices=_devices(placed, self.store.get_node(placed.node)), assignment=placed.to_dict(),
+                    devices=_devices(placed, self.node_facts(placed.node)), assignment=placed.to_dict(),
                     created_at=now, updated_at=now, lease_ttl=request.lease_ttl,
                     lease_expires_at=now + request.lease_ttl if request.lease_ttl else 0.0)
                 self.store.create_allocation(record)
             except DuplicateKey as dup:   # a concurrent call with the same key won
                 self.ledger.release(allocation_id)
-                return self._same_request(dup.existing, request)
+                return self._same_request(dup.existing, request), None
             except BaseException:
                 self.ledger.release(allocation_id)
                 raise
+            intent = self.store.flush_soon()
             self._publish(record)
             faults.point("controller.after_commit")
-            return self.complete(record)
+            return self.complete(record), intent
 
     def _same_request(self, existing: Allocation, request: Request) -> Allocation:
         """A retry: the same allocation, driven to active if a crash left it half-done."""
@@ -237,14 +275,14 @@ class ControllerCore:
         The caller holds the claim on the allocation.
         """
         if allocation.state is State.PENDING:
-            node = self.store.get_node(allocation.node)
+            node = self.node_facts(allocation.node)
             client = self.agents.get(node.name, node.address)
             try:
                 if allocation.assignment.get("enable_mig"):
                     gpu_uuid = allocation.devices[0].gpu_uuid
                     mode = client.set_mig_mode(gpu_uuid, True)
                     if mode.changed:   # the GPU is a MIG GPU now, also after this allocation ends
-                        self.refresh_node(node, client.inventory())
+                        self.refresh_node(self.store.get_node(node.name), client.inventory())
                     if mode.pending:
                         raise AgentFailed(f"MIG mode on {node.name} {gpu_uuid} waits for a GPU reset",
                                           allocation, unreachable=False)
@@ -257,11 +295,13 @@ class ControllerCore:
                 exc.allocation = self.compensate(allocation, str(exc))
                 raise
             faults.point("controller.after_prepare")
+            # One commit records the agent's answer and activates (a separate 'prepared'
+            # commit in between bought nothing: the reconciler treats both alike).
             allocation = self._publish(self.store.transition(
-                allocation.id, [State.PENDING], State.PREPARED, env=_env(allocation, reply),
+                allocation.id, [State.PENDING], State.ACTIVE, env=_env(allocation, reply),
                 devices=_prepared_devices(allocation, reply)))
-            faults.point("controller.after_prepared")
-        if allocation.state is State.PREPARED:
+            faults.point("controller.after_activate")
+        if allocation.state is State.PREPARED:   # written by earlier versions
             allocation = self._publish(self.store.transition(allocation.id, [State.PREPARED], State.ACTIVE))
         return allocation
 
@@ -274,23 +314,36 @@ class ControllerCore:
 
     # -- release ---------------------------------------------------------------------------------
     def release(self, allocation_id: str, reason: str = "") -> Allocation:
+        """Release; returns once the answer survives a power loss. As for :meth:`allocate`,
+        the ``releasing`` record (the intent) is what must be on disk: a lost ``released``
+        step is redone by the reconciler (release is idempotent on the agent)."""
         allocation = self.get(allocation_id)
         if allocation.state in FINISHED:
+            self.store.sync()
             return allocation
         with self.claim(allocation_id, wait=self.settings.busy_wait) as got:
             if not got:
                 raise Busy(f"allocation {allocation_id} is being changed by another call; retry")
-            return self.release_claimed(self.get(allocation_id), reason)
+            allocation = self._mark_releasing(self.get(allocation_id), reason)
+            intent = self.store.flush_soon()
+            if allocation.state is State.RELEASING:
+                allocation = self.finish_release(allocation)
+        self.store.sync(intent)
+        return allocation
 
     def release_claimed(self, allocation: Allocation, reason: str = "") -> Allocation:
-        if allocation.state in FINISHED:
+        allocation = self._mark_releasing(allocation, reason)
+        return self.finish_release(allocation) if allocation.state is State.RELEASING else allocation
+
+    def _mark_releasing(self, allocation: Allocation, reason: str) -> Allocation:
+        """The release intent: record ``releasing`` (unless finished or releasing already)."""
+        if allocation.state in FINISHED or allocation.state is State.RELEASING:
             return allocation
-        if allocation.state is not State.RELEASING:
-            changes = {"reason": reason} if reason else {}
-            allocation = self._publish(self.store.transition(
-                allocation.id, [State.PENDING, State.PREPARED, State.ACTIVE], State.RELEASING, **changes))
-            faults.point("controller.after_release_commit")
-        return self.finish_release(allocation)
+        changes = {"reason": reason} if reason else {}
+        allocation = self._publish(self.store.transition(
+            allocation.id, [State.PENDING, State.PREPARED, State.ACTIVE], State.RELEASING, **changes))
+        faults.point("controller.after_release_commit")
+        return allocation
 
     def finish_release(self, allocation: Allocation) -> Allocation:
         """Free a releasing allocation on its agent, then in the store and the ledger.
@@ -298,7 +351,7 @@ class ControllerCore:
         If the agent cannot be reached it stays releasing (its capacity stays held) and the
         reconciler finishes when the node is back.
         """
-        node = self.store.get_node(allocation.node)
+        node = self.node_facts(allocation.node)
         try:
             self.agents.get(node.name, node.address).release(allocation.id)
         except AgentError as exc:
@@ -332,8 +385,7 @@ class ControllerCore:
         now = self.clock()
         node = _keep_cordon(node_from_inventory(name, address, labels, inventory, now),
                             self.store.get_node(name))
-        self.store.put_node(node)
-        self._gpus = None
+        self._put_node(node)
         with self._nodes_lock:
             self._registered.add(name)
             self._last_seen[name] = now
@@ -377,8 +429,7 @@ class ControllerCore:
         if fresh.gpus == node.gpus:
             return
         fresh = _keep_cordon(replace(fresh, available=node.available, registered_at=node.registered_at), node)
-        self.store.put_node(fresh)
-        self._gpus = None
+        self._put_node(fresh)
         for assignment, why in self.ledger.set_node(node_view(fresh), self.is_available(node.name)):
             log.error("allocation %s no longer fits node %s: %s", assignment.request.id, node.name, why)
         log.info("node %s: GPU facts changed (e.g. MIG mode); view refreshed", node.name)
@@ -391,7 +442,7 @@ class ControllerCore:
             known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"
             raise NotFound(f"node {name!r} is not known to this controller (known: {known})")
         node = replace(node, cordoned=not schedulable, cordon_reason="" if schedulable else reason)
-        self.store.put_node(node)
+        self._put_node(node)
         self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
         log.info("node %s %s%s", name, "cordoned: no new work" if node.cordoned else "uncordoned",
                  f" ({reason})" if node.cordoned and reason else "")
@@ -406,8 +457,7 @@ class ControllerCore:
             with self._nodes_lock:
                 self._registered.add(node.name)
                 self._last_seen[node.name] = now
-        self.store.put_node(replace(node, available=inventory is not None))
-        self._gpus = None
+        self._put_node(replace(node, available=inventory is not None))
 
 
 def _keep_cordon(fresh: Node, stored: Node | None) -> Node:

@@ -16,7 +16,7 @@ ENV = "FASTSHARE_FAULT"
 POINTS = (
     "controller.after_commit",         # allocation stored as pending, agent not asked yet
     "controller.after_prepare",        # agent prepared the share, store still says pending
-    "controller.after_prepared",       # store says prepared, not yet active
+    "controller.after_activate",       # store says active, the caller not answered yet
     "controller.after_release_commit",  # store says releasing, agent not asked yet
     "controller.after_agent_release",  # agent released the share, store still says releasing
 )

@@ -6,7 +6,7 @@ without a holding record is therefore a true orphan (prepare without record) and
 
 Per allocation, by state (skipping allocations another thread is working on):
 - pending   -> prepare again (idempotent by share id) and activate; refused -> compensate;
-- prepared  -> activate;
+- prepared  -> activate (written by earlier versions only);
 - active    -> lease expired: release; agent lost the share: prepare again (roll forward) - only
                if the record is older than the inventory (a share prepared after the agent
                answered is not in it);

@@ -10,6 +10,7 @@ Authentication:
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import signal
@@ -111,13 +112,24 @@ class Authenticator:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"this controller requires {need}")
 
 
-def _guard(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Authenticate, then turn domain errors into status codes."""
+def _guard(method: Callable[..., Any], *, durable_by_core: bool = False) -> Callable[..., Any]:
+    """Authenticate, then turn domain errors into status codes. A reply leaves only after the
+    store's durability barrier, so what a client was told survives a power loss (one
+    fdatasync shared by concurrent calls; free when nothing was written). Allocate and
+    Release wait for their own intent record instead (``durable_by_core``, see
+    ``ControllerCore.allocate``); their errors take the full barrier."""
 
     def wrapper(self: ControllerServicer, request: Any, context: grpc.ServicerContext) -> Any:
         self.auth.check(context)
         try:
-            return method(self, request, context)
+            try:
+                reply = method(self, request, context)
+            except Exception:
+                self.core.store.sync()
+                raise
+            if not durable_by_core:
+                self.core.store.sync()
+            return reply
         except grpc.RpcError:
             raise
         except Exception as exc:
@@ -142,13 +154,13 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def _pb(self, allocation) -> pb.Allocation:
         return convert.allocation_to_pb(allocation, self.core.is_available(allocation.node))
 
-    @_guard
+    @functools.partial(_guard, durable_by_core=True)
     def Allocate(self, request: pb.AllocateRequest, context) -> pb.Allocation:
         req = Request(spec=convert.spec_from_pb(request.spec), owner=request.owner,
                       idempotency_key=request.idempotency_key, lease_ttl=request.lease_ttl_seconds)
         return self._pb(self.core.allocate(req))
 
-    @_guard
+    @functools.partial(_guard, durable_by_core=True)
     def Release(self, request: pb.ReleaseAllocationRequest, context) -> pb.Allocation:
         return self._pb(self.core.release(request.allocation_id))
 
@@ -171,6 +183,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 if current is None:
                     context.abort(grpc.StatusCode.NOT_FOUND,
                                   f"allocation {request.allocation_id} does not exist")
+                self.core.store.sync()
                 yield pb.AllocationEvent(allocation=self._pb(current))
                 if current.state in FINISHED:
                     return
@@ -179,6 +192,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 if sub.overflowed:
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "watch fell behind; watch again")
                 if event is not None:
+                    self.core.store.sync()
                     yield pb.AllocationEvent(allocation=self._pb(event))
                     if request.allocation_id and event.state in FINISHED:
                         return
@@ -238,6 +252,7 @@ class RegistryServicer(pb_grpc.NodeRegistryServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the agent back at {request.address}: "
                                                        f"{exc}")
         self._on_registered(request.node)
+        self.core.store.sync()
         return pb.RegisterNodeResponse(
             heartbeat_interval_seconds=max(1, round(self.core.settings.heartbeat_interval)))
 

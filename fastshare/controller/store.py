@@ -79,5 +79,15 @@ class StateStore(abc.ABC):
     def list_allocations(self, states: Iterable[State] | None = None,
                          node: str | None = None) -> list[Allocation]: ...
 
+    def sync(self, ticket: object | None = None) -> None:  # noqa: B027 - durable stores: nothing to do
+        """Durability barrier: every change made before the call (or before ``ticket`` was
+        taken) survives a power loss once it returns. The API calls it before it answers, so
+        nothing it acknowledged can be lost."""
+
+    def flush_soon(self) -> object | None:
+        """Start making every change so far durable in the background; ``sync(ticket)`` waits
+        for it. Lets a caller overlap that with an agent RPC."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release resources (connections, files)."""

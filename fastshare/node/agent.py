@@ -186,9 +186,8 @@ class Agent:
 
     def _live_shares(self, device_uuid: str, exclude: str | None = None) -> list[ShareRow]:
         """Shares (not being released) that hold ``device_uuid``."""
-        return [r for r in self.journal.shares()
-                if r.state != "releasing" and r.spec.id != exclude
-                and (r.device_uuid == device_uuid or device_uuid in r.spec.device_uuids)]
+        return [r for r in self.journal.shares_on(device_uuid)
+                if r.state != "releasing" and r.spec.id != exclude]
 
     def _allocate_port(self) -> int:
         low, high = self.config.port_range

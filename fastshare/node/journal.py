@@ -1,4 +1,4 @@
-"""The agent's write-ahead journal (SQLite, WAL, synchronous=FULL).
+"""The agent's write-ahead journal (SQLite, WAL, synchronous=NORMAL plus a group-commit barrier).
 
 Every share, and every MIG instance and MPS daemon the agent creates, gets a row BEFORE the
 agent acts, and the row is completed after. After a crash the rows in an intermediate state
@@ -9,6 +9,15 @@ short: no device or process work ever happens while the database lock is held.
 Share rows are also kept parsed in memory (this process is the journal's only writer): every
 capacity check reads all shares of a device, and parsing every row's JSON on every request
 made prepare O(shares on the node).
+
+Durability (:class:`fastshare.sqlite_file.GroupSync`): every commit survives a kill -9 of the
+agent as soon as COMMIT returns (it is in the WAL file), which is all the write-ahead order
+needs after a process crash. A power loss or OS crash may drop commits made after the last
+:meth:`Journal.sync`; the service calls it before replying to any mutating RPC, so nothing
+the agent acknowledged is lost. An unacknowledged row that is lost only ever described
+something a power loss undoes as well: MPS daemons (processes), MIG instances and compute
+mode (reset with the GPU at boot) and share files (under the run directory, rewritten from
+the journal at every start).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastshare.node.model import Prepared, ShareSpec
-from fastshare.sqlite_file import open_state_file
+from fastshare.sqlite_file import GroupSync, open_state_file
 
 SCHEMA_VERSION = 1
 _SHARE_COLUMNS = "spec, state, device_uuid, port, prepared"
@@ -101,7 +110,7 @@ class Journal:
     def __init__(self, path: Path) -> None:
         path = Path(path)
         self._lock = threading.Lock()
-        self._db = open_state_file(path, synchronous="FULL", what="node agent journal",
+        self._db = open_state_file(path, synchronous="NORMAL", what="node agent journal",
                                    recovery="the agent forgets which shares, MIG instances and MPS "
                                             "daemons it made and never cleans them up")
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
@@ -111,12 +120,22 @@ class Journal:
         with self._lock:
             self._db.executescript(_SCHEMA)  # idempotent (IF NOT EXISTS)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            self._shares: dict[str, ShareRow] = {
-                r[0]: _share_row(r[1:]) for r in self._db.execute(f"SELECT id, {_SHARE_COLUMNS} FROM shares")}
+            self._group = GroupSync(path, self._db)
+            self._group.committed()
+            self._shares: dict[str, ShareRow] = {}
+            self._on_device: dict[str, set[str]] = {}   # device UUID -> ids of the shares that touch it
+            for r in self._db.execute(f"SELECT id, {_SHARE_COLUMNS} FROM shares").fetchall():
+                self._cache(r[0], _share_row(r[1:]))
 
     def close(self) -> None:
+        self._group.close()
         with self._lock:
             self._db.close()
+
+    def sync(self) -> None:
+        """Durability barrier: every commit made before this call is on disk on return (one
+        fdatasync shared by concurrent callers). Call it before acknowledging a change."""
+        self._group.sync()
 
     @contextmanager
     def _tx(self, share_id: str | None = None) -> Iterator[sqlite3.Connection]:
@@ -129,13 +148,25 @@ class Journal:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+            self._group.committed()
             if share_id is not None:
                 row = self._db.execute(f"SELECT {_SHARE_COLUMNS} FROM shares WHERE id=?",
                                        (share_id,)).fetchone()
-                if row is None:
-                    self._shares.pop(share_id, None)
-                else:
-                    self._shares[share_id] = _share_row(row)
+                self._cache(share_id, _share_row(row) if row is not None else None)
+
+    def _cache(self, share_id: str, row: ShareRow | None) -> None:
+        """With the lock held: the parsed row (None: gone) and the per-device index."""
+        old = self._shares.pop(share_id, None)
+        if old is not None:
+            for device in _devices_of(old):
+                ids = self._on_device[device]
+                ids.discard(share_id)
+                if not ids:
+                    del self._on_device[device]
+        if row is not None:
+            self._shares[share_id] = row
+            for device in _devices_of(row):
+                self._on_device.setdefault(device, set()).add(share_id)
 
     # shares -------------------------------------------------------------------------------
 
@@ -178,6 +209,12 @@ class Journal:
     def shares(self) -> list[ShareRow]:
         with self._lock:
             return [self._shares[k] for k in sorted(self._shares)]
+
+    def shares_on(self, device_uuid: str) -> list[ShareRow]:
+        """Shares that hold ``device_uuid`` (where they live, or one of the devices they asked
+        for), from an index: capacity checks must not scan every share of the node."""
+        with self._lock:
+            return [self._shares[k] for k in sorted(self._on_device.get(device_uuid, ()))]
 
     # MIG instances ------------------------------------------------------------------------
 
@@ -246,6 +283,10 @@ class Journal:
             rows = self._db.execute("SELECT device_uuid, gpu_uuid, state, pid, compute_mode_set, sm_ceiling, "
                                     "mem_ceiling FROM mps_daemons ORDER BY device_uuid").fetchall()
         return [MpsRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+
+
+def _devices_of(row: ShareRow) -> set[str]:
+    return {row.device_uuid, *row.spec.device_uuids}
 
 
 def _share_row(row: tuple) -> ShareRow:

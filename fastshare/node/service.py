@@ -65,7 +65,8 @@ class Metrics:
 
 
 def rpc(mutating: bool) -> Callable:
-    """Wrap a servicer method: authorise, bound by a deadline, map errors, record metrics."""
+    """Wrap a servicer method: authorise, bound by a deadline, map errors, record metrics; a
+    mutating method replies only once the journal is on disk (see :mod:`fastshare.node.journal`)."""
 
     def wrap(method: Callable) -> Callable:
         name = method.__name__
@@ -81,7 +82,10 @@ def rpc(mutating: bool) -> Callable:
                 budget = self.agent.config.rpc_timeout_s
                 if remaining is not None:
                     budget = min(budget, remaining)
-                return method(self, request, context, Deadline(budget))
+                reply = method(self, request, context, Deadline(budget))
+                if mutating:   # acknowledged => on disk (one fdatasync shared by concurrent RPCs)
+                    self.agent.journal.sync()
+                return reply
             except AgentError as exc:
                 code = exc.code
                 context.abort(getattr(grpc.StatusCode, exc.code), str(exc))

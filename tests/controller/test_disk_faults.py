@@ -29,7 +29,7 @@ def small_fs(tmp_path: Path):
 
 def fill(directory: Path) -> Path:
     ballast = directory / "ballast"
-    with open(ballast, "wb") as f:
+    with open(ballast, "wb", buffering=0) as f:   # unbuffered: nothing left over for close to flush
         try:
             while True:
                 f.write(b"\0" * 65536)

@@ -30,6 +30,27 @@ def test_last_share_leaving_removes_the_files(tmp_path):
     sharefiles.write(tmp_path, UUID, [])  # idempotent
 
 
+def test_unchanged_content_is_not_rewritten(tmp_path):
+    entries = [ShareEntry("a", 0.5, 0.5, 1, 50100)]
+    sharefiles.write(tmp_path, UUID, entries)
+    inodes = [p.stat().st_ino for p in (sharefiles.config_path(tmp_path, UUID),
+                                         sharefiles.port_path(tmp_path, UUID))]
+    sharefiles.write(tmp_path, UUID, list(entries))
+    assert [p.stat().st_ino for p in (sharefiles.config_path(tmp_path, UUID),
+                                       sharefiles.port_path(tmp_path, UUID))] == inodes
+    sharefiles.write(tmp_path, UUID, [*entries, ShareEntry("b", 0.25, 0.5, 1, 50101)])
+    assert sharefiles.config_path(tmp_path, UUID).stat().st_ino != inodes[0]
+    assert sharefiles.read(tmp_path, UUID)[1].key == "b"
+
+
+def test_a_lone_port_file_is_listed_so_the_agent_start_removes_it(tmp_path):
+    sharefiles.write(tmp_path, UUID, [ShareEntry("a", 0.5, 0.5, 1, 50100)])
+    sharefiles.config_path(tmp_path, UUID).unlink()        # a crash between the two unlinks
+    assert sharefiles.devices(tmp_path) == [UUID]
+    sharefiles.write(tmp_path, UUID, [])
+    assert sharefiles.devices(tmp_path) == []
+
+
 @pytest.mark.parametrize("entry", [
     ShareEntry("a", 0.6, 0.5, 1, 50100),     # request above limit
     ShareEntry("a", 0.0, 0.5, 1, 50100),     # zero request

@@ -1,7 +1,7 @@
 """In-cluster controller throughput against a real kube-apiserver, with real node agents on
 simulated GPUs, compared with the API server's own rate for plain Pod creates (same run).
 
-    .venv/bin/python bench/k8s.py [--fastpods 10] [--replicas 50] [--workers 4]
+    .venv/bin/python bench/k8s.py [--fastpods 10] [--replicas 50] [--workers 4] [--parallelism 16]
 
 1. baseline: `workers` threads create fastpods x replicas plain Pods (same template, nodeName
    set) through the same Python client: what the API server + client manage on this machine;
@@ -91,14 +91,15 @@ def kubelet(api: client.ApiClient, namespace: str, stop: threading.Event, seen: 
                 break
 
 
-def fastshare_run(api: client.ApiClient, fastpods: int, replicas: int, workers: int, tls: TlsPaths
-                  ) -> tuple[float, float, float]:
+def fastshare_run(api: client.ApiClient, fastpods: int, replicas: int, workers: int, tls: TlsPaths,
+                  parallelism: int = KubeSettings.create_parallelism) -> tuple[float, float, float]:
     core = client.CoreV1Api(api)
     objects = client.CustomObjectsApi(api)
     namespace = _namespace(core)
     controller = KubeController(api, AgentPool(tls, deadline=30.0),
                                 KubeSettings(namespace=namespace, workers=workers, node_interval=2.0,
-                                             resync_interval=60, watch_timeout=30),
+                                             resync_interval=60, watch_timeout=30,
+                                             create_parallelism=parallelism),
                                 CoreSettings(heartbeat_timeout=30.0, reconcile_interval=30.0))
     controller.start()
     stop = threading.Event()
@@ -134,6 +135,8 @@ def main() -> None:
     parser.add_argument("--fastpods", type=int, default=10)
     parser.add_argument("--replicas", type=int, default=50)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--parallelism", type=int, default=KubeSettings.create_parallelism,
+                        help="replicas of one FastPod in flight at once (the controller's default)")
     args = parser.parse_args()
     total = args.fastpods * args.replicas
     with tempfile.TemporaryDirectory() as tmp, envtest.ControlPlane(envtest.find_assets()) as plane:
@@ -150,7 +153,8 @@ def main() -> None:
                 agent.start(tls)
                 register_node(client.CoreV1Api(api), agent)
             plain = baseline(api, total, args.workers, agents[0].name)
-            rate, created, ready = fastshare_run(api, args.fastpods, args.replicas, args.workers, tls)
+            rate, created, ready = fastshare_run(api, args.fastpods, args.replicas, args.workers, tls,
+                                                 args.parallelism)
         finally:
             for agent in agents:
                 agent.stop()

@@ -8,6 +8,7 @@ Kubernetes, so both modes check exactly the same rules.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -105,6 +106,20 @@ def leftovers(agents: Iterable[AgentHoldings]) -> list[str]:
         left += [f"{agent.node}: MPS daemon on {device}" for device, _ in agent.mps_daemons]
         left += [f"{agent.node}: MIG {uuid}" for uuid, _ in agent.owned_mig]
     return left
+
+
+def p50_p99(latencies: Iterable[float]) -> tuple[float, float]:
+    """Median and 99th percentile (nearest rank) of answer latencies; zeros when there are none."""
+    ordered = sorted(latencies)
+    if not ordered:
+        return 0.0, 0.0
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def run_problems(observations: int, violations: list[str], unanswered: list[str]) -> list[str]:
+    """The verdict of a whole run: something was observed, nothing violated, all answered."""
+    problems = [] if observations else ["the observer never saw anything"]
+    return problems + violations[:10] + [f"unanswered: {u}" for u in unanswered[:10]]
 
 
 # -- from an agent's own inventory (what both modes can ask the agents directly) -------------------

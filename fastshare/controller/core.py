@@ -149,11 +149,19 @@ class ControllerCore:
 
     # -- queries ---------------------------------------------------------------------------------
     def known_gpus(self) -> tuple[list[Gpu], int]:
-        """Every GPU the controller knows, and the most on one node (cached; nodes change rarely)."""
+        """Every GPU the controller knows, and the most on one node (cached; nodes change rarely).
+
+        While a known node has never reported its GPUs (its agent was unreachable since this
+        controller started), what the cluster has is unknown: nothing is returned, so validation
+        leaves the cluster-dependent ranges to placement, which rejects with a reason instead
+        of calling a valid request invalid."""
         cached = self._gpus
         if cached is None:
             nodes = self.store.list_nodes()
-            cached = ([g for n in nodes for g in n.gpus], max((len(n.gpus) for n in nodes), default=0))
+            if any(not n.gpus for n in nodes):
+                cached = ([], 0)
+            else:
+                cached = ([g for n in nodes for g in n.gpus], max((len(n.gpus) for n in nodes), default=0))
             self._gpus = cached
         return cached
 

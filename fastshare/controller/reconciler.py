@@ -116,8 +116,8 @@ class Reconciler:
                 if not share.id.startswith(ID_PREFIX) or share.id in records or share.id in busy:
                     continue
                 record = self.core.store.get_allocation(share.id)
-                if record is not None and record.state not in FINISHED:
-                    continue
+                if record is not None and (record.state not in FINISHED or record.updated_at >= asked_at):
+                    continue   # still held, or released since the inventory was taken (not an orphan)
                 try:
                     stored = self.core.store.get_node(node)
                     self.core.agents.get(node, stored.address).release(share.id)

@@ -309,8 +309,15 @@ class NvmlDevices(Devices):
             gi_processes[p.gpuInstanceId] = gi_processes.get(p.gpuInstanceId, 0) + 1
         rows = []
         for profile, gi, info in self._gpu_instances(h, uuid):
-            cis = [nvml.nvmlComputeInstanceGetInfo(c)
-                   for c in self._compute_instances(gi, (uuid, profile.profile_id))]
+            try:
+                cis = [nvml.nvmlComputeInstanceGetInfo(c)
+                       for c in self._compute_instances(gi, (uuid, profile.profile_id))]
+            except nvml.NVMLError as exc:
+                # Destroyed between the listing and this query (another thread released it):
+                # it is gone, which is what the caller should see, not an error.
+                if self._is(exc, "INVALID_ARGUMENT", "NOT_FOUND"):
+                    continue
+                raise
             ci_id = min((c.id for c in cis), default=None)
             mig_uuid, _, sms = devices.get((info.id, ci_id), (None, 0, profile.sm_count))
             rows.append(MigInstance(

@@ -373,3 +373,21 @@ def test_kubernetes_chaos_never_breaks_the_invariants(chaos_cluster: Cluster, ca
     assert not tally.violations, tally.violations[:10]
     assert not tally.unanswered, tally.unanswered[:10]
     assert sum(tally.kills.values()) >= 1 and tally.recoveries == sum(tally.kills.values())
+
+
+def test_a_controller_started_while_the_mig_agent_is_down_does_not_call_exclusive_invalid(
+        chaos_cluster: Cluster) -> None:
+    """Found by the chaos test: with the only MIG-capable agent unreachable since it started, the
+    controller knew no MIG GPU and answered a valid exclusive FastPod 'Invalid'. It is not
+    placeable yet, and says so; once the agent is back it is placed."""
+    cluster = chaos_cluster
+    mig = next(a for a in cluster.agents.values() if a.name.startswith("mig-"))
+    mig.stop(kill=True)
+    cluster.start_controller()
+    cluster.objects.create_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, PLURAL, fastpod_manifest("slice", {"kind": "exclusive",
+                                                                             "migProfile": "1g.10gb"}))
+    condition = wait_for(lambda: cluster.answer("slice", 1), "slice answered", timeout=90)
+    assert condition["status"] == "False" and condition["reason"] != "Invalid", condition
+    mig.start(cluster.tls)
+    wait_for(lambda: (cluster.answer("slice", 1) or {}).get("status") == "True", "slice placed", timeout=90)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastshare.node.model import Prepared, ShareSpec
-from fastshare.sqlite_file import GroupSync, open_state_file
+from fastshare.sqlite_file import GroupSync, StateFileError, open_state_file
 
 SCHEMA_VERSION = 1
 _SHARE_COLUMNS = "spec, state, device_uuid, port, prepared"
@@ -298,11 +298,17 @@ def _share_row(row: tuple) -> ShareRow:
 def held_device_uuids(path: Path | str | None) -> set[str]:
     """UUIDs of the devices fastshare shares hold, from a node agent's journal (none if absent).
 
-    MIG reconfiguration (``fastshare mig config``, the mig_config module) treats these as in use."""
+    MIG reconfiguration (``fastshare mig config``, the mig_config module) treats these as in use.
+    The journal is only read (SQLite read-only mode): a file that is not a journal is reported,
+    never turned into one, and a running agent is not disturbed."""
     if not path or not Path(path).exists():
         return set()
-    journal = Journal(Path(path))
     try:
-        return {row.device_uuid for row in journal.shares()}
-    finally:
-        journal.close()
+        db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            return {row[0] for row in db.execute("SELECT device_uuid FROM shares")}
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise StateFileError(f"{path} cannot be read as a node agent journal ({exc}); give the agent's "
+                             "journal (e.g. /var/lib/fastshare/node/journal.db) or none") from None

@@ -1,0 +1,31 @@
+"""held_device_uuids: what MIG reconfiguration reads from an agent journal, read-only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastshare.node.journal import Journal, held_device_uuids
+from fastshare.node.model import ShareSpec
+from fastshare.sqlite_file import StateFileError
+
+
+def test_lists_the_devices_shares_hold_without_writing(tmp_path: Path):
+    path = tmp_path / "journal.db"
+    journal = Journal(path)
+    journal.begin_share(ShareSpec(id="s1", kind="exclusive", device_uuids=("MIG-a",)), "MIG-a", None)
+    journal.close()
+    before = path.read_bytes()
+    assert held_device_uuids(path) == {"MIG-a"}
+    assert path.read_bytes() == before
+    assert held_device_uuids(None) == set() and held_device_uuids(tmp_path / "absent.db") == set()
+
+
+@pytest.mark.parametrize("content", [b"", b"not a database at all" * 10])
+def test_a_file_that_is_not_a_journal_is_reported_and_left_alone(tmp_path: Path, content: bytes):
+    path = tmp_path / "journal.db"
+    path.write_bytes(content)
+    with pytest.raises(StateFileError, match="cannot be read as a node agent journal"):
+        held_device_uuids(path)
+    assert path.read_bytes() == content

@@ -38,6 +38,7 @@ from fastshare.controller.core import AgentFailed, Busy, ControllerCore, KeyConf
 from fastshare.controller.core import Settings as CoreSettings
 from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, State
 from fastshare.controller.reconciler import Reconciler
+from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.k8s.podcache import PodCache
 from fastshare.k8s.pods import FASTPOD_LABEL, MPS_PATH_ENV, is_ready, replica_pod, spec_of
@@ -81,6 +82,11 @@ def api_message(exc: client.ApiException) -> str:
         return str(json.loads(exc.body)["message"])
     except (TypeError, ValueError, KeyError):
         return str(exc.body or "")[:500]
+
+
+def _lost_race(exc: Exception) -> bool:
+    """A compare-and-set lost to another writer (409 Conflict): retried, not an error."""
+    return isinstance(exc, Conflict) or (isinstance(exc, client.ApiException) and exc.status == 409)
 
 
 def _meta(pod: dict[str, Any]) -> dict[str, Any]:
@@ -281,9 +287,13 @@ class KubeController:
                 continue
             try:
                 again = self.reconcile(*key)
-            except Exception:
-                log.exception("reconciling FastPod %s/%s failed; retrying", *key)
-                again = 2.0
+            except Exception as exc:
+                if _lost_race(exc):   # another writer changed an object first: read it again
+                    log.info("FastPod %s/%s changed while being reconciled; reconciling again", *key)
+                    again = 0.1
+                else:
+                    log.exception("reconciling FastPod %s/%s failed; retrying", *key)
+                    again = 2.0
             finally:
                 self.queue.done(key)
             if again:

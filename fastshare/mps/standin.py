@@ -15,6 +15,10 @@ Commands: ``get_server_list``, ``start_server -uid U`` (forks a real, idle "serv
 PID [P]``, ``set/get_device_pinned_mem_limit PID DEV [VALUE]``.
 
 It deliberately imports nothing from fastshare: it starts fast and stays standalone.
+
+Unlike the real daemon, it exits once its pipe directory is deleted: nothing can reach it any
+more, and tests and benchmarks that throw their directories away (or kill the agent) must not
+leave stand-in daemons behind.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import sys
 import time
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
+_ORPHAN_CHECK_S = 2.0
 CONTROL = "control"
 _MEM_RE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)B?$", re.IGNORECASE)
 
@@ -141,6 +146,7 @@ def _exit_on_signal(_signum: int, _frame: object) -> None:
 
 
 def _serve(pipe_dir: str, log_dir: str) -> None:
+    pipe_dir = os.path.abspath(pipe_dir)
     daemon = _Daemon(log_dir)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     # Relative path: pipe directories may be deeper than the 108-byte sun_path limit.
@@ -155,9 +161,16 @@ def _serve(pipe_dir: str, log_dir: str) -> None:
     os.replace(tmp, PID_FILE)
     daemon.note(f"Control: daemon started, pid {os.getpid()}")
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    listener.settimeout(_ORPHAN_CHECK_S)
     try:
         while True:
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                if not os.path.isdir(pipe_dir):
+                    break          # orphaned: its directory (and control socket) are gone
+                continue
+            conn.settimeout(None)
             with conn, conn.makefile("rw") as stream:
                 stop = False
                 for line in stream:

@@ -95,3 +95,20 @@ def test_start_failure_is_reported(tmp_path):
 def test_device_uuid_cannot_escape_the_root(mps):
     with pytest.raises(ValueError, match="uuid"):
         mps.paths("../../etc")
+
+
+def test_a_standin_daemon_whose_directory_is_deleted_exits_with_its_servers(mps):
+    """Tests and benchmarks throw their directories away (or SIGKILL the agent): no stand-in
+    daemon may outlive them."""
+    import shutil
+    import time
+
+    pid = mps.start(UUID)
+    mps.command(UUID, "start_server -uid 0")
+    [server] = mps.server_pids(UUID)
+    assert _alive(pid) and _alive(server)
+    shutil.rmtree(mps.paths(UUID).base)
+    deadline = time.monotonic() + 10
+    while (_alive(pid) or _alive(server)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid) and not _alive(server)

@@ -43,6 +43,7 @@ class ValidationError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.detail = message
 
 
 @dataclass(frozen=True)

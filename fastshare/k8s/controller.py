@@ -41,7 +41,7 @@ from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.k8s.podcache import PodCache
-from fastshare.k8s.pods import FASTPOD_LABEL, MPS_PATH_ENV, is_ready, replica_pod, spec_of
+from fastshare.k8s.pods import FASTPOD_LABEL, MPS_PATH_ENV, fastpod_field, is_ready, replica_pod, spec_of
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
@@ -458,7 +458,10 @@ class KubeController:
         except AgentFailed as exc:
             return None, None, {"type": "Scheduled", "status": "False", "reason": "AgentUnavailable",
                                 "message": str(exc)}
-        except (ValidationError, KeyConflict) as exc:
+        except ValidationError as exc:
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "Invalid",
+                                "message": f"{fastpod_field(exc.field)}: {exc.detail}"}
+        except KeyConflict as exc:
             return None, None, {"type": "Scheduled", "status": "False", "reason": "Invalid",
                                 "message": str(exc)}
         try:

@@ -27,6 +27,23 @@ MPS_PATH_ENV = {
 }
 
 
+# The controller's request fields (gRPC names) -> where the user wrote them in a FastPod.
+FASTPOD_FIELDS = {
+    "spec.kind": "spec.gpu.kind", "spec.sm_percent": "spec.gpu.smPercent",
+    "spec.memory_bytes": "spec.gpu.memory", "spec.quota_request": "spec.gpu.quotaRequest",
+    "spec.quota_limit": "spec.gpu.quotaLimit", "spec.mig_profile": "spec.gpu.migProfile",
+    "spec.sm_count": "spec.gpu.smCount", "spec.gpu_count": "spec.gpu.count",
+    "spec.models": "spec.gpu.models", "spec.affinity": "spec.gpu.affinity",
+    "spec.anti_affinity": "spec.gpu.antiAffinity", "spec.exclusion": "spec.gpu.exclusion",
+    "spec.node_selector": "spec.template.spec.nodeSelector",
+}
+
+
+def fastpod_field(field: str) -> str:
+    """A request field as the FastPod spells it, so a condition names what the user wrote."""
+    return FASTPOD_FIELDS.get(field, field)
+
+
 def spec_of(fastpod: dict[str, Any]) -> Spec:
     """The controller's request for one replica of ``fastpod`` (already schema-validated)."""
     gpu = fastpod["spec"]["gpu"]

@@ -171,3 +171,22 @@ def test_whole_gpu_pods_get_env_but_no_mps_mounts(api_client, fastpod_crd, names
     assert created.spec.node_name == "n2"
     assert not any(v.host_path for v in created.spec.volumes or [])
     assert {e.name: e.value for e in created.spec.containers[0].env} == env
+
+
+def test_every_request_field_is_named_as_the_fastpod_spells_it():
+    """Conditions name the FastPod field the user wrote (spec.gpu.memory), not the gRPC name."""
+    from dataclasses import fields
+
+    from fastshare.k8s.manifests import crds
+    from fastshare.k8s.pods import fastpod_field
+
+    crd = next(c for c in crds() if c["spec"]["names"]["plural"] == PLURAL)
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    for f in fields(Spec):
+        path = fastpod_field(f"spec.{f.name}").split(".")
+        assert path[0] == "spec" and path[1] in schema, (f.name, path)
+        if path[1] == "gpu":
+            assert path[2] in schema["gpu"]["properties"], (f.name, path)
+    with pytest.raises(ValidationError) as caught:
+        validate(Request(spec=spec_of(fastpod_manifest("x", {"kind": "mps", "memory": 0}))), [])
+    assert fastpod_field(caught.value.field) == "spec.gpu.memory"

@@ -115,7 +115,7 @@ class ControllerCore:
         self._last_seen: dict[str, float] = {}
         self._nodes_lock = threading.Lock()
         self._gpus: tuple[list[Gpu], int] | None = None
-        self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through _put_node
+        self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through put_node
 
     # -- per-allocation exclusion ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -175,7 +175,8 @@ class ControllerCore:
                 self._node_cache[name] = node
         return node
 
-    def _put_node(self, node: Node) -> None:
+    def put_node(self, node: Node) -> None:
+        """Record a node; every node write goes through here so the cached views stay true."""
         self.store.put_node(node)
         self._node_cache[node.name] = node
         self._gpus = None
@@ -393,7 +394,7 @@ class ControllerCore:
         now = self.clock()
         node = _keep_cordon(node_from_inventory(name, address, labels, inventory, now),
                             self.store.get_node(name))
-        self._put_node(node)
+        self.put_node(node)
         with self._nodes_lock:
             self._registered.add(name)
             self._last_seen[name] = now
@@ -437,7 +438,7 @@ class ControllerCore:
         if fresh.gpus == node.gpus:
             return
         fresh = _keep_cordon(replace(fresh, available=node.available, registered_at=node.registered_at), node)
-        self._put_node(fresh)
+        self.put_node(fresh)
         for assignment, why in self.ledger.set_node(node_view(fresh), self.is_available(node.name)):
             log.error("allocation %s no longer fits node %s: %s", assignment.request.id, node.name, why)
         log.info("node %s: GPU facts changed (e.g. MIG mode); view refreshed", node.name)
@@ -450,7 +451,7 @@ class ControllerCore:
             known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"
             raise NotFound(f"node {name!r} is not known to this controller (known: {known})")
         node = replace(node, cordoned=not schedulable, cordon_reason="" if schedulable else reason)
-        self._put_node(node)
+        self.put_node(node)
         self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
         log.info("node %s %s%s", name, "cordoned: no new work" if node.cordoned else "uncordoned",
                  f" ({reason})" if node.cordoned and reason else "")
@@ -465,7 +466,7 @@ class ControllerCore:
             with self._nodes_lock:
                 self._registered.add(node.name)
                 self._last_seen[node.name] = now
-        self._put_node(replace(node, available=inventory is not None))
+        self.put_node(replace(node, available=inventory is not None))
 
 
 def _keep_cordon(fresh: Node, stored: Node | None) -> Node:

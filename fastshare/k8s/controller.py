@@ -195,7 +195,7 @@ class KubeController:
                     self.core.agents.get(name, address).ping()
             except AgentError as exc:
                 if stored is None:
-                    self.store.put_node(Node(name=name, address=address, labels=labels, available=False))
+                    self.core.put_node(Node(name=name, address=address, labels=labels, available=False))
                 log.info("node agent %s at %s unreachable: %s", name, address, exc.details)
         self.core.check_liveness()
 

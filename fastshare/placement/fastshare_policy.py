@@ -15,6 +15,14 @@ are many, so that chance falls faster than ``P``::
 
     V(f) = sum_{m <= f} p(m) * (m + V(f - m)) / (P + KAPPA / P)
 
+except that an entirely free GPU is valued by the sharing requests alone (``fresh_value``):
+whole-GPU requests take some free GPU whatever the shares do, and when requests outnumber
+the cluster the free GPUs run out either way, so they do not make keeping this GPU free
+worth more; counted in, they made a free GPU look nearly full already (942 of 1000 milli
+on the openb default mix), which sent shares into holes that fit them badly (a 320 beside
+a 470, leaving 210 that only the rare small shares fit) instead of onto a free GPU that a
+later 650 completes.
+
 A node is worth the sum of its GPUs' values, scaled down when its CPU cannot feed them (the
 CPU the request mix needs per GPU milli, ``rho``, times the free milli). A task goes where
 ``taken + value(after) - value(before)`` is highest: where it adds the most to the final
@@ -58,6 +66,16 @@ def value_table(counts: list[float], kappa: float = KAPPA) -> list[float]:
     return v
 
 
+def fresh_value(counts: list[float], kappa: float = KAPPA) -> list[float]:
+    """``value_table`` with the entry of an entirely free GPU taken from the sharing sizes
+    only (``counts[BINS]`` holds whole-GPU requests); unchanged when there are no shares."""
+    v = value_table(counts, kappa)
+    shares = counts[:BINS] + [0.0]
+    if sum(shares[1:]) > 0:
+        v[BINS] = value_table(shares, kappa)[BINS]
+    return v
+
+
 def _bin_up(milli: int) -> int:
     return min(BINS, -(-milli // STEP))
 
@@ -76,7 +94,7 @@ class FastsharePolicy(Policy):
         self.seen = 0
         self._refresh_at = 1
         self.generation = 0
-        self.values = value_table(self.counts)
+        self.values = fresh_value(self.counts)
         self.rho = 0.0                 # CPU milli to keep per free GPU milli (0 = unknown)
 
     # ---- learning ------------------------------------------------------------------------------
@@ -98,7 +116,7 @@ class FastsharePolicy(Policy):
             self._refresh()
 
     def _refresh(self) -> None:
-        values = value_table(self.counts)
+        values = fresh_value(self.counts)
         rho = self.cpu_of_gpu_tasks / self.milli_of_gpu_tasks
         if self.supply > 0:
             # When the mix asks more CPU than the cluster has, CPU-only tasks compete for the

@@ -62,10 +62,32 @@ def test_when_large_shares_dominate_a_medium_share_opens_a_fresh_gpu():
     pol = taught((Task(1000, 810, 1), 60), (Task(1000, 470, 1), 40))
     _score, chosen = pol.score("T4", 64000, (530, MILLI), Task(1000, 470, 1))
     assert chosen == (1,)
-    # ... and when whole-GPU requests dominate, the fresh GPU is kept for them.
+    # ... and when the only other shares are 470s, it closes the hole (two 470s end at 940
+    # either way) and the fresh GPU is left to whole-GPU requests.
     pol = taught((Task(1000, MILLI, 1), 60), (Task(1000, 470, 1), 40))
     _score, chosen = pol.score("T4", 64000, (530, MILLI), Task(1000, 470, 1))
     assert chosen == (0,)
+
+
+DEFAULT_LIKE = ((Task(1000, MILLI, 1), 600), (Task(1000, 810, 1), 150), (Task(1000, 470, 1), 100),
+                (Task(1000, 320, 1), 45), (Task(1000, 650, 1), 35), (Task(1000, 160, 1), 10))
+
+
+def test_a_free_gpu_is_valued_by_the_shares_alone():
+    pol = taught(*DEFAULT_LIKE)
+    with_wholes = value_table(pol.counts)
+    assert pol.values[:BINS] == with_wholes[:BINS]
+    assert pol.values[BINS] < with_wholes[BINS] - 30   # whole requests no longer fill it
+    only_wholes = taught((Task(1000, MILLI, 1), 10))
+    assert only_wholes.values == value_table(only_wholes.counts)
+
+
+def test_a_share_opens_a_free_gpu_rather_than_a_hole_it_fits_badly():
+    # A 320 beside a 470 leaves 210 that only the rare 160s fit; on a free GPU it leaves
+    # 680 that a 650 completes. A 350 hole it does close.
+    pol = taught(*DEFAULT_LIKE)
+    assert pol.score("T4", 64000, (530, MILLI), Task(1000, 320, 1))[1] == (1,)
+    assert pol.score("T4", 64000, (350, MILLI), Task(1000, 320, 1))[1] == (0,)
 
 
 def test_a_cpu_heavy_share_avoids_stranding_gpus():

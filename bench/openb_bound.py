@@ -3,7 +3,7 @@
 trace under the published rules (every task that fits at its arrival is placed, no
 departures), even one that knows the whole arrival order in advance.
 
-    pip install scipy        # or: pip install -e '.[bound]'
+    pip install scipy        # not a dependency of fastshare; only this script needs it
     python bench/openb_bound.py --trace default --seeds 42-51
 
 Argument. Take any run and let ``tau`` be the first arrival after which no GPU is entirely
@@ -37,15 +37,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastshare.sim.experiment import default_data_dir, load  # noqa: E402
-from fastshare.sim.trace import SimPod, arrival_order  # noqa: E402
+from fastshare.sim.experiment import default_data_dir, load
+from fastshare.sim.trace import SimPod, arrival_order
 
 try:
     import numpy as np
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
 except ImportError:  # pragma: no cover - optional tool
-    sys.exit("openb_bound.py needs scipy: pip install scipy (or pip install -e '.[bound]')")
+    sys.exit("openb_bound.py needs scipy: pip install scipy")
 
 MILLI = 1000
 
@@ -169,7 +169,8 @@ def main() -> None:
         sys.exit("--data: no openb data directory found; pass the folder holding the CSVs")
     seeds = (list(range(int(args.seeds.split("-")[0]), int(args.seeds.split("-")[1]) + 1))
              if "-" in args.seeds else [int(s) for s in args.seeds.split(",")])
-    nodes, pods, _ = load(args.data / f"openb_pod_list_{args.trace}.csv", args.data / "openb_node_list_gpu_node.csv")
+    nodes, pods, _ = load(args.data / f"openb_pod_list_{args.trace}.csv",
+                          args.data / "openb_node_list_gpu_node.csv")
     gpus = sum(nd.gpus for nd in nodes)
     bounds = []
     for seed in seeds:

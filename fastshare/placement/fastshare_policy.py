@@ -70,7 +70,7 @@ def fresh_value(counts: list[float], kappa: float = KAPPA) -> list[float]:
     """``value_table`` with the entry of an entirely free GPU taken from the sharing sizes
     only (``counts[BINS]`` holds whole-GPU requests); unchanged when there are no shares."""
     v = value_table(counts, kappa)
-    shares = counts[:BINS] + [0.0]
+    shares = [*counts[:BINS], 0.0]
     if sum(shares[1:]) > 0:
         v[BINS] = value_table(shares, kappa)[BINS]
     return v

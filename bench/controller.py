@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import socket
@@ -45,6 +46,7 @@ from fastshare.v1 import controller_pb2 as pb
 BIN = Path(sys.executable).parent
 MiB = 1024**2
 GPUS_PER_NODE = 4
+OPEN_LOOP_WORKERS = 32   # enough that a worker is free whenever the system keeps up
 
 
 def free_port() -> int:
@@ -130,28 +132,49 @@ def agent_stubs(root: Path) -> dict[str, agent_pb2_grpc.NodeAgentStub]:
     return stubs
 
 
-def run_parallel(clients: list[Client], jobs: list, call) -> tuple[float, list[float], list]:
-    """Run ``call(client, job)`` for all jobs on len(clients) threads; wall time, latencies, results."""
+def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """Arrival times (s from start) of ``count`` requests at ``rate`` per second on average."""
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def run_parallel(clients: list[Client], jobs: list, call,
+                 arrivals: list[float] | None = None) -> tuple[float, list[float], list]:
+    """Run ``call(client, job)`` for all jobs; wall time, latencies, results.
+
+    Closed loop (no ``arrivals``): one thread per client, each sends its next job when its
+    last one is answered, so the latency is that at saturation (p50 about clients / rate).
+    Open loop: job i is due at ``arrivals[i]`` whatever the answers take, and its latency runs
+    from that time, counting any wait for a free worker too (no coordinated omission); this is
+    the latency *at* a rate, which is what the targets ask for.
+    """
     latencies: list[float] = []
     results: list = []
     lock = threading.Lock()
-    queue = list(reversed(jobs))
+    due = arrivals or [0.0] * len(jobs)
+    queue = list(reversed(list(zip(due, jobs, strict=True))))
+    start = time.perf_counter() + (0.01 if arrivals else 0.0)
 
     def worker(client: Client) -> None:
         while True:
             with lock:
                 if not queue:
                     return
-                job = queue.pop()
-            start = time.perf_counter()
+                at, job = queue.pop()
+            sent = start + at if arrivals else time.perf_counter()
+            time.sleep(max(0.0, sent - time.perf_counter()))
             result = call(client, job)
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - sent
             with lock:
                 latencies.append(elapsed)
                 results.append(result)
 
-    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
-    start = time.perf_counter()
+    workers = OPEN_LOOP_WORKERS if arrivals else len(clients)
+    threads = [threading.Thread(target=worker, args=(clients[i % len(clients)],)) for i in range(workers)]
     for t in threads:
         t.start()
     for t in threads:
@@ -180,6 +203,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--allocations", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=200.0,
+                        help="offered Allocate rate per second for the open-loop latency (target rate)")
     parser.add_argument("--batch", type=int, default=200, help="allocations held at once (<= capacity)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = parser.parse_args()
@@ -221,6 +246,19 @@ def main() -> None:
             if done_so_far // step > rss[-1][0] // step or left == 0:
                 rss.append((done_so_far, [rss_mib(p.pid) for p in cluster.procs]))
         cpu_used = [cpu_seconds(p.pid) - b for p, b in zip(cluster.procs, cpu_before, strict=True)]
+        # Latency at the target rate: the same allocations, arriving on their own schedule.
+        open_lat: list[float] = []
+        open_wall = 0.0
+        for batch_no, start in enumerate(range(0, args.allocations, args.batch)):
+            n = min(args.batch, args.allocations - start)
+            wall, lat, done = run_parallel(clients, [fastpod(1, 64)] * n,
+                                           lambda c, req: c.call("Allocate", req),
+                                           arrivals=poisson_arrivals(n, args.rate, seed=batch_no))
+            open_wall += wall
+            open_lat += lat
+            assert all(a.state == pb.ALLOCATION_STATE_ACTIVE for a in done)
+            run_parallel(clients, [a.id for a in done], lambda c, i: c.call(
+                "Release", pb.ReleaseAllocationRequest(allocation_id=i)))
         ping_wall, ping_lat, _ = run_parallel(clients, [None] * args.allocations,
                                               lambda c, _: c.call("Ping", common_pb2.Empty()))
         # Second reference: the node agents alone, the same shares on the same GPUs, no controller.
@@ -249,13 +287,14 @@ def main() -> None:
 
     n = args.allocations
     rows = [("Allocate (fastpod)", n / alloc_wall, alloc_lat), ("Release", n / release_wall, release_lat),
+            (f"Allocate @{args.rate:g}/s open", n / open_wall, open_lat),
             ("Ping (baseline)", n / ping_wall, ping_lat),
             ("agent PrepareShare", n / agent_wall, agent_lat)]
     print(f"\n{n} calls each, {args.concurrency} concurrent clients, 2 agents x {GPUS_PER_NODE} simulated "
           f"A100, {os.cpu_count()} CPUs")
-    print(f"{'call':20} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'call':24} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for name, rate, lat in rows:
-        print(f"{name:20} {rate:9.1f} {statistics.median(lat) * 1000:8.1f} {p99(lat) * 1000:8.1f}")
+        print(f"{name:24} {rate:9.1f} {statistics.median(lat) * 1000:8.1f} {p99(lat) * 1000:8.1f}")
     print(f"\nAllocate vs Ping: {n / alloc_wall / (n / ping_wall):.2f}x the throughput, "
           f"{p99(alloc_lat) / p99(ping_lat):.1f}x the p99 latency")
     overhead = statistics.median(alloc_lat) - statistics.median(agent_lat)
@@ -270,9 +309,14 @@ def main() -> None:
     first, last = rss[0][1], rss[-1][1]
     growth = (f"{name} {b / a:.2f}x" for name, a, b in zip(names, first, last, strict=True))
     print("end vs start: " + ", ".join(growth))
-    ok_rate, ok_p99 = n / alloc_wall >= 200, p99(alloc_lat) <= 0.050
-    print(f"targets: >= 200 allocations/s: {'met' if ok_rate else 'NOT met'}; "
-          f"p99 <= 50 ms: {'met' if ok_p99 else 'NOT met'}")
+    ok_rate = n / alloc_wall >= 200
+    ok_p99 = n / open_wall >= 0.95 * args.rate and p99(open_lat) <= 0.050
+    print(f"targets: >= 200 allocations/s (closed loop, {args.concurrency} clients): "
+          f"{'met' if ok_rate else 'NOT met'}; p99 <= 50 ms at {args.rate:g}/s offered: "
+          f"{'met' if ok_p99 else 'NOT met'}")
+    print(f"(closed-loop p99 {1000 * p99(alloc_lat):.1f} ms is the latency at saturation: "
+          f"{args.concurrency} clients / {n / alloc_wall:.0f} per s = "
+          f"{1000 * args.concurrency / (n / alloc_wall):.1f} ms of queueing at the median)")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
 
     from fastshare.controller.agent_client import AgentPool
     from fastshare.controller.core import Settings as CoreSettings
+    from fastshare.heap import freeze_startup_objects
     from fastshare.k8s.controller import KubeController, KubeSettings, run_with_leader_election
     from fastshare.k8s.leader import LeaderElector
     from fastshare.security.tls import TlsPaths
@@ -120,6 +121,7 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
         lost.set()
         stop.set()
 
+    freeze_startup_objects()
     run_with_leader_election(lambda: KubeController(api, agents, settings, core_settings), elector, stop,
                              on_lost)
     agents.close()

@@ -101,13 +101,17 @@ class Reconciler:
         for node in self.core.store.list_nodes():
             if inventories.get(node.name) is not None:
                 self.core.refresh_node(node, inventories[node.name])
-        holding = [a for a in self.core.store.list_allocations(HOLDING) if only is None or a.node in only]
+        holding_all = self.core.store.list_allocations(HOLDING)
+        holding = [a for a in holding_all if only is None or a.node in only]
         shares = {n: {s.id for s in inv.shares} for n, inv in inventories.items() if inv is not None}
         for allocation in holding:
             if not self._settled(allocation, shares.get(allocation.node), asked_at):
                 self._allocation(allocation, shares.get(allocation.node), report, asked_at)
-        # Orphans: shares on a reachable agent that no holding record explains.
-        records = {a.id: a for a in self.core.store.list_allocations(HOLDING)}
+        # Orphans: shares on a reachable agent that no holding record explains. The listing
+        # above is enough: it was read after the inventories, so it holds every record a share
+        # in them can have (records are committed before prepare); a share not in it is
+        # looked up singly below (it may have been released since, or be an orphan).
+        records = {a.id for a in holding_all}
         busy = self.core.busy()
         for node, inventory in inventories.items():
             if inventory is None:

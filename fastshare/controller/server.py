@@ -42,6 +42,7 @@ from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
+from fastshare.heap import freeze_startup_objects
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
 from fastshare.sqlite_file import write_failure
 from fastshare.v1 import common_pb2
@@ -332,6 +333,7 @@ class ControllerServer:
         done = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())
+        freeze_startup_objects()
         while not done.wait(3600):
             pass
         log.info("stopping")

@@ -23,6 +23,7 @@ import grpc
 from prometheus_client import start_http_server
 
 from fastshare.device import open_devices
+from fastshare.heap import freeze_startup_objects
 from fastshare.mps.control import MpsControl
 from fastshare.node.agent import Agent
 from fastshare.node.config import NodeConfig
@@ -178,6 +179,7 @@ def serve(config: NodeConfig) -> None:
     log.info("fastshare node agent %s serving (%s%s)", config.node_name, where,
              f", unix={config.unix_socket}" if config.unix_socket else "")
     sd_notify(f"READY=1\nSTATUS=serving {where}")
+    freeze_startup_objects()
     stop.wait()
     log.info("stopping")
     running.stop()

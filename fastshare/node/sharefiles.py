@@ -86,7 +86,7 @@ def _exchange(new: str, path: Path) -> bool:
 
 
 def _check(entry: ShareEntry) -> None:
-    if not entry.key or any(c.isspace() for c in entry.key):
+    if entry.key.split() != [entry.key]:   # empty, or whitespace inside (C speed: 100 keys a write)
         raise ShareFileError(f"share key {entry.key!r} must be non-empty without whitespace")
     if not 0 < entry.request <= entry.limit <= 1:
         raise ShareFileError(f"share {entry.key}: need 0 < request ({entry.request}) <= limit "

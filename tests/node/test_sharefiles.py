@@ -56,6 +56,9 @@ def test_a_lone_port_file_is_listed_so_the_agent_start_removes_it(tmp_path):
     ShareEntry("a", 0.0, 0.5, 1, 50100),     # zero request
     ShareEntry("a", 0.5, 1.5, 1, 50100),     # limit above 1
     ShareEntry("a b", 0.5, 0.5, 1, 50100),   # whitespace in key
+    ShareEntry("a\tb", 0.5, 0.5, 1, 50100),  # tab in key
+    ShareEntry("a\n", 0.5, 0.5, 1, 50100),   # line break in key (would forge a line)
+    ShareEntry("", 0.5, 0.5, 1, 50100),      # empty key
     ShareEntry("a", 0.5, 0.5, 1, 0),         # no port
 ])
 def test_invalid_entries_leave_previous_files_untouched(tmp_path, entry):

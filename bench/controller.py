@@ -60,6 +60,11 @@ class Cluster:
         self.root = root
         self.procs: list[subprocess.Popen] = []
         self.address = f"127.0.0.1:{free_port()}"
+        # The agents' run directories (share files, MPS pipes) on tmpfs, as /run is where they
+        # are deployed (`run_dir` defaults to /run/fastshare); on ext4 every share-file swap
+        # costs an inode.
+        shm = Path("/dev/shm")
+        self.run_root = Path(tempfile.mkdtemp(prefix="fsb-run-", dir=shm)) if shm.is_dir() else root
         certs.init_ca(root / "ca")
         for name in ("controller", "client", "node-1", "node-2"):
             certs.issue(root / "ca", name, root / "pki", sans=["127.0.0.1"])
@@ -78,7 +83,7 @@ class Cluster:
             config = {
                 "node_name": name, "listen": f"127.0.0.1:{free_port()}",
                 "unix_socket": str(self.root / f"{name}.sock"), "state_dir": str(self.root / f"{name}-state"),
-                "run_dir": str(self.root / f"{name}-run"), "device_backend": "sim",
+                "run_dir": str(self.run_root / f"{name}-run"), "device_backend": "sim",
                 "sim_state": str(self.root / f"{name}.json"), "metrics_listen": "",
                 "mps_control_binary": str(BIN / "fastshare-mps-standin"), "controller_address": self.address,
                 "share_ports": f"{30000 + 1000 * i}-{30999 + 1000 * i}",
@@ -115,6 +120,8 @@ class Cluster:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if self.run_root != self.root:
+            shutil.rmtree(self.run_root, ignore_errors=True)
 
 
 def fastpod(sm: int, mem_mib: int, anti_affinity: str = "") -> pb.AllocateRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 KINDS = ("fastpod", "mps", "exclusive", "whole")
 SHARE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -15,6 +15,13 @@ OWNER_MAX = 256
 
 class InvalidShare(ValueError):
     """A share request that can never succeed; the message names the field and the range."""
+
+
+def _flat_json(obj: object) -> str:
+    """JSON of a dataclass whose fields are all JSON values already (str, numbers, tuples, dicts
+    of str): ``vars`` gives the same document as ``asdict`` without its deep copy, which was a
+    tenth of the agent's CPU per prepare."""
+    return json.dumps(vars(obj), sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class ShareSpec:
             raise InvalidShare("share.memory_bytes must be >= 0")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return _flat_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> ShareSpec:
@@ -99,7 +106,7 @@ class Prepared:
     mig_start: int | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return _flat_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> Prepared:

@@ -6,9 +6,13 @@ agent acts, and the row is completed after. After a crash the rows in an interme
 reconciler exactly which step might be half done. Rows are small and every transaction is
 short: no device or process work ever happens while the database lock is held.
 
-Share rows are also kept parsed in memory (this process is the journal's only writer): every
-capacity check reads all shares of a device, and parsing every row's JSON on every request
-made prepare O(shares on the node).
+Share rows and MPS daemon rows are also kept parsed in memory (this process is the journal's
+only writer): every capacity check reads all shares of a device, and parsing every row's JSON
+on every request made prepare O(shares on the node); every prepare reads its daemon's row.
+
+Every change is ONE statement, which SQLite runs as its own transaction (the connection is in
+autocommit mode): atomic like BEGIN ... COMMIT, without the two extra statements (each one a
+GIL release and locking system calls).
 
 Durability (:class:`fastshare.sqlite_file.GroupSync`): every commit survives a kill -9 of the
 agent as soon as COMMIT returns (it is in the WAL file), which is all the write-ahead order
@@ -25,8 +29,6 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,8 @@ from fastshare.sqlite_file import GroupSync, StateFileError, open_state_file
 
 SCHEMA_VERSION = 1
 _SHARE_COLUMNS = "spec, state, device_uuid, port, prepared"
+_MPS_COLUMNS = "device_uuid, gpu_uuid, state, pid, compute_mode_set, sm_ceiling, mem_ceiling"
+_SELECT = object()   # Journal._write: read the share's row back
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS shares (
     id TEXT PRIMARY KEY,
@@ -126,6 +130,8 @@ class Journal:
             self._on_device: dict[str, set[str]] = {}   # device UUID -> ids of the shares that touch it
             for r in self._db.execute(f"SELECT id, {_SHARE_COLUMNS} FROM shares").fetchall():
                 self._cache(r[0], _share_row(r[1:]))
+            self._mps: dict[str, MpsRow] = {
+                r[0]: _mps_row(r) for r in self._db.execute(f"SELECT {_MPS_COLUMNS} FROM mps_daemons")}
 
     def close(self) -> None:
         self._group.close()
@@ -137,22 +143,32 @@ class Journal:
         fdatasync shared by concurrent callers). Call it before acknowledging a change."""
         self._group.sync()
 
-    @contextmanager
-    def _tx(self, share_id: str | None = None) -> Iterator[sqlite3.Connection]:
-        """One transaction; with ``share_id``, that share's cached row follows the commit."""
+    def _write(self, sql: str, args: tuple, share_id: str | None = None,
+               row: ShareRow | object | None = _SELECT, mps_device: str | None = None) -> None:
+        """One statement, committed on return (autocommit: a statement is its own transaction,
+        rolled back whole if it fails). With ``share_id``, that share's cached row follows the
+        commit: ``row`` as written when the caller knows it (None: deleted), else read back;
+        with ``mps_device``, that daemon's cached row is read back."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+            self._db.execute(sql, args)
             self._group.committed()
             if share_id is not None:
-                row = self._db.execute(f"SELECT {_SHARE_COLUMNS} FROM shares WHERE id=?",
-                                       (share_id,)).fetchone()
-                self._cache(share_id, _share_row(row) if row is not None else None)
+                if row is _SELECT:
+                    found = self._db.execute(f"SELECT {_SHARE_COLUMNS} FROM shares WHERE id=?",
+                                             (share_id,)).fetchone()
+                    row = _share_row(found) if found is not None else None
+                self._cache(share_id, row)  # type: ignore[arg-type]
+            if mps_device is not None:
+                self._cache_mps(mps_device)
+
+    def _cache_mps(self, device_uuid: str) -> None:
+        """With the lock held: re-read one daemon's row (SQLite's types, e.g. REAL ceilings)."""
+        found = self._db.execute(f"SELECT {_MPS_COLUMNS} FROM mps_daemons WHERE device_uuid=?",
+                                 (device_uuid,)).fetchone()
+        if found is None:
+            self._mps.pop(device_uuid, None)
+        else:
+            self._mps[device_uuid] = _mps_row(found)
 
     def _cache(self, share_id: str, row: ShareRow | None) -> None:
         """With the lock held: the parsed row (None: gone) and the per-device index."""
@@ -171,36 +187,35 @@ class Journal:
     # shares -------------------------------------------------------------------------------
 
     def begin_share(self, spec: ShareSpec, device_uuid: str, port: int | None) -> None:
-        with self._tx(spec.id) as db:
-            db.execute("INSERT INTO shares (id, spec, state, device_uuid, port, updated) "
-                       "VALUES (?, ?, 'preparing', ?, ?, ?)",
-                       (spec.id, spec.to_json(), device_uuid, port, time.time()))
+        spec_json = spec.to_json()
+        self._write("INSERT INTO shares (id, spec, state, device_uuid, port, updated) "
+                    "VALUES (?, ?, 'preparing', ?, ?, ?)",
+                    (spec.id, spec_json, device_uuid, port, time.time()),
+                    spec.id, _share_row((spec_json, "preparing", device_uuid, port, None)))
 
     def insert_ready_share(self, spec: ShareSpec, device_uuid: str, port: int | None,
                            prepared: Prepared) -> None:
         """One-commit prepare, for shares whose only side effect is derived (share files)."""
-        with self._tx(spec.id) as db:
-            db.execute("INSERT INTO shares (id, spec, state, device_uuid, port, prepared, updated) "
-                       "VALUES (?, ?, 'ready', ?, ?, ?, ?)",
-                       (spec.id, spec.to_json(), device_uuid, port, prepared.to_json(), time.time()))
+        spec_json, prepared_json = spec.to_json(), prepared.to_json()
+        self._write("INSERT INTO shares (id, spec, state, device_uuid, port, prepared, updated) "
+                    "VALUES (?, ?, 'ready', ?, ?, ?, ?)",
+                    (spec.id, spec_json, device_uuid, port, prepared_json, time.time()),
+                    spec.id, _share_row((spec_json, "ready", device_uuid, port, prepared_json)))
 
     def share_ready(self, share_id: str, device_uuid: str, prepared: Prepared) -> None:
-        with self._tx(share_id) as db:
-            db.execute("UPDATE shares SET state='ready', device_uuid=?, prepared=?, updated=? WHERE id=?",
-                       (device_uuid, prepared.to_json(), time.time(), share_id))
+        self._write("UPDATE shares SET state='ready', device_uuid=?, prepared=?, updated=? WHERE id=?",
+                    (device_uuid, prepared.to_json(), time.time(), share_id), share_id)
 
     def set_share_state(self, share_id: str, state: str) -> None:
-        with self._tx(share_id) as db:
-            db.execute("UPDATE shares SET state=?, updated=? WHERE id=?", (state, time.time(), share_id))
+        self._write("UPDATE shares SET state=?, updated=? WHERE id=?", (state, time.time(), share_id),
+                    share_id)
 
     def set_share_device(self, share_id: str, device_uuid: str) -> None:
-        with self._tx(share_id) as db:
-            db.execute("UPDATE shares SET device_uuid=?, updated=? WHERE id=?",
-                       (device_uuid, time.time(), share_id))
+        self._write("UPDATE shares SET device_uuid=?, updated=? WHERE id=?",
+                    (device_uuid, time.time(), share_id), share_id)
 
     def delete_share(self, share_id: str) -> None:
-        with self._tx(share_id) as db:
-            db.execute("DELETE FROM shares WHERE id=?", (share_id,))
+        self._write("DELETE FROM shares WHERE id=?", (share_id,), share_id, None)
 
     def share(self, share_id: str) -> ShareRow | None:
         with self._lock:
@@ -220,29 +235,24 @@ class Journal:
 
     def begin_mig(self, gpu_uuid: str, start: int, profile_id: int, share_id: str | None,
                   purpose: str) -> None:
-        with self._tx() as db:
-            db.execute("INSERT INTO mig_instances (gpu_uuid, start, profile_id, state, share_id, purpose, "
-                       "updated) VALUES (?, ?, ?, 'creating', ?, ?, ?)",
-                       (gpu_uuid, start, profile_id, share_id, purpose, time.time()))
+        self._write("INSERT INTO mig_instances (gpu_uuid, start, profile_id, state, share_id, purpose, "
+                    "updated) VALUES (?, ?, ?, 'creating', ?, ?, ?)",
+                    (gpu_uuid, start, profile_id, share_id, purpose, time.time()))
 
     def mig_ready(self, gpu_uuid: str, start: int, mig_uuid: str | None) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE mig_instances SET state='ready', mig_uuid=?, updated=? "
-                       "WHERE gpu_uuid=? AND start=?", (mig_uuid, time.time(), gpu_uuid, start))
+        self._write("UPDATE mig_instances SET state='ready', mig_uuid=?, updated=? "
+                    "WHERE gpu_uuid=? AND start=?", (mig_uuid, time.time(), gpu_uuid, start))
 
     def set_mig_state(self, gpu_uuid: str, start: int, state: str) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE mig_instances SET state=?, updated=? WHERE gpu_uuid=? AND start=?",
-                       (state, time.time(), gpu_uuid, start))
+        self._write("UPDATE mig_instances SET state=?, updated=? WHERE gpu_uuid=? AND start=?",
+                    (state, time.time(), gpu_uuid, start))
 
     def set_mig_share(self, gpu_uuid: str, start: int, share_id: str | None) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE mig_instances SET share_id=?, updated=? WHERE gpu_uuid=? AND start=?",
-                       (share_id, time.time(), gpu_uuid, start))
+        self._write("UPDATE mig_instances SET share_id=?, updated=? WHERE gpu_uuid=? AND start=?",
+                    (share_id, time.time(), gpu_uuid, start))
 
     def delete_mig(self, gpu_uuid: str, start: int) -> None:
-        with self._tx() as db:
-            db.execute("DELETE FROM mig_instances WHERE gpu_uuid=? AND start=?", (gpu_uuid, start))
+        self._write("DELETE FROM mig_instances WHERE gpu_uuid=? AND start=?", (gpu_uuid, start))
 
     def migs(self, gpu_uuid: str | None = None) -> list[MigRow]:
         query = "SELECT gpu_uuid, start, profile_id, mig_uuid, state, share_id, purpose FROM mig_instances"
@@ -256,23 +266,21 @@ class Journal:
     # MPS daemons --------------------------------------------------------------------------
 
     def begin_mps(self, device_uuid: str, gpu_uuid: str) -> None:
-        with self._tx() as db:
-            db.execute("INSERT INTO mps_daemons (device_uuid, gpu_uuid, state, updated) "
-                       "VALUES (?, ?, 'starting', ?) ON CONFLICT (device_uuid) DO UPDATE SET "
-                       "state='starting', updated=excluded.updated", (device_uuid, gpu_uuid, time.time()))
+        self._write("INSERT INTO mps_daemons (device_uuid, gpu_uuid, state, updated) "
+                    "VALUES (?, ?, 'starting', ?) ON CONFLICT (device_uuid) DO UPDATE SET "
+                    "state='starting', updated=excluded.updated", (device_uuid, gpu_uuid, time.time()),
+                    mps_device=device_uuid)
 
     def update_mps(self, device_uuid: str, **fields: object) -> None:
         allowed = {"state", "pid", "compute_mode_set", "sm_ceiling", "mem_ceiling"}
         if not fields or set(fields) - allowed:
             raise ValueError(f"update_mps fields must be among {sorted(allowed)}")
         assignments = ", ".join(f"{k}=?" for k in fields)
-        with self._tx() as db:
-            db.execute(f"UPDATE mps_daemons SET {assignments}, updated=? WHERE device_uuid=?",
-                       (*fields.values(), time.time(), device_uuid))
+        self._write(f"UPDATE mps_daemons SET {assignments}, updated=? WHERE device_uuid=?",
+                    (*fields.values(), time.time(), device_uuid), mps_device=device_uuid)
 
     def delete_mps(self, device_uuid: str) -> None:
-        with self._tx() as db:
-            db.execute("DELETE FROM mps_daemons WHERE device_uuid=?", (device_uuid,))
+        self._write("DELETE FROM mps_daemons WHERE device_uuid=?", (device_uuid,), mps_device=device_uuid)
 
     def mps(self, device_uuid: str) -> MpsRow | None:
         rows = [r for r in self.mps_daemons() if r.device_uuid == device_uuid]
@@ -281,12 +289,16 @@ class Journal:
     def mps_daemons(self) -> list[MpsRow]:
         with self._lock:
             rows = self._db.execute("SELECT device_uuid, gpu_uuid, state, pid, compute_mode_set, sm_ceiling, "
-                                    "mem_ceiling FROM mps_daemons ORDER BY device_uuid").fetchall()
+                         "mem_ceiling FROM mps_daemons ORDER BY device_uuid").fetchall()
         return [MpsRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
 
 
 def _devices_of(row: ShareRow) -> set[str]:
     return {row.device_uuid, *row.spec.device_uuids}
+
+
+def _mps_row(r: tuple) -> MpsRow:
+    return MpsRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6])
 
 
 def _share_row(row: tuple) -> ShareRow:

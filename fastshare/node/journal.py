@@ -283,14 +283,12 @@ class Journal:
         self._write("DELETE FROM mps_daemons WHERE device_uuid=?", (device_uuid,), mps_device=device_uuid)
 
     def mps(self, device_uuid: str) -> MpsRow | None:
-        rows = [r for r in self.mps_daemons() if r.device_uuid == device_uuid]
-        return rows[0] if rows else None
+        with self._lock:
+            return self._mps.get(device_uuid)
 
     def mps_daemons(self) -> list[MpsRow]:
         with self._lock:
-            rows = self._db.execute("SELECT device_uuid, gpu_uuid, state, pid, compute_mode_set, sm_ceiling, "
-                         "mem_ceiling FROM mps_daemons ORDER BY device_uuid").fetchall()
-        return [MpsRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+            return [self._mps[k] for k in sorted(self._mps)]
 
 
 def _devices_of(row: ShareRow) -> set[str]:

@@ -131,6 +131,9 @@ class Agent:
         # Share-file write coalescing: changes requested / covered by a finished write, per device.
         self._files_wanted: dict[str, int] = {}
         self._files_written: dict[str, int] = {}
+        # Names per device, built once (path objects were a tenth of the CPU of a prepare).
+        self._share_root = config.share_root
+        self._device_paths: dict[str, tuple[str, str, str]] = {}
 
     # --- bookkeeping -------------------------------------------------------------------------
 
@@ -379,19 +382,28 @@ class Agent:
         self.journal.share_ready(spec.id, dev.uuid, prepared)
         return prepared
 
+    def _paths(self, device_uuid: str) -> tuple[str, str, str]:
+        """(MPS pipe directory, share config file, share port file) of a device."""
+        paths = self._device_paths.get(device_uuid)
+        if paths is None:
+            paths = self._device_paths[device_uuid] = (
+                str(self.mps.paths(device_uuid).pipe_dir),
+                str(sharefiles.config_path(self._share_root, device_uuid)),
+                str(sharefiles.port_path(self._share_root, device_uuid)))
+        return paths
+
     def _mps_prepared(self, spec: ShareSpec, device_uuid: str, port: int | None) -> Prepared:
-        paths = self.mps.paths(device_uuid)
+        pipe_dir, share_config, share_ports = self._paths(device_uuid)
         env = {"NVIDIA_VISIBLE_DEVICES": device_uuid, "CUDA_VISIBLE_DEVICES": device_uuid,
-               "CUDA_MPS_PIPE_DIRECTORY": str(paths.pipe_dir)}
-        host_paths = {"mps_pipe_dir": str(paths.pipe_dir)}
+               "CUDA_MPS_PIPE_DIRECTORY": pipe_dir}
+        host_paths = {"mps_pipe_dir": pipe_dir}
         if spec.memory_bytes:
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, spec.memory_bytes // _MIB)}M"
         if spec.kind == "fastpod":
             env.update(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(spec.sm_percent), FASTSHARE_SHARE_ID=spec.id,
                        FASTSHARE_POD_MANAGER_PORT=str(port), FASTSHARE_QUOTA_REQUEST=repr(spec.quota_request),
                        FASTSHARE_QUOTA_LIMIT=repr(spec.quota_limit))
-            host_paths.update(share_config=str(sharefiles.config_path(self.config.share_root, device_uuid)),
-                              share_ports=str(sharefiles.port_path(self.config.share_root, device_uuid)))
+            host_paths.update(share_config=share_config, share_ports=share_ports)
         return Prepared(env=env, host_paths=host_paths, device_uuids=(device_uuid,), port=port or 0)
 
     def _check_mps_capacity(self, spec: ShareSpec, dev: _DeviceView) -> list[ShareRow]:
@@ -482,7 +494,7 @@ class Agent:
             entries = [sharefiles.ShareEntry(r.spec.id, r.spec.quota_request, r.spec.quota_limit,
                                              r.spec.memory_bytes, r.port or 0)
                        for r in self._live_shares(device_uuid, exclude) if r.spec.kind == "fastpod"]
-            sharefiles.write(self.config.share_root, device_uuid, entries)
+            sharefiles.write(self._share_root, device_uuid, entries)
             if exclude is None:
                 self._files_written[device_uuid] = covers
 
@@ -624,7 +636,7 @@ class Agent:
                     actions.append(f"MIG {m.mig_uuid or m.gpu_uuid + '@' + str(m.start)} created by the "
                                    f"agent without a share: {fate}")
         actions += self._reconcile_mps(deadline)
-        devices_with_files = set(sharefiles.devices(self.config.share_root))
+        devices_with_files = set(sharefiles.devices(self._share_root))
         for row in self.journal.shares():
             if row.spec.kind == "fastpod":
                 devices_with_files.add(row.device_uuid)
@@ -765,13 +777,13 @@ class Agent:
         migs = {(m.gpu_uuid, m.start): m for m in self.journal.migs()}
         share_of_device = {r.device_uuid: r.spec.id for r in shares if r.spec.kind == "exclusive"}
         files = []
-        for device_uuid in sharefiles.devices(self.config.share_root):
+        for device_uuid in sharefiles.devices(self._share_root):
             try:
-                n = len(sharefiles.read(self.config.share_root, device_uuid))
+                n = len(sharefiles.read(self._share_root, device_uuid))
             except (OSError, ValueError):
                 n = 0
-            files.append((device_uuid, str(sharefiles.config_path(self.config.share_root, device_uuid)),
-                          str(sharefiles.port_path(self.config.share_root, device_uuid)), n))
+            files.append((device_uuid, str(sharefiles.config_path(self._share_root, device_uuid)),
+                          str(sharefiles.port_path(self._share_root, device_uuid)), n))
         daemons = []
         for row in self.journal.mps_daemons():
             paths = self.mps.paths(row.device_uuid)

@@ -22,12 +22,14 @@ import contextlib
 import ctypes
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, order=True)
-class ShareEntry:
+class ShareEntry(NamedTuple):
+    """One share's line; a tuple (not a dataclass) so that building one per share for every
+    write and sorting them runs at C speed (the dataclass was a fifth of a write's CPU)."""
+
     key: str
     request: float
     limit: float
@@ -157,8 +159,8 @@ def write(root: Path, device_uuid: str, entries: list[ShareEntry]) -> None:
     if len({e.key for e in ordered}) != len(ordered):
         raise ShareFileError(f"duplicate share keys for {device_uuid}")
     _replace(cfg, (f"{len(ordered)}\n" + "".join(
-        f"{e.key} {e.request!r} {e.limit!r} {e.memory_bytes}\n" for e in ordered)).encode())
-    _replace(ports, (f"{len(ordered)}\n" + "".join(f"{e.key} {e.port}\n" for e in ordered)).encode())
+        [f"{e.key} {e.request!r} {e.limit!r} {e.memory_bytes}\n" for e in ordered])).encode())
+    _replace(ports, (f"{len(ordered)}\n" + "".join([f"{e.key} {e.port}\n" for e in ordered])).encode())
 
 
 def read(root: Path, device_uuid: str) -> list[ShareEntry]:

@@ -3,15 +3,21 @@
 Errors come back as :class:`AgentError` with ``unreachable`` telling the caller whether the
 agent may simply be down (retry later, keep the state) or answered with a definite refusal
 (compensate now).
+
+PrepareShare and ReleaseShare calls that queue up behind others to the same agent go out
+together as one PrepareShares / ReleaseShares RPC (:mod:`coalesce`); each caller still gets
+its own reply or error. An agent without the batch RPCs (an older version) gets single calls.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
+from fastshare.controller.coalesce import Coalescer
 from fastshare.security.tls import TlsPaths, mtls_channel
 from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
@@ -19,6 +25,11 @@ DEFAULT_DEADLINE = 10.0
 # Codes that say "could not get an answer", not "the agent said no".
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# Calls to one agent sent at once before further ones wait to go out as a batch. More than one,
+# so that a slow call (an MPS daemon or MIG instance being created) does not hold up the rest.
+MAX_IN_FLIGHT = 2
+MAX_BATCH = 64
 
 
 class AgentError(Exception):
@@ -47,6 +58,11 @@ class AgentClient:
         self.deadline = deadline
         self._channel = mtls_channel(target.address, tls, server_name=target.node)
         self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
+        self._batching = True    # until an agent without the batch RPCs says UNIMPLEMENTED
+        self._prepares = Coalescer(self._sender("PrepareShare", agent_pb2.PrepareSharesRequest),
+                                   MAX_IN_FLIGHT, MAX_BATCH)
+        self._releases = Coalescer(self._sender("ReleaseShare", agent_pb2.ReleaseSharesRequest),
+                                   MAX_IN_FLIGHT, MAX_BATCH)
 
     def close(self) -> None:
         self._channel.close()
@@ -64,10 +80,38 @@ class AgentClient:
         return self._call("GetInventory", agent_pb2.GetInventoryRequest())
 
     def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
-        return self._call("PrepareShare", agent_pb2.PrepareShareRequest(share=share))
+        return self._prepares.call(agent_pb2.PrepareShareRequest(share=share))
 
     def release(self, share_id: str) -> agent_pb2.ReleaseShareReply:
-        return self._call("ReleaseShare", agent_pb2.ReleaseShareRequest(share_id=share_id))
+        return self._releases.call(agent_pb2.ReleaseShareRequest(share_id=share_id))
+
+    def _sender(self, method: str, batch_type: type) -> Callable[[list], list]:
+        """Sends requests for ``method``: one alone as itself, several as one batch RPC."""
+        batch_method = method + "s"
+
+        def send(requests: list) -> list:
+            if len(requests) > 1 and self._batching:
+                try:
+                    reply = getattr(self._stub, batch_method)(batch_type(calls=requests),
+                                                              timeout=self.deadline)
+                except grpc.RpcError as exc:
+                    if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                        return [AgentError(self.target.node, batch_method, exc.code(), exc.details() or "")
+                                for _ in requests]
+                    self._batching = False
+                else:
+                    return [r.reply if r.status.code == 0 else AgentError(
+                        self.target.node, method, _CODES.get(r.status.code, grpc.StatusCode.UNKNOWN),
+                        r.status.message) for r in reply.results]
+            return [self._outcome(method, request) for request in requests]
+
+        return send
+
+    def _outcome(self, method: str, request: object) -> object:
+        try:
+            return self._call(method, request)
+        except AgentError as exc:
+            return exc
 
     def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> agent_pb2.SetMigModeReply:
         return self._call("SetMigMode", agent_pb2.SetMigModeRequest(gpu_uuid=gpu_uuid, enabled=enabled))

@@ -64,6 +64,22 @@ class Metrics:
         return [shares, migs, daemons, gen]
 
 
+MAX_BATCH = 256   # calls in one PrepareShares / ReleaseShares
+
+
+def failure(name: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a call that raised ``exc`` answers with; the agent's own faults are logged."""
+    if isinstance(exc, AgentError):
+        return getattr(grpc.StatusCode, exc.code), str(exc)
+    if isinstance(exc, _Abort):
+        return exc.code, exc.message
+    if reason := write_failure(exc):
+        log.error("%s: %s", name, reason)
+        return grpc.StatusCode.UNAVAILABLE, reason
+    log.error("%s failed", name, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"{name} failed inside the agent; see its log"
+
+
 def rpc(mutating: bool) -> Callable:
     """Wrap a servicer method: authorise, bound by a deadline, map errors, record metrics; a
     mutating method replies only once the journal is on disk (see :mod:`fastshare.node.journal`)."""
@@ -86,20 +102,10 @@ def rpc(mutating: bool) -> Callable:
                 if mutating:   # acknowledged => on disk (one fdatasync shared by concurrent RPCs)
                     self.agent.journal.sync()
                 return reply
-            except AgentError as exc:
-                code = exc.code
-                context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-            except _Abort as exc:
-                code = exc.code.name
-                context.abort(exc.code, exc.message)
             except Exception as exc:
-                if reason := write_failure(exc):
-                    code = "UNAVAILABLE"
-                    log.error("%s: %s", name, reason)
-                    context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-                code = "INTERNAL"
-                log.exception("%s failed", name)
-                context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the agent; see its log")
+                status, message = failure(name, exc)
+                code = status.name
+                context.abort(status, message)
             finally:
                 self.metrics.latency.labels(name).observe(time.perf_counter() - started)
                 if code != "OK":
@@ -155,20 +161,54 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
                                         generation=snap.generation, boot_id=snap.boot_id)
         return agent_pb2.WatchReply(changed=False, generation=generation, boot_id=self.agent.boot_id)
 
-    @rpc(mutating=True)
-    def PrepareShare(self, request, context, deadline):
+    def _prepare(self, request: agent_pb2.PrepareShareRequest,
+                 deadline: Deadline) -> agent_pb2.PrepareShareReply:
         if not request.HasField("share"):
             raise AgentError("INVALID_ARGUMENT", "share is required")
         spec = spec_from_proto(request.share)
         prepared, created = self.agent.prepare(spec, deadline)
         return prepared_proto(spec, prepared, created)
 
-    @rpc(mutating=True)
-    def ReleaseShare(self, request, context, deadline):
+    def _release(self, request: agent_pb2.ReleaseShareRequest,
+                 deadline: Deadline) -> agent_pb2.ReleaseShareReply:
         result = self.agent.release(request.share_id, deadline)
         return agent_pb2.ReleaseShareReply(released=result.released,
                                            destroyed_mig_devices=result.destroyed_mig_devices,
                                            stopped_mps_daemons=result.stopped_mps_daemons)
+
+    def _each(self, name: str, calls: Any, do: Callable, result_type: type, deadline: Deadline) -> list:
+        """Run a batch's calls in order; each gets the result or the error it would have had alone.
+        (The wrapper's one journal sync then covers them all.)"""
+        if len(calls) > MAX_BATCH:
+            raise AgentError("INVALID_ARGUMENT", f"calls: at most {MAX_BATCH} in one batch, got {len(calls)}")
+        results = []
+        for call in calls:
+            try:
+                results.append(result_type(reply=do(call, deadline)))
+            except Exception as exc:
+                status, message = failure(name, exc)
+                self.metrics.errors.labels(name, status.name).inc()
+                status_pb = agent_pb2.CallStatus(code=status.value[0], message=message)
+                results.append(result_type(status=status_pb))
+        return results
+
+    @rpc(mutating=True)
+    def PrepareShare(self, request, context, deadline):
+        return self._prepare(request, deadline)
+
+    @rpc(mutating=True)
+    def ReleaseShare(self, request, context, deadline):
+        return self._release(request, deadline)
+
+    @rpc(mutating=True)
+    def PrepareShares(self, request, context, deadline):
+        return agent_pb2.PrepareSharesReply(results=self._each(
+            "PrepareShare", request.calls, self._prepare, agent_pb2.PrepareSharesReply.Result, deadline))
+
+    @rpc(mutating=True)
+    def ReleaseShares(self, request, context, deadline):
+        return agent_pb2.ReleaseSharesReply(results=self._each(
+            "ReleaseShare", request.calls, self._release, agent_pb2.ReleaseSharesReply.Result, deadline))
 
     @rpc(mutating=True)
     def SetMigMode(self, request, context, deadline):

@@ -49,6 +49,8 @@ def test_readonly_port_serves_inventory_but_refuses_mutations(agent):
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "client certificate" in err.details()
     err = rpc_error(anon.ReleaseShare, agent_pb2.ReleaseShareRequest(share_id="x"))
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    batch = agent_pb2.PrepareSharesRequest(calls=[fastpod("x", _gpu(agent))])
+    assert rpc_error(anon.PrepareShares, batch).code() == grpc.StatusCode.UNAUTHENTICATED
     assert agent.unix().GetInventory(INV, timeout=30).shares == []
 
 

@@ -1,0 +1,113 @@
+"""The controller's agent client over real mTLS gRPC: queued calls go out as one batch with
+per-call outcomes, and an agent without the batch RPCs (an older version) gets single calls."""
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from fastshare.controller.agent_client import MAX_IN_FLIGHT, AgentClient, AgentError, AgentTarget
+from fastshare.security.tls import TlsPaths, server_credentials
+from fastshare.v1 import agent_pb2, agent_pb2_grpc
+
+from .conftest import Pki
+
+
+class OldAgent(agent_pb2_grpc.NodeAgentServicer):
+    """Knows PrepareShare only; the first calls wait for ``gate`` so that later ones queue."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.single: list[str] = []
+        self.batches: list[list[str]] = []
+
+    def PrepareShare(self, request, context):
+        self.single.append(request.share.id)
+        self.gate.wait(30)
+        if request.share.id.startswith("bad"):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{request.share.id}: no room")
+        return agent_pb2.PrepareShareReply(share=request.share, created=True)
+
+
+class NewAgent(OldAgent):
+    def PrepareShares(self, request, context):
+        self.batches.append([c.share.id for c in request.calls])
+        results = []
+        for call in request.calls:
+            if call.share.id.startswith("bad"):
+                status = agent_pb2.CallStatus(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                              message=f"{call.share.id}: no room")
+                results.append(agent_pb2.PrepareSharesReply.Result(status=status))
+            else:
+                results.append(agent_pb2.PrepareSharesReply.Result(
+                    reply=agent_pb2.PrepareShareReply(share=call.share, created=True)))
+        return agent_pb2.PrepareSharesReply(results=results)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    pki = Pki(tmp_path)
+    pki.issue("node-x")
+    servers = []
+
+    def start(servicer) -> AgentClient:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
+        port = server.add_secure_port("127.0.0.1:0", server_credentials(TlsPaths.in_dir(pki.dir, "node-x")))
+        server.start()
+        servers.append(server)
+        return AgentClient(AgentTarget("node-x", f"127.0.0.1:{port}"), TlsPaths.in_dir(pki.dir, "controller"))
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+def _prepare_many(client: AgentClient, servicer: OldAgent, ids: list[str]) -> dict:
+    """The first MAX_IN_FLIGHT calls hold the agent; the rest queue, then all are let go."""
+    outcomes: dict = {}
+
+    def run(share_id: str) -> None:
+        try:
+            outcomes[share_id] = client.prepare(agent_pb2.Share(id=share_id)).share.id
+        except AgentError as exc:
+            outcomes[share_id] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in ids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(servicer.single) < MAX_IN_FLIGHT or len(client._prepares._waiting) < len(ids) - MAX_IN_FLIGHT:
+        assert time.monotonic() < deadline, "calls did not queue"
+        time.sleep(0.005)
+    servicer.gate.set()
+    for t in threads:
+        t.join(30)
+    return outcomes
+
+
+def test_queued_calls_go_out_as_one_batch_with_their_own_outcomes(serve):
+    agent = NewAgent()
+    client = serve(agent)
+    held = [f"held-{i}" for i in range(MAX_IN_FLIGHT)]
+    queued = ["q-1", "bad-2", "q-3"]
+    outcomes = _prepare_many(client, agent, held + queued)
+    assert sorted(agent.single) == held and [sorted(b) for b in agent.batches] == [sorted(queued)]
+    assert outcomes["q-1"] == "q-1" and outcomes["q-3"] == "q-3"
+    error = outcomes["bad-2"]
+    assert isinstance(error, AgentError) and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not error.unreachable and "bad-2: no room" in str(error)
+
+
+def test_an_agent_without_batch_calls_gets_single_calls(serve):
+    agent = OldAgent()
+    client = serve(agent)
+    held = [f"held-{i}" for i in range(MAX_IN_FLIGHT)]
+    queued = ["q-1", "bad-2", "q-3"]
+    outcomes = _prepare_many(client, agent, held + queued)
+    assert sorted(agent.single) == sorted(held + queued)
+    assert outcomes["q-1"] == "q-1" and outcomes["q-3"] == "q-3"
+    assert outcomes["bad-2"].code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client._batching is False

@@ -1,0 +1,129 @@
+"""Coalescing calls to one agent: alone when idle, batched behind calls in flight, each caller
+gets its own outcome, and a failed batch leaves the coalescer usable."""
+
+import threading
+import time
+
+import pytest
+
+from fastshare.controller.coalesce import Coalescer
+
+
+class Recorder:
+    """A ``send`` that records its batches; while ``gate`` is set to an unset Event, the
+    first batch blocks until the test lets it go."""
+
+    def __init__(self, fail_item=None, raise_on=None) -> None:
+        self.batches: list[list[int]] = []
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self.fail_item = fail_item
+        self.raise_on = raise_on
+
+    def __call__(self, items: list[int]) -> list:
+        self.batches.append(list(items))
+        gate, self.gate = self.gate, None
+        self.entered.set()
+        if gate is not None:
+            assert gate.wait(30)
+        if self.raise_on is not None and self.raise_on in items:
+            raise ConnectionError(f"batch with {self.raise_on} lost")
+        return [ValueError(f"item {i} refused") if i == self.fail_item else i * 10 for i in items]
+
+
+def _start(coalescer: Coalescer, items: list[int], outcomes: dict) -> list[threading.Thread]:
+    def run(item: int) -> None:
+        try:
+            outcomes[item] = coalescer.call(item)
+        except Exception as exc:   # the test looks at it
+            outcomes[item] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in items]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _wait_waiting(coalescer: Coalescer, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(coalescer._waiting) < count:
+        assert time.monotonic() < deadline, "callers did not queue"
+        time.sleep(0.005)
+
+
+def _blocked_first_call(send: Recorder, coalescer: Coalescer, outcomes: dict) -> threading.Event:
+    gate = threading.Event()
+    send.entered.clear()
+    send.gate = gate
+    _start(coalescer, [1], outcomes)
+    assert send.entered.wait(30)
+    return gate
+
+
+def test_an_idle_coalescer_sends_each_call_alone_at_once():
+    send = Recorder()
+    coalescer = Coalescer(send, max_in_flight=1)
+    assert [coalescer.call(i) for i in (1, 2, 3)] == [10, 20, 30]
+    assert send.batches == [[1], [2], [3]]
+
+
+def test_calls_behind_one_in_flight_go_out_together_and_each_gets_its_own_result():
+    send, outcomes = Recorder(), {}
+    coalescer = Coalescer(send, max_in_flight=1)
+    gate = _blocked_first_call(send, coalescer, outcomes)
+    threads = _start(coalescer, [2, 3, 4, 5], outcomes)
+    _wait_waiting(coalescer, 4)
+    assert send.batches == [[1]]          # nothing else went out meanwhile
+    gate.set()
+    for t in threads:
+        t.join(30)
+    assert outcomes == {1: 10, 2: 20, 3: 30, 4: 40, 5: 50}
+    assert sorted(send.batches[1]) == [2, 3, 4, 5] and len(send.batches) == 2
+    assert (coalescer.batches, coalescer.calls) == (2, 5)
+
+
+def test_a_refused_call_fails_alone_and_a_lost_batch_fails_all_of_its_calls():
+    send, outcomes = Recorder(fail_item=3, raise_on=6), {}
+    coalescer = Coalescer(send, max_in_flight=1)
+    gate = _blocked_first_call(send, coalescer, outcomes)
+    threads = _start(coalescer, [2, 3], outcomes)
+    _wait_waiting(coalescer, 2)
+    gate.set()
+    for t in threads:
+        t.join(30)
+    assert outcomes[2] == 20 and isinstance(outcomes[3], ValueError)
+
+    gate = _blocked_first_call(send, coalescer, outcomes)
+    threads = _start(coalescer, [6, 7], outcomes)
+    _wait_waiting(coalescer, 2)
+    gate.set()
+    for t in threads:
+        t.join(30)
+    assert isinstance(outcomes[6], ConnectionError) and isinstance(outcomes[7], ConnectionError)
+    assert coalescer.call(8) == 80         # the slot was given back
+    assert coalescer._in_flight == 0
+
+
+def test_batches_are_capped_and_slots_beyond_one_send_at_once():
+    send, outcomes = Recorder(), {}
+    coalescer = Coalescer(send, max_in_flight=1, max_batch=3)
+    gate = _blocked_first_call(send, coalescer, outcomes)
+    threads = _start(coalescer, list(range(10, 17)), outcomes)
+    _wait_waiting(coalescer, 7)
+    gate.set()
+    for t in threads:
+        t.join(30)
+    assert [len(b) for b in send.batches] == [1, 3, 3, 1]
+    assert outcomes == {1: 10, **{i: i * 10 for i in range(10, 17)}}
+
+    two = Coalescer(Recorder(), max_in_flight=2)
+    send2: Recorder = two._send
+    gate = _blocked_first_call(send2, two, outcomes)
+    assert two.call(20) == 200              # a second slot: not held up by the first call
+    gate.set()
+
+
+@pytest.mark.parametrize("field", ["max_in_flight", "max_batch"])
+def test_limits_must_be_positive(field):
+    with pytest.raises(ValueError, match="at least 1"):
+        Coalescer(Recorder(), **{field: 0})

@@ -1,0 +1,64 @@
+"""PrepareShares / ReleaseShares: each call in a batch gets the answer it would have had alone,
+and the batch is acknowledged only once the journal holds all of it."""
+
+import grpc
+
+from fastshare.node import sharefiles
+from fastshare.v1 import agent_pb2
+
+from .harness import GPU_A, GPU_B, fastpod, rpc_error, share
+
+INV = agent_pb2.GetInventoryRequest()
+
+
+def _status(result) -> tuple[grpc.StatusCode, str]:
+    code = next(c for c in grpc.StatusCode if c.value[0] == result.status.code)
+    return code, result.status.message
+
+
+def test_a_batch_answers_each_call_as_if_alone(agent):
+    agent.start()
+    gpus = [g.uuid for g in agent.unix().GetInventory(INV, timeout=30).gpus]
+    stub = agent.mtls()
+    alone = stub.PrepareShare(fastpod("alone", gpus[GPU_B], sm=10), timeout=60)
+    calls = [fastpod("a", gpus[GPU_A], sm=30), fastpod("too-big", gpus[GPU_A], sm=80),
+             share("no-kind", "whole", [gpus[GPU_A]]), fastpod("b", gpus[GPU_A], sm=40),
+             fastpod("a", gpus[GPU_A], sm=30), fastpod("a", gpus[GPU_A], sm=31)]
+    calls[2].share.ClearField("kind")
+    reply = stub.PrepareShares(agent_pb2.PrepareSharesRequest(calls=calls), timeout=60)
+
+    assert len(reply.results) == len(calls)
+    ok = [r.status.code == 0 for r in reply.results]
+    assert ok == [True, False, False, True, True, False]
+    a, too_big, no_kind, b, again, changed = reply.results
+    assert a.reply.created and not again.reply.created and again.reply.env == a.reply.env
+    assert b.reply.created and b.reply.port and b.reply.port != a.reply.port
+    assert set(a.reply.env) == set(alone.env)   # the same kind of answer as PrepareShare's
+    code, message = _status(too_big)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "share.sm_percent 80" in message
+    code, message = _status(no_kind)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "share.kind" in message
+    code, message = _status(changed)
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+
+    held = {s.id for s in agent.unix().GetInventory(INV, timeout=30).shares}
+    assert held == {"alone", "a", "b"}
+    entries = sharefiles.read(agent.rundir / "shares", gpus[GPU_A])
+    assert {e.key for e in entries} == {"a", "b"}
+
+    released = stub.ReleaseShares(agent_pb2.ReleaseSharesRequest(calls=[
+        agent_pb2.ReleaseShareRequest(share_id=i) for i in ("a", "never-was", "b", "a")]), timeout=60)
+    assert [(r.status.code, r.reply.released) for r in released.results] == [
+        (0, True), (0, False), (0, True), (0, False)]
+    assert {s.id for s in agent.unix().GetInventory(INV, timeout=30).shares} == {"alone"}
+
+
+def test_a_batch_is_bounded_and_an_empty_one_does_nothing(agent):
+    agent.start()
+    gpu = agent.unix().GetInventory(INV, timeout=30).gpus[GPU_A].uuid
+    stub = agent.unix()
+    err = rpc_error(stub.PrepareShares, agent_pb2.PrepareSharesRequest(
+        calls=[fastpod(f"s{i}", gpu, sm=1) for i in range(257)]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "calls: at most 256" in err.details()
+    assert stub.PrepareShares(agent_pb2.PrepareSharesRequest(), timeout=60).results == []
+    assert agent.unix().GetInventory(INV, timeout=30).shares == []

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from fastshare.controller.model import HOLDING, Allocation, Device, Kind, Node, Spec, State
 from fastshare.device import catalog
 from fastshare.v1 import common_pb2
@@ -36,7 +34,7 @@ def spec_to_pb(spec: Spec) -> pb.AllocationSpec:
 
 
 def device_to_pb(d: Device) -> pb.AssignedDevice:
-    return pb.AssignedDevice(**asdict(d))
+    return pb.AssignedDevice(**d.to_json())
 
 
 def allocation_to_pb(a: Allocation, node_available: bool = True) -> pb.Allocation:

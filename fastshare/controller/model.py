@@ -7,7 +7,7 @@ API in-cluster) can persist them without knowing the protobuf or the engine type
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -53,7 +53,7 @@ class Spec:
     exclusion: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = dict(vars(self))   # every field is a scalar or a tuple replaced below (asdict deep-copies)
         data["kind"] = self.kind.value
         data["node_selector"] = dict(self.node_selector)
         data["models"] = list(self.models)
@@ -79,6 +79,9 @@ class Device:
     mig_start: int = 0
     mig_size: int = 0
     mig_uuid: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))   # scalars only: what asdict gives, without its deep copy
 
 
 @dataclass

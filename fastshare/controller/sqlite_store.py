@@ -31,7 +31,6 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +98,7 @@ def _encode(name: str, value: Any) -> Any:
     if name == "spec":
         return json.dumps(value.to_json(), sort_keys=True)
     if name == "devices":
-        return json.dumps([asdict(d) for d in value])
+        return json.dumps([d.to_json() for d in value])
     if name in _JSON_FIELDS:
         return json.dumps(value, sort_keys=True)
     if name == "state":

@@ -13,7 +13,8 @@ MPS daemon already runs ("fastpod on existing MPS daemons"), then measures:
   - baselines: the same number of Ping RPCs (same channel, TLS, auth) to the same
     controller, and the same PrepareShare calls sent to the agents directly.
 Every Allocate is a full life cycle step: validation, placement, two SQLite commits (pending,
-then active) and a PrepareShare RPC to the agent with its deadline.
+then active) and a PrepareShare call to the agent with its deadline (sent alone, or within a
+PrepareShares batch when calls to that agent queue up behind two in flight).
 
     python bench/controller.py [--allocations 400] [--concurrency 8] [--rate 200]
 Targets (issue #5): >= 200 allocations/s (closed loop) and p99 <= 50 ms (open loop at 200/s).

@@ -4,9 +4,12 @@ Errors come back as :class:`AgentError` with ``unreachable`` telling the caller 
 agent may simply be down (retry later, keep the state) or answered with a definite refusal
 (compensate now).
 
-PrepareShare and ReleaseShare calls that queue up behind others to the same agent go out
-together as one PrepareShares / ReleaseShares RPC (:mod:`coalesce`); each caller still gets
-its own reply or error. An agent without the batch RPCs (an older version) gets single calls.
+PrepareShare and ReleaseShare calls for MPS-backed shares (fastpod, mps) that queue up behind
+others to the same agent go out together as one PrepareShares / ReleaseShares RPC
+(:mod:`coalesce`); each caller still gets its own reply or error. The agent runs a batch's
+calls one after another, so calls that can take long (creating or destroying a MIG slice,
+whole GPUs) always go alone. An agent without the batch RPCs (an older version) gets single
+calls.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ DEFAULT_DEADLINE = 10.0
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+BATCHED_KINDS = frozenset({common_pb2.SHARE_KIND_FASTPOD, common_pb2.SHARE_KIND_MPS})
 # Calls to one agent sent at once before further ones wait to go out as a batch. More than one,
 # so that a slow call (an MPS daemon or MIG instance being created) does not hold up the rest.
 MAX_IN_FLIGHT = 2
@@ -80,10 +84,18 @@ class AgentClient:
         return self._call("GetInventory", agent_pb2.GetInventoryRequest())
 
     def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
-        return self._prepares.call(agent_pb2.PrepareShareRequest(share=share))
+        request = agent_pb2.PrepareShareRequest(share=share)
+        if share.kind in BATCHED_KINDS:
+            return self._prepares.call(request)
+        return self._call("PrepareShare", request)
 
-    def release(self, share_id: str) -> agent_pb2.ReleaseShareReply:
-        return self._releases.call(agent_pb2.ReleaseShareRequest(share_id=share_id))
+    def release(self, share_id: str,
+                kind: int = common_pb2.SHARE_KIND_UNSPECIFIED) -> agent_pb2.ReleaseShareReply:
+        """``kind``: the share's, when known (only MPS-backed shares may wait for a batch)."""
+        request = agent_pb2.ReleaseShareRequest(share_id=share_id)
+        if kind in BATCHED_KINDS:
+            return self._releases.call(request)
+        return self._call("ReleaseShare", request)
 
     def _sender(self, method: str, batch_type: type) -> Callable[[list], list]:
         """Sends requests for ``method``: one alone as itself, several as one batch RPC."""

@@ -362,7 +362,7 @@ class ControllerCore:
         """
         node = self.node_facts(allocation.node)
         try:
-            self.agents.get(node.name, node.address).release(allocation.id)
+            self.agents.get(node.name, node.address).release(allocation.id, _KINDS[allocation.spec.kind])
         except AgentError as exc:
             log.warning("allocation %s stays releasing: %s", allocation.id, exc)
             return allocation

@@ -8,9 +8,15 @@ from concurrent import futures
 import grpc
 import pytest
 
-from fastshare.controller.agent_client import MAX_IN_FLIGHT, AgentClient, AgentError, AgentTarget
+from fastshare.controller.agent_client import (
+    BATCHED_KINDS,
+    MAX_IN_FLIGHT,
+    AgentClient,
+    AgentError,
+    AgentTarget,
+)
 from fastshare.security.tls import TlsPaths, server_credentials
-from fastshare.v1 import agent_pb2, agent_pb2_grpc
+from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 from .conftest import Pki
 
@@ -65,13 +71,14 @@ def serve(tmp_path):
         server.stop(None)
 
 
-def _prepare_many(client: AgentClient, servicer: OldAgent, ids: list[str]) -> dict:
+def _prepare_many(client: AgentClient, servicer: OldAgent, ids: list[str],
+                  kind: int = common_pb2.SHARE_KIND_FASTPOD) -> dict:
     """The first MAX_IN_FLIGHT calls hold the agent; the rest queue, then all are let go."""
     outcomes: dict = {}
 
     def run(share_id: str) -> None:
         try:
-            outcomes[share_id] = client.prepare(agent_pb2.Share(id=share_id)).share.id
+            outcomes[share_id] = client.prepare(agent_pb2.Share(id=share_id, kind=kind)).share.id
         except AgentError as exc:
             outcomes[share_id] = exc
 
@@ -79,7 +86,8 @@ def _prepare_many(client: AgentClient, servicer: OldAgent, ids: list[str]) -> di
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while len(servicer.single) < MAX_IN_FLIGHT or len(client._prepares._waiting) < len(ids) - MAX_IN_FLIGHT:
+    queued = len(ids) - MAX_IN_FLIGHT if kind in BATCHED_KINDS else 0
+    while len(servicer.single) < len(ids) - queued or len(client._prepares._waiting) < queued:
         assert time.monotonic() < deadline, "calls did not queue"
         time.sleep(0.005)
     servicer.gate.set()
@@ -111,3 +119,12 @@ def test_an_agent_without_batch_calls_gets_single_calls(serve):
     assert outcomes["q-1"] == "q-1" and outcomes["q-3"] == "q-3"
     assert outcomes["bad-2"].code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert client._batching is False
+
+
+def test_calls_that_may_take_long_never_wait_for_a_batch(serve):
+    agent = NewAgent()
+    client = serve(agent)
+    ids = [f"mig-{i}" for i in range(MAX_IN_FLIGHT + 3)]
+    outcomes = _prepare_many(client, agent, ids, kind=common_pb2.SHARE_KIND_EXCLUSIVE)
+    assert sorted(agent.single) == sorted(ids) and agent.batches == []   # all at once, each alone
+    assert all(outcomes[i] == i for i in ids)

@@ -69,16 +69,13 @@ class _Locks:
         self._guard = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
 
-    @contextlib.contextmanager
-    def hold(self, name: str, deadline: Deadline) -> Iterator[None]:
+    def hold(self, name: str, deadline: Deadline) -> _Held:
+        """``with locks.hold(name, deadline):`` - the lock is taken here, released on exit."""
         with self._guard:
             lock = self._locks.setdefault(name, threading.Lock())
         if not lock.acquire(timeout=deadline.remaining()):
             raise AgentError("DEADLINE_EXCEEDED", f"{self._what} {name} stayed busy past the deadline")
-        try:
-            yield
-        finally:
-            lock.release()
+        return _Held(lock)
 
     def discard(self, name: str) -> None:
         """Forget a share id's lock (the id is gone); a holder keeps its own reference."""
@@ -86,6 +83,21 @@ class _Locks:
             lock = self._locks.get(name)
             if lock is not None and not lock.locked():
                 del self._locks[name]
+
+
+class _Held:
+    """A taken lock as a context manager (a class: a generator-based one cost 5 us a lock)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 @dataclass(frozen=True)

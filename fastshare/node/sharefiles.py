@@ -77,8 +77,9 @@ _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 def _replace(file: _File, data: bytes) -> None:
     """Atomically make the file contain ``data``; no write at all when it already does.
 
-    Raw os calls on precomputed names: six system calls for a changed file (Path.write_text
-    and friends made eighteen, each a GIL release and often a context switch under load)."""
+    Raw os calls on precomputed names: five system calls for a changed file on tmpfs, six
+    elsewhere (Path.write_text and friends made eighteen, each a GIL release and often a
+    context switch under load)."""
     if (file.last is None or file.last == data) and _holds(file.path, data):
         file.last = data
         return

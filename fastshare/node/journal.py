@@ -109,11 +109,16 @@ class JournalError(RuntimeError):
 
 
 class Journal:
-    """Thread-safe; one connection guarded by a lock, each method one short transaction."""
+    """Thread-safe; one connection guarded by a lock, each method one short transaction.
+
+    The cached rows have a lock of their own, never held across I/O: a reader (every capacity
+    check) does not wait behind a commit, nor behind a writer that holds the connection while
+    it waits for the GIL after its SQLite call."""
 
     def __init__(self, path: Path) -> None:
         path = Path(path)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()    # the connection
+        self._view = threading.Lock()    # the cached rows (taken inside _lock, never the reverse)
         self._db = open_state_file(path, synchronous="NORMAL", what="node agent journal",
                                    recovery="the agent forgets which shares, MIG instances and MPS "
                                             "daemons it made and never cleans them up")
@@ -157,21 +162,25 @@ class Journal:
                     found = self._db.execute(f"SELECT {_SHARE_COLUMNS} FROM shares WHERE id=?",
                                              (share_id,)).fetchone()
                     row = _share_row(found) if found is not None else None
-                self._cache(share_id, row)  # type: ignore[arg-type]
+                with self._view:
+                    self._cache(share_id, row)  # type: ignore[arg-type]
             if mps_device is not None:
                 self._cache_mps(mps_device)
 
     def _cache_mps(self, device_uuid: str) -> None:
-        """With the lock held: re-read one daemon's row (SQLite's types, e.g. REAL ceilings)."""
+        """With the connection's lock held: re-read one daemon's row (SQLite's types, e.g. REAL
+        ceilings)."""
         found = self._db.execute(f"SELECT {_MPS_COLUMNS} FROM mps_daemons WHERE device_uuid=?",
                                  (device_uuid,)).fetchone()
-        if found is None:
-            self._mps.pop(device_uuid, None)
-        else:
-            self._mps[device_uuid] = _mps_row(found)
+        with self._view:
+            if found is None:
+                self._mps.pop(device_uuid, None)
+            else:
+                self._mps[device_uuid] = _mps_row(found)
 
     def _cache(self, share_id: str, row: ShareRow | None) -> None:
-        """With the lock held: the parsed row (None: gone) and the per-device index."""
+        """With the view's lock held (or alone, at start): the parsed row (None: gone) and the
+        per-device index."""
         old = self._shares.pop(share_id, None)
         if old is not None:
             for device in _devices_of(old):
@@ -218,17 +227,17 @@ class Journal:
         self._write("DELETE FROM shares WHERE id=?", (share_id,), share_id, None)
 
     def share(self, share_id: str) -> ShareRow | None:
-        with self._lock:
+        with self._view:
             return self._shares.get(share_id)
 
     def shares(self) -> list[ShareRow]:
-        with self._lock:
+        with self._view:
             return [self._shares[k] for k in sorted(self._shares)]
 
     def shares_on(self, device_uuid: str) -> list[ShareRow]:
         """Shares that hold ``device_uuid`` (where they live, or one of the devices they asked
         for), from an index: capacity checks must not scan every share of the node."""
-        with self._lock:
+        with self._view:
             return [self._shares[k] for k in sorted(self._on_device.get(device_uuid, ()))]
 
     # MIG instances ------------------------------------------------------------------------
@@ -283,11 +292,11 @@ class Journal:
         self._write("DELETE FROM mps_daemons WHERE device_uuid=?", (device_uuid,), mps_device=device_uuid)
 
     def mps(self, device_uuid: str) -> MpsRow | None:
-        with self._lock:
+        with self._view:
             return self._mps.get(device_uuid)
 
     def mps_daemons(self) -> list[MpsRow]:
-        with self._lock:
+        with self._view:
             return [self._mps[k] for k in sorted(self._mps)]
 
 

@@ -1,6 +1,9 @@
 """Share files: one writer, atomic replacement, request before limit, removal when empty."""
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -99,3 +102,47 @@ def test_reader_gets_back_exactly_what_the_writer_wrote(tmp_path_factory, entrie
     assert sharefiles.read(root, UUID) == sorted(entries)
     for entry in sharefiles.read(root, UUID):
         assert entry.request <= entry.limit  # the column order KubeShare v2 once swapped
+
+
+@pytest.fixture(params=["disk", "tmpfs"])
+def any_root(request, tmp_path):
+    """A share root on the test's disk, and one on tmpfs (/run in production), where the
+    writer renames over the old file instead of swapping it out."""
+    if request.param == "disk":
+        return tmp_path
+    if not os.path.isdir("/dev/shm") or not sharefiles._on_tmpfs("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    root = tempfile.mkdtemp(prefix="sharefiles-", dir="/dev/shm")
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    return Path(root)
+
+
+def test_replacement_keeps_an_open_reader_on_the_old_file(any_root):
+    old = [ShareEntry("a", 0.5, 0.5, 1, 50100)]
+    sharefiles.write(any_root, UUID, old)
+    with open(sharefiles.config_path(any_root, UUID)) as reader:   # an interception library
+        previous_umask = os.umask(0o077)
+        try:
+            sharefiles.write(any_root, UUID, [*old, ShareEntry("b", 0.25, 0.5, 1, 50101)])
+        finally:
+            os.umask(previous_umask)
+        assert reader.read() == "1\na 0.5 0.5 1\n"                 # the old file, whole
+    assert [e.key for e in sharefiles.read(any_root, UUID)] == ["a", "b"]
+    for path in (sharefiles.config_path(any_root, UUID), sharefiles.port_path(any_root, UUID)):
+        assert path.stat().st_mode & 0o777 == 0o644                 # whatever the umask
+        assert [p for p in os.listdir(path.parent) if p.startswith(".")] == []
+
+
+def test_files_changed_or_removed_behind_the_writer_are_rewritten(any_root):
+    entries = [ShareEntry("a", 0.5, 0.5, 1, 50100)]
+    sharefiles.write(any_root, UUID, entries)
+    expected = sharefiles.config_path(any_root, UUID).read_text()
+    sharefiles.config_path(any_root, UUID).write_text("garbage\n")
+    sharefiles.write(any_root, UUID, entries)                      # same entries as last time
+    assert sharefiles.config_path(any_root, UUID).read_text() == expected
+    sharefiles.port_path(any_root, UUID).unlink()
+    sharefiles.write(any_root, UUID, entries)
+    assert sharefiles.read(any_root, UUID) == entries
+    shutil.rmtree(any_root / "config")                             # the directory too
+    sharefiles.write(any_root, UUID, [*entries, ShareEntry("b", 0.25, 0.5, 1, 50101)])
+    assert [e.key for e in sharefiles.read(any_root, UUID)] == ["a", "b"]

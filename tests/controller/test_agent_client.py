@@ -96,29 +96,22 @@ def _prepare_many(client: AgentClient, servicer: OldAgent, ids: list[str],
     return outcomes
 
 
-def test_queued_calls_go_out_as_one_batch_with_their_own_outcomes(serve):
-    agent = NewAgent()
+@pytest.mark.parametrize("servicer", [NewAgent, OldAgent])
+def test_queued_calls_go_out_as_one_batch_with_their_own_outcomes(serve, servicer):
+    """NewAgent: one batch RPC for the queued calls. OldAgent (no batch RPCs): single calls."""
+    agent = servicer()
     client = serve(agent)
     held = [f"held-{i}" for i in range(MAX_IN_FLIGHT)]
     queued = ["q-1", "bad-2", "q-3"]
     outcomes = _prepare_many(client, agent, held + queued)
-    assert sorted(agent.single) == held and [sorted(b) for b in agent.batches] == [sorted(queued)]
+    if servicer is NewAgent:
+        assert sorted(agent.single) == held and [sorted(b) for b in agent.batches] == [sorted(queued)]
+    else:
+        assert sorted(agent.single) == sorted(held + queued) and client._batching is False
     assert outcomes["q-1"] == "q-1" and outcomes["q-3"] == "q-3"
     error = outcomes["bad-2"]
     assert isinstance(error, AgentError) and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert not error.unreachable and "bad-2: no room" in str(error)
-
-
-def test_an_agent_without_batch_calls_gets_single_calls(serve):
-    agent = OldAgent()
-    client = serve(agent)
-    held = [f"held-{i}" for i in range(MAX_IN_FLIGHT)]
-    queued = ["q-1", "bad-2", "q-3"]
-    outcomes = _prepare_many(client, agent, held + queued)
-    assert sorted(agent.single) == sorted(held + queued)
-    assert outcomes["q-1"] == "q-1" and outcomes["q-3"] == "q-3"
-    assert outcomes["bad-2"].code is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert client._batching is False
 
 
 def test_calls_that_may_take_long_never_wait_for_a_batch(serve):

@@ -60,6 +60,16 @@ def _blocked_first_call(send: Recorder, coalescer: Coalescer, outcomes: dict) ->
     return gate
 
 
+def _behind_a_blocked_call(send: Recorder, coalescer: Coalescer, items: list[int], outcomes: dict) -> None:
+    """Call 1 blocks in ``send`` while ``items`` queue behind it; then all are let go."""
+    gate = _blocked_first_call(send, coalescer, outcomes)
+    threads = _start(coalescer, items, outcomes)
+    _wait_waiting(coalescer, len(items))
+    gate.set()
+    for t in threads:
+        t.join(30)
+
+
 def test_an_idle_coalescer_sends_each_call_alone_at_once():
     send = Recorder()
     coalescer = Coalescer(send, max_in_flight=1)
@@ -85,20 +95,9 @@ def test_calls_behind_one_in_flight_go_out_together_and_each_gets_its_own_result
 def test_a_refused_call_fails_alone_and_a_lost_batch_fails_all_of_its_calls():
     send, outcomes = Recorder(fail_item=3, raise_on=6), {}
     coalescer = Coalescer(send, max_in_flight=1)
-    gate = _blocked_first_call(send, coalescer, outcomes)
-    threads = _start(coalescer, [2, 3], outcomes)
-    _wait_waiting(coalescer, 2)
-    gate.set()
-    for t in threads:
-        t.join(30)
+    _behind_a_blocked_call(send, coalescer, [2, 3], outcomes)
     assert outcomes[2] == 20 and isinstance(outcomes[3], ValueError)
-
-    gate = _blocked_first_call(send, coalescer, outcomes)
-    threads = _start(coalescer, [6, 7], outcomes)
-    _wait_waiting(coalescer, 2)
-    gate.set()
-    for t in threads:
-        t.join(30)
+    _behind_a_blocked_call(send, coalescer, [6, 7], outcomes)
     assert isinstance(outcomes[6], ConnectionError) and isinstance(outcomes[7], ConnectionError)
     assert coalescer.call(8) == 80         # the slot was given back
     assert coalescer._in_flight == 0
@@ -107,12 +106,7 @@ def test_a_refused_call_fails_alone_and_a_lost_batch_fails_all_of_its_calls():
 def test_batches_are_capped_and_slots_beyond_one_send_at_once():
     send, outcomes = Recorder(), {}
     coalescer = Coalescer(send, max_in_flight=1, max_batch=3)
-    gate = _blocked_first_call(send, coalescer, outcomes)
-    threads = _start(coalescer, list(range(10, 17)), outcomes)
-    _wait_waiting(coalescer, 7)
-    gate.set()
-    for t in threads:
-        t.join(30)
+    _behind_a_blocked_call(send, coalescer, list(range(10, 17)), outcomes)
     assert [len(b) for b in send.batches] == [1, 3, 3, 1]
     assert outcomes == {1: 10, **{i: i * 10 for i in range(10, 17)}}
 

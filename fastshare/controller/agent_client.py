@@ -31,7 +31,7 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 BATCHED_KINDS = frozenset({common_pb2.SHARE_KIND_FASTPOD, common_pb2.SHARE_KIND_MPS})
 # Calls to one agent sent at once before further ones wait to go out as a batch. More than one,
-# so that a slow call (an MPS daemon or MIG instance being created) does not hold up the rest.
+# so that a slow call (the first share on a GPU starts its MPS daemon) does not hold up the rest.
 MAX_IN_FLIGHT = 2
 MAX_BATCH = 64
 

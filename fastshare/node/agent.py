@@ -399,9 +399,7 @@ class Agent:
         paths = self._device_paths.get(device_uuid)
         if paths is None:
             paths = self._device_paths[device_uuid] = (
-                str(self.mps.paths(device_uuid).pipe_dir),
-                str(sharefiles.config_path(self._share_root, device_uuid)),
-                str(sharefiles.port_path(self._share_root, device_uuid)))
+                str(self.mps.paths(device_uuid).pipe_dir), *sharefiles.names(self._share_root, device_uuid))
         return paths
 
     def _mps_prepared(self, spec: ShareSpec, device_uuid: str, port: int | None) -> Prepared:

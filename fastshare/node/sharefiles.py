@@ -57,10 +57,10 @@ class _File:
 
     __slots__ = ("directory", "last", "path", "path_bytes", "tmp", "tmp_bytes")
 
-    def __init__(self, directory: str, name: str) -> None:
-        self.directory = directory
-        self.path = f"{directory}/{name}"
-        self.tmp = f"{directory}/.{name}.new"   # one writer per device (the agent's file lock)
+    def __init__(self, path: Path) -> None:
+        self.directory = str(path.parent)
+        self.path = str(path)
+        self.tmp = str(path.parent / f".{path.name}.new")   # one writer per device (the agent's file lock)
         self.path_bytes, self.tmp_bytes = os.fsencode(self.path), os.fsencode(self.tmp)
         self.last: bytes | None = None
 
@@ -68,7 +68,14 @@ class _File:
 @functools.lru_cache(maxsize=4096)
 def _files(root: str, device_uuid: str) -> tuple[_File, _File]:
     """(config, ports) of a device; an entry evicted only forgets ``last``."""
-    return _File(f"{root}/config", device_uuid), _File(f"{root}/podmanagerport", device_uuid)
+    return _File(config_path(root, device_uuid)), _File(port_path(root, device_uuid))
+
+
+def names(root: Path | str, device_uuid: str) -> tuple[str, str]:
+    """The device's (config, ports) file names, built once (what ``config_path`` and
+    ``port_path`` say, as strings for the hot path)."""
+    cfg, ports = _files(os.fspath(root), device_uuid)
+    return cfg.path, ports.path
 
 
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC

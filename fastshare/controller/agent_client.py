@@ -9,7 +9,8 @@ others to the same agent go out together as one PrepareShares / ReleaseShares RP
 (:mod:`coalesce`); each caller still gets its own reply or error. The agent runs a batch's
 calls one after another, so calls that can take long (creating or destroying a MIG slice,
 whole GPUs) always go alone. An agent without the batch RPCs (an older version) gets single
-calls.
+calls. A call that waits in the queue for as long as the RPC deadline fails as
+DEADLINE_EXCEEDED without being sent.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from fastshare.controller.coalesce import Coalescer
+from fastshare.controller.coalesce import Coalescer, QueueTimeout
 from fastshare.security.tls import TlsPaths, mtls_channel
 from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
@@ -64,9 +65,9 @@ class AgentClient:
         self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
         self._batching = True    # until an agent without the batch RPCs says UNIMPLEMENTED
         self._prepares = Coalescer(self._sender("PrepareShare", agent_pb2.PrepareSharesRequest),
-                                   MAX_IN_FLIGHT, MAX_BATCH)
+                                   MAX_IN_FLIGHT, MAX_BATCH, max_wait=deadline)
         self._releases = Coalescer(self._sender("ReleaseShare", agent_pb2.ReleaseSharesRequest),
-                                   MAX_IN_FLIGHT, MAX_BATCH)
+                                   MAX_IN_FLIGHT, MAX_BATCH, max_wait=deadline)
 
     def close(self) -> None:
         self._channel.close()
@@ -86,7 +87,7 @@ class AgentClient:
     def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
         request = agent_pb2.PrepareShareRequest(share=share)
         if share.kind in BATCHED_KINDS:
-            return self._prepares.call(request)
+            return self._queued(self._prepares, "PrepareShare", request)
         return self._call("PrepareShare", request)
 
     def release(self, share_id: str,
@@ -94,8 +95,14 @@ class AgentClient:
         """``kind``: the share's, when known (only MPS-backed shares may wait for a batch)."""
         request = agent_pb2.ReleaseShareRequest(share_id=share_id)
         if kind in BATCHED_KINDS:
-            return self._releases.call(request)
+            return self._queued(self._releases, "ReleaseShare", request)
         return self._call("ReleaseShare", request)
+
+    def _queued(self, coalescer: Coalescer, method: str, request: object) -> object:
+        try:
+            return coalescer.call(request)
+        except QueueTimeout as exc:   # the agent may be hung: as unreachable as a timed-out RPC
+            raise AgentError(self.target.node, method, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
 
     def _sender(self, method: str, batch_type: type) -> Callable[[list], list]:
         """Sends requests for ``method``: one alone as itself, several as one batch RPC."""

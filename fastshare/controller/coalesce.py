@@ -9,6 +9,11 @@ queue grows instead of the queue growing without bound.
 
 No thread of its own: the caller whose call opens a batch sends it (leader/follower); when a
 batch returns and calls are waiting, the first of them becomes the next batch's sender.
+
+A waiting call has a deadline of its own (``max_wait``): one still queued when it passes is
+taken out and fails with :class:`QueueTimeout`, never sent, so a hung agent cannot hold callers
+for the sum of every batch ahead of them. A call already sent waits for its batch, whose RPC
+has its own deadline.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class QueueTimeout(TimeoutError):
+    """The call waited ``max_wait`` seconds behind earlier calls and was not sent."""
 
 
 class _Call(Generic[T, R]):
@@ -34,8 +43,8 @@ class _Call(Generic[T, R]):
         self._wake = threading.Lock()
         self._wake.acquire()
 
-    def wait(self) -> None:
-        self._wake.acquire()
+    def wait(self, timeout: float) -> bool:
+        return self._wake.acquire(timeout=timeout)
 
     def wake(self) -> None:
         self._wake.release()
@@ -50,12 +59,15 @@ class Coalescer(Generic[T, R]):
     """``call(item)`` as if alone; ``send(items)`` returns one result or exception per item."""
 
     def __init__(self, send: Callable[[list[T]], Sequence[R | BaseException]],
-                 max_in_flight: int = 2, max_batch: int = 64) -> None:
+                 max_in_flight: int = 2, max_batch: int = 64, max_wait: float = 10.0) -> None:
         if max_in_flight < 1 or max_batch < 1:
             raise ValueError("max_in_flight and max_batch must be at least 1")
+        if max_wait <= 0:
+            raise ValueError("max_wait must be more than 0 seconds")
         self._send = send
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
+        self._max_wait = max_wait
         self._lock = threading.Lock()
         self._in_flight = 0           # batches out
         self._waiting: list[_Call[T, R]] = []
@@ -70,8 +82,12 @@ class Coalescer(Generic[T, R]):
                 me.batch = [me]
             else:
                 self._waiting.append(me)
-        if me.batch is None:
-            me.wait()                 # woken with an outcome, or with a batch to send
+        if me.batch is None and not me.wait(self._max_wait):
+            with self._lock:
+                if me in self._waiting:   # still queued: give up without sending
+                    self._waiting.remove(me)
+                    raise QueueTimeout(f"waited {self._max_wait:g} s behind earlier calls; not sent")
+            me.wait(-1)               # taken into a batch just now: its outcome (or the batch) comes
         if me.batch is not None:
             self._run(me.batch)
         return me.outcome()

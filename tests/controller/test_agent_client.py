@@ -71,18 +71,20 @@ def serve(tmp_path):
         server.stop(None)
 
 
+def _prepare(client: AgentClient, outcomes: dict, share_id: str,
+             kind: int = common_pb2.SHARE_KIND_FASTPOD) -> None:
+    """The share's id when prepared, or the AgentError, into ``outcomes``."""
+    try:
+        outcomes[share_id] = client.prepare(agent_pb2.Share(id=share_id, kind=kind)).share.id
+    except AgentError as exc:
+        outcomes[share_id] = exc
+
+
 def _prepare_many(client: AgentClient, servicer: OldAgent, ids: list[str],
                   kind: int = common_pb2.SHARE_KIND_FASTPOD) -> dict:
     """The first MAX_IN_FLIGHT calls hold the agent; the rest queue, then all are let go."""
     outcomes: dict = {}
-
-    def run(share_id: str) -> None:
-        try:
-            outcomes[share_id] = client.prepare(agent_pb2.Share(id=share_id, kind=kind)).share.id
-        except AgentError as exc:
-            outcomes[share_id] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in ids]
+    threads = [threading.Thread(target=_prepare, args=(client, outcomes, i, kind)) for i in ids]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
@@ -121,3 +123,26 @@ def test_calls_that_may_take_long_never_wait_for_a_batch(serve):
     outcomes = _prepare_many(client, agent, ids, kind=common_pb2.SHARE_KIND_EXCLUSIVE)
     assert sorted(agent.single) == sorted(ids) and agent.batches == []   # all at once, each alone
     assert all(outcomes[i] == i for i in ids)
+
+
+def test_a_call_queued_behind_a_hung_agent_fails_as_unreachable_without_being_sent(serve):
+    agent = NewAgent()
+    client = serve(agent)
+    client._prepares._max_wait = 0.3      # the RPC deadline stays 10 s: the held calls outlive it
+    outcomes: dict = {}
+    held = [threading.Thread(target=_prepare, args=(client, outcomes, f"held-{i}"))
+            for i in range(MAX_IN_FLIGHT)]
+    for t in held:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(agent.single) < MAX_IN_FLIGHT:
+        assert time.monotonic() < deadline, "the first calls did not reach the agent"
+        time.sleep(0.005)
+    _prepare(client, outcomes, "queued")
+    error = outcomes["queued"]
+    assert isinstance(error, AgentError) and error.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error.unreachable and "not sent" in str(error)
+    agent.gate.set()
+    for t in held:
+        t.join(30)
+    assert sorted(agent.single) == ["held-0", "held-1"] and agent.batches == []

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fastshare.controller.coalesce import Coalescer
+from fastshare.controller.coalesce import Coalescer, QueueTimeout
 
 
 class Recorder:
@@ -121,3 +121,22 @@ def test_batches_are_capped_and_slots_beyond_one_send_at_once():
 def test_limits_must_be_positive(field):
     with pytest.raises(ValueError, match="at least 1"):
         Coalescer(Recorder(), **{field: 0})
+
+
+def test_a_call_still_queued_at_its_deadline_fails_unsent_and_the_coalescer_goes_on():
+    send, outcomes = Recorder(), {}
+    coalescer = Coalescer(send, max_in_flight=1, max_wait=0.2)
+    gate = _blocked_first_call(send, coalescer, outcomes)
+    threads = _start(coalescer, [2, 3], outcomes)
+    for t in threads:
+        t.join(30)                         # they give up while call 1 still holds the agent
+    assert all(isinstance(outcomes[i], QueueTimeout) for i in (2, 3))
+    assert "not sent" in str(outcomes[2]) and coalescer._waiting == []
+    gate.set()
+    assert coalescer.call(4) == 40         # call 1's slot came back; nothing queued was sent
+    assert outcomes[1] == 10 and send.batches == [[1], [4]]
+
+
+def test_max_wait_must_be_positive():
+    with pytest.raises(ValueError, match="max_wait must be more than 0"):
+        Coalescer(Recorder(), max_wait=0)

@@ -306,6 +306,8 @@ def main() -> None:
             clients[0].call("Release", pb.ReleaseAllocationRequest(allocation_id=a.id))
     finally:
         cluster.stop()
+        slow_disk = [f"{log.stem}: {line.partition('slow disk: ')[2]}" for log in sorted(root.glob("*.log"))
+                     for line in log.read_text().splitlines() if "slow disk: " in line]
         if args.keep:
             print(f"logs: {root}")
         else:
@@ -344,6 +346,9 @@ def main() -> None:
           f"{args.concurrency} clients / {n / alloc_wall:.0f} per s = "
           f"{1000 * args.concurrency / (n / alloc_wall):.1f} ms of queueing at the median)")
     print(f"\nhost stalls during the open loop ({host.summary()})")
+    print(f"the servers' own slow-disk warnings over the whole run: {len(slow_disk)}")
+    for line in slow_disk:
+        print(f"  {line}")
     # A host stall as long as the target alone can put a request over it: set those apart.
     long_stalls = [(s, e) for s, e in host.stalls() if e - s >= TARGET_P99_S]
     hit = [overlaps(span, long_stalls) for span in open_spans]

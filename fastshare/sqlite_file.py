@@ -11,14 +11,24 @@ process; a power loss or OS crash can only take commits made after the last barr
 nobody was told about those. One fdatasync covers every commit made before it started, so
 concurrent requests share it instead of queueing one fsync each behind the connection lock
 (what ``synchronous=FULL`` does).
+
+Every acknowledged change waits for such a flush, so a disk whose flushes stall makes every
+answer slow, whatever the program does; :class:`GroupSync` says so in the log (like etcd's
+"slow fdatasync"), naming the file, instead of leaving an operator to guess.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+SLOW_FLUSH_S = 0.05       # one flush this long spends a whole request's latency budget
+SLOW_FLUSH_WARN_EVERY_S = 10.0
 
 
 class StateFileError(RuntimeError):
@@ -103,6 +113,10 @@ class GroupSync:
         self._closed = False
         self.syncs = 0            # fdatasync calls made (tests, benchmarks)
         self.checkpoints = 0
+        self.slow_flushes = 0     # of them, those of SLOW_FLUSH_S or more
+        self._slow_unreported = 0
+        self._slowest_unreported = 0.0
+        self._warned_at = -SLOW_FLUSH_WARN_EVERY_S
         db.execute(f"PRAGMA wal_autocheckpoint={self.SAFETY_PAGES}")
 
     def committed(self) -> None:
@@ -187,13 +201,32 @@ class GroupSync:
             if not self._directory_synced:     # the WAL file's own directory entry, once
                 _fsync_path(self._wal.parent, directory=True)
                 self._directory_synced = True
+            started = time.monotonic()
             _fsync_path(self._wal, directory=False)
+            took = time.monotonic() - started
         finally:
             self._cond.acquire()
             self._syncing = False
             self._cond.notify_all()
         self._synced = max(self._synced, covers)
         self.syncs += 1
+        if took >= SLOW_FLUSH_S:
+            self._slow_flush(took)
+
+    def _slow_flush(self, took: float) -> None:
+        """Count it; warn at once, then at most every SLOW_FLUSH_WARN_EVERY_S with what came
+        meanwhile (a stalling disk would otherwise fill the log)."""
+        self.slow_flushes += 1
+        self._slow_unreported += 1
+        self._slowest_unreported = max(self._slowest_unreported, took)
+        now = time.monotonic()
+        if now - self._warned_at < SLOW_FLUSH_WARN_EVERY_S:
+            return
+        log.warning("slow disk: fdatasync of %s took %.0f ms (%d of %.0f ms or more since the last "
+                    "such warning); every acknowledged change waits for one. Keep %s on a disk "
+                    "that flushes in a few ms.", self._wal, 1000 * self._slowest_unreported,
+                    self._slow_unreported, 1000 * SLOW_FLUSH_S, self._wal.parent)
+        self._slow_unreported, self._slowest_unreported, self._warned_at = 0, 0.0, now
 
 
 def _fsync_path(path: Path, *, directory: bool) -> None:

@@ -100,3 +100,19 @@ def test_journal_barrier_covers_its_commits(tmp_path):
         assert journal._group.syncs == before + 1
     finally:
         journal.close()
+
+
+def test_slow_flushes_are_counted_and_named_in_one_warning(store, slow_flush, caplog, monkeypatch):
+    """A stalling disk slows every answer: the log says which file, without a line per flush."""
+    group = store._group
+    for i in range(3):
+        store.create_allocation(_alloc(f"s{i}"))
+        store.sync()
+    assert group.slow_flushes == 3
+    warnings = [r.getMessage() for r in caplog.records if "slow disk" in r.getMessage()]
+    assert len(warnings) == 1 and f"{store.path}-wal" in warnings[0]
+
+    monkeypatch.setattr(sqlite_file, "SLOW_FLUSH_S", 10.0)   # the same flushes, now fast enough
+    store.create_allocation(_alloc("fast"))
+    store.sync()
+    assert group.slow_flushes == 3

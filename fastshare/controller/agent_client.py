@@ -9,8 +9,8 @@ others to the same agent go out together as one PrepareShares / ReleaseShares RP
 (:mod:`coalesce`); each caller still gets its own reply or error. The agent runs a batch's
 calls one after another, so calls that can take long (creating or destroying a MIG slice,
 whole GPUs) always go alone. An agent without the batch RPCs (an older version) gets single
-calls. A call that waits in the queue for as long as the RPC deadline fails as
-DEADLINE_EXCEEDED without being sent.
+calls, each sent at once when it is made, once that is known. A call that waits in the queue
+for as long as the RPC deadline fails as DEADLINE_EXCEEDED without being sent.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class AgentClient:
 
     def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
         request = agent_pb2.PrepareShareRequest(share=share)
-        if share.kind in BATCHED_KINDS:
+        if share.kind in BATCHED_KINDS and self._batching:
             return self._queued(self._prepares, "PrepareShare", request)
         return self._call("PrepareShare", request)
 
@@ -94,7 +94,7 @@ class AgentClient:
                 kind: int = common_pb2.SHARE_KIND_UNSPECIFIED) -> agent_pb2.ReleaseShareReply:
         """``kind``: the share's, when known (only MPS-backed shares may wait for a batch)."""
         request = agent_pb2.ReleaseShareRequest(share_id=share_id)
-        if kind in BATCHED_KINDS:
+        if kind in BATCHED_KINDS and self._batching:
             return self._queued(self._releases, "ReleaseShare", request)
         return self._call("ReleaseShare", request)
 

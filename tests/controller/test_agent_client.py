@@ -146,3 +146,24 @@ def test_a_call_queued_behind_a_hung_agent_fails_as_unreachable_without_being_se
     for t in held:
         t.join(30)
     assert sorted(agent.single) == ["held-0", "held-1"] and agent.batches == []
+
+
+def test_once_an_agent_has_no_batch_rpcs_its_calls_never_wait(serve):
+    agent = OldAgent()
+    client = serve(agent)
+    _prepare_many(client, agent, [f"first-{i}" for i in range(MAX_IN_FLIGHT + 2)])
+    assert client._batching is False
+    agent.gate.clear()
+    agent.single.clear()
+    ids, outcomes = [f"then-{i}" for i in range(MAX_IN_FLIGHT + 3)], {}
+    threads = [threading.Thread(target=_prepare, args=(client, outcomes, i)) for i in ids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(agent.single) < len(ids):    # all reach the agent while the first ones hold it
+        assert time.monotonic() < deadline, f"only {sorted(agent.single)} reached the agent"
+        time.sleep(0.005)
+    agent.gate.set()
+    for t in threads:
+        t.join(30)
+    assert all(outcomes[i] == i for i in ids)

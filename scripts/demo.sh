@@ -7,7 +7,7 @@
 # and stopped. Nothing is left running (trap), everything lives in one temporary directory.
 set -euo pipefail
 export COLUMNS="${COLUMNS:-130}"
-work="$(mktemp -d /tmp/fastshare-demo.XXXXXX)"
+work="$(mktemp -d "${TMPDIR:-/tmp}/fastshare-demo.XXXXXX")"
 pids=()
 
 stop_all() {  # newest first: workloads release before the agents and the controller stop

@@ -222,10 +222,10 @@ class GroupSync:
         now = time.monotonic()
         if now - self._warned_at < SLOW_FLUSH_WARN_EVERY_S:
             return
-        log.warning("slow disk: fdatasync of %s took %.0f ms (%d of %.0f ms or more since the last "
-                    "such warning); every acknowledged change waits for one. Keep %s on a disk "
-                    "that flushes in a few ms.", self._wal, 1000 * self._slowest_unreported,
-                    self._slow_unreported, 1000 * SLOW_FLUSH_S, self._wal.parent)
+        log.warning("slow disk: %d fdatasync(s) of %s took %.0f ms or more since the last such "
+                    "warning, the slowest %.0f ms; every acknowledged change waits for them. Keep "
+                    "%s on a disk that flushes in a few ms.", self._slow_unreported, self._wal,
+                    1000 * SLOW_FLUSH_S, 1000 * self._slowest_unreported, self._wal.parent)
         self._slow_unreported, self._slowest_unreported, self._warned_at = 0, 0.0, now
 
 

@@ -144,7 +144,6 @@ class Agent:
         self._files_wanted: dict[str, int] = {}
         self._files_written: dict[str, int] = {}
         # Names per device, built once (path objects were a tenth of the CPU of a prepare).
-        self._share_root = config.share_root
         self._device_paths: dict[str, tuple[str, str, str]] = {}
 
     # --- bookkeeping -------------------------------------------------------------------------
@@ -399,7 +398,8 @@ class Agent:
         paths = self._device_paths.get(device_uuid)
         if paths is None:
             paths = self._device_paths[device_uuid] = (
-                str(self.mps.paths(device_uuid).pipe_dir), *sharefiles.names(self._share_root, device_uuid))
+                str(self.mps.paths(device_uuid).pipe_dir),
+                *sharefiles.names(self.config.share_root, device_uuid))
         return paths
 
     def _mps_prepared(self, spec: ShareSpec, device_uuid: str, port: int | None) -> Prepared:
@@ -504,7 +504,7 @@ class Agent:
             entries = [sharefiles.ShareEntry(r.spec.id, r.spec.quota_request, r.spec.quota_limit,
                                              r.spec.memory_bytes, r.port or 0)
                        for r in self._live_shares(device_uuid, exclude) if r.spec.kind == "fastpod"]
-            sharefiles.write(self._share_root, device_uuid, entries)
+            sharefiles.write(self.config.share_root, device_uuid, entries)
             if exclude is None:
                 self._files_written[device_uuid] = covers
 
@@ -646,7 +646,7 @@ class Agent:
                     actions.append(f"MIG {m.mig_uuid or m.gpu_uuid + '@' + str(m.start)} created by the "
                                    f"agent without a share: {fate}")
         actions += self._reconcile_mps(deadline)
-        devices_with_files = set(sharefiles.devices(self._share_root))
+        devices_with_files = set(sharefiles.devices(self.config.share_root))
         for row in self.journal.shares():
             if row.spec.kind == "fastpod":
                 devices_with_files.add(row.device_uuid)
@@ -787,13 +787,12 @@ class Agent:
         migs = {(m.gpu_uuid, m.start): m for m in self.journal.migs()}
         share_of_device = {r.device_uuid: r.spec.id for r in shares if r.spec.kind == "exclusive"}
         files = []
-        for device_uuid in sharefiles.devices(self._share_root):
+        for device_uuid in sharefiles.devices(self.config.share_root):
             try:
-                n = len(sharefiles.read(self._share_root, device_uuid))
+                n = len(sharefiles.read(self.config.share_root, device_uuid))
             except (OSError, ValueError):
                 n = 0
-            files.append((device_uuid, str(sharefiles.config_path(self._share_root, device_uuid)),
-                          str(sharefiles.port_path(self._share_root, device_uuid)), n))
+            files.append((device_uuid, *sharefiles.names(self.config.share_root, device_uuid), n))
         daemons = []
         for row in self.journal.mps_daemons():
             paths = self.mps.paths(row.device_uuid)

@@ -22,7 +22,6 @@ import contextlib
 import ctypes
 import functools
 import os
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -84,9 +83,8 @@ _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 def _replace(file: _File, data: bytes) -> None:
     """Atomically make the file contain ``data``; no write at all when it already does.
 
-    Raw os calls on precomputed names: five system calls for a changed file on tmpfs, six
-    elsewhere (Path.write_text and friends made eighteen, each a GIL release and often a
-    context switch under load)."""
+    Raw os calls on precomputed names: six system calls for a changed file (Path.write_text
+    and friends made eighteen, each a GIL release and often a context switch under load)."""
     if (file.last is None or file.last == data) and _holds(file.path, data):
         file.last = data
         return
@@ -104,9 +102,7 @@ def _replace(file: _File, data: bytes) -> None:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
-        if _on_tmpfs(file.directory):
-            os.replace(file.tmp, file.path)
-        elif _exchange(file):
+        if _exchange(file):
             os.unlink(file.tmp)           # now the old file
         else:
             os.replace(file.tmp, file.path)
@@ -132,23 +128,6 @@ def _holds(path: str, data: bytes) -> bool:
 _libc = ctypes.CDLL(None, use_errno=True)
 _renameat2 = getattr(_libc, "renameat2", None)
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-
-
-_statfs = getattr(_libc, "statfs", None)
-_TMPFS_MAGIC = 0x01021994
-
-
-@functools.lru_cache(maxsize=256)
-def _on_tmpfs(directory: str) -> bool:
-    """Is ``directory`` on tmpfs (the default, under /run)? There a rename over the old file
-    forces no writeback, so one rename does what the swap and the unlink of the old file do."""
-    if _statfs is None:
-        return False
-    buf = ctypes.create_string_buffer(256)        # struct statfs: f_type first (int or long)
-    if _statfs(os.fsencode(directory), buf) != 0:
-        return False
-    raw = buf.raw
-    return _TMPFS_MAGIC in (int.from_bytes(raw[:4], sys.byteorder), int.from_bytes(raw[:8], sys.byteorder))
 
 
 def _exchange(file: _File) -> bool:

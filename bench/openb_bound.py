@@ -3,7 +3,7 @@
 trace under the published rules (every task that fits at its arrival is placed, no
 departures), even one that knows the whole arrival order in advance.
 
-    pip install scipy        # not a dependency of fastshare; only this script needs it
+    pip install scipy        # one of the dev tools (make test installs it), not a runtime dependency
     python bench/openb_bound.py --trace default --seeds 42-51
     python bench/openb_bound.py --trace default --seeds 42 --policy fastshare
 
@@ -26,9 +26,10 @@ is the best ``tau`` (coarse-to-fine search). ``--dead`` also lets GPUs be "used 
 ``tau`` with nothing on them (a node whose CPU a policy starved on purpose), later fillable by
 shares, and 1-GPU whole tasks fail.
 
-``--policy NAME`` also runs that policy on the same order and prints the bound at the
-policy's own ``tau``: how far the policy is from the best any policy could do with the same
-saturation point, apart from how far that point is from the best one.
+``--policy NAME`` also runs that policy on the same order and prints the bound (with
+``--dead``) at the policy's own ``tau`` (``saturation``): how far the policy is from the best
+any policy could do with the same saturation point, apart from how far that point is from
+the best one.
 
 Assumption to keep in mind: CPU and memory never make a single-GPU task fail while a GPU is
 entirely free (true in the fastshare and FGD runs: their first failures come when fewer
@@ -211,13 +212,19 @@ class Bound:
 
 
 def saturation(nodes: list[SimNode], result: SimResult) -> int | None:
-    """The arrival after which the run had no entirely free GPU (its ``tau``), if it got there."""
+    """A run's ``tau``: the number of arrivals before its first single-GPU task failed or up
+    to the one that took its last entirely free GPU, whichever comes first (a few GPUs on
+    CPU-exhausted nodes can stay free long after the cluster is full for everything else;
+    the bound at this ``tau`` needs ``dead`` for them). None if neither happened."""
     free = {(i, j) for i, nd in enumerate(nodes) for j in range(nd.gpus)}
     for k, placed in enumerate(result.placements):
-        if placed.node is not None:
-            free -= {(placed.node, j) for j in placed.gpus}
-            if not free:
-                return k + 1
+        if placed.node is None:
+            if placed.pod.num_gpu == 1:
+                return k
+            continue
+        free -= {(placed.node, j) for j in placed.gpus}
+        if not free:
+            return k + 1
     return None
 
 
@@ -250,7 +257,7 @@ def main() -> None:
         if args.policy:
             res, _ = Experiment(nodes, pods, args.policy, seed, args.tune).run(order=order)
             own = saturation(nodes, res)
-            at_own = bound.at(own) if own is not None else None
+            at_own = Bound(order, nodes, dead=True).at(own) if own is not None else None
             print(f"  {args.policy}: {res.gpu_alloc_ratio:.2f} %, its tau {own}; bound at its tau "
                   + (f"{at_own:.2f} %" if at_own is not None else "n/a"), flush=True)
     print(f"{args.trace} mean bound over {len(seeds)} seeds: {statistics.fmean(bounds):.2f} %")

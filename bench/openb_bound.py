@@ -78,8 +78,10 @@ class _Rows:
         self.eq: dict[tuple, int] = {}
         self.ub: dict[tuple, int] = {}
 
-    def matrices(self, cols: list[tuple[float, dict[tuple, int], float | None]]):
-        out = []
+    def matrices(self, cols: list[tuple[float, dict[tuple, int], float | None]]) -> list:
+        """``[A_ub, b_ub, A_eq, b_eq]`` for scipy's ``linprog``; a column's coefficients in rows
+        not declared here are dropped."""
+        out: list = []
         for rhs in (self.ub, self.eq):
             index = {name: i for i, name in enumerate(rhs)}
             r, c, v = [], [], []
@@ -108,8 +110,7 @@ class Bound:
         self.sizes = sorted({p.gpu_milli for p in order if _sharing(p)})
         self.index = {s: i for i, s in enumerate(self.sizes)}
         self.contents = [m for m in self._multisets(MILLI) if self._sum(m) > 0]
-        self.holes = sorted({MILLI - self._sum(m) for m in self.contents if self._sum(m) < MILLI}
-                            | ({MILLI} if dead else set()))
+        self.holes = sorted({MILLI - self._sum(m) for m in self.contents if self._sum(m) < MILLI})
         self._fills: dict[int, list[tuple[int, ...]]] = {}
 
     def _multisets(self, limit: int) -> list[tuple[int, ...]]:
@@ -137,13 +138,16 @@ class Bound:
             self._fills[hole] = [m for m in self.contents if self._sum(m) <= hole]
         return self._fills[hole]
 
-    def at(self, tau: int) -> float | None:
+    def at(self, tau: int, dead: bool | None = None) -> float | None:
         """Bound (percent of capacity) for runs whose last entirely free GPU goes at ``tau``;
         None if no run can have that ``tau``.
 
         Columns per node group: pre-``tau`` contents (each leaves a hole), fills of holes by
         later shares, and the assignment of tasks of each (size, CPU) to the group, which is
-        where CPU is counted; sizes link contents and assignments."""
+        where CPU is counted; sizes link contents and assignments. ``dead`` (default: as given
+        to the constructor) allows GPUs used up with nothing on them, as ``--dead``."""
+        dead = self.dead if dead is None else dead
+        holes = [*self.holes, MILLI] if dead else self.holes
         pre, post = self.order[:tau], self.order[tau:]
         pre_shares = Counter((self.index[p.gpu_milli], p.cpu_milli) for p in pre if _sharing(p))
         post_shares = Counter((self.index[p.gpu_milli], p.cpu_milli) for p in post if _sharing(p))
@@ -156,16 +160,16 @@ class Bound:
             rows.ub[("cpu", g)] = cpu
             for i in range(len(self.sizes)):
                 rows.eq[("pre", g, i)] = rows.eq[("post", g, i)] = 0
-            for h in self.holes:
+            for h in holes:
                 rows.ub[("hole", g, h)] = 0
             for m in self.contents:
                 r = {("cover", g): 1} | {("pre", g, i): k for i, k in enumerate(m) if k}
                 if self._sum(m) < MILLI:
                     r[("hole", g, MILLI - self._sum(m))] = -1
                 cols.append((self._sum(m), r, None))
-            if self.dead:  # a GPU used up with nothing on it, whose hole later shares may fill
+            if dead:  # a GPU used up with nothing on it, whose hole later shares may fill
                 cols.append((0, {("cover", g): 1, ("hole", g, MILLI): -1}, None))
-            for h in self.holes:
+            for h in holes:
                 for m in self._fits(h):
                     fill = {("post", g, i): k for i, k in enumerate(m) if k}
                     cols.append((self._sum(m), {("hole", g, h): 1} | fill, None))
@@ -181,7 +185,7 @@ class Bound:
         for (i, c), n in post_shares.items():
             rows.ub[("post tasks", i, c)] = n
         for c, n in whole1.items():               # with --dead, 1-GPU whole tasks may fail too
-            (rows.ub if self.dead else rows.eq)[("whole1", c)] = n
+            (rows.ub if dead else rows.eq)[("whole1", c)] = n
         for key, n in multi.items():
             rows.ub[("multi", *key)] = n
         a_ub, b_ub, a_eq, b_eq = rows.matrices(cols)
@@ -257,7 +261,7 @@ def main() -> None:
         if args.policy:
             res, _ = Experiment(nodes, pods, args.policy, seed, args.tune).run(order=order)
             own = saturation(nodes, res)
-            at_own = Bound(order, nodes, dead=True).at(own) if own is not None else None
+            at_own = bound.at(own, dead=True) if own is not None else None
             print(f"  {args.policy}: {res.gpu_alloc_ratio:.2f} %, its tau {own}; bound at its tau "
                   + (f"{at_own:.2f} %" if at_own is not None else "n/a"), flush=True)
     print(f"{args.trace} mean bound over {len(seeds)} seeds: {statistics.fmean(bounds):.2f} %")

@@ -65,4 +65,4 @@ def test_no_policy_beats_the_bound(tasks, policy):
     assert res.gpu_alloc_ratio <= round(_all_taus(bound, order), 2) + 1e-9
     tau = openb_bound.saturation(nodes, res)
     if tau is not None:  # the bound at the run's own saturation point holds too
-        assert res.gpu_alloc_ratio <= round(openb_bound.Bound(order, nodes, dead=True).at(tau), 2) + 1e-9
+        assert res.gpu_alloc_ratio <= round(bound.at(tau, dead=True), 2) + 1e-9

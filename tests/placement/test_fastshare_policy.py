@@ -122,3 +122,41 @@ def test_cpu_only_demand_counts_only_when_the_cluster_is_short_of_cpu():
     short.observe(Task(10_000, MILLI, 1))
     assert plenty.rho == pytest.approx(10)
     assert short.rho == pytest.approx(10 + 8 * 50 / 51)
+
+
+def test_exposed_cpu_is_free_cpu_times_the_share_of_cpu_only_requests_that_fit():
+    pol = taught((Task(8_000, 0, 0), 3), (Task(16_000, 0, 0), 1), (Task(4_000, MILLI, 1), 10))
+    assert pol.exposed(7_999) == 0                         # no CPU-only request fits
+    assert pol.exposed(10_000) == pytest.approx(10_000 * 0.75)
+    assert pol.exposed(16_000) == 16_000
+    assert pol.exposed(-500) == 0
+
+
+def short_of_cpu(n: int) -> FastsharePolicy:
+    """A mix whose GPU requests ask 4 CPU milli per GPU milli and whose CPU-only requests
+    ask as much again, on a cluster with 6 per GPU milli: a third short."""
+    pol = taught((Task(4_000, MILLI, 1), n), (Task(8_000, 0, 0), n // 2))
+    pol.cluster(6 * 8_000, 8_000)
+    pol._refresh()
+    return pol
+
+
+def test_when_cpu_is_short_gpu_requests_leave_no_cpu_that_cpu_only_requests_fit():
+    # On the second node a 4-core request leaves 5 cores, too few for the 8-core CPU-only
+    # requests; on the first it leaves 12 that they would take. Without the guard both
+    # choices add the same (each node's CPU feeds its GPUs in proportion), so the first wins.
+    states = [(16_000, (MILLI, MILLI, MILLI)), (9_000, (MILLI, MILLI, MILLI))]
+    task = Task(4_000, MILLI, 1)
+    short = short_of_cpu(400)
+    assert short.guard == pytest.approx(1 / 4)              # GPU milli per CPU milli
+    assert best_node(short, states, task) == 1
+    plenty = short_of_cpu(400)
+    plenty.cluster(20 * 8_000, 8_000)
+    plenty._refresh()
+    assert plenty.guard == 0
+    assert best_node(plenty, states, task) == 0
+
+
+def test_a_few_requests_do_not_set_off_the_cpu_guard():
+    assert short_of_cpu(4).guard == 0      # a third short, but 6 requests prove nothing
+    assert short_of_cpu(200).guard > 0

@@ -214,12 +214,6 @@ class FastsharePolicy(Policy):
         i = bisect.bisect_right(self._fit_cpu, cpu)
         return cpu * self._fit_share[i - 1] if i else 0.0
 
-    def node_value(self, cpu_left: int, gpus: tuple[int, ...]) -> float:
-        """Milli the node's free GPUs are expected to gain, scaled by the share of them its
-        CPU can feed."""
-        v = self.values
-        return sum(v[g // STEP] for g in gpus) * self._cpu_factor(cpu_left, sum(gpus))
-
     def score(self, model, cpu_left, gpus, task, tags=frozenset()):
         v = self.values
         total = sum(v[g // STEP] for g in gpus)

@@ -21,12 +21,13 @@ def print_json(data: Any) -> None:
 
 def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     """A table sized to the terminal: a rule under the header and one space between columns
-    leave the width to the cells. Each column is as wide as its widest cell or header word when that
-    fits (headers wrap at spaces); otherwise rich folds long cells instead of overflowing."""
+    leave the width to the cells. Each column is as wide as its widest cell or header word
+    when the table fits that way (headers wrap at spaces); otherwise rich folds long cells
+    instead of overflowing."""
     cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
     console = Console()
-    widths = [max([len(word) for word in column.split()] + [len(row[i]) for row in cells if i < len(row)],
-                  default=1) for i, column in enumerate(columns)]
+    widths = [max(len(word) for word in [*column.split(), *(row[i] for row in cells if i < len(row)), "-"])
+              for i, column in enumerate(columns)]
     fixed = sum(widths) + len(columns) - 1 <= console.width
     table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
                   show_edge=False, padding=0)

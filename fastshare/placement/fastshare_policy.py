@@ -130,11 +130,14 @@ class _Ratio:
         self.syy += y * y
         self.sxy += x * y
 
+    def ratio(self) -> float:
+        return self.sx / self.sy if self.sy > 0 else 0.0
+
     def lower(self, sure: float) -> float:
         """The ratio less ``sure`` standard errors (0 before two requests with some ``y``)."""
         if self.n < 2 or self.sy <= 0:
             return 0.0
-        r = self.sx / self.sy
+        r = self.ratio()
         spread = max(0.0, self.sxx - 2 * r * self.sxy + r * r * self.syy) / (self.n - 1)
         return r - sure * math.sqrt(spread / self.n) / (self.sy / self.n)
 
@@ -147,8 +150,6 @@ class FastsharePolicy(Policy):
     def __init__(self) -> None:
         self.counts = [0.0] * (BINS + 1)
         self.cpu_of_gpu_tasks = 0      # CPU milli asked by the GPU tasks seen
-        self.milli_of_gpu_tasks = 0    # GPU milli asked by them
-        self.cpu_of_cpu_tasks = 0      # CPU milli asked by the CPU-only tasks seen
         self.supply = 0.0              # the cluster's CPU milli per GPU milli (0 = not told)
         self.seen = 0
         self._refresh_at = 1
@@ -168,7 +169,6 @@ class FastsharePolicy(Policy):
 
     def observe(self, task: Task) -> None:
         if task.num_gpu <= 0 or task.milli <= 0:
-            self.cpu_of_cpu_tasks += task.cpu
             self.cpu_only_sizes[task.cpu] += 1
             self.demand.add(task.cpu, 0)
             return
@@ -176,7 +176,6 @@ class FastsharePolicy(Policy):
         self.demand.add(task.cpu, per_gpu * task.num_gpu)
         self.counts[_bin_up(per_gpu)] += task.num_gpu
         self.cpu_of_gpu_tasks += task.cpu
-        self.milli_of_gpu_tasks += per_gpu * task.num_gpu
         self.seen += 1
         if self.seen >= self._refresh_at:
             self._refresh_at = self.seen * 2
@@ -184,13 +183,14 @@ class FastsharePolicy(Policy):
 
     def _refresh(self) -> None:
         values = fresh_value(self.counts)
-        rho = gpu_rho = self.cpu_of_gpu_tasks / self.milli_of_gpu_tasks
+        milli = self.demand.sy         # GPU milli asked by the GPU tasks seen
+        rho = gpu_rho = self.cpu_of_gpu_tasks / milli
         guard = 0.0
         if self.supply > 0:
             # When the mix asks more CPU than the cluster has, CPU-only tasks compete for the
             # CPU that GPUs need, so keep CPU for them too (fully from 10 % over on).
-            cpu_only = self.cpu_of_cpu_tasks / self.milli_of_gpu_tasks
-            rho += _ramp((rho + cpu_only) / self.supply) * cpu_only
+            cpu_only = (self.demand.sx - self.cpu_of_gpu_tasks) / milli
+            rho += _ramp(self.demand.ratio() / self.supply) * cpu_only
             if gpu_rho > 0:
                 guard = _ramp(self.demand.lower(SURE) / self.supply) / gpu_rho
         moved = max(abs(a - b) for a, b in zip(values, self.values, strict=True))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +89,8 @@ class Engine:
             policy = FastsharePolicy()
         self.policy = policy
         self._nodes: dict[str, _Node] = {}
-        self._cpu_total = self._gpu_total = 0
+        self._cpu_total = 0
+        self._gpu_milli: Counter[str] = Counter()   # per GPU model
         self._assignments: dict[str, Assignment] = {}
         self._affinity: dict[str, tuple[str, int]] = {}  # affinity tag -> (node, gpu)
         for n in nodes:
@@ -109,10 +111,12 @@ class Engine:
         self._capacity(self._nodes.pop(name).view, -1)
 
     def _capacity(self, view: NodeView, sign: int) -> None:
-        """Keep the cluster's CPU and GPU totals and tell the policy (it weighs CPU by them)."""
+        """Keep the cluster's CPU and GPU totals and tell the policy (it weighs CPU and the
+        models requests are bound to by them)."""
         self._cpu_total += sign * view.cpu_milli
-        self._gpu_total += sign * len(view.gpus) * MILLI
-        self.policy.cluster(self._cpu_total, self._gpu_total)
+        for g in view.gpus:
+            self._gpu_milli[g.model] += sign * MILLI
+        self.policy.cluster(self._cpu_total, self._gpu_milli)
 
     @property
     def nodes(self) -> list[NodeView]:
@@ -156,9 +160,9 @@ class Engine:
         if request.id in self._assignments:
             raise InvalidRequest(f"id: request {request.id} is already placed")
         if request.kind == "fastpod":
-            self.policy.observe(Task(request.cpu_milli, request.sm_milli, 1))
+            self.policy.observe(Task(request.cpu_milli, request.sm_milli, 1, frozenset(request.gpu_models)))
         elif request.kind == "whole":
-            self.policy.observe(Task(request.cpu_milli, MILLI, request.gpus))
+            self.policy.observe(Task(request.cpu_milli, MILLI, request.gpus, frozenset(request.gpu_models)))
         nodes, why = self._filter_nodes(request)
         if not nodes:
             return Rejection(why)
@@ -305,7 +309,7 @@ class Engine:
 
     # ---- per kind ----------------------------------------------------------------------------
     def _shares(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
-        task = Task(r.cpu_milli, r.sm_milli if r.kind == "fastpod" else 1, 1)
+        task = Task(r.cpu_milli, r.sm_milli if r.kind == "fastpod" else 1, 1, frozenset(r.gpu_models))
         best_key, best = None, None
         for order, n in enumerate(nodes):
             free = []
@@ -365,7 +369,7 @@ class Engine:
         return msg
 
     def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
-        task = Task(r.cpu_milli, MILLI, r.gpus)
+        task = Task(r.cpu_milli, MILLI, r.gpus, frozenset(r.gpu_models))
         best_key, best = None, None
         most = (0, None)
         for order, n in enumerate(nodes):

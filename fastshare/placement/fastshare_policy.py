@@ -47,17 +47,22 @@ placement that leaves the node less exposed CPU gains ``1 / rho`` GPU milli per 
 (``guard``). So GPU requests go where they leave free CPU that only small GPU requests fit:
 on cpu300 (the mix asks 14 % more CPU than the cluster has) fastshare ends at 92.0 % instead
 of 86.2 %. The guard waits until the CPU asked per GPU milli exceeds the cluster's by two
-standard errors of its estimate (``_Ratio``): a few hundred requests can suggest a shortage
+standard errors of its estimate (``RunningRatio``): a few hundred requests can suggest a shortage
 that is not there (on cpu235, which asks 1 % less than the cluster has), and guarding CPU
 then costs pairings.
+
+Requests bound to a GPU model that alone will fill it keep it: a placement there pays what
+the bound requests lose (``ModelReserve``).
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 from collections import Counter
+from collections.abc import Mapping
 
+from fastshare.placement.estimates import SURE, RunningRatio, excess
+from fastshare.placement.model_reserve import ModelReserve
 from fastshare.placement.policies import MILLI, Policy, Task, default_gpus
 
 STEP = 10         # milli resolution of the value table (openb sizes are multiples of 10)
@@ -65,7 +70,6 @@ BINS = MILLI // STEP
 KAPPA = 0.001     # how fast a hole's chance of being filled falls with the share of sizes that fit
 QUANTUM = 10      # score resolution in milli: closer choices tie
 CPU_STEP = 500    # CPU resolution in milli (keeps scores cacheable per node state)
-SURE = 2.0        # standard errors by which CPU demand must exceed supply before CPU is guarded
 
 
 def value_table(counts: list[float], kappa: float = KAPPA) -> list[float]:
@@ -82,11 +86,6 @@ def value_table(counts: list[float], kappa: float = KAPPA) -> list[float]:
         if fit > 0:
             v[f] = sum(p[m] * (m * STEP + v[f - m]) for m in range(1, f + 1) if p[m]) / (fit + kappa / fit)
     return v
-
-
-def _ramp(pressure: float) -> float:
-    """0 while the mix asks no more CPU than the cluster has, 1 from 10 % more on."""
-    return min(1.0, max(0.0, (pressure - 1.0) / 0.1))
 
 
 def fresh_value(counts: list[float], kappa: float = KAPPA) -> list[float]:
@@ -114,34 +113,6 @@ def _cumulative_shares(counts: Counter[int]) -> tuple[list[int], list[float]]:
     return sizes, shares
 
 
-class _Ratio:
-    """Running estimate of ``sum(x) / sum(y)`` over requests, with its standard error (the
-    delta method for a ratio of means)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.sx = self.sy = self.sxx = self.syy = self.sxy = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        self.n += 1
-        self.sx += x
-        self.sy += y
-        self.sxx += x * x
-        self.syy += y * y
-        self.sxy += x * y
-
-    def ratio(self) -> float:
-        return self.sx / self.sy if self.sy > 0 else 0.0
-
-    def lower(self, sure: float) -> float:
-        """The ratio less ``sure`` standard errors (0 before two requests with some ``y``)."""
-        if self.n < 2 or self.sy <= 0:
-            return 0.0
-        r = self.ratio()
-        spread = max(0.0, self.sxx - 2 * r * self.sxy + r * r * self.syy) / (self.n - 1)
-        return r - sure * math.sqrt(spread / self.n) / (self.sy / self.n)
-
-
 class FastsharePolicy(Policy):
     """Expected-final-fill scoring with a CPU-aware node value; learns the request mix online."""
 
@@ -156,15 +127,18 @@ class FastsharePolicy(Policy):
         self.generation = 0
         self.values = fresh_value(self.counts)
         self.rho = 0.0                 # CPU milli to keep per free GPU milli (0 = unknown)
-        self.demand = _Ratio()         # CPU milli asked per GPU milli asked, over every request
+        self.demand = RunningRatio()   # CPU milli asked per GPU milli asked, over every request
         self.cpu_only_sizes: Counter[int] = Counter()   # CPU-only requests by CPU milli
         self.guard = 0.0               # GPU milli per exposed CPU milli (0 = CPU is not short)
         self._fit_cpu: list[int] = []  # CPU-only sizes, ascending ...
         self._fit_share: list[float] = []  # ... and the share of CPU-only requests up to each
+        self.models = ModelReserve()   # GPUs of a model kept for the requests bound to it
 
     # ---- learning ------------------------------------------------------------------------------
-    def cluster(self, cpu_milli: int, gpu_milli: int) -> None:
-        self.supply = cpu_milli / gpu_milli if gpu_milli > 0 else 0.0
+    def cluster(self, cpu_milli: int, gpu_milli: Mapping[str, int]) -> None:
+        total = sum(gpu_milli.values())
+        self.supply = cpu_milli / total if total > 0 else 0.0
+        self.models.cluster(gpu_milli)
         self._refresh_at = min(self._refresh_at, self.seen + 1)
 
     def observe(self, task: Task) -> None:
@@ -174,6 +148,7 @@ class FastsharePolicy(Policy):
             return
         per_gpu = task.milli if task.sharing else MILLI
         self.demand.add(task.cpu, per_gpu * task.num_gpu)
+        self.models.observe(per_gpu * task.num_gpu, task.models)
         self.counts[_bin_up(per_gpu)] += task.num_gpu
         self.cpu_of_gpu_tasks += task.cpu
         self.seen += 1
@@ -190,11 +165,11 @@ class FastsharePolicy(Policy):
             # When the mix asks more CPU than the cluster has, CPU-only tasks compete for the
             # CPU that GPUs need, so keep CPU for them too (fully from 10 % over on).
             cpu_only = (self.demand.sx - self.cpu_of_gpu_tasks) / milli
-            rho += _ramp(self.demand.ratio() / self.supply) * cpu_only
+            rho += excess(self.demand.ratio() / self.supply) * cpu_only
             if gpu_rho > 0:
-                guard = _ramp(self.demand.lower(SURE) / self.supply) / gpu_rho
+                guard = excess(self.demand.lower(SURE) / self.supply) / gpu_rho
         moved = max(abs(a - b) for a, b in zip(values, self.values, strict=True))
-        if (moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho)
+        if (self.models.refresh() or moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho)
                 or guard or self.guard):
             self.values, self.rho, self.guard = values, rho, guard
             self._fit_cpu, self._fit_share = _cumulative_shares(self.cpu_only_sizes)
@@ -239,9 +214,11 @@ class FastsharePolicy(Policy):
         gain = taken + total * self._cpu_factor(cpu_left - task.cpu, free - taken) - before
         if self.guard:
             gain -= self.guard * (self.exposed(cpu_left - task.cpu) - self.exposed(cpu_left))
+        gain -= self.models.cost(model, taken)
         in_use = free < MILLI * len(gpus)
         return (int(gain // QUANTUM), in_use), chosen
 
     def state_key(self, model, cpu_left, gpus, task):
-        return (self.generation, cpu_left // CPU_STEP, (cpu_left - task.cpu) // CPU_STEP, tuple(sorted(gpus)))
+        return (self.generation, self.models.reserve.get(model, 0.0), cpu_left // CPU_STEP,
+                (cpu_left - task.cpu) // CPU_STEP, tuple(sorted(gpus)))
 

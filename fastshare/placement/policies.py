@@ -18,7 +18,7 @@ import bisect
 import math
 import random
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 MILLI = 1000
@@ -99,8 +99,8 @@ class Policy:
     def observe(self, task: Task) -> None:
         """Called once per arriving request, before it is placed (learning policies override)."""
 
-    def cluster(self, cpu_milli: int, gpu_milli: int) -> None:
-        """Called with the cluster's CPU and GPU capacity whenever it changes."""
+    def cluster(self, cpu_milli: int, gpu_milli: Mapping[str, int]) -> None:
+        """Called with the cluster's CPU and its GPU milli per model whenever they change."""
 
     def score(self, model: str, cpu_left: int, gpus: tuple[int, ...], task: Task,
               tags: frozenset = frozenset()) -> Choice:

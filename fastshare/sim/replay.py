@@ -71,7 +71,10 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
     cpu_times: list[float] = []
     uses_tags = policy.uses_tags
     randomized = policy.randomized
-    policy.cluster(sum(cpu), capacity)
+    gpu_milli: Counter[str] = Counter()
+    for nd in nodes:
+        gpu_milli[nd.model] += nd.gpus * MILLI
+    policy.cluster(sum(cpu), gpu_milli)
     generation = policy.generation
 
     def fits(i: int, task: Task) -> bool:

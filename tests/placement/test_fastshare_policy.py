@@ -116,8 +116,8 @@ def test_the_engine_teaches_its_default_policy():
 def test_cpu_only_demand_counts_only_when_the_cluster_is_short_of_cpu():
     mix = ((Task(10_000, MILLI, 1), 50), (Task(8_000, 0, 0), 50))   # 10 + 8 CPU milli per GPU milli
     plenty, short = taught(*mix), taught(*mix)
-    plenty.cluster(20 * 8000, 8000)
-    short.cluster(12 * 8000, 8000)
+    plenty.cluster(20 * 8000, {"T4": 8000})
+    short.cluster(12 * 8000, {"T4": 8000})
     plenty.observe(Task(10_000, MILLI, 1))
     short.observe(Task(10_000, MILLI, 1))
     assert plenty.rho == pytest.approx(10)
@@ -136,7 +136,7 @@ def short_of_cpu(n: int) -> FastsharePolicy:
     """A mix whose GPU requests ask 4 CPU milli per GPU milli and whose CPU-only requests
     ask as much again, on a cluster with 6 per GPU milli: a third short."""
     pol = taught((Task(4_000, MILLI, 1), n), (Task(8_000, 0, 0), n // 2))
-    pol.cluster(6 * 8_000, 8_000)
+    pol.cluster(6 * 8_000, {"T4": 8_000})
     pol._refresh()
     return pol
 
@@ -151,7 +151,7 @@ def test_when_cpu_is_short_gpu_requests_leave_no_cpu_that_cpu_only_requests_fit(
     assert short.guard == pytest.approx(1 / 4)              # GPU milli per CPU milli
     assert best_node(short, states, task) == 1
     plenty = short_of_cpu(400)
-    plenty.cluster(20 * 8_000, 8_000)
+    plenty.cluster(20 * 8_000, {"T4": 8_000})
     plenty._refresh()
     assert plenty.guard == 0
     assert best_node(plenty, states, task) == 0
@@ -160,3 +160,51 @@ def test_when_cpu_is_short_gpu_requests_leave_no_cpu_that_cpu_only_requests_fit(
 def test_a_few_requests_do_not_set_off_the_cpu_guard():
     assert short_of_cpu(4).guard == 0      # a third short, but 6 requests prove nothing
     assert short_of_cpu(200).guard > 0
+
+
+def test_requests_allowing_several_models_count_against_each_by_its_capacity():
+    pol = FastsharePolicy()
+    pol.cluster(64_000, {"A": 3_000, "B": 1_000, "C": 4_000})
+    pol.observe(Task(1_000, MILLI, 2, frozenset({"A", "B"})))   # 2,000 milli: 1,500 A, 500 B
+    pol.observe(Task(1_000, 500, 1, frozenset({"B"})))
+    pol.observe(Task(1_000, 500, 1))
+    assert pol.models.share("A").ratio() == pytest.approx(1_500 / 3_000)
+    assert pol.models.share("B").ratio() == pytest.approx(1_000 / 3_000)
+    assert pol.models.share("C").ratio() == 0
+
+
+def bound_mix(n: int, bound_share: float) -> list[tuple[Task, int]]:
+    """``n`` whole-GPU requests, ``bound_share`` of them bound to the A100 model."""
+    bound = round(n * bound_share)
+    return [(Task(4_000, MILLI, 1, frozenset({"A100-SXM4-40GB"})), bound), (Task(4_000, MILLI, 1), n - bound)]
+
+
+def test_requests_with_a_choice_leave_a_model_to_the_requests_that_will_fill_it():
+    # Half the capacity is A100; when two thirds of the demand can only run there, a request
+    # that can run anywhere goes to the T4 node, although the A100 node comes first.
+    cluster = [node("a100", n_gpus=4), node("t4", n_gpus=4, key="T4")]
+    short = taught(*bound_mix(300, 2 / 3))
+    eng = Engine(cluster, policy=short)
+    short._refresh()
+    assert short.models.reserve == {"A100-SXM4-40GB": 1.0}
+    assert eng.place(Request("x", "whole", gpus=1, cpu_milli=4_000)).node == "t4"
+    plenty = taught(*bound_mix(300, 1 / 3))
+    eng = Engine(cluster, policy=plenty)
+    plenty._refresh()
+    assert plenty.models.reserve == {}
+    assert eng.place(Request("x", "whole", gpus=1, cpu_milli=4_000)).node == "a100"
+
+
+def test_a_few_bound_requests_do_not_set_off_the_model_reserve():
+    for n, reserved in ((6, False), (300, True)):
+        pol = taught(*bound_mix(n, 2 / 3))
+        pol.cluster(64_000, {"A100-SXM4-40GB": 4_000, "T4": 4_000})
+        pol._refresh()
+        assert bool(pol.models.reserve) is reserved
+
+
+def test_the_engine_tells_its_policy_the_models_requests_are_bound_to():
+    eng = Engine([node("a100", n_gpus=2), node("t4", n_gpus=2, key="T4")])
+    assert eng.policy.models.capacity == {"A100-SXM4-40GB": 2_000, "T4": 2_000}
+    eng.place(Request("a", "whole", gpus=1, cpu_milli=1_000, gpu_models=("T4",)))
+    assert eng.policy.models.share("T4").ratio() == 1

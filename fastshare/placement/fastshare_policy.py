@@ -47,9 +47,9 @@ placement that leaves the node less exposed CPU gains ``1 / rho`` GPU milli per 
 (``guard``). So GPU requests go where they leave free CPU that only small GPU requests fit:
 on cpu300 (the mix asks 14 % more CPU than the cluster has) fastshare ends at 92.0 % instead
 of 86.2 %. The guard waits until the CPU asked per GPU milli exceeds the cluster's by two
-standard errors of its estimate (``RunningRatio``): a few hundred requests can suggest a shortage
-that is not there (on cpu235, which asks 1 % less than the cluster has), and guarding CPU
-then costs pairings.
+standard errors of its estimate (``RunningRatio``): a few hundred requests can suggest a
+shortage that is not there (on cpu235, which asks 1 % less than the cluster has), and
+guarding CPU then costs pairings.
 
 Requests bound to a GPU model that alone will fill it keep it: a placement there pays what
 the bound requests lose (``ModelReserve``).
@@ -132,13 +132,13 @@ class FastsharePolicy(Policy):
         self.guard = 0.0               # GPU milli per exposed CPU milli (0 = CPU is not short)
         self._fit_cpu: list[int] = []  # CPU-only sizes, ascending ...
         self._fit_share: list[float] = []  # ... and the share of CPU-only requests up to each
-        self.models = ModelReserve()   # GPUs of a model kept for the requests bound to it
+        self.model_reserve = ModelReserve()   # GPUs of a model kept for the requests bound to it
 
     # ---- learning ------------------------------------------------------------------------------
     def cluster(self, cpu_milli: int, gpu_milli: Mapping[str, int]) -> None:
         total = sum(gpu_milli.values())
         self.supply = cpu_milli / total if total > 0 else 0.0
-        self.models.cluster(gpu_milli)
+        self.model_reserve.cluster(gpu_milli)
         self._refresh_at = min(self._refresh_at, self.seen + 1)
 
     def observe(self, task: Task) -> None:
@@ -148,7 +148,7 @@ class FastsharePolicy(Policy):
             return
         per_gpu = task.milli if task.sharing else MILLI
         self.demand.add(task.cpu, per_gpu * task.num_gpu)
-        self.models.observe(per_gpu * task.num_gpu, task.models)
+        self.model_reserve.observe(per_gpu * task.num_gpu, task.models)
         self.counts[_bin_up(per_gpu)] += task.num_gpu
         self.cpu_of_gpu_tasks += task.cpu
         self.seen += 1
@@ -169,7 +169,8 @@ class FastsharePolicy(Policy):
             if gpu_rho > 0:
                 guard = excess(self.demand.lower(SURE) / self.supply) / gpu_rho
         moved = max(abs(a - b) for a, b in zip(values, self.values, strict=True))
-        if (self.models.refresh() or moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho)
+        reserve_moved = self.model_reserve.refresh()
+        if (reserve_moved or moved > QUANTUM or abs(rho - self.rho) > 0.02 * max(rho, self.rho)
                 or guard or self.guard):
             self.values, self.rho, self.guard = values, rho, guard
             self._fit_cpu, self._fit_share = _cumulative_shares(self.cpu_only_sizes)
@@ -214,11 +215,11 @@ class FastsharePolicy(Policy):
         gain = taken + total * self._cpu_factor(cpu_left - task.cpu, free - taken) - before
         if self.guard:
             gain -= self.guard * (self.exposed(cpu_left - task.cpu) - self.exposed(cpu_left))
-        gain -= self.models.cost(model, taken)
+        gain -= self.model_reserve.cost(model, taken)
         in_use = free < MILLI * len(gpus)
         return (int(gain // QUANTUM), in_use), chosen
 
     def state_key(self, model, cpu_left, gpus, task):
-        return (self.generation, self.models.reserve.get(model, 0.0), cpu_left // CPU_STEP,
+        return (self.generation, self.model_reserve.reserve.get(model, 0.0), cpu_left // CPU_STEP,
                 (cpu_left - task.cpu) // CPU_STEP, tuple(sorted(gpus)))
 

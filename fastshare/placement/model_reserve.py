@@ -6,7 +6,8 @@ before the cluster fills: every milli of it that a request with other choices ta
 milli a bound request misses, while the other choices stay empty. On a synthetic openb
 variant with half the GPU tasks bound to a model (T4 asked 2.3 times its capacity), the
 default policy let unbound tasks take T4s early; the T4-bound tasks failed, 145 G2 GPUs
-stayed empty, and it ended 0.2 points below FGD (93.94 %). With the reserve: 95.72 %.
+stayed empty (seed 42), and it ended level with FGD (94.11 % against 94.10 %, seeds 42-51).
+With the reserve: 95.74 %.
 
 So each model gets a *reserve* in [0, 1] (``excess`` of the bound requests' share, less two
 standard errors, over the model's share of capacity) and the policy charges a placement

@@ -168,9 +168,9 @@ def test_requests_allowing_several_models_count_against_each_by_its_capacity():
     pol.observe(Task(1_000, MILLI, 2, frozenset({"A", "B"})))   # 2,000 milli: 1,500 A, 500 B
     pol.observe(Task(1_000, 500, 1, frozenset({"B"})))
     pol.observe(Task(1_000, 500, 1))
-    assert pol.models.share("A").ratio() == pytest.approx(1_500 / 3_000)
-    assert pol.models.share("B").ratio() == pytest.approx(1_000 / 3_000)
-    assert pol.models.share("C").ratio() == 0
+    assert pol.model_reserve.share("A").ratio() == pytest.approx(1_500 / 3_000)
+    assert pol.model_reserve.share("B").ratio() == pytest.approx(1_000 / 3_000)
+    assert pol.model_reserve.share("C").ratio() == 0
 
 
 def bound_mix(n: int, bound_share: float) -> list[tuple[Task, int]]:
@@ -186,12 +186,12 @@ def test_requests_with_a_choice_leave_a_model_to_the_requests_that_will_fill_it(
     short = taught(*bound_mix(300, 2 / 3))
     eng = Engine(cluster, policy=short)
     short._refresh()
-    assert short.models.reserve == {"A100-SXM4-40GB": 1.0}
+    assert short.model_reserve.reserve == {"A100-SXM4-40GB": 1.0}
     assert eng.place(Request("x", "whole", gpus=1, cpu_milli=4_000)).node == "t4"
     plenty = taught(*bound_mix(300, 1 / 3))
     eng = Engine(cluster, policy=plenty)
     plenty._refresh()
-    assert plenty.models.reserve == {}
+    assert plenty.model_reserve.reserve == {}
     assert eng.place(Request("x", "whole", gpus=1, cpu_milli=4_000)).node == "a100"
 
 
@@ -200,11 +200,11 @@ def test_a_few_bound_requests_do_not_set_off_the_model_reserve():
         pol = taught(*bound_mix(n, 2 / 3))
         pol.cluster(64_000, {"A100-SXM4-40GB": 4_000, "T4": 4_000})
         pol._refresh()
-        assert bool(pol.models.reserve) is reserved
+        assert bool(pol.model_reserve.reserve) is reserved
 
 
 def test_the_engine_tells_its_policy_the_models_requests_are_bound_to():
     eng = Engine([node("a100", n_gpus=2), node("t4", n_gpus=2, key="T4")])
-    assert eng.policy.models.capacity == {"A100-SXM4-40GB": 2_000, "T4": 2_000}
+    assert eng.policy.model_reserve.capacity == {"A100-SXM4-40GB": 2_000, "T4": 2_000}
     eng.place(Request("a", "whole", gpus=1, cpu_milli=1_000, gpu_models=("T4",)))
-    assert eng.policy.models.share("T4").ratio() == 1
+    assert eng.policy.model_reserve.share("T4").ratio() == 1

@@ -67,6 +67,14 @@ class _Node:
         return self.view.memory_mib - self.mem_used
 
 
+def _policy_task(r: Request) -> Task:
+    """A request as the policy sees it: whole GPUs, an SM share, or (memory-only MPS) the
+    least share, with the models it may run on."""
+    if r.kind == "whole":
+        return Task(r.cpu_milli, MILLI, r.gpus, frozenset(r.gpu_models))
+    return Task(r.cpu_milli, r.sm_milli if r.kind == "fastpod" else 1, 1, frozenset(r.gpu_models))
+
+
 def _fmt_mib(mib: float) -> str:
     return f"{mib / 1024:.1f} GiB" if mib >= 1024 and mib % 1024 else (
         f"{int(mib // 1024)} GiB" if mib >= 1024 else f"{int(mib)} MiB")
@@ -159,10 +167,8 @@ class Engine:
     def place(self, request: Request) -> Assignment | Rejection:
         if request.id in self._assignments:
             raise InvalidRequest(f"id: request {request.id} is already placed")
-        if request.kind == "fastpod":
-            self.policy.observe(Task(request.cpu_milli, request.sm_milli, 1, frozenset(request.gpu_models)))
-        elif request.kind == "whole":
-            self.policy.observe(Task(request.cpu_milli, MILLI, request.gpus, frozenset(request.gpu_models)))
+        if request.kind in ("fastpod", "whole"):   # the kinds whose GPU share the policy learns
+            self.policy.observe(_policy_task(request))
         nodes, why = self._filter_nodes(request)
         if not nodes:
             return Rejection(why)
@@ -309,7 +315,7 @@ class Engine:
 
     # ---- per kind ----------------------------------------------------------------------------
     def _shares(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
-        task = Task(r.cpu_milli, r.sm_milli if r.kind == "fastpod" else 1, 1, frozenset(r.gpu_models))
+        task = _policy_task(r)
         best_key, best = None, None
         for order, n in enumerate(nodes):
             free = []
@@ -369,7 +375,7 @@ class Engine:
         return msg
 
     def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
-        task = Task(r.cpu_milli, MILLI, r.gpus, frozenset(r.gpu_models))
+        task = _policy_task(r)
         best_key, best = None, None
         most = (0, None)
         for order, n in enumerate(nodes):

@@ -17,9 +17,11 @@ class RunningRatio:
     """Running estimate of ``sum(x) / sum(y)`` over requests, with its standard error (the
     delta method for a ratio of means)."""
 
-    def __init__(self) -> None:
-        self.n = 0
-        self.sx = self.sy = self.sxx = self.syy = self.sxy = 0.0
+    def __init__(self, n: int = 0, sx: float = 0.0, sy: float = 0.0, sxx: float = 0.0,
+                 syy: float = 0.0, sxy: float = 0.0) -> None:
+        """Empty, or from the sums of ``n`` requests already seen."""
+        self.n = n
+        self.sx, self.sy, self.sxx, self.syy, self.sxy = sx, sy, sxx, syy, sxy
 
     def add(self, x: float, y: float) -> None:
         self.n += 1

@@ -60,15 +60,14 @@ class ModelReserve:
     def share(self, model: str) -> RunningRatio:
         """The estimate of the share of all GPU milli asked that only ``model`` can take
         (a request allowing several models counts in proportion to their capacity)."""
-        est = RunningRatio()
-        est.n, est.sy, est.syy = self._all.n, self._all.s, self._all.ss
+        sx = sxx = sxy = 0.0
         for models, sums in self._bound.items():
             if model in models:
                 w = self.capacity[model] / sum(self.capacity.get(m, 0) for m in models)
-                est.sx += w * sums.s
-                est.sxx += w * w * sums.ss
-                est.sxy += w * sums.ss
-        return est
+                sx += w * sums.s
+                sxx += w * w * sums.ss
+                sxy += w * sums.ss
+        return RunningRatio(self._all.n, sx, self._all.s, sxx, self._all.ss, sxy)
 
     def refresh(self) -> bool:
         """Re-derive every model's reserve; True if any changed."""

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from fastshare.placement import Engine, Request
-from fastshare.placement.fastshare_policy import BINS, STEP, FastsharePolicy, value_table
+from fastshare.placement.fastshare_policy import (
+    BINS,
+    STEP,
+    FastsharePolicy,
+    best_fill,
+    fresh_value,
+    hole_values,
+    value_table,
+)
 from fastshare.placement.policies import MILLI, Task
 
 from .conftest import node
@@ -75,11 +83,46 @@ DEFAULT_LIKE = ((Task(1000, MILLI, 1), 600), (Task(1000, 810, 1), 150), (Task(10
 
 def test_a_free_gpu_is_valued_by_the_shares_alone():
     pol = taught(*DEFAULT_LIKE)
-    with_wholes = value_table(pol.counts)
-    assert pol.values[:BINS] == with_wholes[:BINS]
-    assert pol.values[BINS] < with_wholes[BINS] - 30   # whole requests no longer fill it
+    with_wholes, fresh = value_table(pol.counts), fresh_value(pol.counts)
+    assert fresh[:BINS] == with_wholes[:BINS]
+    assert fresh[BINS] < with_wholes[BINS] - 30   # whole requests no longer fill it
     only_wholes = taught((Task(1000, MILLI, 1), 10))
     assert only_wholes.values == value_table(only_wholes.counts)
+
+
+def test_best_fill_packs_only_the_common_sizes():
+    counts = [0.0] * (BINS + 1)
+    counts[47], counts[32], counts[16] = 60, 35, 2   # 160s are 2 % of the shares: not common
+    counts[BINS] = 500                               # whole-GPU requests never fill a hole
+    w = best_fill(counts)
+    assert w is not None
+    assert w[19] == 0 and w[53] == 470 and w[68] == 640 and w[79] == 790 and w[BINS] == 960
+
+
+def test_without_a_common_size_the_policy_scores_with_the_random_filler_alone():
+    counts = [0.0] * (BINS + 1)
+    for b in range(10, 90, 2):   # 40 sizes, 2.5 % each
+        counts[b] = 1
+    assert best_fill(counts) is None and hole_values(counts) == fresh_value(counts)
+    assert best_fill([0.0] * (BINS + 1)) is None
+
+
+def test_the_policy_scores_with_the_mean_of_random_and_best_fill():
+    pol = taught(*DEFAULT_LIKE)
+    fresh, best = fresh_value(pol.counts), best_fill(pol.counts)
+    assert best is not None
+    assert pol.values == pytest.approx([(a + b) / 2 for a, b in zip(fresh, best, strict=True)])
+
+
+def test_a_share_keeps_off_a_hole_that_common_sizes_complete_exactly():
+    # A 650 in a 790 hole leaves 140 that no size fits; a 470 and a 320 complete the hole
+    # exactly, and a 320 completes the 650 on the free GPU. The random filler alone, which
+    # gives the 790 hole whatever fits (a 650 as likely as a 470), sends the 650 in.
+    pol = taught(*DEFAULT_LIKE)
+    task = Task(1000, 650, 1)
+    assert pol.score("T4", 64000, (790, MILLI), task)[1] == (1,)
+    pol.values = fresh_value(pol.counts)
+    assert pol.score("T4", 64000, (790, MILLI), task)[1] == (0,)
 
 
 def test_a_share_opens_a_free_gpu_rather_than_a_hole_it_fits_badly():

@@ -25,11 +25,12 @@ later 650 completes.
 
 The next task to land is not quite any size that fits, though: every task goes where it
 fits best, so a hole that a common size nearly completes tends to get that size. The best
-fill by the common sizes (``best_fill``; common: a hole only that size fits would, by the
-formula above, more likely than not be filled) overrates holes as much as ``V`` underrates
-them, so the policy scores with the mean of the two (``hole_values``). On the openb default
-mix a 680-milli hole is worth 533 by ``V``, 650 by the best fill (a 650), 591 as scored; a
-free GPU 902, 970 (650 + 320), 936; the 190 beside an 810 24, 0 (no common size fits), 12.
+fill by the common sizes (``best_fill``; common: among the sharing requests, frequent enough
+that the formula above gives a hole only that size fits an even chance) errs the other way,
+as if the best size always came first, so the policy scores with the mean of the two
+(``hole_values``). On the openb default mix a 680-milli hole is worth 533 by ``V``, 650 by
+the best fill (a 650), 591 as scored; a free GPU 902, 970 (650 + 320), 936; the 190 beside
+an 810 24, 0 (no common size fits), 12.
 
 A node is worth the sum of its GPUs' values, scaled down when its CPU cannot feed them (the
 CPU the request mix needs per GPU milli, ``rho``, times the free milli). A task goes where
@@ -108,9 +109,10 @@ def fresh_value(counts: list[float], kappa: float = KAPPA) -> list[float]:
 
 def best_fill(counts: list[float], kappa: float = KAPPA) -> list[float] | None:
     """``W[b]``: the most milli the *common* sharing sizes can put into ``b * STEP`` free milli
-    (an unbounded knapsack). A size is common when, among the sharing requests, its share
-    ``p`` has ``p^2 >= kappa``: a hole only it fits is then more likely than not to be filled
-    by ``value_table``'s own reckoning. None when no size is common (or nothing was seen)."""
+    (an unbounded knapsack). A size is common when its share ``p`` of the sharing requests
+    (the only ones a hole fits) has ``p^2 >= kappa``: counting those alone, ``value_table``
+    gives a hole only that size fits at least an even chance of being filled. None when no
+    size is common (or nothing was seen)."""
     shares = sum(counts[1:BINS])
     common = [m for m in range(1, BINS) if shares > 0 and (counts[m] / shares) ** 2 >= kappa]
     if not common:

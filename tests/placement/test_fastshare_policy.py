@@ -117,7 +117,8 @@ def test_the_policy_scores_with_the_mean_of_random_and_best_fill():
 def test_a_share_keeps_off_a_hole_that_common_sizes_complete_exactly():
     # A 650 in a 790 hole leaves 140 that no size fits; a 470 and a 320 complete the hole
     # exactly, and a 320 completes the 650 on the free GPU. The random filler alone, which
-    # gives the 790 hole whatever fits (a 650 as likely as a 470), sends the 650 in.
+    # counts on whatever fits the 790 hole (160s, 320s, 470s and 650s by how often each
+    # comes), sends the 650 in.
     pol = taught(*DEFAULT_LIKE)
     task = Task(1000, 650, 1)
     assert pol.score("T4", 64000, (790, MILLI), task)[1] == (1,)

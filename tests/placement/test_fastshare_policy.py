@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastshare.placement import Engine, Request
 from fastshare.placement.fastshare_policy import (
     BINS,
+    KAPPA,
     STEP,
     FastsharePolicy,
     best_fill,
@@ -252,3 +255,17 @@ def test_the_engine_tells_its_policy_the_models_requests_are_bound_to():
     assert eng.policy.model_reserve.capacity == {"A100-SXM4-40GB": 2_000, "T4": 2_000}
     eng.place(Request("a", "whole", gpus=1, cpu_milli=1_000, gpu_models=("T4",)))
     assert eng.policy.model_reserve.share("T4").ratio() == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.integers(1, BINS - 1), st.integers(1, 50), min_size=1, max_size=12))
+def test_best_fill_never_promises_more_than_the_hole_and_grows_with_it(sizes):
+    counts = [0.0] * (BINS + 1)
+    for b, n in sizes.items():
+        counts[b] = n
+    w = best_fill(counts)
+    assert w is not None   # at most 12 sizes: the most frequent has p^2 >= 1/144 > KAPPA
+    assert all(0 <= w[f] <= f * STEP for f in range(BINS + 1))
+    assert all(w[f] <= w[f + 1] for f in range(BINS))
+    smallest = min(b for b, n in sizes.items() if (n / sum(sizes.values())) ** 2 >= KAPPA)
+    assert w[smallest - 1] == 0 and w[smallest] == smallest * STEP

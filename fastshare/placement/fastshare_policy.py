@@ -114,7 +114,7 @@ def best_fill(counts: list[float], kappa: float = KAPPA) -> list[float] | None:
     gives a hole only that size fits at least an even chance of being filled. None when no
     size is common (or nothing was seen)."""
     shares = sum(counts[1:BINS])
-    common = [m for m in range(1, BINS) if shares > 0 and (counts[m] / shares) ** 2 >= kappa]
+    common = [m for m in range(1, BINS) if shares and (counts[m] / shares) ** 2 >= kappa]
     if not common:
         return None
     w = [0.0] * (BINS + 1)

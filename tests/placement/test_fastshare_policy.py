@@ -110,11 +110,18 @@ def test_without_a_common_size_the_policy_scores_with_the_random_filler_alone():
     assert best_fill([0.0] * (BINS + 1)) is None
 
 
-def test_the_policy_scores_with_the_mean_of_random_and_best_fill():
+def test_a_share_closes_a_hole_rather_than_open_a_second_one_for_the_same_rare_partner():
+    # A 680 hole waits for a 650 (a tenth of the shares). The best fill alone counts on a
+    # 650 for every such hole, so it puts a 320 on the free GPU and opens a second one;
+    # scored with the mean, the 320 closes the hole (360 left, which another 320 completes)
+    # and the free GPU stays free.
     pol = taught(*DEFAULT_LIKE)
-    fresh, best = fresh_value(pol.counts), best_fill(pol.counts)
+    task = Task(1000, 320, 1)
+    assert pol.score("T4", 64000, (680, MILLI), task)[1] == (0,)
+    best = best_fill(pol.counts)
     assert best is not None
-    assert pol.values == pytest.approx([(a + b) / 2 for a, b in zip(fresh, best, strict=True)])
+    pol.values = best
+    assert pol.score("T4", 64000, (680, MILLI), task)[1] == (1,)
 
 
 def test_a_share_keeps_off_a_hole_that_common_sizes_complete_exactly():

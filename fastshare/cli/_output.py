@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 import click
@@ -29,23 +29,24 @@ def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequen
     cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
     console = Console()
 
-    def widths(header_parts: Callable[[str], list[str]]) -> list[int]:
-        return [max(len(part) for part in [*header_parts(column), *(row[i] for row in cells if i < len(row)),
-                                             "-"])
-                for i, column in enumerate(columns)]
+    def widest(i: int, header_parts: list[str]) -> int:
+        return max(len(part) for part in [*header_parts, *(row[i] for row in cells if i < len(row)), "-"])
 
-    layout: tuple[list[int] | list[None], int] = ([None] * len(columns), 0)
-    for candidate, gap in ((widths(lambda header: [header]), 1), (widths(str.split), 0)):
-        if sum(candidate) + (1 + gap) * (len(columns) - 1) <= console.width:
-            layout = (candidate, gap)
-            break
-    chosen, gap = layout
+    whole = [widest(i, [column]) for i, column in enumerate(columns)]
+    words = [widest(i, column.split()) for i, column in enumerate(columns)]
+    gaps = len(columns) - 1
+    widths: list[int] | list[None]
+    if sum(whole) + 2 * gaps <= console.width:
+        widths, extra = whole, 1   # one space more than the table's own separator
+    elif sum(words) + gaps <= console.width:
+        widths, extra = words, 0
+    else:
+        widths, extra = [None] * len(columns), 0
     if title:
         console.print(Text(title, style="bold"))
     table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
-    for i, (column, width) in enumerate(zip(columns, chosen, strict=True)):
-        last = i == len(columns) - 1
-        table.add_column(column, overflow="fold", width=width if width is None or last else width + gap)
+    for i, (column, width) in enumerate(zip(columns, widths, strict=True)):
+        table.add_column(column, overflow="fold", width=None if width is None else width + extra * (i < gaps))
     for row in cells:
         table.add_row(*row)
     console.print(table)

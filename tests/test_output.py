@@ -23,7 +23,7 @@ def test_headers_wrap_at_spaces_when_whole_ones_do_not_fit(capsys, monkeypatch):
     lines = _lines(capsys, monkeypatch, 25)
     # the title is its own line, folded only by the terminal's width, never by the table's
     assert "GPU allocation ratio" in lines[0]
-    table = lines[lines.index(next(line for line in lines if line.startswith("final"))):]
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("final")):]
     assert table[:3] == ["final", "alloc pods", "%     failed"]   # headers end on one line
     assert table[4] == "96.29 2444"
     assert all(len(line) <= 25 for line in lines)

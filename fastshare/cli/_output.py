@@ -46,7 +46,9 @@ def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequen
         console.print(Text(title, style="bold"))
     table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
     for i, (column, width) in enumerate(zip(columns, widths, strict=True)):
-        table.add_column(column, overflow="fold", width=None if width is None else width + extra * (i < gaps))
+        if width is not None and i < gaps:   # the last column needs no space after it
+            width += extra
+        table.add_column(column, overflow="fold", width=width)
     for row in cells:
         table.add_row(*row)
     console.print(table)

@@ -31,7 +31,8 @@ def _default(name: str) -> str | None:
 @click.option("--seed", type=int, default=42, show_default=True, help="Arrival shuffle and tie order.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True),
-              help="Write the allocation curve (with the published FGD curve) to a PNG.")
+              help="Write the allocation curve (with the published FGD curve, and a zoom on where the "
+                   "cluster fills) to a PNG.")
 def sim(pods: str | None, nodes: str | None, policy: str, tune: float, seed: int, as_json: bool,
         plot: str | None) -> None:
     """Replay a trace: tasks sorted by name, shuffled with SEED, TUNE copies, no departures;
@@ -79,6 +80,22 @@ def sim(pods: str | None, nodes: str | None, policy: str, tune: float, seed: int
                   summary["wall_s"]]])
 
 
+Curve = list[tuple[float, float]]   # (arrived %, allocated %)
+
+
+def zoom_window(curves: list[Curve], margin: float = 0.5) -> tuple[float, float, float] | None:
+    """``(x0, y0, y1)``: from 10 points before the first curve leaves the diagonal (allocated
+    more than one point below arrived) to the end, the y range the curves span there. Policies
+    differ only in that stretch, by a point or two, which the full 0-100 % axis hides. None
+    when no curve leaves the diagonal."""
+    left = [x for curve in curves for x, y in curve if y < x - 1]
+    if not left:
+        return None
+    x0 = max(0.0, min(left) - 10)
+    ys = [y for curve in curves for x, y in curve if x >= min(left)]
+    return x0, min(ys) - margin, max(ys) + margin
+
+
 def _plot(path: str, summary: dict, published_fgd: list[float] | None, label: str) -> None:
     try:
         import matplotlib
@@ -87,18 +104,30 @@ def _plot(path: str, summary: dict, published_fgd: list[float] | None, label: st
         import matplotlib.pyplot as plt
     except ImportError:
         fail("--plot needs matplotlib", "pip install 'fastshare[plot]'")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [p[0] for p in summary["curve"]]
-    ax.plot(xs, [p[1] for p in summary["curve"]], label=f"{summary['policy']} (this run)")
+    curves = [[(x, y) for x, y in summary["curve"]]]
     if published_fgd:
-        ax.plot(range(len(published_fgd)), published_fgd, "--", label=label)
-    ax.plot([0, 100], [0, 100], ":", color="grey", linewidth=0.8)
+        curves.append(list(enumerate(published_fgd)))
+    zoom = zoom_window(curves)
+    if zoom is None:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        axes = [ax]
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), width_ratios=(3, 2))
+        ax, inset = axes
+        inset.set_xlim(zoom[0], max(x for x, _ in curves[0]))
+        inset.set_ylim(zoom[1], zoom[2])
+        inset.set_xlabel("arrived workload (%), where the cluster fills")
+    for a in axes:
+        a.grid(alpha=0.3)
+        a.plot(*zip(*curves[0], strict=True), label=f"{summary['policy']} (this run)")
+        if published_fgd:
+            a.plot(*zip(*curves[1], strict=True), "--", label=label)
+        a.plot([0, 100], [0, 100], ":", color="grey", linewidth=0.8)
     ax.set_xlabel("arrived workload (% of GPU capacity)")
     ax.set_ylabel("GPU allocation ratio (%)")
     ax.set_title(f"{summary['trace']} seed {summary['seed']} tune {summary['tune']}: "
                  f"final {summary['gpu_alloc_ratio']} %")
     ax.legend(loc="lower right")
-    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from fastshare.cli import main
+from fastshare.cli.sim import zoom_window
 from fastshare.placement import make_policy
 from fastshare.placement.policies import MILLI, Task, typical_shapes
 from fastshare.sim.experiment import Experiment, default_data_dir
@@ -153,6 +154,17 @@ def test_cli_sim_plot(tmp_path):
                                     str(tmp_path / "n.csv"), "--plot", str(png)])
     assert out.exit_code == 0, out.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_zooms_on_where_the_curves_leave_the_diagonal():
+    """The zoom panel spans the saturation stretch and every value the curves take there; a
+    run that never saturates gets no zoom."""
+    fills = [(x, min(x, 96.2 + x / 1000)) for x in range(131)]
+    other = [(x, min(x, 95.1 + x / 1000)) for x in range(131)]
+    x0, y0, y1 = zoom_window([fills, other])
+    assert x0 == 87        # the lower curve is first more than a point below arrived at x = 97
+    assert y0 < 95.1 and y1 > 96.2 + 0.13 and y1 - y0 < 5
+    assert zoom_window([[(x, x) for x in range(101)]]) is None
 
 
 def test_a_learning_policy_is_rescored_when_it_learns():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,26 @@ from fastshare.cli._output import fail
 KEYS = ("state_dir", "listen", "token_listen", "tls_dir", "tls_name", "client_auth", "token_file",
         "heartbeat_interval", "heartbeat_timeout", "reconcile_interval", "agent_deadline",
         "mps_oversubscription", "log_level")
+# the numeric settings: lowest and highest allowed (seconds, except the memory factor; agents
+# are told the heartbeat interval in whole seconds, and their own RPC timeouts are 1-3600 s)
+LIMITS = {"heartbeat_interval": (1.0, 3600.0), "heartbeat_timeout": (2.0, 86400.0),
+          "reconcile_interval": (1.0, 86400.0), "agent_deadline": (1.0, 3600.0),
+          "mps_oversubscription": (1.0, 16.0)}
+
+
+def _number(values: dict[str, Any], key: str, default: float) -> float:
+    """A numeric setting from a flag or the config file, refused unless it is a finite number
+    in its range (a NaN deadline or a negative interval would only fail later, obscurely)."""
+    raw = values.get(key, default)
+    low, high = LIMITS[key]
+    try:
+        number = math.nan if isinstance(raw, bool) else float(raw)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not low <= number <= high:  # NaN fails too
+        fail(f"--{key.replace('_', '-')} (or {key} in --config) must be a number in {low:g}..{high:g}, "
+             f"got {raw!r}")
+    return number
 
 
 def _load(path: Path | None) -> dict[str, Any]:
@@ -83,13 +104,9 @@ def serve(config_path: Path | None, **flags: Any) -> None:
                            if line.strip() and not line.startswith("#"))
         except OSError as exc:
             fail(f"--token-file: {exc}")
-    hb = float(values.get("heartbeat_interval", 2.0))
-    settings = Settings(heartbeat_interval=hb,
-                        heartbeat_timeout=float(values.get("heartbeat_timeout", 4 * hb)),
-                        reconcile_interval=float(values.get("reconcile_interval", 5.0)))
-    for name in ("heartbeat_interval", "heartbeat_timeout", "reconcile_interval"):
-        if getattr(settings, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(settings, name)}")
+    hb = _number(values, "heartbeat_interval", 2.0)
+    settings = Settings(heartbeat_interval=hb, heartbeat_timeout=_number(values, "heartbeat_timeout", 4 * hb),
+                        reconcile_interval=_number(values, "reconcile_interval", 5.0))
     if settings.heartbeat_timeout <= settings.heartbeat_interval:
         fail(f"--heartbeat-timeout ({settings.heartbeat_timeout}) must be greater than --heartbeat-interval "
              f"({settings.heartbeat_interval})")
@@ -98,8 +115,8 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         tls=TlsPaths.in_dir(Path(values["tls_dir"]), values.get("tls_name", "controller")),
         listen=values.get("listen", "127.0.0.1:7070"), token_listen=values.get("token_listen", ""),
         client_auth=values.get("client_auth", "cert"), tokens=tokens, settings=settings,
-        agent_deadline=float(values.get("agent_deadline", 10.0)),
-        mps_oversubscription=float(values.get("mps_oversubscription", 1.0)))
+        agent_deadline=_number(values, "agent_deadline", 10.0),
+        mps_oversubscription=_number(values, "mps_oversubscription", 1.0))
     server = ControllerServer(config)
     try:
         server.start()

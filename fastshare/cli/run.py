@@ -24,6 +24,7 @@ import grpc
 
 from fastshare.cli._output import fail
 from fastshare.controller.client import client_options
+from fastshare.controller.validation import MAX_GPUS_PER_NODE, MAX_LEASE_TTL, MAX_SM_COUNT
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -67,13 +68,15 @@ def _describe(a) -> str:
 @click.command("run", context_settings={"allow_interspersed_args": False})
 @click.option("--kind", type=click.Choice(["fastpod", "mps", "exclusive", "whole"]), default="fastpod",
               show_default=True)
-@click.option("--sm", "sm_percent", type=int, default=0,
+@click.option("--sm", "sm_percent", type=click.IntRange(0, 100), default=0,
               help="SM share in % (fastpod; exclusive: slice size).")
 @click.option("--mem", "memory", help="GPU memory, e.g. 8GiB (fastpod limit, mps share, exclusive minimum).")
 @click.option("--quota", help="Time quota REQUEST:LIMIT fractions of the GPU, e.g. 0.3:0.6 (fastpod).")
-@click.option("--gpus", "gpu_count", type=int, default=0, help="Number of whole GPUs (whole) [1].")
+@click.option("--gpus", "gpu_count", type=click.IntRange(0, MAX_GPUS_PER_NODE), default=0,
+              help="Number of whole GPUs (whole) [1].")
 @click.option("--mig-profile", default="", help="Exact MIG profile, e.g. 3g.20gb (exclusive).")
-@click.option("--sm-count", type=int, default=0, help="Smallest MIG slice with this many SMs (exclusive).")
+@click.option("--sm-count", type=click.IntRange(0, MAX_SM_COUNT), default=0,
+              help="Smallest MIG slice with this many SMs (exclusive).")
 @click.option("--model", "models", multiple=True,
               help="Allowed GPU models (globs, repeatable), e.g. 'H100*'.")
 @click.option("--selector", "selectors", multiple=True, help="Node label KEY=VALUE (repeatable).")
@@ -81,7 +84,7 @@ def _describe(a) -> str:
 @click.option("--anti-affinity", default="", help="Never share a GPU with others carrying this tag.")
 @click.option("--exclusion", default="", help="Only share a GPU with others carrying this tag.")
 @click.option("--owner", default=None, help="Owner recorded with the allocation [user@host].")
-@click.option("--lease-ttl", type=int, default=30, show_default=True,
+@click.option("--lease-ttl", type=click.IntRange(0, MAX_LEASE_TTL), default=30, show_default=True,
               help="Seconds the allocation survives without renewal (covers kill -9 of this command).")
 @click.option("--key", "idempotency_key", default=None, help="Idempotency key [random per invocation].")
 @click.option("--quiet", "-q", is_flag=True, help="No allocation summary on stderr.")

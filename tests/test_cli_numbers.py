@@ -1,0 +1,50 @@
+"""Numbers on the command line and in the controller's config file are refused with the flag's
+name and range before anything starts: no traceback (a negative --sm once crashed building the
+protobuf request) and no state directory left behind."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from fastshare.cli import main
+
+OFFLINE = {"FASTSHARE_CONTROLLER": "127.0.0.1:9"}
+
+
+@pytest.mark.parametrize("flag, value", [("--sm", "-1"), ("--sm", "101"), ("--sm", str(2**40)),
+                                         ("--gpus", "-1"), ("--gpus", "17"), ("--sm-count", "-3"),
+                                         ("--lease-ttl", "-1"), ("--lease-ttl", str(2**32))])
+def test_run_refuses_numbers_a_request_cannot_carry(flag, value):
+    result = CliRunner().invoke(main, ["run", flag, value, "--", "true"], env=OFFLINE)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert flag in result.output and "not in the range" in result.output
+
+
+@pytest.mark.parametrize("flag, value", [("--heartbeat-interval", "nan"), ("--heartbeat-interval", "0"),
+                                         ("--heartbeat-timeout", "inf"), ("--reconcile-interval", "-5"),
+                                         ("--agent-deadline", "-3"), ("--agent-deadline", "inf"),
+                                         ("--mps-oversubscription", "0.5"), ("--mps-oversubscription", "17")])
+def test_controller_refuses_bad_numbers_before_touching_state(tmp_path, flag, value):
+    state = tmp_path / "state"
+    result = CliRunner().invoke(main, ["controller", "serve", "--state-dir", str(state), "--tls-dir",
+                                       str(tmp_path / "tls"), flag, value])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert flag in result.output and "must be a number in" in result.output
+    assert not state.exists()
+
+
+@pytest.mark.parametrize("line", ["heartbeat_interval: abc", "agent_deadline: [1]",
+                                  "reconcile_interval: true", "heartbeat_timeout: .nan"])
+def test_controller_config_file_numbers_name_the_setting(tmp_path, line):
+    config = tmp_path / "controller.yaml"
+    state = tmp_path / "state"
+    config.write_text(f"state_dir: {state}\ntls_dir: {tmp_path / 'tls'}\n{line}\n")
+    result = CliRunner().invoke(main, ["controller", "serve", "--config", str(config)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    key = line.partition(":")[0]
+    assert f"{key} in --config" in result.output and "must be a number in" in result.output
+    assert not state.exists()

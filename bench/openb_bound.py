@@ -188,6 +188,8 @@ class Bound:
             (rows.ub if dead else rows.eq)[("whole1", c)] = n
         for key, n in multi.items():
             rows.ub[("multi", *key)] = n
+        if not cols:  # nothing could be on the GPUs at ``tau``, so none can be covered
+            return None
         a_ub, b_ub, a_eq, b_eq = rows.matrices(cols)
         res = linprog(-np.array([o for o, _, _ in cols], dtype=float), A_ub=a_ub, b_ub=b_ub,
                       A_eq=a_eq, b_eq=b_eq, bounds=[(0, u) for _, _, u in cols], method="highs")

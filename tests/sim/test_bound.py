@@ -41,6 +41,15 @@ def test_exact_where_the_optimum_is_known():
     assert bound.at(1) is None
 
 
+def test_no_task_before_tau_means_no_run_saturates_there():
+    # only 2-GPU tasks (found by hypothesis): before the first arrives nothing can cover the GPUs
+    nodes = [SimNode("n0", 64000, 128000, 2, "T4"), SimNode("n1", 64000, 128000, 4, "T4")]
+    order = [_pod(i, 2, MILLI) for i in range(4)]
+    bound = openb_bound.Bound(order, nodes)
+    assert bound.at(0) is None
+    assert _all_taus(bound, order) == 100.0
+
+
 def test_node_cpu_limits_the_bound():
     # one 2-GPU node with CPU for one task only: whatever the order, one GPU stays empty
     nodes = [SimNode("n0", 4000, 128000, 2, "T4")]

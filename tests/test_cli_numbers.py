@@ -48,3 +48,17 @@ def test_controller_config_file_numbers_name_the_setting(tmp_path, line):
     key = line.partition(":")[0]
     assert f"{key} in --config" in result.output and "must be a number in" in result.output
     assert not state.exists()
+
+
+@pytest.mark.parametrize("args", [["sim", "--tune", "nan"], ["sim", "--tune", "11"],
+                                  ["bench", "mig", "--load", "nan"], ["bench", "mig", "--load", "inf"],
+                                  ["k8s", "controller", "--lease-duration", "inf"],
+                                  ["k8s", "controller", "--node-interval", "nan"],
+                                  ["k8s", "controller", "--heartbeat-timeout", "-inf"]])
+def test_fractional_flags_refuse_nan_and_infinity(args):
+    # NaN compares false with both ends of a range: `sim --tune nan` used to replay tune 0, and
+    # `bench mig --load nan` to offer nothing, both printing figures as if all were well
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert args[-2] in result.output and "range" in result.output

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from fastshare.cli._output import fail, print_json, print_table
+from fastshare.cli._types import Number
 
 
 def _seeds(text: str) -> list[int]:
@@ -92,7 +93,7 @@ def placement(data: str | None, traces: str, policies: str, seeds: str, speed: b
 @click.option("--seeds", default="1-5", show_default=True)
 @click.option("--steps", type=click.IntRange(10, 100000), default=2000, show_default=True)
 @click.option("--gpus", type=click.IntRange(1, 4096), default=32, show_default=True)
-@click.option("--load", type=click.FloatRange(0.1, 5), default=1.1, show_default=True,
+@click.option("--load", type=Number(0.1, 5), default=1.1, show_default=True,
               help="Offered load as a multiple of the cluster's compute slices.")
 @click.option("--json", "as_json", is_flag=True)
 def mig(seeds: str, steps: int, gpus: int, load: float, as_json: bool) -> None:

@@ -9,6 +9,7 @@ import click
 import yaml
 
 from fastshare.cli._output import fail
+from fastshare.cli._types import Number
 
 
 @click.group("k8s")
@@ -57,10 +58,10 @@ def manifests_cmd(values_file: Path | None, crd_only: bool) -> None:
               help="Directory with controller.crt, controller.key and ca.crt (mTLS to the node agents).")
 @click.option("--metrics-port", default=0, type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics (and liveness) on this port; 0 = off.")
-@click.option("--lease-duration", default=15.0, show_default=True, type=click.FloatRange(min=1.0))
-@click.option("--node-interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--lease-duration", default=15.0, show_default=True, type=Number(1.0, 3600))
+@click.option("--node-interval", default=2.0, show_default=True, type=Number(0.1, 3600),
               help="Seconds between agent pings (heartbeats).")
-@click.option("--heartbeat-timeout", default=8.0, show_default=True, type=click.FloatRange(min=0.5),
+@click.option("--heartbeat-timeout", default=8.0, show_default=True, type=Number(0.5, 86400),
               help="Silence after which a node agent counts as down.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity, gpu_node_label,

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from fastshare.cli._output import fail, print_json, print_table
+from fastshare.cli._types import Number
 from fastshare.placement.policies import POLICY_NAMES
 from fastshare.sim.experiment import Experiment, default_data_dir, load, published_curves
 from fastshare.sim.trace import TraceError
@@ -26,7 +27,7 @@ def _default(name: str) -> str | None:
               show_default="../shared/data/openb/openb_node_list_gpu_node.csv", help="Node list CSV.")
 @click.option("--policy", type=click.Choice(POLICY_NAMES, case_sensitive=False), default="fastshare",
               show_default=True)
-@click.option("--tune", type=click.FloatRange(0, 10), default=1.3, show_default=True,
+@click.option("--tune", type=Number(0, 10), default=1.3, show_default=True,
               help="Append random task copies until requested GPU = TUNE x capacity (0 = none).")
 @click.option("--seed", type=int, default=42, show_default=True, help="Arrival shuffle and tie order.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")

@@ -1,6 +1,7 @@
-"""Numbers on the command line and in the controller's config file are refused with the flag's
-name and range before anything starts: no traceback (a negative --sm once crashed building the
-protobuf request) and no state directory left behind."""
+"""Numbers (and bench's seed ranges and trace names) on the command line and in the
+controller's config file are refused with the flag's name and range before anything starts: no
+traceback (a negative --sm once crashed building the protobuf request), no run of nothing
+reported as a result, and no state directory left behind."""
 
 from __future__ import annotations
 
@@ -62,3 +63,25 @@ def test_fractional_flags_refuse_nan_and_infinity(args):
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit)
     assert args[-2] in result.output and "range" in result.output
+
+
+@pytest.mark.parametrize("seeds, why", [("abc", "expected seeds like"), ("5-1", "is empty"),
+                                        ("1-2000", "at most 1000 seeds"), ("-3", "expected seeds like")])
+def test_bench_seeds_are_refused_before_any_run(seeds, why):
+    # "5-1" used to run no seed at all and print a table of zeros as the result
+    result = CliRunner().invoke(main, ["bench", "mig", "--seeds", seeds])
+    assert result.exit_code == 2, result.output
+    assert "--seeds" in result.output and why in result.output
+
+
+def test_bench_placement_names_an_unknown_trace_before_running_the_others(tmp_path):
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\n"
+                                                           "n0,1000,1000,1,T4\n")
+    (tmp_path / "openb_pod_list_tiny.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\n"
+                                                      "p0,1,1,1,500\n")
+    result = CliRunner().invoke(main, ["bench", "placement", "--data", str(tmp_path),
+                                       "--traces", "tiny,nosuch", "--no-speed"])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert "--traces: no openb_pod_list_nosuch.csv" in result.output and "choose from tiny" in result.output
+    assert "tiny" not in result.output.split("Error")[0]   # nothing ran before the refusal

@@ -10,15 +10,27 @@ import click
 from fastshare.cli._output import fail, print_json, print_table
 from fastshare.cli._types import Number
 
+MAX_SEEDS = 1000
+
 
 def _seeds(text: str) -> list[int]:
+    """Seeds from ``42-51``, ``42,43`` or both (``1-3,7``): each range low-high, at most
+    ``MAX_SEEDS`` in all (a mistyped range would otherwise run for days, or print nothing)."""
     out: list[int] = []
-    try:
-        for part in text.split(","):
-            a, _, b = part.partition("-")
-            out.extend(range(int(a), int(b) + 1) if b else [int(a)])
-    except ValueError:
-        raise click.BadParameter(f"expected seeds like 42-51 or 42,43 (got {text!r})") from None
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        try:
+            low = int(first)
+            high = int(last) if last else low
+        except ValueError:
+            raise click.BadParameter(f"expected seeds like 42-51 or 42,43, got {text!r}",
+                                     param_hint="'--seeds'") from None
+        if high < low:
+            raise click.BadParameter(f"range {part!r} is empty: write it low-high", param_hint="'--seeds'")
+        if len(out) + high - low + 1 > MAX_SEEDS:
+            raise click.BadParameter(f"at most {MAX_SEEDS} seeds, got more in {text!r}",
+                                     param_hint="'--seeds'")
+        out.extend(range(low, high + 1))
     return out
 
 
@@ -56,18 +68,23 @@ def placement(data: str | None, traces: str, policies: str, seeds: str, speed: b
     from fastshare.sim import benchmarks
 
     d = _data_dir(data)
-    names = benchmarks.traces_in(d) if traces == "all" else [t.strip() for t in traces.split(",")]
+    known = benchmarks.traces_in(d)
+    names = known if traces == "all" else [t.strip() for t in traces.split(",")]
+    missing = [t for t in names if t not in known]
+    if missing:
+        fail(f"--traces: no openb_pod_list_{missing[0]}.csv in {d}", f"choose from {', '.join(known)}")
     pols = [p.strip().lower() for p in policies.split(",")]
     bad = [p for p in pols if p not in POLICY_NAMES]
     if bad:
         fail(f"--policies: unknown {', '.join(bad)}", f"choose from {', '.join(POLICY_NAMES)}")
+    seed_list = _seeds(seeds)
     out: dict = {}
     if quality:
         def note(s: dict) -> None:
             print(f"{s['trace']:>12} {s['policy']:>10} seed {s['seed']}: {s['gpu_alloc_ratio']:.2f} % "
                   f"({s['wall_s']:.1f} s)", file=sys.stderr, flush=True)
 
-        rows = benchmarks.quality(d, names, pols, _seeds(seeds), on_run=note)
+        rows = benchmarks.quality(d, names, pols, seed_list, on_run=note)
         out["quality"] = rows
         if not as_json:
             print_table("Final GPU allocation ratio % (tune 1.3), mean over seeds",

@@ -114,10 +114,10 @@ def _plot(path: str, summary: dict, published_fgd: list[float] | None, label: st
         axes = [ax]
     else:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), width_ratios=(3, 2))
-        ax, inset = axes
-        inset.set_xlim(zoom[0], max(x for x, _ in curves[0]))
-        inset.set_ylim(zoom[1], zoom[2])
-        inset.set_xlabel("arrived workload (%), where the cluster fills")
+        ax, zoomed = axes
+        zoomed.set_xlim(zoom[0], max(x for x, _ in curves[0]))
+        zoomed.set_ylim(zoom[1], zoom[2])
+        zoomed.set_xlabel("arrived workload (%), where the cluster fills")
     for a in axes:
         a.grid(alpha=0.3)
         a.plot(*zip(*curves[0], strict=True), label=f"{summary['policy']} (this run)")

@@ -109,8 +109,8 @@ submit --kind exclusive --mig-profile 3g.40gb --model 'H100*'
 
 step "one request that cannot fit is rejected with the reason"
 fastshare run --kind whole --gpus 2 -- true || true
-step "and an invalid one names the field and the range"
-fastshare run --sm 130 --mem 1GiB -- true || true
+step "and an invalid one names the field and what it must be (a time-quota limit below its request)"
+fastshare run --sm 30 --mem 1GiB --quota 0.9:0.3 -- true || true
 
 step "fastshare status"
 fastshare status

@@ -20,6 +20,7 @@ KEYS = ("state_dir", "listen", "token_listen", "tls_dir", "tls_name", "client_au
 LIMITS = {"heartbeat_interval": (1.0, 3600.0), "heartbeat_timeout": (2.0, 86400.0),
           "reconcile_interval": (1.0, 86400.0), "agent_deadline": (1.0, 3600.0),
           "mps_oversubscription": (1.0, 16.0)}
+CHOICES = {"client_auth": ("cert", "token", "any"), "log_level": ("debug", "info", "warning", "error")}
 
 
 def _number(values: dict[str, Any], key: str, default: float) -> float:
@@ -46,9 +47,16 @@ def _load(path: Path | None) -> dict[str, Any]:
         fail(f"--config {path}: {exc}")
     if not isinstance(data, dict):
         fail(f"--config {path}: must be a mapping of settings")
-    unknown = sorted(set(data) - set(KEYS))
+    unknown = sorted(str(key) for key in set(data) - set(KEYS))
     if unknown:
         fail(f"--config {path}: unknown setting(s) {', '.join(unknown)}", f"known: {', '.join(KEYS)}")
+    for key, value in data.items():
+        if key in LIMITS:
+            continue  # numbers: _number checks them, with the flags' values
+        if not isinstance(value, str):
+            fail(f"--config {path}: {key} must be a string, got {value!r}")
+        if key in CHOICES and value not in CHOICES[key]:
+            fail(f"--config {path}: {key} must be one of {', '.join(CHOICES[key])}, got {value!r}")
     return data
 
 
@@ -68,7 +76,7 @@ def controller() -> None:
 @click.option("--tls-dir", type=click.Path(path_type=Path, file_okay=False),
               help="Directory with ca.crt and NAME.crt/NAME.key (from `fastshare certs issue`).")
 @click.option("--tls-name", help="Certificate name in --tls-dir [controller].")
-@click.option("--client-auth", type=click.Choice(["cert", "token", "any"]),
+@click.option("--client-auth", type=click.Choice(CHOICES["client_auth"]),
               help="What API clients must present [cert].")
 @click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False),
               help="Accepted bearer tokens, one per line.")
@@ -77,17 +85,22 @@ def controller() -> None:
 @click.option("--reconcile-interval", type=float, help="Seconds between reconciler passes [5].")
 @click.option("--agent-deadline", type=float, help="Deadline of every RPC to an agent, seconds [10].")
 @click.option("--mps-oversubscription", type=float, help="Memory factor MPS shares may promise [1.0].")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-level", type=click.Choice(CHOICES["log_level"]))
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Run the controller until SIGTERM/SIGINT. A second one on the same state dir refuses to start."""
     from fastshare.controller.core import Settings
     from fastshare.controller.lock import LockedError
     from fastshare.controller.server import Config, ControllerServer
+    from fastshare.security.certs import CertError, validate_name
     from fastshare.security.tls import TlsPaths
 
     values = {**_load(config_path), **{k: v for k, v in flags.items() if v is not None}}
     logging.basicConfig(level=str(values.get("log_level", "info")).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        validate_name("--tls-name (or tls_name in --config)", values.get("tls_name", "controller"))
+    except CertError as exc:
+        fail(str(exc))
     if "state_dir" not in values:
         fail("--state-dir is required (or state_dir in --config)")
     if "tls_dir" not in values:

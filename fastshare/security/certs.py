@@ -71,7 +71,8 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def _validate_name(field: str, name: str) -> None:
+def validate_name(field: str, name: str) -> None:
+    """A certificate name: also a file name in a TLS directory, so no path separators."""
     if not _NAME_RE.match(name):
         raise CertError(f"{field} {name!r} is invalid: use 1-63 characters of letters, digits, '.', '_', '-'"
                         " starting with a letter or digit")
@@ -85,7 +86,7 @@ def _validate_days(field: str, days: int, maximum: int) -> None:
 def init_ca(ca_dir: Path, name: str = "fastshare-ca", days: int = DEFAULT_CA_DAYS,
             force: bool = False) -> Path:
     """Create a CA in ``ca_dir``; refuses to overwrite an existing one unless ``force``."""
-    _validate_name("name", name)
+    validate_name("name", name)
     _validate_days("days", days, 36500)
     ca_dir = Path(ca_dir)
     if (ca_dir / CA_KEY).exists() and not force:
@@ -146,7 +147,7 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
 
     ``usage`` both (default) suits agents: they serve RPCs and also call the controller.
     """
-    _validate_name("--name", name)
+    validate_name("--name", name)
     _validate_days("--days", days, MAX_LEAF_DAYS)
     if usage not in USAGES:
         raise CertError(f"--usage must be one of {', '.join(USAGES)}, got {usage!r}")

@@ -1,7 +1,8 @@
-"""Numbers (and bench's seed ranges and trace names) on the command line and in the
-controller's config file are refused with the flag's name and range before anything starts: no
-traceback (a negative --sm once crashed building the protobuf request), no run of nothing
-reported as a result, and no state directory left behind."""
+"""Bad numbers, names and types on the command line and in the controller's config file are
+refused with the flag's (or key's) name and what it must be, before anything starts: no
+traceback (a negative --sm once crashed building the protobuf request, an integer `listen` in
+the config file crashed the controller), no run of nothing reported as a result, and no state
+directory left behind."""
 
 from __future__ import annotations
 
@@ -85,3 +86,22 @@ def test_bench_placement_names_an_unknown_trace_before_running_the_others(tmp_pa
     assert isinstance(result.exception, SystemExit)
     assert "--traces: no openb_pod_list_nosuch.csv" in result.output and "choose from tiny" in result.output
     assert "tiny" not in result.output.split("Error")[0]   # nothing ran before the refusal
+
+
+@pytest.mark.parametrize("line, says", [
+    ("listen: 123", "listen must be a string, got 123"), ("state_dir: [1]", "state_dir must be a string"),
+    ("token_file: 5", "token_file must be a string"), ("log_level: 5", "log_level must be a string"),
+    ("client_auth: bogus", "client_auth must be one of cert, token, any, got 'bogus'"),
+    ("log_level: bogus", "log_level must be one of debug, info, warning, error"),
+    ("tls_name: ../../etc/x", "tls_name in --config) '../../etc/x' is invalid"),
+    ("1: 2", "unknown setting(s) 1")])
+def test_controller_config_file_types_and_choices(tmp_path, line, says):
+    config = tmp_path / "controller.yaml"
+    state = tmp_path / "state"
+    state_line = "" if line.startswith("state_dir") else f"state_dir: {state}\n"
+    config.write_text(f"{state_line}tls_dir: {tmp_path / 'tls'}\n{line}\n")
+    result = CliRunner().invoke(main, ["controller", "serve", "--config", str(config)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert says in result.output
+    assert not state.exists()

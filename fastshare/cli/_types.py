@@ -18,5 +18,7 @@ class Number(click.FloatRange):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number in the range {self._describe_range()}.", param, ctx)
+            low = "" if self.min is None else f"{self.min:g}<="
+            high = "" if self.max is None else f"<={self.max:g}"
+            self.fail(f"{value!r} is not a finite number in the range {low}x{high}.", param, ctx)
         return number

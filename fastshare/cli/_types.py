@@ -22,3 +22,36 @@ class Number(click.FloatRange):
             high = "" if self.max is None else f"<={self.max:g}"
             self.fail(f"{value!r} is not a finite number in the range {low}x{high}.", param, ctx)
         return number
+
+
+class Seeds(click.ParamType):
+    """Seeds written ``42-51``, ``42,43`` or both (``1-3,7``): each range low-high, at most
+    ``MOST`` in all (a mistyped range would otherwise run for days, or nothing at all)."""
+
+    name = "seeds"
+    MOST = 1000
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
+        if isinstance(value, list):
+            return value
+        out: list[int] = []
+        for part in str(value).split(","):
+            first, _, last = part.partition("-")
+            try:
+                low = int(first)
+                high = int(last) if last else low
+            except ValueError:
+                self.fail(f"expected seeds like 42-51 or 42,43, got {value!r}", param, ctx)
+            if high < low:
+                self.fail(f"range {part!r} is empty: write it low-high", param, ctx)
+            if len(out) + high - low + 1 > self.MOST:
+                self.fail(f"at most {self.MOST} seeds, got more in {value!r}", param, ctx)
+            out.extend(range(low, high + 1))
+        return out
+
+    @staticmethod
+    def describe(seeds: list[int]) -> str:
+        """``1-5`` for a run of consecutive seeds, else the list."""
+        if seeds == list(range(seeds[0], seeds[-1] + 1)):
+            return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
+        return ",".join(map(str, seeds))

@@ -8,30 +8,7 @@ from pathlib import Path
 import click
 
 from fastshare.cli._output import fail, print_json, print_table
-from fastshare.cli._types import Number
-
-MAX_SEEDS = 1000
-
-
-def _seeds(text: str) -> list[int]:
-    """Seeds from ``42-51``, ``42,43`` or both (``1-3,7``): each range low-high, at most
-    ``MAX_SEEDS`` in all (a mistyped range would otherwise run for days, or print nothing)."""
-    out: list[int] = []
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        try:
-            low = int(first)
-            high = int(last) if last else low
-        except ValueError:
-            raise click.BadParameter(f"expected seeds like 42-51 or 42,43, got {text!r}",
-                                     param_hint="'--seeds'") from None
-        if high < low:
-            raise click.BadParameter(f"range {part!r} is empty: write it low-high", param_hint="'--seeds'")
-        if len(out) + high - low + 1 > MAX_SEEDS:
-            raise click.BadParameter(f"at most {MAX_SEEDS} seeds, got more in {text!r}",
-                                     param_hint="'--seeds'")
-        out.extend(range(low, high + 1))
-    return out
+from fastshare.cli._types import Number, Seeds
 
 
 def _data_dir(path: str | None) -> Path:
@@ -53,12 +30,12 @@ def bench() -> None:
               help="openb directory (default ../shared/data/openb).")
 @click.option("--traces", default="all", show_default=True, help="Comma list of trace names, or 'all'.")
 @click.option("--policies", default="fgd,bestfit,fastshare", show_default=True)
-@click.option("--seeds", default="42-51", show_default=True, help="e.g. 42-51 or 42,43.")
+@click.option("--seeds", type=Seeds(), default="42-51", show_default=True, help="e.g. 42-51 or 42,43.")
 @click.option("--speed/--no-speed", default=True, show_default=True,
               help="Also time decisions on 1,213 / 2,500 / 5,000 / 10,000-node clusters.")
 @click.option("--quality/--no-quality", default=True, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def placement(data: str | None, traces: str, policies: str, seeds: str, speed: bool, quality: bool,
+def placement(data: str | None, traces: str, policies: str, seeds: list[int], speed: bool, quality: bool,
               as_json: bool) -> None:
     """Final GPU allocation per trace x policy (mean over seeds, beside the published means),
     and decision time against cluster size."""
@@ -77,14 +54,13 @@ def placement(data: str | None, traces: str, policies: str, seeds: str, speed: b
     bad = [p for p in pols if p not in POLICY_NAMES]
     if bad:
         fail(f"--policies: unknown {', '.join(bad)}", f"choose from {', '.join(POLICY_NAMES)}")
-    seed_list = _seeds(seeds)
     out: dict = {}
     if quality:
         def note(s: dict) -> None:
             print(f"{s['trace']:>12} {s['policy']:>10} seed {s['seed']}: {s['gpu_alloc_ratio']:.2f} % "
                   f"({s['wall_s']:.1f} s)", file=sys.stderr, flush=True)
 
-        rows = benchmarks.quality(d, names, pols, seed_list, on_run=note)
+        rows = benchmarks.quality(d, names, pols, seeds, on_run=note)
         out["quality"] = rows
         if not as_json:
             print_table("Final GPU allocation ratio % (tune 1.3), mean over seeds",
@@ -107,24 +83,24 @@ def placement(data: str | None, traces: str, policies: str, seeds: str, speed: b
 
 
 @bench.command("mig")
-@click.option("--seeds", default="1-5", show_default=True)
+@click.option("--seeds", type=Seeds(), default="1-5", show_default=True)
 @click.option("--steps", type=click.IntRange(10, 100000), default=2000, show_default=True)
 @click.option("--gpus", type=click.IntRange(1, 4096), default=32, show_default=True)
 @click.option("--load", type=Number(0.1, 5), default=1.1, show_default=True,
               help="Offered load as a multiple of the cluster's compute slices.")
 @click.option("--json", "as_json", is_flag=True)
-def mig(seeds: str, steps: int, gpus: int, load: float, as_json: bool) -> None:
+def mig(seeds: list[int], steps: int, gpus: int, load: float, as_json: bool) -> None:
     """Fragmentation rejections of exclusive (MIG) requests with departures: fastshare's
     placement vs NVIDIA's default largest-first order vs first-fit, on the same streams."""
     from fastshare.sim.migbench import benchmark
 
-    rows = benchmark(_seeds(seeds), steps, gpus, load)
+    rows = benchmark(seeds, steps, gpus, load)
     if as_json:
         print_json(rows)
         return
     base = {r["strategy"]: r["frag_rejection_ratio"] for r in rows}
     print_table(f"MIG fragmentation rejections ({gpus} A100-40GB GPUs, {steps} steps, load {load}, "
-                f"seeds {seeds})",
+                f"seeds {Seeds.describe(seeds)})",
                 ["strategy", "requests", "rejected", "frag. rejected", "frag. rejection %",
                  "vs largest-first", "vs first-fit"],
                 [[r["strategy"], r["requests"], r["rejected"], r["frag_rejected"], r["frag_rejection_ratio"],

@@ -46,8 +46,8 @@ def open_devices(backend: str | None = None, sim_state: str | os.PathLike[str] |
                 f"simulated machine file {path} {what}; create it with "
                 f"`fastshare sim-machine create {path} --gpus A100-SXM4-40GB`", "NOT_FOUND")
         try:
-            simnvml.load_machine(path)["gpus"]
-        except (ValueError, KeyError, TypeError) as exc:
+            simnvml.check_machine(simnvml.load_machine(path))
+        except (ValueError, KeyError) as exc:
             raise DeviceError(f"{path} is not a simulated machine file ({exc.__class__.__name__}: {exc}); "
                               "recreate it with `fastshare sim-machine create`", "CORRUPTED") from exc
         return NvmlDevices(SimNvml(path), label=f"simulated NVML ({path})")

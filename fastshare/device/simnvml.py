@@ -849,6 +849,50 @@ def create_machine(path: str | os.PathLike[str], models: list[str], *, mig_enabl
     return state
 
 
+# the machine file's records: field -> type (a tuple where null is allowed too)
+_MACHINE_FIELDS = {"version": int, "driver_version": str, "gpus": list, "next_pid": int}
+_GPU_FIELDS = {"index": int, "model": str, "uuid": str, "pci_bus_id": str, "mig_current": int,
+               "mig_pending": int, "compute_mode": int, "pcie_switch": int, "numa_node": int,
+               "nvlink_domain": (str, type(None)), "gpu_instances": list, "processes": list}
+_GI_FIELDS = {"id": int, "profile_id": int, "start": int, "size": int, "compute_instances": list}
+_CI_FIELDS = {"id": int, "profile_id": int, "slices": int, "start": int, "uuid": str}
+_PROCESS_FIELDS = {"pid": int, "used_mib": int, "gi": (int, type(None)), "ci": (int, type(None))}
+
+
+def _check_record(where: str, record: Any, fields: dict[str, Any]) -> None:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected an object, got {type(record).__name__}")
+    for key, kind in fields.items():
+        value = record.get(key, ...)
+        if value is ... or isinstance(value, bool) or not isinstance(value, kind):
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise ValueError(f"{where}.{key}: {'missing' if value is ... else repr(value)}, expected {names}")
+
+
+def check_machine(state: Any) -> None:
+    """Raise ValueError naming the first field of a machine file that `create_machine` and the
+    NVML calls would not have written: a hand-edited or foreign JSON file is refused up front
+    instead of failing later inside an NVML call."""
+    _check_record("machine", state, _MACHINE_FIELDS)
+    if state["version"] != SCHEMA_VERSION:
+        raise ValueError(f"machine.version: {state['version']} (this fastshare reads {SCHEMA_VERSION})")
+    if not state["gpus"]:
+        raise ValueError("machine.gpus: empty")
+    for i, gpu in enumerate(state["gpus"]):
+        _check_record(f"gpus[{i}]", gpu, _GPU_FIELDS)
+        try:
+            catalog.get_model(gpu["model"])
+        except catalog.CatalogError as exc:
+            raise ValueError(f"gpus[{i}].model: {exc}") from None
+        for j, gi in enumerate(gpu["gpu_instances"]):
+            _check_record(f"gpus[{i}].gpu_instances[{j}]", gi, _GI_FIELDS)
+            for k, ci in enumerate(gi["compute_instances"]):
+                _check_record(f"gpus[{i}].gpu_instances[{j}].compute_instances[{k}]", ci, _CI_FIELDS)
+        for j, proc in enumerate(gpu["processes"]):
+            _check_record(f"gpus[{i}].processes[{j}]", proc, _PROCESS_FIELDS)
+
+
 def load_machine(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The whole machine state (for tests and `sim-machine show`)."""
     with _Store(Path(path)).read() as st:

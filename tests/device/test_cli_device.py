@@ -154,3 +154,29 @@ def test_mig_config_keeps_devices_held_by_shares_unless_forced(env, machine: Pat
     assert machine.read_bytes() == before
     run([*with_journal, "--force"], env)
     assert [g["profile_id"] for g in simnvml.load_machine(machine)["gpus"][0]["gpu_instances"]] == [0]
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda m: m["gpus"][0].pop("uuid"), "gpus[0].uuid: missing, expected str"),
+    (lambda m: m["gpus"][2].update(index="2"), "gpus[2].index: '2', expected int"),
+    (lambda m: m["gpus"][3].update(model="H9000"), "gpus[3].model: unknown GPU model 'H9000'"),
+    (lambda m: m["gpus"][0]["gpu_instances"][0]["compute_instances"][0].update(slices=None),
+     "gpus[0].gpu_instances[0].compute_instances[0].slices: None, expected int"),
+    (lambda m: m["gpus"][0]["processes"][0].update(gi="x"),
+     "gpus[0].processes[0].gi: 'x', expected int or null"),
+    (lambda m: m.update(gpus=5), "machine.gpus: 5, expected list"),
+    (lambda m: m.update(version=2), "machine.version: 2 (this fastshare reads 1)"),
+])
+def test_a_machine_file_of_the_wrong_shape_is_refused_naming_the_field(env, machine: Path, damage, says):
+    """Valid JSON that the simulated NVML did not write (hand-edited, or another program's) used
+    to fail inside the first NVML call that met it (`TypeError: object of type 'int' has no len()`)."""
+    run(["mig", "apply", "--gpu", "0", "--layout", "3g.20gb=1"], env)
+    held = simnvml.load_machine(machine)["gpus"][0]["gpu_instances"][0]["compute_instances"][0]["uuid"]
+    simnvml.add_process(machine, 0, mig_uuid=held)
+    assert "A100-SXM4-40GB" in run(["gpu", "list"], env).output   # everything it writes is accepted
+    state = json.loads(machine.read_text())
+    damage(state)
+    machine.write_text(json.dumps(state))
+    result = CliRunner().invoke(main, ["gpu", "list"], env=env)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "is not a simulated machine file" in result.output and says in result.output

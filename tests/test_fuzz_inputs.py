@@ -1,5 +1,6 @@
 """Property-based fuzzing of the file and command-line inputs: mig-parted style configs, MIG
-layout strings, the openb trace CSV reader, and `fastshare run` / `fastshare mig` arguments.
+layout strings, the openb trace CSV reader, and `fastshare run` / `fastshare mig` /
+`fastshare bench mig` arguments.
 Each input is accepted or refused with the module's own error naming the problem; nothing
 else escapes (no KeyError, TypeError, traceback).
 
@@ -62,7 +63,8 @@ csv_cell = (st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_si
 COLUMNS = ["name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli", "gpu_spec", "model", "creation_time",
            "x"]
 WORDS = ["--kind", "--sm", "--mem", "--quota", "--gpus", "--model", "--mig-profile", "fastpod", "whole", "30",
-         "-1", "8GiB", "0.3:0.6", "0.9:0.1", "abc", "1e99", "--", "true"]
+         "-1", "8GiB", "0.3:0.6", "0.9:0.1", "abc", "1e99", "--", "true", "--seeds", "--load", "nan", "inf",
+         "5-1", "1-3,7", "--sm-count", "--lease-ttl", "4294967296"]
 
 
 @FUZZ
@@ -82,7 +84,8 @@ def test_trace_csv_reader(header, rows, which) -> None:
 
 @FUZZ
 @given(args=st.lists(st.sampled_from(WORDS) | st.text(max_size=6), max_size=7),
-       command=st.sampled_from([["run"], ["mig", "plan", "--gpu", "0", "--layout"]]))
+       command=st.sampled_from([["run"], ["mig", "plan", "--gpu", "0", "--layout"],
+                                ["bench", "mig", "--steps", "10", "--gpus", "1"]]))
 def test_cli_arguments(args, command) -> None:
     env = {"FASTSHARE_CONTROLLER": "127.0.0.1:9", "FASTSHARE_SIM_STATE": "/nonexistent/fuzz.json"}
     result = CliRunner().invoke(main, [*command, *args], env=env)

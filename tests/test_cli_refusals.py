@@ -24,6 +24,15 @@ def test_run_refuses_numbers_a_request_cannot_carry(flag, value):
     assert flag in result.output and "not in the range" in result.output
 
 
+@pytest.mark.parametrize("size", ["99999999999999999999999TiB", "1025TiB"])
+def test_run_refuses_a_memory_size_no_gpu_has(size):
+    # a size past uint64 crashed building the request (ValueError: Value out of range)
+    result = CliRunner().invoke(main, ["run", "--mem", size, "--", "true"], env=OFFLINE)
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert f"--mem: '{size}' is over 1 PiB" in result.output
+
+
 @pytest.mark.parametrize("flag, value", [("--heartbeat-interval", "nan"), ("--heartbeat-interval", "0"),
                                          ("--heartbeat-timeout", "inf"), ("--reconcile-interval", "-5"),
                                          ("--agent-deadline", "-3"), ("--agent-deadline", "inf"),

@@ -93,12 +93,18 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
 
+MAX_BYTES = 1 << 50  # 1 PiB: far above any GPU's memory, far below what the request's uint64 holds
+
+
 def parse_bytes(text: str) -> int:
-    """'8GiB', '512MiB', '1.5G', '1073741824' -> bytes."""
+    """'8GiB', '512MiB', '1.5G', '1073741824' -> bytes (at most ``MAX_BYTES``)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"{text!r} is not a size; use e.g. 8GiB, 512MiB or a number of bytes")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size > MAX_BYTES:
+        raise ValueError(f"{text!r} is over 1 PiB; no GPU has that much memory")
+    return size
 
 
 

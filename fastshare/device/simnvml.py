@@ -914,6 +914,15 @@ def add_process(path: str | os.PathLike[str], gpu_index: int, *, mig_uuid: str |
             gi_id, ci_id = match[0][0]["id"], match[0][1]["id"]
         elif gpu["mig_current"]:
             raise ValueError(f"GPU {gpu_index} is in MIG mode: a process needs a MIG device (mig_uuid)")
+        model = _model(gpu)
+        if gi_id is None:
+            total, others = model.memory_mib, gpu["processes"]
+        else:
+            total, others = _profile_by_id(model, match[0][0]["profile_id"]).memory_mib, _procs(gpu, gi_id)
+        free = total - sum(p["used_mib"] for p in others)
+        if used_mib > free:   # a real CUDA process could not have allocated it
+            raise ValueError(f"{used_mib} MiB is more than the {free} MiB free on "
+                             f"{mig_uuid or f'GPU {gpu_index}'}")
         if pid is None:
             pid = st["next_pid"]
             st["next_pid"] += 1

@@ -192,6 +192,21 @@ def test_non_mig_gpu_process_and_compute_mode(nvml, machine: Path):
         nvml.nvmlDeviceSetComputeMode(l4, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD)
 
 
+def test_a_process_cannot_use_more_memory_than_its_device_has_free(nvml, machine: Path):
+    """Memory info never reports more used than total (a CUDA allocation would have failed):
+    a simulated process larger than what is free is refused and nothing is recorded."""
+    l4 = nvml.nvmlDeviceGetHandleByIndex(3)
+    total = nvml.nvmlDeviceGetMemoryInfo(l4).total // (1024 * 1024)
+    simnvml.add_process(machine, 3, used_mib=total - 100)
+    before = machine.read_bytes()
+    with pytest.raises(ValueError, match="101 MiB is more than the 100 MiB free on GPU 3"):
+        simnvml.add_process(machine, 3, used_mib=101)
+    assert machine.read_bytes() == before
+    simnvml.add_process(machine, 3, used_mib=100)
+    info = nvml.nvmlDeviceGetMemoryInfo(l4)
+    assert info.used == info.total and info.free == 0
+
+
 def test_failed_call_leaves_the_file_untouched(nvml, machine: Path):
     before = machine.read_bytes()
     h = nvml.nvmlDeviceGetHandleByIndex(0)

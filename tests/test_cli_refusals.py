@@ -104,3 +104,20 @@ def test_controller_config_file_values_name_the_key(tmp_path, line, says):
     assert isinstance(result.exception, SystemExit)
     assert says in result.output
     assert not state.exists()
+
+
+@pytest.mark.parametrize("flag, value, ok", [
+    ("--namespace", "Bad_NS", False), ("--namespace", "-x", False), ("--namespace", "a" * 64, False),
+    ("--lease-namespace", "x.y", False), ("--lease-name", "a b", False), ("--lease-name", "a..b", False),
+    ("--gpu-node-label", "a b", False), ("--gpu-node-label", "Fast.IO/gpu", False),
+    ("--gpu-node-label", "x/" + "a" * 64, False),
+    ("--namespace", "team-a", True), ("--lease-name", "fastshare.ctl-2", True),
+    ("--gpu-node-label", "gpu", True), ("--gpu-node-label", "example.com/has_GPU.2", True)])
+def test_k8s_controller_names_follow_kubernetes_rules(flag, value, ok):
+    # a typo here used to start a controller whose every API call then failed
+    result = CliRunner().invoke(main, ["k8s", "controller", flag, value])
+    assert result.exit_code == 2, result.output
+    if ok:   # passed on to the next check
+        assert "Missing option '--tls-dir'" in result.output
+    else:
+        assert f"Invalid value for '{flag}'" in result.output and "must be" in result.output

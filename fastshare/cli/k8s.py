@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -10,6 +11,7 @@ import yaml
 
 from fastshare.cli._output import fail
 from fastshare.cli._types import Number
+from fastshare.k8s import names
 
 
 @click.group("k8s")
@@ -43,15 +45,31 @@ def manifests_cmd(values_file: Path | None, crd_only: bool) -> None:
         fail(f"{values_file}: {exc}", hint="see `fastshare k8s manifests` output or templates/defaults.yaml")
 
 
+def _k8s(rule: Callable[[str], str | None]) -> Callable[..., str | None]:
+    """A click callback refusing a value that breaks ``rule`` (a function of fastshare.k8s.names)."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        why = None if value is None else rule(value)
+        if why:
+            raise click.BadParameter(f"{value!r} {why}", ctx, param)
+        return value
+
+    return check
+
+
 @k8s.command("controller")
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False),
               help="Kubeconfig to use (default: the in-cluster service account, else ~/.kube/config).")
-@click.option("--namespace", default=None, help="Serve the FastPods of this namespace only (default: all).")
-@click.option("--lease-namespace", default="fastshare-system", show_default=True)
-@click.option("--lease-name", default="fastshare-controller", show_default=True)
+@click.option("--namespace", default=None, callback=_k8s(names.namespace_problem),
+              help="Serve the FastPods of this namespace only (default: all).")
+@click.option("--lease-namespace", default="fastshare-system", show_default=True,
+              callback=_k8s(names.namespace_problem))
+@click.option("--lease-name", default="fastshare-controller", show_default=True,
+              callback=_k8s(names.name_problem))
 @click.option("--identity", envvar="POD_NAME", default=None,
               help="Leader election identity (default: $POD_NAME, else the host name and pid).")
 @click.option("--gpu-node-label", default="fastshare.io/gpu", show_default=True,
+              callback=_k8s(names.label_key_problem),
               help="Nodes labelled <label>=true run a node agent.")
 @click.option("--agent-port", default=7444, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--tls-dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),

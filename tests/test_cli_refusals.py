@@ -114,7 +114,8 @@ def test_controller_config_file_values_name_the_key(tmp_path, line, says):
     ("--namespace", "team-a", True), ("--lease-name", "fastshare.ctl-2", True),
     ("--gpu-node-label", "gpu", True), ("--gpu-node-label", "example.com/has_GPU.2", True)])
 def test_k8s_controller_names_follow_kubernetes_rules(flag, value, ok):
-    # a typo here used to start a controller whose every API call then failed
+    # a typo here used to get as far as the API server, which refuses such a Lease name or label
+    # selector, or serves an empty list for such a namespace: a controller that does nothing
     result = CliRunner().invoke(main, ["k8s", "controller", flag, value])
     assert result.exit_code == 2, result.output
     if ok:   # passed on to the next check

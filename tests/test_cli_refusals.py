@@ -110,7 +110,7 @@ def test_controller_config_file_values_name_the_key(tmp_path, line, says):
     ("--namespace", "Bad_NS", False), ("--namespace", "-x", False), ("--namespace", "a" * 64, False),
     ("--lease-namespace", "x.y", False), ("--lease-name", "a b", False), ("--lease-name", "a..b", False),
     ("--gpu-node-label", "a b", False), ("--gpu-node-label", "Fast.IO/gpu", False),
-    ("--gpu-node-label", "x/" + "a" * 64, False),
+    ("--gpu-node-label", "x/" + "a" * 64, False), ("--gpu-node-label", "/gpu", False),
     ("--namespace", "team-a", True), ("--lease-name", "fastshare.ctl-2", True),
     ("--gpu-node-label", "gpu", True), ("--gpu-node-label", "example.com/has_GPU.2", True)])
 def test_k8s_controller_names_follow_kubernetes_rules(flag, value, ok):

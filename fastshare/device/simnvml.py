@@ -907,18 +907,16 @@ def add_process(path: str | os.PathLike[str], gpu_index: int, *, mig_uuid: str |
             raise ValueError(f"gpu index {gpu_index} out of range 0..{len(st['gpus']) - 1}")
         gpu = st["gpus"][gpu_index]
         gi_id = ci_id = None
+        total, others = _model(gpu).memory_mib, gpu["processes"]
         if mig_uuid is not None:
             match = [(g, c) for g, c in _mig_devices(gpu) if c["uuid"] == mig_uuid]
             if not match:
                 raise ValueError(f"no MIG device {mig_uuid} on GPU {gpu_index}")
-            gi_id, ci_id = match[0][0]["id"], match[0][1]["id"]
+            gi, ci = match[0]
+            gi_id, ci_id = gi["id"], ci["id"]
+            total, others = _profile_by_id(_model(gpu), gi["profile_id"]).memory_mib, _procs(gpu, gi_id)
         elif gpu["mig_current"]:
             raise ValueError(f"GPU {gpu_index} is in MIG mode: a process needs a MIG device (mig_uuid)")
-        model = _model(gpu)
-        if gi_id is None:
-            total, others = model.memory_mib, gpu["processes"]
-        else:
-            total, others = _profile_by_id(model, match[0][0]["profile_id"]).memory_mib, _procs(gpu, gi_id)
         free = total - sum(p["used_mib"] for p in others)
         if used_mib > free:   # a real CUDA process could not have allocated it
             raise ValueError(f"{used_mib} MiB is more than the {free} MiB free on "

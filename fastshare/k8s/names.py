@@ -1,6 +1,7 @@
 """Kubernetes' rules for the names a user types on the controller's command line (those of
-apimachinery's validation), so that a typo stops the controller at start instead of failing
-every API call it makes afterwards."""
+apimachinery's validation), so that a typo stops the controller at start, instead of the API
+server refusing it later (a Lease name, a label selector) or, for a namespace, the controller
+quietly serving nothing."""
 
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ def name_problem(value: str) -> str | None:
     """Why ``value`` cannot be an object name such as a Lease's (a DNS-1123 subdomain), or None."""
     if len(value) <= 253 and _DNS_SUBDOMAIN.match(value):
         return None
-    return "must be at most 253 lower-case letters, digits, '-' and '.', each part starting and ending " \
-           "with a letter or digit"
+    return ("must be at most 253 lower-case letters, digits, '-' and '.', each part starting and ending "
+            "with a letter or digit")
 
 
 def label_key_problem(value: str) -> str | None:
     """Why ``value`` cannot be a label key (``[prefix/]name``), or None."""
-    prefix, _, name = value.rpartition("/")
-    if (not prefix or name_problem(prefix) is None) and len(name) <= 63 and _QUALIFIED.match(name):
+    prefix, slash, name = value.rpartition("/")
+    if (not slash or name_problem(prefix) is None) and len(name) <= 63 and _QUALIFIED.match(name):
         return None
-    return "must be [PREFIX/]NAME: NAME at most 63 letters, digits, '-', '_' and '.', starting and " \
-           "ending with a letter or digit; PREFIX a DNS subdomain such as fastshare.io"
+    return ("must be [PREFIX/]NAME: NAME at most 63 letters, digits, '-', '_' and '.', starting and "
+            "ending with a letter or digit; PREFIX a DNS subdomain such as fastshare.io")

@@ -7,6 +7,8 @@ from typing import Any
 
 import click
 
+LOG_LEVELS = ("debug", "info", "warning", "error")   # the --log-level choices of the services
+
 
 class Number(click.FloatRange):
     """A finite number within a range. click's FloatRange lets NaN through (it compares false

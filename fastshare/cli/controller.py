@@ -11,6 +11,7 @@ import click
 import yaml
 
 from fastshare.cli._output import fail
+from fastshare.cli._types import LOG_LEVELS
 
 KEYS = ("state_dir", "listen", "token_listen", "tls_dir", "tls_name", "client_auth", "token_file",
         "heartbeat_interval", "heartbeat_timeout", "reconcile_interval", "agent_deadline",
@@ -20,7 +21,7 @@ KEYS = ("state_dir", "listen", "token_listen", "tls_dir", "tls_name", "client_au
 LIMITS = {"heartbeat_interval": (1.0, 3600.0), "heartbeat_timeout": (2.0, 86400.0),
           "reconcile_interval": (1.0, 86400.0), "agent_deadline": (1.0, 3600.0),
           "mps_oversubscription": (1.0, 16.0)}
-CHOICES = {"client_auth": ("cert", "token", "any"), "log_level": ("debug", "info", "warning", "error")}
+CHOICES = {"client_auth": ("cert", "token", "any"), "log_level": LOG_LEVELS}
 
 
 def _number(values: dict[str, Any], key: str, default: float) -> float:

@@ -10,7 +10,7 @@ import click
 import yaml
 
 from fastshare.cli._output import fail
-from fastshare.cli._types import Number
+from fastshare.cli._types import LOG_LEVELS, Number
 from fastshare.k8s import names
 
 
@@ -81,7 +81,7 @@ def _k8s(rule: Callable[[str], str | None]) -> Callable[..., str | None]:
               help="Seconds between agent pings (heartbeats).")
 @click.option("--heartbeat-timeout", default=8.0, show_default=True, type=Number(0.5, 86400),
               help="Silence after which a node agent counts as down.")
-@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-level", default="info", type=click.Choice(LOG_LEVELS))
 def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity, gpu_node_label,
                    agent_port, tls_dir, metrics_port, lease_duration, node_interval, heartbeat_timeout,
                    log_level) -> None:

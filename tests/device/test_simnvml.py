@@ -244,3 +244,35 @@ def test_separate_processes_see_one_machine(nvml, machine: Path):
     nvml.nvmlDeviceGetGpuInstances(h, 19, array, ctypes.byref(count))
     starts = sorted(nvml.nvmlGpuInstanceGetInfo(array[i]).placement.start for i in range(count.value))
     assert starts == [3, 5]
+
+
+def _records(value):
+    """Every object in a machine file (the file, its GPUs, instances and processes)."""
+    if isinstance(value, dict):
+        yield value
+        values = value.values()
+    else:
+        values = value if isinstance(value, list) else ()
+    for item in values:
+        yield from _records(item)
+
+
+def test_every_field_the_simulator_writes_is_checked_when_a_machine_is_opened(nvml, machine: Path):
+    """A field added to the machine file but not to `check_machine` would let a damaged file
+    through to fail inside an NVML call; so deleting any written field must be refused, by name."""
+    h, _, _ = _full_mig_device(nvml, 0, 9, 0, 4)
+    mig_uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+    simnvml.add_process(machine, 0, mig_uuid=mig_uuid, used_mib=100)
+    simnvml.add_process(machine, 3, used_mib=100)
+    state = simnvml.load_machine(machine)
+    simnvml.check_machine(state)
+    kinds = set()
+    for record in _records(state):
+        for key in list(record):
+            kinds.add(key)
+            value = record.pop(key)
+            with pytest.raises(ValueError, match=rf"\.{key}: missing"):
+                simnvml.check_machine(state)
+            record[key] = value
+    # the walk met every kind of record: machine, GPU, GPU instance, compute instance, process
+    assert {"next_pid", "mig_current", "compute_instances", "slices", "used_mib"} <= kinds

@@ -114,6 +114,10 @@ class ControllerCore:
         self._registered: set[str] = set()    # nodes that registered with THIS process
         self._last_seen: dict[str, float] = {}
         self._nodes_lock = threading.Lock()
+        # Orders the liveness changes (register, heartbeat, liveness check, refresh) with their
+        # writes to the store and the ledger: otherwise a heartbeat landing while a node is being
+        # marked lost can be overwritten, leaving a heartbeating node without new work for good.
+        self._liveness_lock = threading.Lock()
         self._gpus: tuple[list[Gpu], int] | None = None
         self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through put_node
 
@@ -392,13 +396,15 @@ class ControllerCore:
         """An agent (re)announced itself: pull its inventory, refresh the ledger, reconcile it."""
         inventory = self.agents.get(name, address).inventory()
         now = self.clock()
-        node = _keep_cordon(node_from_inventory(name, address, labels, inventory, now),
-                            self.store.get_node(name))
-        self.put_node(node)
-        with self._nodes_lock:
-            self._registered.add(name)
-            self._last_seen[name] = now
-        for assignment, why in self.ledger.set_node(node_view(node), True):
+        with self._liveness_lock:
+            node = _keep_cordon(node_from_inventory(name, address, labels, inventory, now),
+                                self.store.get_node(name))
+            self.put_node(node)
+            with self._nodes_lock:
+                self._registered.add(name)
+                self._last_seen[name] = now
+            misfits = self.ledger.set_node(node_view(node), True)
+        for assignment, why in misfits:
             log.error("allocation %s no longer fits node %s after registration: %s",
                       assignment.request.id, name, why)
         log.info("node %s registered at %s with %d GPU(s)", name, address, len(node.gpus))
@@ -406,30 +412,34 @@ class ControllerCore:
     def heartbeat(self, name: str) -> bool:
         """False tells the agent to register again (unknown to this controller process)."""
         now = self.clock()
-        with self._nodes_lock:
-            if name not in self._registered:
-                return False
-            was_down = name not in self._last_seen
-            self._last_seen[name] = now
-        self.store.mark_node(name, available=True, last_heartbeat=now)
+        with self._liveness_lock:
+            with self._nodes_lock:
+                if name not in self._registered:
+                    return False
+                was_down = name not in self._last_seen
+                self._last_seen[name] = now
+            self.store.mark_node(name, available=True, last_heartbeat=now)
+            if was_down:
+                self.ledger.set_available(name, True)
         if was_down:
             log.info("node %s is back", name)
-            self.ledger.set_available(name, True)
         return True
 
     def check_liveness(self) -> list[str]:
         """Mark nodes that missed their heartbeats unavailable; returns their names."""
         now = self.clock()
         lost = []
-        with self._nodes_lock:
-            for name, seen in list(self._last_seen.items()):
-                if now - seen > self.settings.heartbeat_timeout:
-                    del self._last_seen[name]
-                    lost.append(name)
+        with self._liveness_lock:
+            with self._nodes_lock:
+                for name, seen in list(self._last_seen.items()):
+                    if now - seen > self.settings.heartbeat_timeout:
+                        del self._last_seen[name]
+                        lost.append(name)
+            for name in lost:
+                self.store.mark_node(name, available=False)
+                self.ledger.set_available(name, False)
         for name in lost:
             log.warning("node %s missed its heartbeats: unavailable, no new work", name)
-            self.store.mark_node(name, available=False)
-            self.ledger.set_available(name, False)
         return lost
 
     def refresh_node(self, node: Node, inventory: agent_pb2.Inventory) -> None:
@@ -438,8 +448,10 @@ class ControllerCore:
         if fresh.gpus == node.gpus:
             return
         fresh = _keep_cordon(replace(fresh, available=node.available, registered_at=node.registered_at), node)
-        self.put_node(fresh)
-        for assignment, why in self.ledger.set_node(node_view(fresh), self.is_available(node.name)):
+        with self._liveness_lock:
+            self.put_node(fresh)
+            misfits = self.ledger.set_node(node_view(fresh), self.is_available(node.name))
+        for assignment, why in misfits:
             log.error("allocation %s no longer fits node %s: %s", assignment.request.id, node.name, why)
         log.info("node %s: GPU facts changed (e.g. MIG mode); view refreshed", node.name)
 

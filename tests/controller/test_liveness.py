@@ -1,0 +1,68 @@
+"""Node liveness in the controller core against a real SQLite store and the real ledger: a
+heartbeat that races with the liveness check must leave the node usable. The agents are a
+stand-in: the decisions are the core's."""
+
+from __future__ import annotations
+
+import threading
+
+from fastshare.controller.core import ControllerCore, Settings
+from fastshare.controller.model import Kind, Spec
+from fastshare.controller.sqlite_store import SqliteStore
+from fastshare.placement.model import Assignment
+from fastshare.v1 import agent_pb2
+
+GiB = 1024**3
+
+
+class _Agents:
+    def get(self, node: str, address: str) -> _Agents:
+        return self
+
+    def inventory(self) -> agent_pb2.Inventory:
+        return agent_pb2.Inventory(gpus=[agent_pb2.Gpu(index=0, uuid="GPU-0", name="NVIDIA L4",
+                                                       memory_bytes=22 * GiB, sm_count=58)])
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _fits(core: ControllerCore, allocation_id: str) -> bool:
+    request = core.ledger.to_request(allocation_id, Spec(Kind.MPS, memory_bytes=GiB))
+    placed = core.ledger.place(request)
+    return isinstance(placed, Assignment)
+
+
+def test_heartbeat_during_the_liveness_check_leaves_the_node_usable(tmp_path):
+    """The node's first heartbeat after a silence lands while check_liveness is recording the
+    node as lost: whichever order they finish in, the node ends up available in the ledger."""
+    hook: list[threading.Thread] = []
+
+    class Store(SqliteStore):
+        def mark_node(self, name: str, *, available: bool, last_heartbeat: float | None = None) -> None:
+            if not available and not hook:   # the heartbeat arrives right now, from another thread
+                beat = threading.Thread(target=core.heartbeat, args=(name,))
+                hook.append(beat)
+                beat.start()
+                beat.join(timeout=0.5)
+            super().mark_node(name, available=available, last_heartbeat=last_heartbeat)
+
+    store = Store(tmp_path / "state.db")
+    clock = _Clock()
+    core = ControllerCore(store, _Agents(), Settings(heartbeat_timeout=8.0), clock=clock)
+    try:
+        core.register_node("n1", "127.0.0.1:1", {})
+        assert _fits(core, "fs-1")
+        clock.now += 60
+        assert core.check_liveness() == ["n1"]
+        hook[0].join(timeout=10)
+        assert core.heartbeat("n1")   # and the agent keeps heartbeating
+        assert core.is_available("n1")
+        assert _fits(core, "fs-2"), "the node is alive and heartbeating but gets no new work"
+    finally:
+        store.close()

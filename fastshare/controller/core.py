@@ -30,7 +30,14 @@ from fastshare.controller.events import EventHub
 from fastshare.controller.ledger import Ledger, gpu_view
 from fastshare.controller.model import FINISHED, Allocation, Device, Gpu, Kind, Node, State
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore
-from fastshare.controller.validation import Request, ValidationError, normalise, validate
+from fastshare.controller.validation import (
+    MAX_LEASE_TTL,
+    MIN_LEASE_TTL,
+    Request,
+    ValidationError,
+    normalise,
+    validate,
+)
 from fastshare.device import catalog
 from fastshare.placement.model import Assignment, NodeView, Rejection
 from fastshare.v1 import agent_pb2, common_pb2
@@ -382,6 +389,11 @@ class ControllerCore:
         return self._publish(allocation)
 
     def renew(self, allocation_id: str, ttl: int = 0) -> Allocation:
+        """Push the lease forward by ``ttl`` (0: the allocation's own). The range is Allocate's:
+        a shorter lease is released under a live client, a longer one never expires."""
+        if ttl and not MIN_LEASE_TTL <= ttl <= MAX_LEASE_TTL:
+            raise ValidationError("ttl_seconds", f"must be 0 (the allocation's own ttl) or in "
+                                                 f"{MIN_LEASE_TTL}..{MAX_LEASE_TTL}, got {ttl}")
         allocation = self.get(allocation_id)
         ttl = ttl or allocation.lease_ttl
         if allocation.state in FINISHED or allocation.state is State.RELEASING:

@@ -82,10 +82,12 @@ class Reconciler:
 
     def _grace_leases(self, holding: list[Allocation]) -> None:
         """Clients cannot renew while the controller is down: a lease gets at least one full
-        ttl from this start (a client that is really gone still expires after that)."""
+        ttl from this start (a client that is really gone still expires after that). Also a
+        pending (or prepared) one: it is rolled forward below, and its client, answered before
+        a lost commit or retrying its key, was as unable to renew."""
         now = self.core.clock()
         for a in holding:
-            if a.state is State.ACTIVE and a.lease_ttl and a.lease_expires_at < now + a.lease_ttl:
+            if a.state is not State.RELEASING and a.lease_ttl and a.lease_expires_at < now + a.lease_ttl:
                 self.core.store.update(a.id, lease_expires_at=now + a.lease_ttl)
 
     def run_once(self, nodes: list[str] | None = None) -> Report:

@@ -1,0 +1,64 @@
+"""Controller start (Reconciler.start) against a real SQLite store and the real ledger: an
+allocation a crash left pending is rolled forward, not released because its lease ran out
+while the controller was down. The agent is a recording stand-in."""
+
+from __future__ import annotations
+
+import time
+
+from fastshare.controller.core import ControllerCore
+from fastshare.controller.model import Allocation, Kind, Spec, State
+from fastshare.controller.reconciler import Reconciler
+from fastshare.controller.sqlite_store import SqliteStore
+from fastshare.v1 import agent_pb2
+
+GiB = 1024**3
+
+
+class _Agent:
+    def __init__(self) -> None:
+        self.shares: dict[str, agent_pb2.Share] = {}
+
+    def get(self, node: str, address: str) -> _Agent:
+        return self
+
+    def inventory(self) -> agent_pb2.Inventory:
+        return agent_pb2.Inventory(
+            gpus=[agent_pb2.Gpu(index=0, uuid="GPU-0", name="NVIDIA L4", memory_bytes=22 * GiB, sm_count=58)],
+            shares=list(self.shares.values()))
+
+    def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
+        self.shares[share.id] = share
+        return agent_pb2.PrepareShareReply(share=share, env={"X": "1"}, device_uuids=list(share.device_uuids))
+
+    def release(self, share_id: str, kind: int = 0) -> agent_pb2.ReleaseShareReply:
+        self.shares.pop(share_id, None)
+        return agent_pb2.ReleaseShareReply(released=True)
+
+
+def test_pending_allocation_is_not_expired_by_controller_downtime(tmp_path):
+    """kill -9 after the agent prepared (record still pending), controller down longer than the
+    lease: the client (`fastshare run`, ttl 30 s by default) could not renew, and its retry with
+    the same key must find the allocation active, as for an active one (see _grace_leases)."""
+    agent = _Agent()
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        before = ControllerCore(store, agent)
+        before.register_node("n1", "127.0.0.1:1", {})
+        spec = Spec(Kind.MPS, memory_bytes=GiB)
+        placed = before.ledger.place(before.ledger.to_request("fs-1", spec))
+        created = time.time() - 120          # the crash was two minutes ago
+        record = Allocation(id="fs-1", spec=spec, owner="me", state=State.PENDING, node="n1",
+                            idempotency_key="run-1", assignment=placed.to_dict(), created_at=created,
+                            updated_at=created, lease_ttl=30, lease_expires_at=created + 30)
+        store.create_allocation(record)
+        agent.prepare(before.share_for(record))   # the agent prepared it before the crash
+
+        restarted = ControllerCore(store, agent)
+        report = Reconciler(restarted).start()
+        after = restarted.get("fs-1")
+        assert after.state is State.ACTIVE, (after.state, after.reason, report)
+        assert after.lease_expires_at >= time.time() + 20
+        assert "fs-1" in agent.shares
+    finally:
+        store.close()

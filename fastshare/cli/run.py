@@ -28,6 +28,7 @@ from fastshare.controller.validation import MAX_GPUS_PER_NODE, MAX_LEASE_TTL, MA
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+NO_LEASE_CHECK_S = 5.0   # how often a run without a lease checks that its allocation still stands
 
 
 def _quota(text: str | None) -> tuple[float, float]:
@@ -144,18 +145,28 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
 
     stop = threading.Event()
 
-    def renew() -> None:
-        while not stop.wait(max(1.0, lease_ttl / 3)):
+    def watch() -> None:
+        """Keep the lease alive; without a lease, only check now and then that the allocation
+        still stands (renewing one would be refused every time). Either way, stop the command
+        when the allocation is released elsewhere."""
+        gone = (pb.ALLOCATION_STATE_RELEASING, pb.ALLOCATION_STATE_RELEASED, pb.ALLOCATION_STATE_FAILED)
+        while not stop.wait(max(1.0, lease_ttl / 3) if lease_ttl else NO_LEASE_CHECK_S):
             try:
-                client.call("RenewLease", pb.RenewLeaseRequest(allocation_id=allocation.id), timeout=10)
+                if lease_ttl:
+                    client.call("RenewLease", pb.RenewLeaseRequest(allocation_id=allocation.id), timeout=10)
+                    continue
+                released = client.call("Get", pb.GetAllocationRequest(allocation_id=allocation.id),
+                                       timeout=10).state in gone
             except grpc.RpcError as exc:
-                click.echo(f"fastshare: lease renewal failed: {exc.code().name}: {exc.details()}", err=True)
-                if exc.code() == grpc.StatusCode.NOT_FOUND and child is not None and child.poll() is None:
-                    # The allocation is gone (released by someone else): the command must not keep
-                    # using capacity that may already belong to another workload.
-                    click.echo("fastshare: the allocation was released; stopping the command", err=True)
-                    child.terminate()
-                    return
+                what = "lease renewal" if lease_ttl else "allocation check"
+                click.echo(f"fastshare: {what} failed: {exc.code().name}: {exc.details()}", err=True)
+                released = exc.code() == grpc.StatusCode.NOT_FOUND
+            if released and child is not None and child.poll() is None:
+                # The command must not keep using capacity that may already belong to another
+                # workload.
+                click.echo("fastshare: the allocation was released; stopping the command", err=True)
+                child.terminate()
+                return
 
     env = {**os.environ, **dict(allocation.env)}
     child = None
@@ -167,7 +178,7 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
             child.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
-    renewer = threading.Thread(target=renew, name="lease", daemon=True)
+    renewer = threading.Thread(target=watch, name="lease", daemon=True)
     try:
         try:
             child = subprocess.Popen(list(command), env=env)

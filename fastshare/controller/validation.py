@@ -23,6 +23,8 @@ MAX_GPUS_PER_NODE = 16
 MAX_SM_COUNT = 1024
 MAX_LIST_ENTRIES = 64
 MAX_MODEL_LENGTH = 128
+MAX_LABEL_KEY_LENGTH = 253 + 1 + 63   # a Kubernetes label key: DNS prefix, '/', name
+MAX_LABEL_VALUE_LENGTH = 63
 TAG_PATTERN = r"^[A-Za-z0-9._/-]{1,63}$"
 _KEY_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
 _TAG_RE = re.compile(TAG_PATTERN)
@@ -175,9 +177,17 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
         raise ValidationError("spec.gpu_count", f"kind {kind.value} uses one GPU; use kind whole for "
                                                 f"{spec.gpu_count} GPUs")
     _strings("spec.models", spec.models)
-    for key, _value in spec.node_selector:
+    if len(spec.node_selector) > MAX_LIST_ENTRIES:
+        raise ValidationError("spec.node_selector",
+                              f"at most {MAX_LIST_ENTRIES} entries, got {len(spec.node_selector)}")
+    for key, value in spec.node_selector:
         if not key:
             raise ValidationError("spec.node_selector", "keys must not be empty")
+        if len(key) > MAX_LABEL_KEY_LENGTH or len(value) > MAX_LABEL_VALUE_LENGTH:
+            raise ValidationError("spec.node_selector",
+                                  f"keys of at most {MAX_LABEL_KEY_LENGTH} characters and values of at "
+                                  f"most {MAX_LABEL_VALUE_LENGTH} (as node labels), got {len(key)} and "
+                                  f"{len(value)}")
     for name in ("affinity", "anti_affinity", "exclusion"):
         tag = getattr(spec, name)
         if tag and not _TAG_RE.match(tag):

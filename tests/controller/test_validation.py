@@ -61,6 +61,12 @@ def test_valid_requests_pass(spec):
     (Spec(Kind.MPS, memory_bytes=GiB, models=("",)), "spec.models", "empty"),
     (Spec(Kind.MPS, memory_bytes=GiB, affinity="a b"), "spec.affinity", "invalid"),
     (Spec(Kind.MPS, memory_bytes=GiB, node_selector=(("", "x"),)), "spec.node_selector", "empty"),
+    (Spec(Kind.MPS, memory_bytes=GiB, node_selector=tuple((f"k{i}", "v") for i in range(65))),
+     "spec.node_selector", "at most 64 entries, got 65"),
+    (Spec(Kind.MPS, memory_bytes=GiB, node_selector=(("k" * 318, "v"),)), "spec.node_selector",
+     "keys of at most 317 characters .* got 318 and 1"),
+    (Spec(Kind.MPS, memory_bytes=GiB, node_selector=(("zone", "v" * 64),)), "spec.node_selector",
+     "values of at most 63 .* got 4 and 64"),
 ])
 def test_invalid_requests_name_the_field(spec, field, match):
     _check(spec, field, match)

@@ -121,10 +121,11 @@ class ControllerCore:
         self._registered: set[str] = set()    # nodes that registered with THIS process
         self._last_seen: dict[str, float] = {}
         self._nodes_lock = threading.Lock()
-        # Orders the liveness changes (register, heartbeat, liveness check, refresh) with their
-        # writes to the store and the ledger: otherwise a heartbeat landing while a node is being
-        # marked lost can be overwritten, leaving a heartbeating node without new work for good.
-        self._liveness_lock = threading.Lock()
+        # Orders the changes to a node (register, heartbeat, liveness check, refresh, cordon) with
+        # their writes to the store and the ledger: otherwise a heartbeat landing while a node is
+        # being marked lost can be overwritten, leaving a heartbeating node without new work for
+        # good, and a cordon set during a registration can be lost from the store.
+        self._node_changes = threading.Lock()
         self._gpus: tuple[list[Gpu], int] | None = None
         self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through put_node
 
@@ -408,7 +409,7 @@ class ControllerCore:
         """An agent (re)announced itself: pull its inventory, refresh the ledger, reconcile it."""
         inventory = self.agents.get(name, address).inventory()
         now = self.clock()
-        with self._liveness_lock:
+        with self._node_changes:
             node = _keep_cordon(node_from_inventory(name, address, labels, inventory, now),
                                 self.store.get_node(name))
             self.put_node(node)
@@ -424,7 +425,7 @@ class ControllerCore:
     def heartbeat(self, name: str) -> bool:
         """False tells the agent to register again (unknown to this controller process)."""
         now = self.clock()
-        with self._liveness_lock:
+        with self._node_changes:
             with self._nodes_lock:
                 if name not in self._registered:
                     return False
@@ -441,7 +442,7 @@ class ControllerCore:
         """Mark nodes that missed their heartbeats unavailable; returns their names."""
         now = self.clock()
         lost = []
-        with self._liveness_lock:
+        with self._node_changes:
             with self._nodes_lock:
                 for name, seen in list(self._last_seen.items()):
                     if now - seen > self.settings.heartbeat_timeout:
@@ -459,8 +460,9 @@ class ControllerCore:
         fresh = node_from_inventory(node.name, node.address, node.labels, inventory, node.last_heartbeat)
         if fresh.gpus == node.gpus:
             return
-        fresh = _keep_cordon(replace(fresh, available=node.available, registered_at=node.registered_at), node)
-        with self._liveness_lock:
+        with self._node_changes:
+            fresh = _keep_cordon(replace(fresh, available=node.available, registered_at=node.registered_at),
+                                 self.store.get_node(node.name) or node)
             self.put_node(fresh)
             misfits = self.ledger.set_node(node_view(fresh), self.is_available(node.name))
         for assignment, why in misfits:
@@ -470,13 +472,14 @@ class ControllerCore:
     def set_schedulable(self, name: str, schedulable: bool, reason: str = "") -> Node:
         """Cordon or uncordon a node: recorded first, then the engine stops (or resumes)
         placing there; existing allocations are not touched."""
-        node = self.store.get_node(name)
-        if node is None:
-            known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"
-            raise NotFound(f"node {name!r} is not known to this controller (known: {known})")
-        node = replace(node, cordoned=not schedulable, cordon_reason="" if schedulable else reason)
-        self.put_node(node)
-        self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
+        with self._node_changes:
+            node = self.store.get_node(name)
+            if node is None:
+                known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"
+                raise NotFound(f"node {name!r} is not known to this controller (known: {known})")
+            node = replace(node, cordoned=not schedulable, cordon_reason="" if schedulable else reason)
+            self.put_node(node)
+            self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
         log.info("node %s %s%s", name, "cordoned: no new work" if node.cordoned else "uncordoned",
                  f" ({reason})" if node.cordoned and reason else "")
         return node

@@ -66,3 +66,32 @@ def test_heartbeat_during_the_liveness_check_leaves_the_node_usable(tmp_path):
         assert _fits(core, "fs-2"), "the node is alive and heartbeating but gets no new work"
     finally:
         store.close()
+
+
+def test_a_cordon_set_during_a_registration_is_kept_in_the_store(tmp_path):
+    """An operator cordons a node while its agent re-registers: the registration must not
+    write back the node it read before the cordon, or the cordon is gone after a restart."""
+    hook: list[threading.Thread] = []
+    registering = False
+
+    class Store(SqliteStore):
+        def get_node(self, name: str):
+            node = super().get_node(name)
+            if node is not None and registering and not hook:   # the cordon arrives right now
+                cordon = threading.Thread(target=core.set_schedulable, args=(name, False, "disk"))
+                hook.append(cordon)
+                cordon.start()
+                cordon.join(timeout=0.5)
+            return node
+
+    store = Store(tmp_path / "state.db")
+    core = ControllerCore(store, _Agents(), Settings(heartbeat_timeout=8.0), clock=_Clock())
+    try:
+        core.register_node("n1", "127.0.0.1:1", {})
+        registering = True
+        core.register_node("n1", "127.0.0.1:1", {})   # the agent restarted
+        hook[0].join(timeout=10)
+        assert store.get_node("n1").cordoned, "the cordon was lost from the store"
+        assert not _fits(core, "fs-1")                 # and the ledger agrees
+    finally:
+        store.close()

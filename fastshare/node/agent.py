@@ -471,9 +471,12 @@ class Agent:
                     self.journal.update_mps(dev.uuid, sm_ceiling=max(sm, row.sm_ceiling or 0),
                                             mem_ceiling=mem if raise_mem else row.mem_ceiling)
                 return
+            # A row left by an earlier daemon (dead, or 'starting'/'stopping' after a crash) keeps
+            # its word that the agent switched the compute mode: by now the GPU already shows
+            # EXCLUSIVE_PROCESS, and the last release must still switch it back to DEFAULT.
+            compute_mode_set = row is not None and row.compute_mode_set
             self.journal.begin_mps(dev.uuid, dev.gpu.uuid)
-            compute_mode_set = False
-            if dev.mig is None and dev.gpu.compute_mode != "EXCLUSIVE_PROCESS":
+            if not compute_mode_set and dev.mig is None and dev.gpu.compute_mode != "EXCLUSIVE_PROCESS":
                 try:
                     self.devices.set_compute_mode(dev.gpu.index, "EXCLUSIVE_PROCESS")
                     compute_mode_set = True
@@ -720,8 +723,8 @@ class Agent:
                 self._mps_health[device_uuid] = True
                 actions.append(f"MPS daemon for {device_uuid}: running, adopted")
                 continue
-            if row is not None:  # 'starting'/'stopping' or dead: start() adopts a daemon that answers
-                self.journal.delete_mps(device_uuid)
+            if row is not None and row.state == "running":  # dead: started again below; the row
+                self.journal.update_mps(device_uuid, state="starting")  # keeps compute_mode_set
             try:
                 self._ensure_mps(self._device(device_uuid), deadline)
                 actions.append(f"MPS daemon for {device_uuid}: (re)started for its shares")
@@ -751,7 +754,8 @@ class Agent:
                 with self._mps_locks.hold(row.device_uuid, deadline):
                     with contextlib.suppress(MpsError):
                         self.mps.stop(row.device_uuid)
-                    self.journal.delete_mps(row.device_uuid)
+                    # Not deleted: the row keeps compute_mode_set for the daemon started next.
+                    self.journal.update_mps(row.device_uuid, state="starting")
                 with contextlib.suppress(AgentError):
                     self._ensure_mps(self._device(row.device_uuid), deadline)
         if changed:

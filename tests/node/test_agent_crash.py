@@ -192,3 +192,27 @@ def test_damaged_journal_is_refused_and_left_as_it_was(agent):
     log = agent.log.read_text().split("---- start")[-1]
     assert "node agent journal" in log and "is damaged" in log and "Traceback" not in log
     assert journal.read_bytes() == before
+
+
+@pytest.mark.parametrize("restarted_by", ["housekeeping", "agent start"])
+def test_compute_mode_is_restored_after_the_daemon_was_restarted(agent, devices, restarted_by):
+    """MPS switches a GPU to EXCLUSIVE_PROCESS and its last release switches it back. A daemon
+    that died and was started again must not forget that the switch was the agent's: the GPU
+    stayed in EXCLUSIVE_PROCESS (one process at a time) after every share had left."""
+    agent.settings["reconcile_interval_s"] = 1 if restarted_by == "housekeeping" else 3600
+    agent.start()
+    gpu = _inv(agent).gpus[GPU_A].uuid
+    agent.unix().PrepareShare(fastpod("fp", gpu), timeout=60)
+    assert devices.gpus()[GPU_A].compute_mode == "EXCLUSIVE_PROCESS"
+    mps = MpsControl(STANDIN, agent.rundir / "mps")
+    old = mps.daemon_pid(gpu)
+    if restarted_by == "agent start":
+        agent.kill9()
+    mps.command(gpu, "quit")  # the daemon dies
+    if restarted_by == "agent start":
+        agent.start()
+    wait_for(lambda: mps.answers(gpu) and mps.daemon_pid(gpu) != old, what="MPS daemon restarted")
+    reply = agent.unix().ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="fp"), timeout=60)
+    assert list(reply.stopped_mps_daemons) == [gpu]
+    assert devices.gpus()[GPU_A].compute_mode == "DEFAULT"
+

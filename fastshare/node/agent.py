@@ -582,9 +582,14 @@ class Agent:
             if current is None or current.profile_id != profile_id:
                 self.journal.delete_mig(gpu_uuid, start)  # already gone (or never created)
                 return current is None
-            if current.processes:
-                log.warning("MIG %s at slice %d of %s still runs %d process(es): kept, destroyed once idle",
-                            current.uuid, start, gpu_uuid, current.processes)
+            # In use: processes run on it, or a live share holds it (an exclusive share that took
+            # this idle instance at its placement, an MPS share on its MIG device) before its
+            # workload has started or between two of its processes.
+            holders = self._live_shares(current.uuid) if current.uuid else []
+            if current.processes or holders:
+                log.warning("MIG %s at slice %d of %s is in use (%d process(es), share(s) %s): kept, "
+                            "destroyed once idle", current.uuid, start, gpu_uuid, current.processes,
+                            ", ".join(r.spec.id for r in holders) or "none")
                 self.journal.set_mig_share(gpu_uuid, start, None)
                 self.journal.set_mig_state(gpu_uuid, start, "ready")
                 return False

@@ -216,3 +216,39 @@ def test_compute_mode_is_restored_after_the_daemon_was_restarted(agent, devices,
     assert list(reply.stopped_mps_daemons) == [gpu]
     assert devices.gpus()[GPU_A].compute_mode == "DEFAULT"
 
+
+def test_an_idle_agent_instance_is_not_destroyed_under_the_share_that_took_it(agent, devices, sim_machine):
+    """An instance kept after a busy release (destroyed once idle) can be taken by a new share at
+    its placement, or an MPS share on its MIG device; the next reconcile destroyed it under that
+    live share (its workload lost its GPU) because only running processes counted as use."""
+    agent.start()
+    gpu = _inv(agent).gpus[GPU_MIG].uuid
+    stub = agent.unix()
+
+    def exclusive(share_id):
+        return share(share_id, "exclusive", [gpu], mig_profile="3g.40gb", mig_start=4)
+
+    first = stub.PrepareShare(exclusive("first"), timeout=60)
+    (mig,) = first.device_uuids
+    pid = simnvml.add_process(sim_machine, GPU_MIG, mig_uuid=mig)
+    assert list(stub.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="first"),
+                                  timeout=60).destroyed_mig_devices) == []
+    simnvml.remove_process(sim_machine, pid)
+    second = stub.PrepareShare(exclusive("second"), timeout=60)
+    assert list(second.device_uuids) == [mig]  # the idle instance at that placement, taken
+
+    agent.stop()
+    agent.start()  # reconcile
+    assert [m.uuid for m in devices.mig_instances(GPU_MIG)] == [mig]
+    assert [(s.id, list(s.device_uuids)) for s in _inv(agent).shares] == [("second", [gpu])]
+
+    agent.unix().ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="second"), timeout=60)
+    agent.unix().PrepareShare(fastpod("on-mig", mig, sm=50, mem_gib=8), timeout=60)
+    agent.stop()
+    agent.start()
+    assert [m.uuid for m in devices.mig_instances(GPU_MIG)] == [mig]
+
+    agent.unix().ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="on-mig"), timeout=60)
+    agent.stop()
+    agent.start()  # nothing holds it any more: the idle orphan goes
+    assert devices.mig_instances(GPU_MIG) == []

@@ -462,10 +462,12 @@ class Agent:
             sm, mem = self._ceilings([r.spec for r in self._live_shares(dev.uuid)])
             if row is not None and row.state == "running":
                 raise_sm = row.sm_ceiling is None or sm > row.sm_ceiling
-                raise_mem = mem is not None and (row.mem_ceiling is not None and mem > row.mem_ceiling)
+                raise_mem = _raises_mem(row.mem_ceiling, mem)
                 if raise_sm or raise_mem:
+                    # No cap (None) cannot be sent: the device's whole memory is the same cap.
+                    new_mem = (dev.memory_bytes if mem is None else mem) if raise_mem else None
                     try:
-                        self.mps.set_limits(dev.uuid, sm if raise_sm else None, mem if raise_mem else None)
+                        self.mps.set_limits(dev.uuid, sm if raise_sm else None, new_mem)
                     except MpsError as exc:
                         raise AgentError("UNAVAILABLE", str(exc)) from None
                     self.journal.update_mps(dev.uuid, sm_ceiling=max(sm, row.sm_ceiling or 0),
@@ -848,7 +850,13 @@ def _raises(daemon: MpsRow, sm: float, mem: int | None) -> bool:
     """Would these ceilings raise the daemon's current limits (which needs the control pipe)?"""
     if daemon.sm_ceiling is None or sm > daemon.sm_ceiling:
         return True
-    return mem is not None and daemon.mem_ceiling is not None and mem > daemon.mem_ceiling
+    return _raises_mem(daemon.mem_ceiling, mem)
+
+
+def _raises_mem(ceiling: int | None, mem: int | None) -> bool:
+    """Would memory ceiling ``mem`` raise the daemon's ``ceiling``? None is no cap, so a share
+    without a memory limit (``mem`` None) lifts any cap: its clients get the daemon's default."""
+    return ceiling is not None and (mem is None or mem > ceiling)
 
 
 def _kinds(rows: list[ShareRow]) -> str:

@@ -280,3 +280,21 @@ def test_agent_still_starts_when_journaled_gpus_disappeared(agent, sim_machine):
     assert len(inv.gpus) == 2 and not {g.uuid for g in inv.gpus} & set(uuids)
     assert "FAILED" in agent.log.read_text() or "cannot start" in agent.log.read_text()
     assert agent.unix().PrepareShare(fastpod("new", inv.gpus[GPU_A].uuid), timeout=60).created
+
+
+def test_an_mps_share_without_a_memory_limit_lifts_the_daemon_memory_cap(agent):
+    """memory_bytes 0 on an MPS share means no limit (agent.proto), and the share's env sets none,
+    so its clients get the daemon's default: joining a daemon capped for smaller shares, it was
+    left capped at their largest limit (a workload promised the whole GPU's memory got 2 GiB)."""
+    agent.start()
+    inv = agent.unix().GetInventory(INV, timeout=30)
+    gpu, memory_mib = inv.gpus[GPU_A].uuid, inv.gpus[GPU_A].memory_bytes >> 20
+    stub = agent.unix()
+    stub.PrepareShare(share("capped", "mps", [gpu], memory_bytes=2 << 30), timeout=60)
+    mps = MpsControl(STANDIN, agent.rundir / "mps")
+    assert mps.command(gpu, "get_default_device_pinned_mem_limit 0").strip() == "2048M"
+    free = stub.PrepareShare(share("unlimited", "mps", [gpu]), timeout=60)
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in free.env
+    assert mps.command(gpu, "get_default_device_pinned_mem_limit 0").strip() == f"{memory_mib}M"
+    stub.PrepareShare(share("capped-2", "mps", [gpu], memory_bytes=4 << 30), timeout=60)  # stays lifted
+    assert mps.command(gpu, "get_default_device_pinned_mem_limit 0").strip() == f"{memory_mib}M"

@@ -459,7 +459,10 @@ class Agent:
     def _ensure_mps(self, dev: _DeviceView, deadline: Deadline) -> None:
         with self._mps_locks.hold(dev.uuid, deadline):
             row = self.journal.mps(dev.uuid)
-            sm, mem = self._ceilings([r.spec for r in self._live_shares(dev.uuid)])
+            live = [r.spec for r in self._live_shares(dev.uuid)]
+            if not any(s.kind in ("fastpod", "mps") for s in live):
+                return  # the last MPS share left meanwhile (housekeeping raced its release)
+            sm, mem = self._ceilings(live)
             if row is not None and row.state == "running":
                 raise_sm = row.sm_ceiling is None or sm > row.sm_ceiling
                 raise_mem = _raises_mem(row.mem_ceiling, mem)
@@ -759,6 +762,8 @@ class Agent:
             if not healthy:
                 log.warning("MPS daemon for %s does not answer; restarting it", row.device_uuid)
                 with self._mps_locks.hold(row.device_uuid, deadline):
+                    if self.journal.mps(row.device_uuid) != row:
+                        continue  # stopped by a release, or restarted, while we looked
                     with contextlib.suppress(MpsError):
                         self.mps.stop(row.device_uuid)
                     # Not deleted: the row keeps compute_mode_set for the daemon started next.

@@ -558,9 +558,10 @@ class Agent:
         return destroyed, stopped
 
     def _undo(self, row: ShareRow, deadline: Deadline) -> tuple[list[str], list[str]]:
-        """Free what ``row`` holds (idempotent: safe to repeat after a crash at any step)."""
+        """Free what ``row`` holds (idempotent: safe to repeat after a crash at any step). The
+        port goes last: while a step fails the share stays 'releasing' and keeps its port, so
+        no new fastpod is handed a port the old one may still serve."""
         spec, destroyed, stopped = row.spec, [], []
-        self._free_port(row.port)
         if spec.kind == "exclusive":
             for m in self.journal.migs(spec.device_uuids[0]):
                 if m.share_id == spec.id and self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id,
@@ -571,6 +572,7 @@ class Agent:
                 self._write_share_files(row.device_uuid, deadline, exclude=spec.id)
             if self._stop_mps_if_unused(row.device_uuid, deadline, exclude=spec.id):
                 stopped.append(row.device_uuid)
+        self._free_port(row.port)
         return destroyed, stopped
 
     def _destroy_agent_mig(self, gpu_uuid: str, start: int, profile_id: int, deadline: Deadline) -> bool:

@@ -1,12 +1,16 @@
-"""Housekeeping racing the requests it must not undo (in process: the interleaving is forced)."""
+"""The agent in process, where an interleaving or a failure is forced: housekeeping racing the
+requests it must not undo, and a release that fails half-way."""
 
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from fastshare.device import open_devices, simnvml
 from fastshare.mps.control import MpsControl
-from fastshare.node.agent import Agent, Deadline
+from fastshare.node.agent import Agent, AgentError, Deadline
 from fastshare.node.config import NodeConfig
 from fastshare.node.journal import Journal
 from fastshare.node.model import ShareSpec
@@ -14,9 +18,8 @@ from fastshare.node.model import ShareSpec
 from .harness import GPU_A, STANDIN
 
 
-def test_a_daemon_stopped_by_the_last_release_is_not_restarted_by_housekeeping(tmp_path):
-    """Housekeeping saw the daemon not answering because the last share's release was stopping
-    it, then started a new one: a daemon serving no share, and the GPU left in EXCLUSIVE_PROCESS."""
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
     run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
     machine = tmp_path / "m.json"
     simnvml.create_machine(machine, ["H100-SXM5-80GB", "V100-SXM2-32GB"], mig_enabled=True)
@@ -25,24 +28,56 @@ def test_a_daemon_stopped_by_the_last_release_is_not_restarted_by_housekeeping(t
                      mps_timeout_s=30)
     agent = Agent(cfg, open_devices("sim", machine), MpsControl(STANDIN, cfg.mps_root, timeout=30),
                   Journal(cfg.journal_path))
+    agent.reconcile()
     try:
-        agent.reconcile()
-        gpu = agent.devices.gpus()[GPU_A].uuid
-        agent.prepare(ShareSpec("fp", "fastpod", (gpu,), sm_percent=20, memory_bytes=1 << 30,
-                                quota_request=0.2, quota_limit=0.5), Deadline(60))
-        answers = agent.mps.answers
-
-        def release_while_checked(device_uuid, timeout=None):
-            agent.mps.answers = answers            # once: the release runs right here
-            agent.release("fp", Deadline(60))
-            return answers(device_uuid, timeout)
-
-        agent.mps.answers = release_while_checked
-        agent.housekeeping()
-        assert agent.mps.running_devices() == [] and agent.journal.mps_daemons() == []
-        assert agent.devices.gpus()[GPU_A].compute_mode == "DEFAULT"
+        yield agent
     finally:
         for device in agent.mps.running_devices():
             agent.mps.stop(device)
         agent.journal.close()
         shutil.rmtree(run, ignore_errors=True)
+
+
+def _fastpod(agent: Agent, share_id: str) -> ShareSpec:
+    gpu = agent.devices.gpus()[GPU_A].uuid
+    return ShareSpec(share_id, "fastpod", (gpu,), sm_percent=20, memory_bytes=1 << 30, quota_request=0.2,
+                     quota_limit=0.5)
+
+
+def test_a_daemon_stopped_by_the_last_release_is_not_restarted_by_housekeeping(agent):
+    """Housekeeping saw the daemon not answering because the last share's release was stopping
+    it, then started a new one: a daemon serving no share, and the GPU left in EXCLUSIVE_PROCESS."""
+    agent.prepare(_fastpod(agent, "fp"), Deadline(60))
+    answers = agent.mps.answers
+
+    def release_while_checked(device_uuid, timeout=None):
+        agent.mps.answers = answers            # once: the release runs right here
+        agent.release("fp", Deadline(60))
+        return answers(device_uuid, timeout)
+
+    agent.mps.answers = release_while_checked
+    agent.housekeeping()
+    assert agent.mps.running_devices() == [] and agent.journal.mps_daemons() == []
+    assert agent.devices.gpus()[GPU_A].compute_mode == "DEFAULT"
+
+
+def test_a_release_that_fails_half_way_keeps_the_share_port(agent):
+    """The share stays 'releasing' (retried later) and may still be served on its port: a new
+    fastpod must not be handed the same port meanwhile."""
+    old, _ = agent.prepare(_fastpod(agent, "fp-old"), Deadline(60))
+    stop = agent._stop_mps_if_unused
+
+    def failing_stop(*args, **kwargs):
+        agent._stop_mps_if_unused = stop       # once
+        raise AgentError("UNAVAILABLE", "MPS daemon does not stop")
+
+    agent._stop_mps_if_unused = failing_stop
+    with pytest.raises(AgentError):
+        agent.release("fp-old", Deadline(60))
+    assert agent.journal.share("fp-old").state == "releasing"
+    new, _ = agent.prepare(_fastpod(agent, "fp-new"), Deadline(60))
+    assert new.port != old.port
+    agent.release("fp-old", Deadline(60))      # the retry frees it
+    agent.release("fp-new", Deadline(60))
+    again, _ = agent.prepare(_fastpod(agent, "fp-again"), Deadline(60))
+    assert again.port == old.port              # freed once the release completed

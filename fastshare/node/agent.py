@@ -62,42 +62,48 @@ class Deadline:
 
 
 class _Locks:
-    """Named locks created on demand (never removed: names are few, devices and share ids)."""
+    """Named locks (device uuids, share ids) that exist while someone holds or waits for one:
+    share ids come and go, and a lock forgotten while a request still waited for it would let
+    the next request on that id run beside the waiter."""
 
     def __init__(self, what: str) -> None:
         self._what = what
         self._guard = threading.Lock()
-        self._locks: dict[str, threading.Lock] = {}
+        self._locks: dict[str, _Named] = {}
 
-    def hold(self, name: str, deadline: Deadline) -> _Held:
+    def hold(self, name: str, deadline: Deadline) -> _Named:
         """``with locks.hold(name, deadline):`` - the lock is taken here, released on exit."""
         with self._guard:
-            lock = self._locks.setdefault(name, threading.Lock())
-        if not lock.acquire(timeout=deadline.remaining()):
+            named = self._locks.get(name)
+            if named is None:
+                named = self._locks[name] = _Named(self, name)
+            named.users += 1
+        if not named.lock.acquire(timeout=deadline.remaining()):
+            self._leave(named)
             raise AgentError("DEADLINE_EXCEEDED", f"{self._what} {name} stayed busy past the deadline")
-        return _Held(lock)
+        return named
 
-    def discard(self, name: str) -> None:
-        """Forget a share id's lock (the id is gone); a holder keeps its own reference."""
+    def _leave(self, named: _Named) -> None:
         with self._guard:
-            lock = self._locks.get(name)
-            if lock is not None and not lock.locked():
-                del self._locks[name]
+            named.users -= 1
+            if not named.users:
+                del self._locks[named.name]
 
 
-class _Held:
-    """A taken lock as a context manager (a class: a generator-based one cost 5 us a lock)."""
+class _Named:
+    """One named lock, held as a context manager (a class: a generator-based one cost 5 us)."""
 
-    __slots__ = ("_lock",)
+    __slots__ = ("lock", "name", "owner", "users")
 
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
+    def __init__(self, owner: _Locks, name: str) -> None:
+        self.owner, self.name, self.lock, self.users = owner, name, threading.Lock(), 0
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+        self.lock.release()
+        self.owner._leave(self)
 
 
 @dataclass(frozen=True)
@@ -529,7 +535,6 @@ class Agent:
                 destroyed, stopped = [], []
             else:
                 destroyed, stopped = self._release_slow(row, deadline)
-        self._share_locks.discard(share_id)
         self._changed()
         return ReleaseResult(True, tuple(destroyed), tuple(stopped))
 

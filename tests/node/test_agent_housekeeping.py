@@ -3,6 +3,8 @@ requests it must not undo, and a release that fails half-way."""
 
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,3 +83,37 @@ def test_a_release_that_fails_half_way_keeps_the_share_port(agent):
     agent.release("fp-new", Deadline(60))
     again, _ = agent.prepare(_fastpod(agent, "fp-again"), Deadline(60))
     assert again.port == old.port              # freed once the release completed
+
+
+def test_named_locks_exclude_across_comings_and_goings_and_are_forgotten_after():
+    """Share-id locks come and go with their ids: a lock must never be dropped while someone
+    waits for it (two requests on one id would run side by side), and must not outlive its users."""
+    from fastshare.node.agent import _Locks
+
+    locks = _Locks("share")
+    inside: dict[str, int] = {}
+    overlaps: list[str] = []
+    guard = threading.Lock()
+
+    def worker(seed: int) -> None:
+        for i in range(300):
+            name = f"s{(seed + i) % 3}"
+            with locks.hold(name, Deadline(30)):
+                with guard:
+                    inside[name] = inside.get(name, 0) + 1
+                    if inside[name] > 1:
+                        overlaps.append(name)
+                time.sleep(0)
+                with guard:
+                    inside[name] -= 1
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert overlaps == []
+    assert locks._locks == {}
+    with locks.hold("s0", Deadline(1)), pytest.raises(AgentError, match="stayed busy"):
+        locks.hold("s0", Deadline(0.05))     # a waiter that gives up leaves nothing behind
+    assert locks._locks == {}

@@ -320,6 +320,7 @@ class Agent:
             start = spec.mig_start
             if start is None:
                 start = self._choose_start(gpu, profile, instances)
+            self._forget_vanished_mig(gpu.uuid, start)
             self.journal.begin_share(spec, gpu.uuid, None)
             faults.point("agent.after_share_journaled")
             self.journal.begin_mig(gpu.uuid, start, profile.profile_id, spec.id, "share")
@@ -338,6 +339,16 @@ class Agent:
         prepared = _exclusive_prepared(mig)
         self.journal.share_ready(spec.id, mig.uuid or gpu.uuid, prepared)
         return prepared
+
+    def _forget_vanished_mig(self, gpu_uuid: str, start: int) -> None:
+        """Called under the GPU's lock with no instance at ``start``: a journal row there names
+        an instance destroyed outside the agent (by hand, or by a GPU reset). It holds nothing,
+        and left in place it would make the new instance's record fail."""
+        for m in self.journal.migs(gpu_uuid):
+            if m.start == start:
+                log.warning("MIG %s at slice %d of %s (share %s) was destroyed outside the agent; "
+                            "forgotten", m.mig_uuid or "?", start, gpu_uuid, m.share_id or "none")
+                self.journal.delete_mig(gpu_uuid, start)
 
     def _bind_existing(self, spec: ShareSpec, gpu: GpuInfo, profile: MigProfile, mig: MigInstance,
                        instances: list[MigInstance]) -> Prepared:

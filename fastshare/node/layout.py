@@ -59,6 +59,7 @@ def _run(agent: Agent, gpu_uuid: str, gpu_index: int, step: mig_layout.Step) -> 
             agent.devices.destroy_mig_instance(gpu_index, step.start)
             journal.delete_mig(gpu_uuid, step.start)
         else:
+            agent._forget_vanished_mig(gpu_uuid, step.start)
             journal.begin_mig(gpu_uuid, step.start, step.profile_id, None, "layout")
             try:
                 mig = agent.devices.create_mig_instance(gpu_index, step.profile_id, step.start)

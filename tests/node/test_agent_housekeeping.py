@@ -15,9 +15,10 @@ from fastshare.mps.control import MpsControl
 from fastshare.node.agent import Agent, AgentError, Deadline
 from fastshare.node.config import NodeConfig
 from fastshare.node.journal import Journal
+from fastshare.node.layout import apply_layout
 from fastshare.node.model import ShareSpec
 
-from .harness import GPU_A, STANDIN
+from .harness import GPU_A, GPU_MIG, STANDIN
 
 
 @pytest.fixture
@@ -117,3 +118,33 @@ def test_named_locks_exclude_across_comings_and_goings_and_are_forgotten_after()
     with locks.hold("s0", Deadline(1)), pytest.raises(AgentError, match="stayed busy"):
         locks.hold("s0", Deadline(0.05))     # a waiter that gives up leaves nothing behind
     assert locks._locks == {}
+
+
+def test_an_instance_destroyed_outside_the_agent_does_not_block_its_placement(agent):
+    """An operator destroyed the agent's MIG instance by hand (nvidia-smi mig -dci/-dgi): the
+    journal still names it. A new exclusive share at that placement must get a fresh instance,
+    not an internal error that leaves the new share half-prepared."""
+    gpu = agent.devices.gpus()[GPU_MIG]
+    first, _ = agent.prepare(ShareSpec("ex-1", "exclusive", (gpu.uuid,), mig_profile="3g.40gb", mig_start=0),
+                             Deadline(60))
+    agent.devices.destroy_mig_instance(gpu.index, 0)        # behind the agent's back
+    second, created = agent.prepare(ShareSpec("ex-2", "exclusive", (gpu.uuid,), mig_profile="3g.40gb",
+                                              mig_start=0), Deadline(60))
+    assert created and second.device_uuids != first.device_uuids
+    assert [m.start for m in agent.devices.mig_instances(gpu.index)] == [0]
+    assert agent.journal.share("ex-2").state == "ready"
+    agent.release("ex-1", Deadline(60))                     # its instance is long gone: nothing to do
+    assert [m.start for m in agent.devices.mig_instances(gpu.index)] == [0]
+    agent.release("ex-2", Deadline(60))
+    assert agent.devices.mig_instances(gpu.index) == [] and agent.journal.migs(gpu.uuid) == []
+
+
+def test_a_layout_is_applied_over_an_instance_destroyed_outside_the_agent(agent):
+    gpu = agent.devices.gpus()[GPU_MIG]
+    spec = ShareSpec("ex-1", "exclusive", (gpu.uuid,), mig_profile="3g.40gb", mig_start=0)
+    agent.prepare(spec, Deadline(60))
+    agent.devices.destroy_mig_instance(gpu.index, 0)        # behind the agent's back
+    apply_layout(agent, gpu.uuid, {"3g.40gb": 2}, force=False, apply=True, deadline=Deadline(60))
+    assert sorted(m.start for m in agent.devices.mig_instances(gpu.index)) == [0, 4]
+    journaled = sorted((m.start, m.purpose) for m in agent.journal.migs(gpu.uuid))
+    assert journaled == [(0, "layout"), (4, "layout")]

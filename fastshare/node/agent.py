@@ -506,7 +506,9 @@ class Agent:
                     log.warning("cannot set EXCLUSIVE_PROCESS on %s (%s); MPS runs anyway", dev.uuid, exc)
             self.journal.update_mps(dev.uuid, compute_mode_set=int(compute_mode_set))
             try:
-                pid = self.mps.start(dev.uuid, sm, mem)
+                # No cap (None) is sent as the device's whole memory: a daemon adopted after a
+                # crash may still carry an earlier share's cap.
+                pid = self.mps.start(dev.uuid, sm, dev.memory_bytes if mem is None else mem)
             except MpsError as exc:
                 raise AgentError("UNAVAILABLE", f"MPS daemon for {dev.uuid}: {exc}") from None
             faults.point("agent.after_mps_start")

@@ -148,3 +148,17 @@ def test_a_layout_is_applied_over_an_instance_destroyed_outside_the_agent(agent)
     assert sorted(m.start for m in agent.devices.mig_instances(gpu.index)) == [0, 4]
     journaled = sorted((m.start, m.purpose) for m in agent.journal.migs(gpu.uuid))
     assert journaled == [(0, "layout"), (4, "layout")]
+
+
+def test_a_daemon_adopted_after_a_crash_is_uncapped_for_a_share_without_a_memory_limit(agent):
+    """A crash left the daemon's row 'starting' while the daemon runs, capped for the earlier
+    shares. The next share asks for no memory limit: adopting the daemon must lift its cap, as
+    joining a running one does."""
+    gpu = agent.devices.gpus()[GPU_A]
+    agent.prepare(ShareSpec("capped", "mps", (gpu.uuid,), memory_bytes=2 << 30), Deadline(60))
+    assert agent.mps.command(gpu.uuid, "get_default_device_pinned_mem_limit 0").strip() == "2048M"
+    agent.journal.update_mps(gpu.uuid, state="starting")    # as a crash before 'running' leaves it
+    agent.prepare(ShareSpec("unlimited", "mps", (gpu.uuid,)), Deadline(60))
+    limit = agent.mps.command(gpu.uuid, "get_default_device_pinned_mem_limit 0").strip()
+    assert limit == f"{gpu.memory_mib}M"
+    assert agent.journal.mps(gpu.uuid).mem_ceiling is None

@@ -72,8 +72,11 @@ class Request:
 
     @property
     def sm_milli(self) -> int:
-        """The fastpod SM share in thousandths (what the per-GPU ledger adds up)."""
-        return round((self.sm_percent or 0) * 10)
+        """The fastpod SM share in thousandths (what the per-GPU ledger adds up), rounded UP:
+        rounding to nearest let shares add up to more than 100 % (3 x 33.34 %) and a share
+        under 0.05 % took no capacity at all, so it "fit" a GPU held whole or in MIG mode.
+        (The inner round drops float noise such as 30.1 * 10 = 301.00000000000006.)"""
+        return math.ceil(round((self.sm_percent or 0) * 10, 6))
 
     def validate(self) -> None:
         _check(isinstance(self.id, str) and self.id != "", "id: must be a non-empty string")

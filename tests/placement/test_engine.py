@@ -185,3 +185,17 @@ def test_policies_by_name():
         assert eng.place(fastpod("a")), name
     with pytest.raises(InvalidRequest, match="policy: must be one of"):
         make_policy("magic")
+
+
+def test_fractional_sm_shares_round_up_to_the_ledger_step():
+    """SM shares are kept in 0.1 % steps; a share that rounded down could take 0 steps (and
+    then "fit" a GPU held whole) or let three 33.34 % shares add up to 100.02 %."""
+    eng = Engine([node("n", n_gpus=2)])
+    assert eng.place(Request("w", "whole", gpus=1))
+    tiny = eng.place(fastpod("tiny", 0.04, 100))
+    assert tiny and tiny.gpus == (1,)  # never the GPU held whole
+    assert [u["sm_used_percent"] for u in eng.usage()] == [0, 0.1]
+    eng = Engine([node("n", n_gpus=1)])
+    assert eng.place(fastpod("a", 33.34)) and eng.place(fastpod("b", 33.34))
+    rej = eng.place(fastpod("c", 33.34))
+    assert not rej and "33.2 % on n GPU 0" in rej.reason

@@ -175,6 +175,9 @@ class Engine:
         result = getattr(self, f"_place_{request.kind}")(request, nodes)
         if isinstance(result, Assignment):
             self._apply(result)
+        elif why:  # the GPU reason covers the nodes looked at; say why the others were not
+            result = Rejection(f"{result.reason}; only {len(nodes)} of {len(self._nodes)} node(s) "
+                               f"were looked at: {why}", result.details)
         return result
 
     def release(self, assignment: Assignment | str) -> Assignment:
@@ -248,6 +251,8 @@ class Engine:
 
     # ---- filters -----------------------------------------------------------------------------
     def _filter_nodes(self, r: Request) -> tuple[list[_Node], str]:
+        """The nodes whose labels, free CPU and free memory fit ``r``, and why the others
+        do not ("" when none was dropped)."""
         sel = dict(r.node_selector)
         out, no_sel, no_cpu, no_mem = [], 0, [], []
         for n in self._nodes.values():
@@ -260,8 +265,6 @@ class Engine:
                 no_mem.append(n)
             else:
                 out.append(n)
-        if out:
-            return out, ""
         if not self._nodes:
             return [], "the cluster view has no nodes"
         parts = []
@@ -269,13 +272,13 @@ class Engine:
             parts.append(f"{no_sel} node(s) do not match node_selector {sel}")
         if no_cpu:
             best = max(no_cpu, key=lambda n: n.cpu_left)
-            parts.append(f"no node has {r.cpu_milli} milli-CPU free; most free is {best.cpu_left} "
+            parts.append(f"{len(no_cpu)} node(s) lack {r.cpu_milli} milli-CPU; most free is {best.cpu_left} "
                          f"on {best.view.name}")
         if no_mem:
             best = max(no_mem, key=lambda n: n.mem_left)
-            parts.append(f"no node has {_fmt_mib(r.memory_mib)} host memory free; most free is "
+            parts.append(f"{len(no_mem)} node(s) lack {_fmt_mib(r.memory_mib)} host memory; most free is "
                          f"{_fmt_mib(best.mem_left)} on {best.view.name}")
-        return [], "; ".join(parts)
+        return out, "; ".join(parts)
 
     def _gpu_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
         """Why GPU ``g`` cannot take a share ``r`` (None when it can)."""

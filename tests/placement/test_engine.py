@@ -199,3 +199,21 @@ def test_fractional_sm_shares_round_up_to_the_ledger_step():
     assert eng.place(fastpod("a", 33.34)) and eng.place(fastpod("b", 33.34))
     rej = eng.place(fastpod("c", 33.34))
     assert not rej and "33.2 % on n GPU 0" in rej.reason
+
+
+def test_rejection_names_nodes_ruled_out_by_cpu_memory_or_selector():
+    """When some nodes pass the CPU/memory/selector filter and their GPUs are full, the
+    reason also names the nodes the filter dropped: the idle GPU on a node short of CPU is
+    not "no GPU free"."""
+    x = {"zone": "x"}
+    eng = Engine([node("a", n_gpus=1, labels=x), node("b", n_gpus=1, cpu=1000, labels=x),
+                  node("c", n_gpus=1, mem=1024, labels=x), node("d", n_gpus=1, labels={"zone": "y"})])
+    ask = {"cpu_milli": 2000, "memory_mib": 2048, "node_selector": x}
+    assert eng.place(fastpod("x", 80, **ask)).node == "a"
+    for r in (fastpod("y", 80, **ask), Request("z", "whole", **ask),
+              Request("e", "exclusive", sm_count=14, **ask)):
+        rej = eng.place(r)
+        assert not rej, r
+        assert "1 node(s) lack 2000 milli-CPU; most free is 1000 on b" in rej.reason, rej.reason
+        assert "1 node(s) lack 2 GiB host memory; most free is 1 GiB on c" in rej.reason, rej.reason
+        assert "1 node(s) do not match node_selector {'zone': 'x'}" in rej.reason, rej.reason

@@ -292,28 +292,38 @@ class Engine:
                 return "in MIG mode (MPS shares need the whole device)"
             if g.share_kind not in (None, r.kind):
                 return f"already shared as {g.share_kind}"
-            if check_affinity and r.affinity and r.affinity in self._affinity \
-                    and self._affinity[r.affinity] != (node, v.index):
-                return f"affinity {r.affinity} is bound to another GPU"
-            for s in g.sharers.values():
-                if s.exclusion != r.exclusion:
-                    return "exclusion tags differ"
-                if r.anti_affinity and s.anti_affinity == r.anti_affinity:
-                    return f"anti-affinity {r.anti_affinity} already on it"
-            if r.kind == "fastpod":
-                if g.sm_used + r.sm_milli > MILLI:
-                    return f"only {(MILLI - g.sm_used) / 10:g} % SMs free"
-                if g.mem_used + r.gpu_memory_mib > v.memory_mib:
-                    return f"only {_fmt_mib(v.memory_mib - g.mem_used)} free"
-            elif g.mem_used + r.gpu_memory_mib > v.memory_mib * self.mps_oversubscription:
-                return f"only {_fmt_mib(v.memory_mib * self.mps_oversubscription - g.mem_used)} free"
-            return None
+            return self._tag_problem(r, g, node, check_affinity) or self._room_problem(r, g)
         if r.kind == "whole":
             return None if g.idle else "not idle"
         if not v.mig_capable:
             return "not MIG-capable"
         if g.sharers or g.whole is not None:
             return "in use by MPS shares or whole"
+        return None
+
+    def _tag_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
+        """Why the KubeShare tags (of ``r`` or of the sharers on ``g``) keep share ``r`` off ``g``."""
+        if check_affinity and r.affinity and r.affinity in self._affinity \
+                and self._affinity[r.affinity] != (node, g.view.index):
+            bound_node, bound_gpu = self._affinity[r.affinity]
+            return f"affinity tag {r.affinity!r} binds it to {bound_node} GPU {bound_gpu}"
+        for s in g.sharers.values():
+            if s.exclusion != r.exclusion:
+                return "exclusion tags differ"
+            if r.anti_affinity and s.anti_affinity == r.anti_affinity:
+                return f"anti-affinity {r.anti_affinity} already on it"
+        return None
+
+    def _room_problem(self, r: Request, g: _Gpu) -> str | None:
+        """Why share ``r`` does not fit the SMs / memory left on ``g``."""
+        v = g.view
+        if r.kind == "fastpod":
+            if g.sm_used + r.sm_milli > MILLI:
+                return f"only {(MILLI - g.sm_used) / 10:g} % SMs free"
+            if g.mem_used + r.gpu_memory_mib > v.memory_mib:
+                return f"only {_fmt_mib(v.memory_mib - g.mem_used)} free"
+        elif g.mem_used + r.gpu_memory_mib > v.memory_mib * self.mps_oversubscription:
+            return f"only {_fmt_mib(v.memory_mib * self.mps_oversubscription - g.mem_used)} free"
         return None
 
     # ---- per kind ----------------------------------------------------------------------------
@@ -363,6 +373,13 @@ class Engine:
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
             return (f"no GPU{models} is available for {r.kind} shares "
                     "(all are in MIG mode, held whole or shared otherwise)")
+        # GPUs with room that only the tags rule out: saying "no GPU with ... free" would be false
+        tagged = [f"{g.label(n.view.name)} ({why})" for n, g in usable
+                  if self._room_problem(r, g) is None and (why := self._tag_problem(r, g, n.view.name))]
+        if tagged:
+            more = f" and {len(tagged) - 3} more" if len(tagged) > 3 else ""
+            return (f"{what} is free on {len(tagged)} GPU(s), but the sharing tags rule them out: "
+                    f"{', '.join(tagged[:3])}{more}")
         cap = self.mps_oversubscription if r.kind == "mps" else 1.0
         n, g = max(usable, key=lambda ng: (ng[1].view.memory_mib * cap - ng[1].mem_used, -ng[1].view.index))
         msg = (f"no GPU with {what} free; largest free memory is "
@@ -373,8 +390,6 @@ class Engine:
         if r.affinity and r.affinity in self._affinity:
             node, idx = self._affinity[r.affinity]
             msg += f"; affinity tag {r.affinity!r} binds it to {node} GPU {idx}"
-        if r.anti_affinity or r.exclusion:
-            msg += " (tags anti_affinity/exclusion also rule out GPUs)"
         return msg
 
     def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:

@@ -217,3 +217,21 @@ def test_rejection_names_nodes_ruled_out_by_cpu_memory_or_selector():
         assert "1 node(s) lack 2000 milli-CPU; most free is 1000 on b" in rej.reason, rej.reason
         assert "1 node(s) lack 2 GiB host memory; most free is 1 GiB on c" in rej.reason, rej.reason
         assert "1 node(s) do not match node_selector {'zone': 'x'}" in rej.reason, rej.reason
+
+
+def test_rejection_blames_tags_not_capacity_when_tags_rule_out_a_gpu_with_room():
+    """A GPU with room that only the sharing tags rule out is named with the tag, also when
+    the tag belongs to the sharers already there (the new request carries none)."""
+    eng = Engine([node("n", n_gpus=1)])
+    assert eng.place(fastpod("a", 10, exclusion="secret"))
+    rej = eng.place(fastpod("b", 10))
+    assert not rej and not rej.reason.startswith("no GPU with"), rej.reason
+    assert "n GPU 0 (exclusion tags differ)" in rej.reason
+    assert eng.place(fastpod("c", 10, exclusion="secret", anti_affinity="x"))
+    rej = eng.place(fastpod("d", 10, exclusion="secret", anti_affinity="x"))
+    assert not rej and "n GPU 0 (anti-affinity x already on it)" in rej.reason
+    two = Engine([node("n", n_gpus=2)])
+    assert two.place(fastpod("a", 90, affinity="team"))
+    rej = two.place(fastpod("b", 20, affinity="team"))
+    assert not rej and "affinity tag 'team' binds it to n GPU 0" in rej.reason
+    assert "largest free SM share is 10 % on n GPU 0" not in rej.reason  # GPU 1 has 100 %

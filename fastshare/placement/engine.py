@@ -322,6 +322,8 @@ class Engine:
                 return f"only {(MILLI - g.sm_used) / 10:g} % SMs free"
             if g.mem_used + r.gpu_memory_mib > v.memory_mib:
                 return f"only {_fmt_mib(v.memory_mib - g.mem_used)} free"
+        elif r.gpu_memory_mib > v.memory_mib:  # oversubscription is for the sum, not one share
+            return f"has {_fmt_mib(v.memory_mib)} of memory in all"
         elif g.mem_used + r.gpu_memory_mib > v.memory_mib * self.mps_oversubscription:
             return f"only {_fmt_mib(v.memory_mib * self.mps_oversubscription - g.mem_used)} free"
         return None
@@ -373,6 +375,10 @@ class Engine:
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
             return (f"no GPU{models} is available for {r.kind} shares "
                     "(all are in MIG mode, held whole or shared otherwise)")
+        n, g = max(usable, key=lambda ng: (ng[1].view.memory_mib, -ng[1].view.index))
+        if r.gpu_memory_mib > g.view.memory_mib:
+            return (f"no GPU has {_fmt_mib(r.gpu_memory_mib)} of memory; the largest is "
+                    f"{_fmt_mib(g.view.memory_mib)} ({g.label(n.view.name)})")
         # GPUs with room that only the tags rule out: saying "no GPU with ... free" would be false
         tagged = [f"{g.label(n.view.name)} ({why})" for n, g in usable
                   if self._room_problem(r, g) is None and (why := self._tag_problem(r, g, n.view.name))]

@@ -235,3 +235,16 @@ def test_rejection_blames_tags_not_capacity_when_tags_rule_out_a_gpu_with_room()
     rej = two.place(fastpod("b", 20, affinity="team"))
     assert not rej and "affinity tag 'team' binds it to n GPU 0" in rej.reason
     assert "largest free SM share is 10 % on n GPU 0" not in rej.reason  # GPU 1 has 100 %
+
+
+def test_oversubscription_never_promises_one_mps_share_more_than_the_gpu_has():
+    """Oversubscription lets the shares on a GPU add up to more than its memory; one share
+    larger than the whole device could never get what it was promised."""
+    eng = Engine([node("n", n_gpus=1)], mps_oversubscription=2.0)
+    rej = eng.place(Request("big", "mps", gpu_memory_mib=60 * 1024))
+    assert not rej and "no GPU has 60 GiB of memory; the largest is 40 GiB (n GPU 0)" in rej.reason, rej
+    assert eng.place(Request("a", "mps", gpu_memory_mib=40 * 1024))
+    assert eng.place(Request("b", "mps", gpu_memory_mib=40 * 1024))
+    mixed = Engine([node("a100", n_gpus=1), node("h100", n_gpus=1, key="H100-SXM5-80GB")],
+                   mps_oversubscription=2.0)
+    assert mixed.place(Request("big", "mps", gpu_memory_mib=60 * 1024)).node == "h100"

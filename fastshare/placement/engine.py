@@ -373,6 +373,8 @@ class Engine:
                     usable.append((n, g))
         if not usable:
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
+            if not any(not r.gpu_models or g.view.model in r.gpu_models for n in nodes for g in n.gpus):
+                return f"no GPU{models} on the {len(nodes)} node(s) looked at"  # none is busy: none is there
             return (f"no GPU{models} is available for {r.kind} shares "
                     "(all are in MIG mode, held whole or shared otherwise)")
         n, g = max(usable, key=lambda ng: (ng[1].view.memory_mib, -ng[1].view.index))

@@ -248,3 +248,10 @@ def test_oversubscription_never_promises_one_mps_share_more_than_the_gpu_has():
     mixed = Engine([node("a100", n_gpus=1), node("h100", n_gpus=1, key="H100-SXM5-80GB")],
                    mps_oversubscription=2.0)
     assert mixed.place(Request("big", "mps", gpu_memory_mib=60 * 1024)).node == "h100"
+
+
+def test_rejection_does_not_invent_busy_gpus_when_the_nodes_looked_at_have_none_of_the_model():
+    eng = Engine([node("a", key="T4", labels={"zone": "x"}), node("b", labels={"zone": "y"})])
+    rej = eng.place(fastpod("p", gpu_models=("T4",), node_selector={"zone": "y"}))
+    assert not rej and "MIG mode" not in rej.reason, rej.reason
+    assert rej.reason.startswith("no GPU of model T4 on the 1 node(s) looked at"), rej.reason

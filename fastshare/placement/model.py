@@ -62,11 +62,10 @@ class Request:
     exclusion: str | None = None
 
     def __post_init__(self) -> None:
-        # Accept a dict / list for the tuple fields so callers can pass JSON straight in.
-        if isinstance(self.node_selector, Mapping):
-            object.__setattr__(self, "node_selector", tuple(sorted(self.node_selector.items())))
-        else:
-            object.__setattr__(self, "node_selector", tuple(tuple(p) for p in self.node_selector))
+        # Accept a dict / list for the tuple fields so callers can pass JSON straight in; sorted
+        # either way, as to_dict/from_dict (a dict) would give it back.
+        pairs = self.node_selector.items() if isinstance(self.node_selector, Mapping) else self.node_selector
+        object.__setattr__(self, "node_selector", tuple(sorted(tuple(p) for p in pairs)))
         object.__setattr__(self, "gpu_models", tuple(self.gpu_models))
         self.validate()
 
@@ -164,8 +163,8 @@ class NodeView:
     links: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.labels, Mapping):
-            object.__setattr__(self, "labels", tuple(sorted(self.labels.items())))
+        labels = self.labels.items() if isinstance(self.labels, Mapping) else self.labels
+        object.__setattr__(self, "labels", tuple(sorted(tuple(p) for p in labels)))  # as from_dict gives
         object.__setattr__(self, "gpus", tuple(self.gpus))
         if isinstance(self.links, Mapping):
             object.__setattr__(self, "links", tuple(sorted((i, j, lv) for (i, j), lv in self.links.items())))

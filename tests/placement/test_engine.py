@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastshare.placement import Assignment, Engine, InvalidRequest, Rejection, Request, make_policy
+from fastshare.placement import Assignment, Engine, InvalidRequest, NodeView, Rejection, Request, make_policy
 from fastshare.placement.engine import _tightest_group
 
 from .conftest import node
@@ -255,3 +255,14 @@ def test_rejection_does_not_invent_busy_gpus_when_the_nodes_looked_at_have_none_
     rej = eng.place(fastpod("p", gpu_models=("T4",), node_selector={"zone": "y"}))
     assert not rej and "MIG mode" not in rej.reason, rej.reason
     assert rej.reason.startswith("no GPU of model T4 on the 1 node(s) looked at"), rej.reason
+
+
+def test_selector_and_labels_given_as_pairs_round_trip():
+    r = fastpod("a", node_selector=[("zone", "x"), ("rack", "1")])
+    assert Request.from_dict(r.to_dict()) == r
+    v = node("n", n_gpus=1)
+    v = NodeView(v.name, v.cpu_milli, v.memory_mib, v.gpus, [("zone", "x"), ("rack", "1")])
+    assert NodeView.from_dict(v.to_dict()) == v
+    eng = Engine([v])
+    a = eng.place(r)
+    assert Engine.from_dict(eng.to_dict()).assignments == {"a": a}

@@ -285,7 +285,7 @@ def choose_profile(model: GpuModel, *, sm_count: int | None = None,
     if need > biggest_sm:
         reasons.append(
             f"{need} SMs requested but the largest MIG slice on {model.key} has {biggest_sm} of the "
-            f"GPU's {model.sm_count} SMs (a MIG slice never has all SMs); request a whole GPU instead"
+            f"GPU's {model.sm_count} SMs; request a whole GPU instead"
         )
     if memory_mib > biggest_mem:
         reasons.append(f"{memory_mib} MiB requested but the largest MIG slice on {model.key} has "

@@ -16,7 +16,8 @@ API (everything else in the package is internal)::
   interception library and do not count against capacity because the SM shares already
   partition the GPU), ``mps`` (GPU memory only, up to ``mps_oversubscription`` x memory),
   ``exclusive`` (the smallest MIG profile with the SMs/memory asked, at the placement that
-  destroys the least future MIG capacity; 100 % of the SMs is only possible as ``whole``),
+  destroys the least future MIG capacity; 100 % of the SMs only where the largest slice has
+  them all, e.g. H100, not A100: 98 of 108),
   ``whole`` (N idle GPUs on one node, tightest link group). A GPU in MIG mode takes no MPS
   shares and no whole requests; a GPU holding shares takes no MIG slice.
 - Constraints: host CPU/memory, ``gpu_models`` allow-list, ``node_selector`` labels,

@@ -427,9 +427,6 @@ class Engine:
         if not candidates:
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
             return Rejection(f"no MIG-capable GPU{models} is free of MPS shares and whole-GPU use")
-        if r.sm_percent is not None and r.sm_percent >= 100:
-            return Rejection("100 % of the SMs can only be a whole GPU (kind 'whole'): the largest MIG "
-                             "slice has fewer SMs than the GPU (e.g. A100: 98 of 108)")
         best_key, best = None, None
         too_big = []
         for order, (n, g) in enumerate(candidates):

@@ -51,7 +51,7 @@ def test_valid_requests_pass(spec):
     (Spec(Kind.EXCLUSIVE), "spec.mig_profile", "exactly one of"),
     (Spec(Kind.EXCLUSIVE, mig_profile="3g.20gb", sm_count=3), "spec.mig_profile", "exactly one of"),
     (Spec(Kind.EXCLUSIVE, mig_profile="5g.30gb"), "spec.mig_profile", "does not exist on A100-SXM4-40GB"),
-    (Spec(Kind.EXCLUSIVE, sm_percent=100), "spec.sm_percent", "never has all SMs"),
+    (Spec(Kind.EXCLUSIVE, sm_percent=100), "spec.sm_percent", "has 98 of the GPU's 108 SMs; request a whole"),
     (Spec(Kind.EXCLUSIVE, sm_count=99), "spec.sm_count", "largest MIG slice on A100-SXM4-40GB has 98"),
     (Spec(Kind.EXCLUSIVE, sm_count=14, quota_limit=0.5), "spec.quota_limit", "does not apply"),
     (Spec(Kind.WHOLE), "spec.gpu_count", ">= 1"),

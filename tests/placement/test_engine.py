@@ -71,10 +71,12 @@ def test_exclusive_takes_smallest_profile_and_explicit_placement():
     assert b.mig.start != a.mig.start
 
 
-def test_exclusive_100_percent_is_refused_with_reason():
-    eng = Engine([node("n", n_gpus=1)])
-    rej = eng.place(Request("a", "exclusive", sm_percent=100))
-    assert not rej and "only be a whole GPU" in rej.reason
+def test_exclusive_100_percent_only_where_a_slice_has_all_the_sms():
+    """A100's largest slice has 98 of its 108 SMs; H100's 7g.80gb has all 132 (GPU-FACTS)."""
+    rej = Engine([node("n", n_gpus=1)]).place(Request("a", "exclusive", sm_percent=100))
+    assert not rej and "108 SMs" in rej.reason and "7g.40gb (98 SMs" in rej.reason and "'whole'" in rej.reason
+    a = Engine([node("h", n_gpus=1, key="H100-SXM5-80GB")]).place(Request("a", "exclusive", sm_percent=100))
+    assert a and a.mig.profile_name == "7g.80gb" and a.mig.sm_count == 132
 
 
 @pytest.mark.parametrize("sizes", [(14, 56), (14, 14, 42), (14, 14, 14, 56), (28, 42, 14),

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from fastshare.controller import faults
-from fastshare.controller.agent_client import AgentError, AgentPool
+from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool
 from fastshare.controller.events import EventHub
 from fastshare.controller.ledger import Ledger, gpu_view
 from fastshare.controller.model import FINISHED, Allocation, Device, Gpu, Kind, Node, State
@@ -91,7 +91,9 @@ def model_name(nvml_name: str) -> str:
 def node_from_inventory(name: str, address: str, labels: dict[str, str],
                         inventory: agent_pb2.Inventory, now: float) -> Node:
     gpus = [Gpu(index=g.index, uuid=g.uuid, model=model_name(g.name), memory_bytes=g.memory_bytes,
-                sm_count=g.sm_count, mig_capable=g.mig_capable, mig_enabled=g.mig_enabled)
+                sm_count=g.sm_count, mig_capable=g.mig_capable, mig_enabled=g.mig_enabled,
+                mig_unheld=tuple(sorted((d.profile_id, d.start, d.size) for d in g.mig_devices
+                                        if not d.share_id)))
             for g in sorted(inventory.gpus, key=lambda g: g.index)]
     return Node(name=name, address=address, labels=dict(labels), gpus=gpus, available=True,
                 last_heartbeat=now, registered_at=now,
@@ -102,7 +104,7 @@ def node_from_inventory(name: str, address: str, labels: dict[str, str],
 def node_view(node: Node) -> NodeView:
     return NodeView(name=node.name, cpu_milli=0, memory_mib=0, labels=dict(node.labels),
                     gpus=tuple(gpu_view(g.index, g.uuid, g.model, g.memory_bytes, g.sm_count,
-                                        g.mig_capable, g.mig_enabled) for g in node.gpus))
+                                        g.mig_capable, g.mig_enabled, g.mig_unheld) for g in node.gpus))
 
 
 class ControllerCore:
@@ -373,8 +375,9 @@ class ControllerCore:
         reconciler finishes when the node is back.
         """
         node = self.node_facts(allocation.node)
+        client = self.agents.get(node.name, node.address)
         try:
-            self.agents.get(node.name, node.address).release(allocation.id, _KINDS[allocation.spec.kind])
+            client.release(allocation.id, _KINDS[allocation.spec.kind])
         except AgentError as exc:
             log.warning("allocation %s stays releasing: %s", allocation.id, exc)
             return allocation
@@ -387,7 +390,22 @@ class ControllerCore:
         except Conflict:
             return self.get(allocation.id)
         self.ledger.release(allocation.id)
+        if allocation.spec.kind is Kind.EXCLUSIVE:
+            self._refresh_mig(node.name, client)
         return self._publish(allocation)
+
+    def _refresh_mig(self, name: str, client: AgentClient) -> None:
+        """After an exclusive release: a slice taken from a static MIG layout stays on the GPU,
+        unheld now, which the view shows only from the next inventory on. Without one the
+        placement would not see it at all meanwhile, and could try to create over it."""
+        try:
+            inventory = client.inventory()
+        except AgentError as exc:
+            log.info("node %s: MIG view not refreshed after a release (%s); the next pass will", name, exc)
+            return
+        node = self.store.get_node(name)
+        if node is not None:
+            self.refresh_node(node, inventory)
 
     def renew(self, allocation_id: str, ttl: int = 0) -> Allocation:
         """Push the lease forward by ``ttl`` (0: the allocation's own). The range is Allocate's:

@@ -113,6 +113,9 @@ class Gpu:
     sm_count: int
     mig_capable: bool = False
     mig_enabled: bool = False
+    # MIG instances that no share holds, as (profile id, start, memory slices): a static layout
+    # or an instance kept while busy. Placement goes around them or takes one as it is.
+    mig_unheld: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass

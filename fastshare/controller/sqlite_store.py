@@ -38,7 +38,7 @@ from fastshare.controller.model import Allocation, Device, Gpu, Node, Spec, Stat
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore, StoreError
 from fastshare.sqlite_file import GroupSync, open_state_file
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -85,6 +85,9 @@ _MIGRATIONS: dict[int, str] = {
     2: """
     ALTER TABLE nodes ADD COLUMN cordoned INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE nodes ADD COLUMN cordon_reason TEXT NOT NULL DEFAULT ''
+    """,
+    3: """
+    ALTER TABLE gpus ADD COLUMN mig_unheld TEXT NOT NULL DEFAULT '[]'
     """,
 }
 
@@ -182,9 +185,9 @@ class SqliteStore(StateStore):
                 self._db.execute("DELETE FROM gpus WHERE node = ?", (node.name,))
                 self._db.executemany(
                     "INSERT INTO gpus (node, idx, uuid, model, memory_bytes, sm_count, mig_capable, "
-                    "mig_enabled) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "mig_enabled, mig_unheld) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [(node.name, g.index, g.uuid, g.model, g.memory_bytes, g.sm_count,
-                      int(g.mig_capable), int(g.mig_enabled)) for g in node.gpus])
+                      int(g.mig_capable), int(g.mig_enabled), json.dumps(g.mig_unheld)) for g in node.gpus])
                 self._db.execute("COMMIT")
                 self._group.committed()
             except BaseException:
@@ -194,7 +197,8 @@ class SqliteStore(StateStore):
     def _node(self, row: sqlite3.Row) -> Node:
         gpus = [Gpu(index=g["idx"], uuid=g["uuid"], model=g["model"], memory_bytes=g["memory_bytes"],
                     sm_count=g["sm_count"], mig_capable=bool(g["mig_capable"]),
-                    mig_enabled=bool(g["mig_enabled"]))
+                    mig_enabled=bool(g["mig_enabled"]),
+                    mig_unheld=tuple(tuple(i) for i in json.loads(g["mig_unheld"])))
                 for g in self._db.execute("SELECT * FROM gpus WHERE node = ? ORDER BY idx", (row["name"],))]
         return Node(name=row["name"], address=row["address"], labels=json.loads(row["labels"]),
                     gpus=gpus, available=bool(row["available"]), last_heartbeat=row["last_heartbeat"],

@@ -43,6 +43,12 @@ class _Gpu:
     def mig_mode(self) -> bool:
         return self.view.mig_enabled or bool(self.mig)
 
+    def unheld(self) -> list[tuple[int, int, int]]:
+        """MIG instances on the device that no assignment here holds (a static layout, or one
+        kept while busy): new slices go around them, and a request may take one as it is."""
+        own = {start for _pid, start, _size in self.mig.values()}
+        return [i for i in self.view.mig_unheld if i[1] not in own]
+
     @property
     def idle(self) -> bool:
         return not self.sharers and not self.mig and self.whole is None and not self.view.mig_enabled
@@ -436,19 +442,23 @@ class Engine:
             if not profs:
                 too_big.append((n, g, need))
                 continue
-            inst = list(g.mig.values())
+            unheld = g.unheld()
+            inst = [*g.mig.values(), *unheld]
             by_id = {p.profile_id: p for p in v.mig_profiles}
             free_slices = migmath.compute_slices_total(v.mig_profiles) - sum(
                 by_id[pid].slices for pid, _s, _z in inst if pid in by_id)
             for p in profs:
-                starts = migmath.free_starts(p, v.mig_profiles, inst)
+                # an instance of this profile that is already there costs no MIG change and no
+                # future shape: taken first (then the lowest start)
+                ready = [s for pid, s, _z in unheld if pid == p.profile_id]
+                starts = ready or migmath.free_starts(p, v.mig_profiles, inst)
                 if not starts:
                     continue
                 for s in starts:
                     # best fit across GPUs (fullest GPU that takes it), then the start that
                     # rules out the fewest later combinations on that GPU
-                    loss = migmath.placement_loss(p, s, v.mig_profiles, inst)
-                    key = (p.memory_slices, p.slices, free_slices - p.slices, loss, order, s)
+                    loss = 0 if ready else migmath.placement_loss(p, s, v.mig_profiles, inst)
+                    key = (p.memory_slices, p.slices, not ready, free_slices - p.slices, loss, order, s)
                     if best_key is None or key < best_key:
                         best_key, best = key, (n, g, p, s)
                 break  # smallest placeable profile on this GPU

@@ -135,10 +135,17 @@ class GpuView:
     mig_enabled: bool = False
     mig_profiles: tuple[MigProfile, ...] = ()
     uuid: str = ""
+    # MIG instances on the device that no share holds, as (profile id, start, memory slices):
+    # a static layout (mig_config), or an instance kept while a process still used it
+    mig_unheld: tuple[tuple[int, int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mig_unheld", tuple(sorted(tuple(i) for i in self.mig_unheld)))
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["mig_profiles"] = [dict(p.__dict__, placements=list(p.placements)) for p in self.mig_profiles]
+        d["mig_unheld"] = [list(i) for i in self.mig_unheld]
         return d
 
     @classmethod

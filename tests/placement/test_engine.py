@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from fastshare.placement import Assignment, Engine, InvalidRequest, NodeView, Rejection, Request, make_policy
+from fastshare.placement import (
+    Assignment,
+    Engine,
+    GpuView,
+    InvalidRequest,
+    NodeView,
+    Rejection,
+    Request,
+    make_policy,
+)
 from fastshare.placement.engine import _tightest_group
 
 from .conftest import node
@@ -268,3 +277,35 @@ def test_selector_and_labels_given_as_pairs_round_trip():
     eng = Engine([v])
     a = eng.place(r)
     assert Engine.from_dict(eng.to_dict()).assignments == {"a": a}
+
+
+def _with_layout(layout: tuple[tuple[int, int, int], ...]) -> NodeView:
+    """One A100 in MIG mode carrying ``layout`` (profile id, start, memory slices) made outside
+    the engine, e.g. by the Ansible mig_config module."""
+    v = node("n", n_gpus=1).gpus[0]
+    gpu = GpuView(v.index, v.model, v.memory_mib, v.sm_count, True, True, v.mig_profiles, mig_unheld=layout)
+    return NodeView("n", 64000, 262144, (gpu,))
+
+
+def test_exclusive_takes_a_slice_of_a_static_layout_and_never_overlaps_one():
+    """A100 ids: 9 = 3g.20gb (4 memory slices). The layout is two 3g.20gb at 0 and 4, which
+    fill the GPU: requests take them as they are (a small one too: no smaller slice fits
+    beside them), and nothing is created over them."""
+    eng = Engine([_with_layout(((9, 0, 4), (9, 4, 4)))])
+    a = eng.place(Request("a", "exclusive", sm_count=42))
+    assert a and (a.mig.profile_name, a.mig.start) == ("3g.20gb", 0) and not a.enable_mig
+    small = eng.place(Request("small", "exclusive", sm_count=14))
+    assert small and (small.mig.profile_name, small.mig.start) == ("3g.20gb", 4)
+    rej = eng.place(Request("c", "exclusive", sm_count=14))
+    assert not rej and "no MIG-capable GPU has a free placement" in rej.reason
+    eng.release("a")
+    again = eng.place(Request("again", "exclusive", sm_count=42))
+    assert again and again.mig.start == 0
+
+
+def test_new_slices_go_around_a_static_layout():
+    eng = Engine([_with_layout(((9, 4, 4),))])        # one 3g.20gb at 4, slices 0-3 free
+    small = eng.place(Request("small", "exclusive", sm_count=14))
+    assert small and small.mig.profile_name == "1g.5gb" and small.mig.start < 4
+    view = eng.to_dict()
+    assert Engine.from_dict(view).to_dict() == view

@@ -424,6 +424,11 @@ class Engine:
         if best is None:
             models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
             where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
+            mig = sum(1 for n in nodes for g in n.gpus if g.view.mig_enabled and not g.mig and not g.unheld()
+                      and (not r.gpu_models or g.view.model in r.gpu_models))
+            if mig:  # empty, yet not idle: say why, and what would make them usable
+                where += (f"; {mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
+                          "until MIG is disabled on them")
             return Rejection(f"no node has {r.gpus} idle{models} GPU(s){where}")
         n, idle = best
         return Assignment(r, n.view.name, _tightest_group(n.view, idle, r.gpus))

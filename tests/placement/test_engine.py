@@ -309,3 +309,12 @@ def test_new_slices_go_around_a_static_layout():
     assert small and small.mig.profile_name == "1g.5gb" and small.mig.start < 4
     view = eng.to_dict()
     assert Engine.from_dict(view).to_dict() == view
+
+
+def test_whole_rejection_names_empty_gpus_in_mig_mode():
+    """An empty GPU in MIG mode is not idle for a whole request; the reason must say so rather
+    than leave the user wondering why an empty GPU is not counted."""
+    rej = Engine([_with_layout(())]).place(Request("w", "whole", gpus=1))
+    assert not rej and "1 empty GPU(s) are in MIG mode" in rej.reason
+    rej = Engine([_with_layout(((9, 0, 4),))]).place(Request("w", "whole", gpus=1))
+    assert not rej and "MIG mode" not in rej.reason      # not empty: a layout slice is on it

@@ -210,6 +210,7 @@ def _plan_gpu(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
         raise ConfigError(f"{spec.where}: GPU {gpu.index} ({gpu.name}) does not support MIG")
     shape = _shape(devices, gpu)
     mode_change = not gpu.mig_pending     # pending True while current False: enable already asked
+    _refuse_mode_change_in_use(spec, gpu, mode_change)
     reset_required = not gpu.mig_current and (not mode_change or _waits_for_reset(gpu))
     try:
         wanted = parse_layout(dict(spec.mig_devices), shape)
@@ -236,9 +237,18 @@ def _disable_plan(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
         except LayoutError as exc:
             raise ConfigError(_labelled(spec.where, gpu, exc)) from None
     mode_change = gpu.mig_pending
+    _refuse_mode_change_in_use(spec, gpu, mode_change)
     reset_required = gpu.mig_current and (not mode_change or _waits_for_reset(gpu))
     notes = ("MIG mode change waits for a GPU reset",) if reset_required else ()
     return GpuPlan(gpu.index, False, mode_change, plan, shape, notes=notes, reset_required=reset_required)
+
+
+def _refuse_mode_change_in_use(spec: DeviceSpec, gpu: GpuInfo, mode_change: bool) -> None:
+    """NVML refuses a MIG mode change while processes run on the GPU: refuse it here, before
+    any GPU of the host is changed, not halfway through apply_host."""
+    if mode_change and gpu.processes:
+        raise ConfigError(f"{spec.where}: GPU {gpu.index} ({gpu.name}) has {gpu.processes} running "
+                          "process(es); NVML cannot change its MIG mode: stop the processes first")
 
 
 def _checked_plan(shape: GpuShape, gpu: GpuInfo, wanted: Counter[int], force: bool,

@@ -178,6 +178,21 @@ def test_refuses_to_destroy_an_instance_with_processes_even_with_force(mig, mach
     assert ok["changed"] is True and layout_on_disk(machine, 0) == [(9, 0), (14, 4), (19, 6)]
 
 
+def test_mode_change_under_running_processes_is_refused_before_any_gpu_changes(mig, machine):
+    """NVML refuses a MIG mode change while processes run on the GPU: the plan must say so,
+    in check mode too, instead of GPU 0 being changed before GPU 1 fails with IN_USE."""
+    mig([{"devices": [1], "mig_enabled": False}])              # H100: MIG off at once
+    simnvml.add_process(machine, 1)
+    before = machine.read_bytes()
+    layout = [{"devices": [0], "mig_devices": {"3g.20gb": 2}},
+              {"devices": [1], "mig_devices": {"7g.80gb": 1}}]
+    for check in (True, False):
+        result = mig(layout, check=check)
+        assert result.get("failed") and "GPU 1" in result["msg"] and "process" in result["msg"], result
+        assert result["changed"] is False
+        assert machine.read_bytes() == before, "GPU 0 was changed although GPU 1's plan cannot run"
+
+
 def test_share_held_instance_needs_force(mig, machine, tmp_path):
     """A MIG device a fastshare share holds (node agent journal) counts as in use."""
     created = mig([{"devices": [1], "mig_devices": {"3g.40gb": 2}}])

@@ -7,6 +7,8 @@ role's template, parsed by fastshare's parser), and the Kubernetes manifests mod
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,6 +54,29 @@ def test_boot_unit_layout_file_is_what_fastshare_parses(collections_path: Path, 
     specs = configs["fastshare"]
     assert [(s.devices, s.mig_enabled, dict(s.mig_devices)) for s in specs] == [
         ((0,), True, {"3g.20gb": 1, "1g.5gb": 2}), ((1, 2), False, {}), ("all", True, {})]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+@pytest.mark.parametrize("state_dir", ["/var/lib/fastshare/controller", "/srv/fastshare/controller"])
+def test_controller_unit_lets_the_service_write_its_state_dir(collections_path: Path, tmp_path: Path,
+                                                              state_dir: str):
+    """ProtectSystem=strict makes every path read-only but the ones the unit opens up again:
+    whatever controller_state_dir is, the controller must be able to write it."""
+    unit = tmp_path / "fastshare-controller.service"
+    template = REPO / "roles" / "controller" / "templates" / "fastshare-controller.service.j2"
+    [result] = run_tasks(collections_path, [
+        {"ansible.builtin.template": {"src": str(template), "dest": str(unit), "mode": "0644"},
+         "vars": {"controller_user": "fastshare", "controller_venv": str(Path(sys.executable).parents[1]),
+                  "controller_state_dir": state_dir}},
+    ], tmp_path)
+    assert not result.get("failed"), result.get("msg")
+    verify = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
+                            timeout=120)
+    assert "ignoring" not in verify.stderr, verify.stderr
+    settings = [line.split("=", 1) for line in unit.read_text().splitlines() if "=" in line]
+    writable = [f"/var/lib/{value}" for key, value in settings if key == "StateDirectory"]
+    writable += [path for key, value in settings if key == "ReadWritePaths" for path in value.split()]
+    assert "ProtectSystem=strict" in unit.read_text() and state_dir in writable, writable
 
 
 def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Path):

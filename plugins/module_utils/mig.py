@@ -56,11 +56,11 @@ def layout_targets(layout, gpus):
 def _is_index(value):
     if isinstance(value, bool):
         return False
-    return isinstance(value, int) or (isinstance(value, str) and value.isdigit())
+    return isinstance(value, int) or (isinstance(value, str) and value.isdecimal())
 
 
 def _count(where, profile, value):
-    if isinstance(value, bool) or not str(value).strip().isdigit():
+    if isinstance(value, bool) or not str(value).strip().isdecimal():
         raise MigConfigError(f"{where}.mig_devices[{profile!r}] must be an integer >= 0, got {value!r}")
     return int(value)
 

@@ -96,6 +96,9 @@ BAD_ARGS = [
     ({"layout": [{"devices": [7]}]}, "GPU 7 does not exist (valid: 0..2)"),
     ({"layout": [{"devices": [0]}, {"devices": [0, 1]}]}, "GPU 0 is already configured"),
     ({"layout": [{"devices": [0], "mig_devices": {"3g.20gb": -1}}]}, "must be an integer >= 0"),
+    # str.isdigit() is true for digits int() cannot read: a clear refusal, not a traceback.
+    ({"layout": [{"devices": ["\u00b2"]}]}, "layout[0].devices must be 'all' or a non-empty list"),
+    ({"layout": [{"devices": [0], "mig_devices": {"1g.5gb": "\u00b2"}}]}, "must be an integer >= 0"),
     ({"layout": [{"devices": [0], "mig_devices": {"5g.25gb": 1}}]}, "unknown MIG profile '5g.25gb'"),
     ({"layout": [{"devices": [0], "mig_devices": {"7g.40gb": 1, "1g.5gb": 1}}]}, "impossible layout"),
     ({"layout": [{"devices": [0], "mig_devices": {"1g.5gb": 8}}]}, "at most 7 can exist"),

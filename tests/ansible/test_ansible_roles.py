@@ -27,6 +27,9 @@ from fastshare.security.certs import describe
      "controller_deploy_mode must be one of: systemd, kubernetes"),
     ("gpu_node", {"gpu_node_reboot_timeout": "soon"}, "gpu_node_reboot_timeout"),
     ("pki", {"pki_usage": "email"}, "pki_usage must be one of: server, client, both"),
+    # A misspelt key would otherwise be dropped from the layout file: MIG devices destroyed.
+    ("gpu_node", {"gpu_node_mig_layout": [{"devices": [0], "mig_device": {"3g.20gb": 2}}]},
+     "mig_device"),
 ])
 def test_role_arguments_are_validated_before_anything_runs(collections_path: Path, tmp_path: Path,
                                                           role: str, bad_vars: dict, expected: str):

@@ -59,6 +59,34 @@ def test_boot_unit_layout_file_is_what_fastshare_parses(collections_path: Path, 
         ((0,), True, {"3g.20gb": 1, "1g.5gb": 2}), ((1, 2), False, {}), ("all", True, {})]
 
 
+def test_check_mode_previews_the_new_mig_layout(collections_path: Path, tmp_path: Path):
+    """`ansible-playbook --check` on a node: the preview plans the layout being asked for,
+    not the one the layout file (not rewritten in check mode) still holds."""
+    from fastshare.device import simnvml
+
+    machine = tmp_path / "gpus.json"
+    simnvml.create_machine(machine, ["A100-SXM4-40GB"], mig_enabled=True)
+
+    def mig_tasks(layout: list[dict], *extra_args: str) -> dict:
+        task = {"ansible.builtin.include_role": {"name": f"{COLLECTION}.gpu_node", "tasks_from": "mig.yml"},
+                "vars": {"gpu_node_gpu_backend": "sim", "gpu_node_sim_state": str(machine),
+                         "gpu_node_venv": str(Path(sys.executable).parents[1]),
+                         "gpu_node_mig_config_file": str(tmp_path / "mig-config.yaml"),
+                         "gpu_node_mig_layout": layout}}
+        results = run_tasks(collections_path, [task], tmp_path, extra_args=list(extra_args))
+        return next(r for r in results if r.get("action") == f"{COLLECTION}.mig_config")
+
+    applied = mig_tasks([{"devices": [0], "mig_devices": {"3g.20gb": 2}}])
+    assert applied["changed"] is True and not applied.get("failed"), applied.get("msg")
+    before = machine.read_bytes()
+    preview = mig_tasks([{"devices": [0], "mig_devices": {"7g.40gb": 1}}], "--check")
+    assert not preview.get("failed"), preview.get("msg")
+    assert preview["changed"] is True
+    assert [(s["action"], s["profile"]) for s in preview["steps"]] == [
+        ("destroy", "3g.20gb"), ("destroy", "3g.20gb"), ("create", "7g.40gb")]
+    assert machine.read_bytes() == before
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 @pytest.mark.parametrize("state_dir", ["/var/lib/fastshare/controller", "/srv/fastshare/controller"])
 def test_controller_unit_lets_the_service_write_its_state_dir(collections_path: Path, tmp_path: Path,

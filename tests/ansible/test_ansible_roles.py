@@ -45,7 +45,10 @@ def test_role_arguments_are_validated_before_anything_runs(collections_path: Pat
 def test_boot_unit_layout_file_is_what_fastshare_parses(collections_path: Path, tmp_path: Path):
     layout = [{"devices": [0], "mig_devices": {"3g.20gb": 1, "1g.5gb": 2}},
               {"devices": [1, 2], "mig_enabled": False},
-              {"devices": "all"}]
+              {"devices": "all"},
+              # as the mig_config module also takes them: numbers as strings, zero counts
+              {"devices": ["3"], "mig_devices": {"3g.20gb": "2", "1g.5gb": 0}},
+              {"devices": [4], "mig_enabled": False, "mig_devices": {"1g.5gb": 0}}]
     out = tmp_path / "mig-config.yaml"
     template = REPO / "roles" / "gpu_node" / "templates" / "mig-config.yaml.j2"
     [result] = run_tasks(collections_path, [
@@ -56,7 +59,8 @@ def test_boot_unit_layout_file_is_what_fastshare_parses(collections_path: Path, 
     configs = mig_parted.parse_config(out.read_text())
     specs = configs["fastshare"]
     assert [(s.devices, s.mig_enabled, dict(s.mig_devices)) for s in specs] == [
-        ((0,), True, {"3g.20gb": 1, "1g.5gb": 2}), ((1, 2), False, {}), ("all", True, {})]
+        ((0,), True, {"3g.20gb": 1, "1g.5gb": 2}), ((1, 2), False, {}), ("all", True, {}),
+        ((3,), True, {"3g.20gb": 2}), ((4,), False, {})]
 
 
 def test_check_mode_previews_the_new_mig_layout(collections_path: Path, tmp_path: Path):
@@ -147,3 +151,15 @@ def test_pki_issues_once_then_renews_only_when_due_or_names_change(collections_p
     assert (tls / "gpu9.crt").read_bytes() != first
     assert converge(pki_sans=["gpu9", "10.0.0.9", "gpu9.example"]) is True
     assert "gpu9.example" in describe(tls / "gpu9.crt")["sans"]
+
+
+def test_controller_and_node_agent_keep_their_certificates_apart():
+    """One host can be both a controller and a GPU node. With one TLS directory the gpu_node
+    role made it root-only, so the controller's user could not read its own key, and each role
+    flipped the owner back at every run."""
+    def default(role: str, var: str) -> str:
+        return yaml.safe_load((REPO / "roles" / role / "defaults" / "main.yml").read_text())[var]
+
+    controller, node = default("controller", "controller_tls_dir"), default("gpu_node", "gpu_node_tls_dir")
+    assert controller != node
+    assert not controller.startswith(node + "/") and not node.startswith(controller + "/")

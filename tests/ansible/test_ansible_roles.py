@@ -163,3 +163,18 @@ def test_controller_and_node_agent_keep_their_certificates_apart():
     controller, node = default("controller", "controller_tls_dir"), default("gpu_node", "gpu_node_tls_dir")
     assert controller != node
     assert not controller.startswith(node + "/") and not node.startswith(controller + "/")
+
+
+@pytest.mark.parametrize(("listen", "host"), [("127.0.0.1:7070", "127.0.0.1"), ("0.0.0.0:7070", "127.0.0.1"),
+                                              ("[::]:7070", "127.0.0.1"), ("[::1]:7070", "::1"),
+                                              ("ctl.example:7070", "ctl.example")])
+def test_the_controller_role_waits_on_an_address_it_can_reach(collections_path: Path, tmp_path: Path,
+                                                              listen: str, host: str):
+    """The role waits for the controller's port before it moves on; with "[::1]:7070" it
+    waited on the host "[::1]" (brackets and all) and timed out."""
+    tasks = yaml.safe_load((REPO / "roles" / "controller" / "tasks" / "systemd.yml").read_text())
+    wait = next(t for t in tasks if "ansible.builtin.wait_for" in t)
+    [result] = run_tasks(collections_path, [
+        {"ansible.builtin.debug": {"msg": wait["ansible.builtin.wait_for"]["host"]},
+         "vars": {**wait["vars"], "controller_listen": listen}}], tmp_path)
+    assert result["msg"] == host

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import urllib3
 from kubernetes import client
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ class LeaderElector:
         except client.ApiException as exc:
             if exc.status not in (404, 409):
                 log.warning("lease %s/%s: %s %s", self.namespace, self.name, exc.status, exc.reason)
-        except OSError as exc:  # API server unreachable: keep trying until renew_deadline passes
+        # API server unreachable: keep trying until renew_deadline passes. The client reports a
+        # refused or broken connection as urllib3's HTTPError (MaxRetryError), not as an OSError.
+        except (OSError, urllib3.exceptions.HTTPError) as exc:
             log.warning("lease %s/%s: %s", self.namespace, self.name, exc)
         if self._renewed_at is not None and not self.is_leader:
             log.warning("lost leadership of %s/%s", self.namespace, self.name)
@@ -116,6 +119,8 @@ class LeaderElector:
                 self.leases.replace_namespaced_lease(self.name, self.namespace, lease)
         except client.ApiException as exc:
             log.warning("could not release lease %s/%s: %s", self.namespace, self.name, exc.reason)
+        except (OSError, urllib3.exceptions.HTTPError) as exc:  # the standby waits the lease out
+            log.warning("could not release lease %s/%s: %s", self.namespace, self.name, exc)
 
     def run(self, stop: threading.Event, on_change: Callable[[bool], None] | None = None) -> None:
         """Acquire/renew every ``retry_period`` until ``stop`` is set; report leadership changes."""

@@ -3,6 +3,7 @@ expires on the candidate's own clock, immediate hand-over on release."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import uuid
@@ -88,3 +89,30 @@ def test_racing_candidates_in_threads_never_lead_together(api_client, namespace,
 def test_timings_are_checked():
     with pytest.raises(ValueError, match="lease_duration > renew_deadline > retry_period"):
         LeaderElector(None, "ns", "x", "me", lease_duration=5, renew_deadline=10, retry_period=1)
+
+
+def test_an_api_server_blip_is_ridden_out_until_the_renew_deadline(api_client, namespace, lease_name):
+    """The API server restarting (connection refused: urllib3's MaxRetryError, not an OSError)
+    must not escape step(): the leader keeps leading until renew_deadline, then steps down, and
+    run() (the election thread of both controller processes) goes on instead of crashing."""
+    configuration = copy.deepcopy(api_client.configuration)
+    own = client.ApiClient(configuration)
+    try:
+        elector = LeaderElector(own, namespace, lease_name, "blip", lease_duration=3.0, renew_deadline=2.0,
+                                retry_period=0.2)
+        assert elector.step() is True
+        real_host, configuration.host = configuration.host, "https://127.0.0.1:1"  # nothing listens there
+        assert elector.step() is True   # one failed renewal: still within the renew deadline
+        time.sleep(2.1)
+        assert elector.step() is False  # deposed itself, without an exception
+        stop = threading.Event()
+        thread = threading.Thread(target=elector.run, args=(stop,))
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive()        # still trying, not crashed
+        configuration.host = real_host
+        wait_for(lambda: elector.is_leader, "leading again once the API server answers", timeout=30)
+        stop.set()
+        thread.join(30)
+    finally:
+        own.close()

@@ -187,12 +187,13 @@ class KubeController:
                 continue
             labels = dict(node.metadata.labels or {})
             stored = self.store.get_node(name)
+            known = stored is not None and stored.address == address
             try:
-                if stored is None or stored.address != address or not self.core.heartbeat(name):
+                if known:  # the ping is the heartbeat: it counts only once the agent answered
+                    self.core.agents.get(name, address).ping()
+                if not known or not self.core.heartbeat(name):
                     self.core.register_node(name, address, labels)
                     self.queue_all()  # capacity appeared: retry unschedulable FastPods
-                else:
-                    self.core.agents.get(name, address).ping()
             except AgentError as exc:
                 if stored is None:
                     self.core.put_node(Node(name=name, address=address, labels=labels, available=False))

@@ -339,3 +339,24 @@ def test_controller_killed_between_record_and_pod_leaks_nothing(
     wait_for(lambda: view.settled(2) and crashed not in view.shares() and crashed not in
              {r["allocation"] for r in view.records().values()}, "crashed replica rolled back", timeout=120)
     assert len(view.shares()) == 2
+
+
+def test_an_agent_that_dies_after_registering_is_marked_unavailable(api_client, namespace, controller, agents,
+                                                                    pki):
+    """The Node sync pings registered agents as their heartbeat: one that stops answering must
+    miss its heartbeats (and get no new work), not be counted as seen before the ping failed."""
+    c = controller()
+    c.sync_nodes()
+    name = agents["h100"].name
+    assert c.store.get_node(name).available
+    agents["h100"].stop(kill=True)
+    try:
+        def unavailable():
+            c.sync_nodes()
+            return not c.store.get_node(name).available
+
+        wait_for(unavailable, "the dead agent's node unavailable", timeout=20)  # heartbeat_timeout is 3 s
+        assert c.store.get_node(agents["v100"].name).available
+    finally:
+        agents["h100"].start(pki[1])
+    wait_for(lambda: (c.sync_nodes(), c.store.get_node(name).available)[1], "available again", timeout=30)

@@ -41,7 +41,15 @@ from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.k8s.podcache import PodCache
-from fastshare.k8s.pods import FASTPOD_LABEL, MPS_PATH_ENV, fastpod_field, is_ready, replica_pod, spec_of
+from fastshare.k8s.pods import (
+    FASTPOD_LABEL,
+    MPS_PATH_ENV,
+    fastpod_field,
+    is_ready,
+    is_terminated,
+    replica_pod,
+    spec_of,
+)
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
@@ -131,6 +139,9 @@ class KubeController:
         self.objects = client.CustomObjectsApi(api)
         self.queue = WorkQueue()
         self._templates_ok: dict[str, int] = {}   # FastPod uid -> generation whose Pod dry-ran fine
+        # FastPod uid -> (passes that found replica Pods terminated since all its replicas were last
+        # ready, no replacement before this monotonic time, why the last one ended)
+        self._ended: dict[str, tuple[int, float, str]] = {}
         self.podcache = PodCache()
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
                                                            thread_name_prefix="replica")
@@ -348,8 +359,22 @@ class KubeController:
                 self.store.forget(allocation.id)
                 del allocations[pod_name]
 
-        live = [p for n, p in pods.items() if not _meta(p).get("deletionTimestamp") and n not in marked
+        held = [n for n, p in pods.items() if not _meta(p).get("deletionTimestamp") and n not in marked
                 and allocations.get(n) is not None and allocations[n].state in HOLDING]
+        # Pods that ended (evicted, exited) would hold their share for good: they go (the share is
+        # released once they are gone) and are replaced below, as a ReplicaSet replaces them, but
+        # after a growing delay: a kubelet that refuses every Pod (e.g. OutOfcpu) is no hot loop.
+        ended = {n: f"pod {n} {pods[n]['status'].get('reason') or pods[n]['status']['phase']}"
+                 for n in held if is_terminated(pods[n])}
+        for pod_name, why in ended.items():
+            log.info("deleting pod %s/%s: it has terminated: %s", namespace, pod_name, why)
+            self._delete_pod(namespace, pod_name)
+            held.remove(pod_name)
+        if ended:
+            rounds = self._ended.get(meta["uid"], (0, 0.0, ""))[0] + 1
+            self._ended[meta["uid"]] = (rounds, time.monotonic() + min(2.0 ** (rounds - 1), 300.0),
+                                        next(iter(ended.values())))
+        live = [pods[n] for n in held]
         if deleting:
             for pod in live:
                 self._delete_pod(namespace, _meta(pod)["name"])
@@ -357,6 +382,7 @@ class KubeController:
                 return 1.0  # wait until the Pods are gone and their shares released
             self._patch_finalizers(fastpod, [f for f in meta.get("finalizers") or [] if f != FINALIZER])
             self._templates_ok.pop(meta["uid"], None)
+            self._ended.pop(meta["uid"], None)
             return None
 
         desired = int(fastpod["spec"].get("replicas", 1))
@@ -369,7 +395,12 @@ class KubeController:
             for pod in victims[: len(live) - desired]:
                 self._delete_pod(namespace, _meta(pod)["name"])
                 live.remove(pod)
-        if len(live) < desired and (refused := self._template_refusal(fastpod)) is not None:
+        _, not_before, why = self._ended.get(meta["uid"], (0, 0.0, ""))
+        if len(live) < desired and (left := not_before - time.monotonic()) > 0:
+            condition = {"type": "Scheduled", "status": "False", "reason": "BackOff",
+                         "message": f"{why}; its replacement waits {left:.0f} s"}
+            wait = left
+        elif len(live) < desired and (refused := self._template_refusal(fastpod)) is not None:
             condition = refused
         elif len(live) < desired:
             taken = set(pods) | set(allocations)
@@ -380,6 +411,8 @@ class KubeController:
             if problem is not None:
                 condition = problem
                 wait = 5.0
+        if len(live) == desired and all(is_ready(p) for p in live):
+            self._ended.pop(meta["uid"], None)   # all well again: no delay for the next one
         self._write_status(fastpod, live, allocations, condition)
         return wait
 

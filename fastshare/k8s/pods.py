@@ -114,3 +114,9 @@ def replica_pod(fastpod: dict[str, Any], pod_name: str, allocation: Allocation,
 def is_ready(pod: dict[str, Any]) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def is_terminated(pod: dict[str, Any]) -> bool:
+    """Its containers stopped for good (evicted, or exited under restartPolicy Never/OnFailure):
+    the Pod runs nothing any more and never will again, but it stays until someone deletes it."""
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -360,3 +361,48 @@ def test_an_agent_that_dies_after_registering_is_marked_unavailable(api_client, 
     finally:
         agents["h100"].start(pki[1])
     wait_for(lambda: (c.sync_nodes(), c.store.get_node(name).available)[1], "available again", timeout=30)
+
+
+@pytest.mark.parametrize("phase", ["Failed", "Succeeded"])
+def test_a_replica_whose_pod_terminated_is_replaced_and_its_share_released(
+        api_client, namespace, controller, agents, pki, phase):
+    """An evicted (Failed) or exited (Succeeded) Pod runs nothing any more: like a ReplicaSet,
+    the controller replaces it, and the GPU share it held goes back instead of staying held by
+    a dead Pod for good. Replacements that end again wait longer each time (say, a kubelet
+    refusing every Pod for lack of CPU), and the Scheduled condition says why."""
+    controller().start()
+    view = View(api_client, namespace, "ended", agents, pki[1])
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                 fastpod_manifest("ended", {"kind": "mps", "memory": "2Gi"}))
+    wait_for(lambda: view.settled(1), "1 replica running", timeout=120)
+
+    def end(pod):
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        view.core.patch_namespaced_pod_status(pod, namespace, {"status": {
+            "phase": phase, "reason": "Evicted" if phase == "Failed" else None,
+            "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}]}})
+
+    def replaced(dead, dead_share):
+        pods = [p.metadata.name for p in view.pods(include_terminating=True)]
+        shares = view.shares()
+        done = len(pods) == 1 and dead not in pods and dead_share not in shares and len(shares) == 1
+        return done and pods[0]
+
+    first = view.pods()[0].metadata.name
+    first_share = view.active()[first]["allocation"]
+    end(first)
+    second = wait_for(lambda: replaced(first, first_share), "the ended replica replaced, its share released",
+                      timeout=60)
+    second_share = wait_for(lambda: view.active().get(second, {}).get("allocation"), "its share")
+    end(second)   # before it was ever ready: its replacement waits longer
+
+    def backing_off():
+        conditions = (view.fastpod().get("status") or {}).get("conditions") or []
+        scheduled = next(c for c in conditions if c["type"] == "Scheduled")
+        return scheduled["reason"] == "BackOff" and scheduled
+
+    assert second in wait_for(backing_off, "BackOff", timeout=30)["message"]
+    wait_for(lambda: replaced(second, second_share), "replaced again", timeout=60)
+    wait_for(lambda: view.settled(1), "the replacement running", timeout=60)
+    view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "ended")
+    wait_for(lambda: (kubelet_step(view.core, namespace), view.shares() == [])[1], "released", timeout=120)

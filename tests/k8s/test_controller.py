@@ -205,3 +205,46 @@ def test_an_unplaceable_fastpod_costs_one_attempt_per_pass_not_one_per_replica(a
     assert controller.reconcile(namespace, "many") == 5.0  # retried later
     assert len(attempts) == 1
     assert _condition(_fastpod(objects, namespace, "many"), "Scheduled")["reason"] == "Unschedulable"
+
+
+# Template fields the controller reads (nodeSelector) or rewrites (env, mounts, volumes,
+# tolerations) in every container, written with a wrong type. The template's spec is otherwise
+# free-form (x-kubernetes-preserve-unknown-fields).
+ODD_TEMPLATES = {
+    "nodeSelector-list": ("spec.template.spec.nodeSelector", lambda s: s.update(nodeSelector=["gpu"])),
+    "tolerations-map": ("spec.template.spec.tolerations",
+                        lambda s: s.update(tolerations={"key": "dedicated", "operator": "Exists"})),
+    "tolerations-string": ("spec.template.spec.tolerations", lambda s: s.update(tolerations="all")),
+    "initContainers-map": ("spec.template.spec.initContainers",
+                           lambda s: s.update(initContainers={"name": "init", "image": "busybox"})),
+    "initContainers-strings": ("spec.template.spec.initContainers",
+                               lambda s: s.update(initContainers=["busybox"])),
+    "env-map": ("spec.template.spec.containers[0].env", lambda s: s["containers"][0].update(env={"A": "1"})),
+    "env-strings": ("spec.template.spec.containers[0].env",
+                    lambda s: s["containers"][0].update(env=["A=1"])),
+    "volumeMounts-string": ("spec.template.spec.containers[0].volumeMounts",
+                            lambda s: s["containers"][0].update(volumeMounts="/data")),
+    "volumes-strings": ("spec.template.spec.volumes", lambda s: s.update(volumes=["data"])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_TEMPLATES))
+def test_a_template_field_of_the_wrong_type_is_refused_by_name_not_a_controller_crash(
+        api_client, namespace, make_controller, case):
+    """Refused by the API server naming the field, or answered in the Scheduled condition; never
+    an exception in every pass (retried for good, with no status for the user)."""
+    field, spoil = ODD_TEMPLATES[case]
+    controller = make_controller(namespace)
+    controller.podcache.replace([], "0")  # not started: no watch fills it
+    objects = client.CustomObjectsApi(api_client)
+    manifest = fastpod_manifest("odd", MPS)
+    spoil(manifest["spec"]["template"]["spec"])
+    try:
+        objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    except client.ApiException as exc:
+        assert exc.status == 422 and field in exc.body, exc.body
+        return
+    controller.reconcile(namespace, "odd")
+    scheduled = _condition(_fastpod(objects, namespace, "odd"), "Scheduled")
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "PodCreateFailed"), scheduled
+    assert client.CoreV1Api(api_client).list_namespaced_pod(namespace).items == []

@@ -213,8 +213,12 @@ class KubeController:
 
     # -- event sources ---------------------------------------------------------------------------------
     def queue_all(self) -> None:
-        for fastpod in self.store.list_fastpods():
-            self.queue.add((fastpod["metadata"]["namespace"], fastpod["metadata"]["name"]))
+        """Every FastPod, and the owner of every allocation record: a FastPod gone without its
+        finalizer having run leaves records (and shares) that only a pass for it releases."""
+        keys = {(fp["metadata"]["namespace"], fp["metadata"]["name"]) for fp in self.store.list_fastpods()}
+        keys.update(tuple(a.owner.split("/", 1)) for a in self.store.list_allocations())
+        for key in sorted(keys):
+            self.queue.add(key)
 
     def _stream(self, list_fn: Callable[..., Any], on_event: Callable[[str, dict[str, Any]], None],
                 on_list: Callable[[dict[str, Any]], None] | None = None, **kwargs: Any) -> None:
@@ -318,7 +322,7 @@ class KubeController:
             fastpod = self.objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
         except client.ApiException as exc:
             if exc.status == 404:
-                return None
+                return self._clean_up_after(namespace, name)
             raise
         meta = fastpod["metadata"]
         deleting = bool(meta.get("deletionTimestamp"))
@@ -414,6 +418,32 @@ class KubeController:
         if len(live) == desired and all(is_ready(p) for p in live):
             self._ended.pop(meta["uid"], None)   # all well again: no delay for the next one
         self._write_status(fastpod, live, allocations, condition)
+        return wait
+
+    def _clean_up_after(self, namespace: str, name: str) -> float | None:
+        """A FastPod gone although its finalizer never ran (an operator removed it, e.g. while a
+        Pod hung on a dead node): do what the finalizer would have done. Its Pods go, and each
+        share is released once its Pod is gone; otherwise the shares stay held for good."""
+        allocations, _ = self.store.allocations_of(namespace, name)
+        if not allocations:
+            return None
+        if not self.podcache.synced:
+            return 1.0
+        pods = {_meta(p)["name"]: p for p in self.podcache.of(namespace, name)}
+        wait = None
+        for pod_name, allocation in allocations.items():
+            pod = pods.get(pod_name)
+            if pod is not None:
+                if not _meta(pod).get("deletionTimestamp"):
+                    self._delete_pod(namespace, pod_name)
+                wait = 1.0
+                continue
+            if allocation.state in HOLDING:
+                allocation = self._release(allocation, f"FastPod {namespace}/{name} is gone")
+            if allocation.state in FINISHED:
+                self.store.forget(allocation.id)
+            else:
+                wait = 2.0  # agent unreachable: the core's reconciler finishes the release
         return wait
 
     def _template_refusal(self, fastpod: dict[str, Any]) -> dict[str, str] | None:

@@ -406,3 +406,31 @@ def test_a_replica_whose_pod_terminated_is_replaced_and_its_share_released(
     wait_for(lambda: view.settled(1), "the replacement running", timeout=60)
     view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "ended")
     wait_for(lambda: (kubelet_step(view.core, namespace), view.shares() == [])[1], "released", timeout=120)
+
+
+def test_a_fastpod_whose_finalizer_was_removed_by_hand_leaks_no_share(
+        api_client, namespace, controller, agents, pki):
+    """A FastPod stuck deleting (its Pod hangs on a node whose kubelet is gone) whose finalizer an
+    operator removes: the FastPod vanishes before the controller released its shares. Once the
+    Pod is gone, the share it held must still be released and its record removed, not held by
+    nothing for good (also by a controller started afterwards)."""
+    first = controller()
+    first.start()
+    view = View(api_client, namespace, "forced", agents, pki[1])
+    manifest = fastpod_manifest("forced", {"kind": "mps", "memory": "2Gi"}, 2)
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    wait_for(lambda: view.settled(2), "2 replicas running", timeout=120)
+    view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "forced")
+    wait_for(lambda: all(p.metadata.deletion_timestamp for p in view.pods(include_terminating=True)),
+             "the controller deleting the pods (no kubelet finishes it)", timeout=60)
+    view.objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "forced",
+                                                {"metadata": {"finalizers": None}})
+    first.stop()  # the one replica is cleaned up after a restart, the other one live
+    survivor, doomed = sorted(p.metadata.name for p in view.pods(include_terminating=True))
+    view.core.delete_namespaced_pod(doomed, namespace, grace_period_seconds=0)
+    controller().start()
+    wait_for(lambda: len(view.shares()) == 1 and list(view.records()) == [survivor],
+             "the share of the Pod gone while no controller ran released", timeout=60)
+    kubelet_step(view.core, namespace)
+    wait_for(lambda: (view.shares(), view.records(), view.pods(include_terminating=True)) == ([], {}, []),
+             "every share released and record removed", timeout=60)

@@ -38,13 +38,12 @@ def test_rbac_has_no_wildcards_and_exactly_the_controller_needs():
         for resource in rule["resources"]
     }
     assert rules == {
-        ("fastshare.io", "fastpods"): {"get", "list", "watch", "update", "patch"},
-        ("fastshare.io", "fastpods/status"): {"get", "update", "patch"},
+        ("fastshare.io", "fastpods"): {"get", "list", "watch", "patch"},
+        ("fastshare.io", "fastpods/status"): {"patch"},
         ("fastshare.io", "fastpods/finalizers"): {"update"},
         ("fastshare.io", "fastshareallocations"): {"create", "get", "list", "update", "delete"},
-        ("", "pods"): {"create", "get", "list", "watch", "delete"},
-        ("", "nodes"): {"get", "list", "watch"},
-        ("", "events"): {"create"},
+        ("", "pods"): {"create", "list", "watch", "delete"},
+        ("", "nodes"): {"list"},
     }
 
 

@@ -65,7 +65,7 @@ def test_the_token_authenticates_as_the_controller_service_account(controller_ap
 ALLOWED = [
     ("list", "fastpods", "fastshare.io", "", "", ""),
     ("watch", "fastpods", "fastshare.io", "", "", ""),
-    ("update", "fastpods", "fastshare.io", "team-a", "job", ""),
+    ("patch", "fastpods", "fastshare.io", "team-a", "job", ""),
     ("patch", "fastpods", "fastshare.io", "team-a", "job", "status"),
     ("update", "fastpods", "fastshare.io", "team-a", "job", "finalizers"),
     ("create", "fastshareallocations", "fastshare.io", "team-a", "", ""),
@@ -76,7 +76,6 @@ ALLOWED = [
     ("delete", "pods", "", "team-a", "job-0", ""),
     ("watch", "pods", "", "", "", ""),
     ("list", "nodes", "", "", "", ""),
-    ("create", "events", "", "team-a", "", ""),
     ("create", "leases", "coordination.k8s.io", NAMESPACE, "", ""),
     ("update", "leases", "coordination.k8s.io", NAMESPACE, "fastshare-controller", ""),
 ]
@@ -98,6 +97,14 @@ DENIED = [
     ("patch", "fastshareallocations", "fastshare.io", "team-a", "job-0", ""),
     ("watch", "fastshareallocations", "fastshare.io", "", "", ""),
     ("deletecollection", "fastshareallocations", "fastshare.io", "team-a", "", ""),
+    # what the controller never does: rewrite a user's FastPod, read Pods or Nodes one by one,
+    # watch Nodes, or write Events
+    ("update", "fastpods", "fastshare.io", "team-a", "job", ""),
+    ("update", "fastpods", "fastshare.io", "team-a", "job", "status"),
+    ("get", "pods", "", "team-a", "job-0", ""),
+    ("get", "nodes", "", "", "gpu-1", ""),
+    ("watch", "nodes", "", "", "", ""),
+    ("create", "events", "", "team-a", "", ""),
 ]
 
 

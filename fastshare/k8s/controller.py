@@ -607,10 +607,24 @@ def run_with_leader_election(make_controller: Callable[[], KubeController], elec
     """
     current: list[KubeController] = []
 
+    def renew(until: threading.Event) -> None:
+        while not until.wait(elector.retry_period):
+            elector.step()
+
     def changed(leading: bool) -> None:
         if leading:
             controller = make_controller()
-            controller.start()
+            # The election loop waits for this call, and a start asks every agent (a hung one
+            # takes the RPC deadline): the Lease is renewed meanwhile, or it runs out and a
+            # standby takes over while this one starts, and both act.
+            started = threading.Event()
+            renewer = threading.Thread(target=renew, args=(started,), name="lease-renewal", daemon=True)
+            renewer.start()
+            try:
+                controller.start()
+            finally:
+                started.set()
+                renewer.join()
             current.append(controller)
         elif current:
             current.pop().stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import uuid
 
 import pytest
@@ -248,3 +249,35 @@ def test_a_template_field_of_the_wrong_type_is_refused_by_name_not_a_controller_
     scheduled = _condition(_fastpod(objects, namespace, "odd"), "Scheduled")
     assert (scheduled["status"], scheduled["reason"]) == ("False", "PodCreateFailed"), scheduled
     assert client.CoreV1Api(api_client).list_namespaced_pod(namespace).items == []
+
+
+def test_the_lease_is_renewed_while_a_new_leader_starts(api_client, namespace):
+    """A start rebuilds from the cluster and asks every agent (a hung one: up to the RPC deadline,
+    twice), which can outlast the Lease: it must be renewed meanwhile, or a standby takes over
+    while this one starts, and both act at once."""
+    lease = f"slow-{uuid.uuid4().hex[:6]}"
+    started = threading.Event()
+
+    class SlowStart:
+        def start(self):
+            started.set()
+            time.sleep(5)   # longer than the lease duration
+
+        def stop(self, timeout=30.0):
+            pass
+
+    timing = {"lease_duration": 3, "renew_deadline": 2, "retry_period": 0.3}
+    leader = LeaderElector(api_client, namespace, lease, "slow", **timing)
+    standby = LeaderElector(api_client, namespace, lease, "standby", **timing)
+    stop = threading.Event()
+    thread = threading.Thread(target=run_with_leader_election, args=(SlowStart, leader, stop))
+    thread.start()
+    try:
+        assert started.wait(30)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            assert not standby.step(), "the standby took over while the leader was starting"
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        thread.join(30)

@@ -216,7 +216,7 @@ class KubeController:
         """Every FastPod, and the owner of every allocation record: a FastPod gone without its
         finalizer having run leaves records (and shares) that only a pass for it releases."""
         keys = {(fp["metadata"]["namespace"], fp["metadata"]["name"]) for fp in self.store.list_fastpods()}
-        keys.update(tuple(a.owner.split("/", 1)) for a in self.store.list_allocations())
+        keys.update(tuple(a.owner.split("/", 1)) for a in self.store.list_allocations() if "/" in a.owner)
         for key in sorted(keys):
             self.queue.add(key)
 

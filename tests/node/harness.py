@@ -18,7 +18,11 @@ import pytest
 import yaml
 
 from fastshare.device import open_devices, simnvml
+from fastshare.mps.control import MpsControl
+from fastshare.node.agent import Agent
 from fastshare.node.client import channel
+from fastshare.node.config import NodeConfig
+from fastshare.node.journal import Journal
 from fastshare.security import certs as pki
 from fastshare.security.tls import TlsPaths
 from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -197,3 +201,15 @@ def wait_for(predicate, timeout: float = 60, what: str = "condition"):
             return value
         time.sleep(0.1)
     raise AssertionError(f"{what} not reached within {timeout}s")
+
+
+def in_process_agent(work: Path, run: Path, machine: Path) -> Agent:
+    """An agent object without its gRPC service, on ``machine``, reconciled as at start: for tests
+    that force an interleaving or a failure between its own steps."""
+    cfg = NodeConfig(node_name="p", unix_socket="", state_dir=str(work / "state"), run_dir=str(run),
+                     device_backend="sim", sim_state=str(machine), mps_control_binary=STANDIN,
+                     mps_timeout_s=30)
+    agent = Agent(cfg, open_devices("sim", machine), MpsControl(STANDIN, cfg.mps_root, timeout=30),
+                  Journal(cfg.journal_path))
+    agent.reconcile()
+    return agent

@@ -10,15 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from fastshare.device import open_devices, simnvml
-from fastshare.mps.control import MpsControl
+from fastshare.device import simnvml
 from fastshare.node.agent import Agent, AgentError, Deadline
-from fastshare.node.config import NodeConfig
-from fastshare.node.journal import Journal
 from fastshare.node.layout import apply_layout
 from fastshare.node.model import ShareSpec
 
-from .harness import GPU_A, GPU_MIG, STANDIN
+from .harness import GPU_A, GPU_MIG, in_process_agent
 
 
 @pytest.fixture
@@ -26,12 +23,7 @@ def agent(tmp_path: Path) -> Iterator[Agent]:
     run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
     machine = tmp_path / "m.json"
     simnvml.create_machine(machine, ["H100-SXM5-80GB", "V100-SXM2-32GB"], mig_enabled=True)
-    cfg = NodeConfig(node_name="h", unix_socket="", state_dir=str(tmp_path / "state"), run_dir=str(run),
-                     device_backend="sim", sim_state=str(machine), mps_control_binary=STANDIN,
-                     mps_timeout_s=30)
-    agent = Agent(cfg, open_devices("sim", machine), MpsControl(STANDIN, cfg.mps_root, timeout=30),
-                  Journal(cfg.journal_path))
-    agent.reconcile()
+    agent = in_process_agent(tmp_path, run, machine)
     try:
         yield agent
     finally:

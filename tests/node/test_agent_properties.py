@@ -16,15 +16,12 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastshare.device import open_devices, simnvml
-from fastshare.mps.control import MpsControl
+from fastshare.device import simnvml
 from fastshare.node import sharefiles
 from fastshare.node.agent import Agent, AgentError, Deadline
-from fastshare.node.config import NodeConfig
-from fastshare.node.journal import Journal
 from fastshare.node.model import ShareSpec
 
-from .harness import STANDIN
+from .harness import in_process_agent
 
 _op = st.one_of(
     st.tuples(st.just("fastpod"), st.integers(0, 5), st.sampled_from([1, 2]), st.sampled_from([20, 40, 60]),
@@ -81,16 +78,6 @@ def _check(agent: Agent, root: Path) -> None:
     assert {m.mig_uuid for m in agent.journal.migs()} == instances
 
 
-def _agent(work: Path, run: Path, machine: Path) -> Agent:
-    cfg = NodeConfig(node_name="p", unix_socket="", state_dir=str(work / "state"), run_dir=str(run),
-                     device_backend="sim", sim_state=str(machine), mps_control_binary=STANDIN,
-                     mps_timeout_s=30)
-    agent = Agent(cfg, open_devices("sim", machine), MpsControl(STANDIN, cfg.mps_root, timeout=30),
-                  Journal(cfg.journal_path))
-    agent.reconcile()
-    return agent
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(_op, min_size=1, max_size=10))
 def test_random_sequences_keep_the_node_consistent_across_a_restart(ops):
@@ -98,7 +85,7 @@ def test_random_sequences_keep_the_node_consistent_across_a_restart(ops):
     run = Path(tempfile.mkdtemp(prefix="fsp-", dir="/tmp"))
     machine = work / "m.json"
     simnvml.create_machine(machine, ["H100-SXM5-80GB", "V100-SXM2-32GB", "V100-SXM2-32GB"], mig_enabled=True)
-    agent = _agent(work, run, machine)
+    agent = in_process_agent(work, run, machine)
     try:
         uuids = [g.uuid for g in agent.devices.gpus()]
         root = agent.config.share_root
@@ -115,7 +102,7 @@ def test_random_sequences_keep_the_node_consistent_across_a_restart(ops):
             _check(agent, root)
         settled = _state(agent, root)
         agent.journal.close()
-        agent = _agent(work, run, machine)  # restart on the same journal: nothing to repair
+        agent = in_process_agent(work, run, machine)  # restart on the same journal: nothing to repair
         assert _state(agent, root) == settled
         _check(agent, root)
     finally:

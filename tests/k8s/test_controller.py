@@ -281,3 +281,15 @@ def test_the_lease_is_renewed_while_a_new_leader_starts(api_client, namespace):
     finally:
         stop.set()
         thread.join(30)
+
+
+def test_a_fastpod_name_too_long_for_its_pods_label_is_refused_at_create(api_client, fastpod_crd, namespace):
+    """Each replica Pod carries the FastPod's name as a label value (at most 63 characters). A
+    longer name was admitted and every Pod creation then failed, naming the label."""
+    objects = client.CustomObjectsApi(api_client)
+    manifest = fastpod_manifest("x" * 64, MPS)
+    with pytest.raises(client.ApiException) as exc:
+        objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    assert exc.value.status == 422 and "metadata.name" in exc.value.body, exc.value.body
+    longest = fastpod_manifest("x" * 63, MPS)
+    objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, longest)

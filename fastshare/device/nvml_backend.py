@@ -304,9 +304,14 @@ class NvmlDevices(Devices):
     def _instances(self, gpu_index: int, h: Any, uuid: str) -> Iterator[MigInstance]:
         nvml = self._nvml
         devices = self._mig_devices(h)
+        # The GPU handle lists the processes of its MIG devices only for privileged callers
+        # (NVML documentation); the MIG device handles always do: count both, keep the larger.
         gi_processes: dict[int, int] = {}
         for p in self._processes(h):
             gi_processes[p.gpuInstanceId] = gi_processes.get(p.gpuInstanceId, 0) + 1
+        per_device: dict[int, int] = {}
+        for (gi_id, _), (_, count, _) in devices.items():
+            per_device[gi_id] = per_device.get(gi_id, 0) + count
         rows = []
         for profile, gi, info in self._gpu_instances(h, uuid):
             try:
@@ -325,7 +330,7 @@ class NvmlDevices(Devices):
                 profile_name=profile.name, start=int(info.placement.start),
                 size=int(info.placement.size), gi_id=int(info.id), ci_id=ci_id, uuid=mig_uuid,
                 sm_count=sms, memory_mib=profile.memory_mib,
-                processes=gi_processes.get(info.id, 0),
+                processes=max(gi_processes.get(info.id, 0), per_device.get(info.id, 0)),
             ))
         yield from sorted(rows, key=lambda r: r.start)
 

@@ -173,3 +173,23 @@ def test_real_nvml_inventory_is_read_only_and_consistent():
                 shape_profiles = d.mig_profiles(g.index)
                 assert all(p.memory_slices > 0 and p.placements for p in shape_profiles)
                 assert all(i.size > 0 for i in d.mig_instances(g.index))
+
+
+class _UnprivilegedSim(simnvml.SimNvml):
+    """A caller without the privileges NVML wants for the aggregate process list of a
+    MIG-enabled GPU's own handle; MIG device handles still answer (NVML documentation)."""
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        if not self.nvmlDeviceIsMigDeviceHandle(handle).value and \
+                self.nvmlDeviceGetMigMode(handle)[0]:
+            raise simnvml.NVMLError(simnvml.NVML_ERROR_NO_PERMISSION)
+        return super().nvmlDeviceGetComputeRunningProcesses(handle)
+
+
+def test_processes_on_a_mig_device_count_without_the_aggregate_list(devices, machine: Path):
+    inst = devices.create_mig_instance(0, 14, 0)
+    simnvml.add_process(machine, 0, mig_uuid=inst.uuid)
+    with NvmlDevices(_UnprivilegedSim(machine)) as unprivileged:
+        assert unprivileged.mig_instances(0)[0].processes == 1
+        with pytest.raises(DeviceError, match=f"IN_USE .*{inst.uuid}"):
+            unprivileged.destroy_mig_instance(0, 0)

@@ -103,13 +103,15 @@ class MpsControl:
 
     def daemon_pid(self, device_uuid: str) -> int | None:
         """The control daemon's pid: from its pid file, else by scanning /proc for a process of
-        our binary whose environment names this pipe directory."""
+        our binary whose environment names this pipe directory. The pid file's pid must pass
+        the same check: a crashed daemon leaves the file behind and its pid may be reused."""
         paths = self.paths(device_uuid)
+        needle = f"CUDA_MPS_PIPE_DIRECTORY={paths.pipe_dir}"
         with contextlib.suppress(OSError, ValueError):
             pid = int((paths.pipe_dir / PID_FILE).read_text().split()[0])
-            if _alive(pid):
+            if _alive(pid) and _is_daemon(pid, needle):
                 return pid
-        return _find_by_env(f"CUDA_MPS_PIPE_DIRECTORY={paths.pipe_dir}")
+        return _find_by_env(needle)
 
     def start(self, device_uuid: str, active_thread_percentage: float | None = None,
               pinned_mem_limit: int | None = None) -> int | None:
@@ -211,13 +213,19 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return True
 
 
+def _is_daemon(pid: int, needle: str) -> bool:
+    """Is ``pid`` a ``-d`` process whose environment holds ``needle`` (NAME=VALUE)?"""
+    entry = Path(f"/proc/{pid}")
+    try:
+        environ = (entry / "environ").read_bytes()
+        cmdline = (entry / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return (b"\0" + needle.encode() + b"\0") in (b"\0" + environ + b"\0") and b"-d" in cmdline.split(b"\0")
+
+
 def _find_by_env(needle: str) -> int | None:
-    token = b"\0" + needle.encode() + b"\0"
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            environ = (entry / "environ").read_bytes()
-            if token in b"\0" + environ + b"\0" and b"-d" in (entry / "cmdline").read_bytes().split(b"\0"):
-                return int(entry.name)
+        if entry.name.isdigit() and _is_daemon(int(entry.name), needle):
+            return int(entry.name)
     return None

@@ -112,3 +112,22 @@ def test_a_standin_daemon_whose_directory_is_deleted_exits_with_its_servers(mps)
     while (_alive(pid) or _alive(server)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid) and not _alive(server)
+
+
+def test_stop_leaves_alone_a_process_that_reused_a_dead_daemons_pid(tmp_path):
+    """A daemon that crashed leaves its pid file behind; by the time the agent cleans up, that
+    pid may belong to an unrelated process, which must not be signalled."""
+    import subprocess
+
+    mps = MpsControl(STANDIN, tmp_path / "mps", timeout=1)
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        mps.paths(UUID).pipe_dir.mkdir(parents=True)
+        (mps.paths(UUID).pipe_dir / "nvidia-cuda-mps-control.pid").write_text(f"{stranger.pid}\n")
+        assert mps.daemon_pid(UUID) is None
+        mps.stop(UUID)
+        assert stranger.poll() is None
+        assert not mps.paths(UUID).base.exists()
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -145,7 +145,10 @@ class MpsControl:
 
     def set_limits(self, device_uuid: str, active_thread_percentage: float | None,
                    pinned_mem_limit: int | None) -> None:
-        """Daemon defaults (next server) and the same limits on servers already running."""
+        """Daemon defaults (next server) and the same limits on servers already running.
+
+        Defaults first, then the server list: a server that starts in between gets the new
+        defaults, one that started before is in the list (listed first, it could get neither)."""
         commands = []
         if active_thread_percentage is not None:
             commands.append(f"set_default_active_thread_percentage {active_thread_percentage:g}")
@@ -153,13 +156,15 @@ class MpsControl:
             commands.append(f"set_default_device_pinned_mem_limit 0 {_mem_arg(pinned_mem_limit)}")
         if not commands:
             return
-        servers = self.server_pids(device_uuid)
-        for pid in servers:
+        self.command(device_uuid, *commands)
+        commands = []
+        for pid in self.server_pids(device_uuid):
             if active_thread_percentage is not None:
                 commands.append(f"set_active_thread_percentage {pid} {active_thread_percentage:g}")
             if pinned_mem_limit:
                 commands.append(f"set_device_pinned_mem_limit {pid} 0 {_mem_arg(pinned_mem_limit)}")
-        self.command(device_uuid, *commands)
+        if commands:
+            self.command(device_uuid, *commands)
 
     def stop(self, device_uuid: str) -> None:
         """Stop the device's daemon and remove its directories; verified, idempotent."""

@@ -131,3 +131,21 @@ def test_stop_leaves_alone_a_process_that_reused_a_dead_daemons_pid(tmp_path):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_server_starting_while_limits_are_raised_gets_the_new_limits(mps, monkeypatch):
+    """A client may start a server between the listing and the commands: it must get the
+    new limits, from the defaults or by pid."""
+    mps.start(UUID, active_thread_percentage=40, pinned_mem_limit=3 << 30)
+    listed = mps.server_pids
+
+    def list_then_a_server_starts(device_uuid):
+        pids = listed(device_uuid)
+        mps.command(UUID, "start_server -uid 0")
+        return pids
+
+    monkeypatch.setattr(mps, "server_pids", list_then_a_server_starts)
+    mps.set_limits(UUID, 60, 4 << 30)
+    (server,) = listed(UUID)
+    assert mps.command(UUID, f"get_active_thread_percentage {server}").strip() == "60"
+    assert mps.command(UUID, f"get_device_pinned_mem_limit {server} 0").strip() == "4096M"

@@ -157,8 +157,12 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
         if entry not in entries:
             entries.append(entry)
     ca_cert, ca_key = load_ca(ca_dir)
-    key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
+    if ca_cert.not_valid_after_utc <= now:
+        raise CertError(f"--ca {ca_dir}: the CA certificate expired on "
+                        f"{ca_cert.not_valid_after_utc.isoformat()}; every certificate it signs is "
+                        "refused; create a new CA with `fastshare certs init DIR --force`")
+    key = ec.generate_private_key(ec.SECP256R1())
     not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
     ekus = {"server": [ExtendedKeyUsageOID.SERVER_AUTH], "client": [ExtendedKeyUsageOID.CLIENT_AUTH],
             "both": [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]}[usage]

@@ -92,3 +92,14 @@ def test_cli_init_issue_show(tmp_path):
     assert json.loads(shown.stdout)["serial"] == info["serial"]
     again = subprocess.run(["fastshare", "certs", "init", str(ca)], capture_output=True, text=True)
     assert again.returncode != 0 and "already exists" in again.stderr
+
+
+@pytest.mark.parametrize("later", [dt.timedelta(days=2), dt.timedelta(days=1, minutes=2)])
+def test_issue_with_an_expired_ca_says_so_and_writes_nothing(tmp_path, monkeypatch, later):
+    """Long after the CA's end, and within the few minutes leaves are backdated by."""
+    pki.init_ca(tmp_path / "ca", days=1)
+    now = pki._now()
+    monkeypatch.setattr(pki, "_now", lambda: now + later)
+    with pytest.raises(pki.CertError, match="expired"):
+        pki.issue(tmp_path / "ca", "x", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

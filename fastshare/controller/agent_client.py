@@ -144,9 +144,23 @@ class AgentPool:
         self._deadline = deadline
         self._clients: dict[str, AgentClient] = {}
         self._lock = threading.Lock()
+        self._stamp = self._tls_stamp()
+
+    def _tls_stamp(self) -> tuple[tuple[int, int], ...] | None:
+        try:
+            return self._tls.stamp()
+        except OSError:
+            return None   # mid-rotation: decided at the next call
 
     def get(self, node: str, address: str) -> AgentClient:
+        stamp = self._tls_stamp()
         with self._lock:
+            if stamp is not None and stamp != self._stamp:
+                # Renewed certificate files: a channel presents the certificate it was built
+                # with, which expires. New clients from now on; calls in flight on the old
+                # ones finish (their channels close once nothing refers to them).
+                self._stamp = stamp
+                self._clients.clear()
             client = self._clients.get(node)
             if client is None or client.target.address != address:
                 if client is not None:

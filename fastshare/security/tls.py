@@ -43,6 +43,15 @@ class TlsPaths:
             if not os.access(path, os.R_OK):
                 raise PermissionError(f"tls.{field}: {path} is not readable by this process")
 
+    def stamp(self) -> tuple[tuple[int, int], ...]:
+        """Changes when any of the three files is replaced (as `fastshare certs issue` does);
+        raises OSError while one is missing."""
+        out = []
+        for p in (self.cert, self.key, self.ca):
+            st = os.stat(p)
+            out.append((st.st_mtime_ns, st.st_ino))
+        return tuple(out)
+
     def read(self) -> tuple[bytes, bytes, bytes]:
         return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
 
@@ -54,14 +63,7 @@ class _Reloader:
         self._paths = paths
         self._require = require_client_cert
         self._lock = threading.Lock()
-        self._stamp = self._current_stamp()
-
-    def _current_stamp(self) -> tuple[tuple[int, int], ...]:
-        out = []
-        for p in (self._paths.cert, self._paths.key, self._paths.ca):
-            st = os.stat(p)
-            out.append((st.st_mtime_ns, st.st_ino))
-        return tuple(out)
+        self._stamp = paths.stamp()
 
     def config(self) -> grpc.ServerCertificateConfiguration:
         cert, key, ca = self._paths.read()
@@ -70,7 +72,7 @@ class _Reloader:
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
         try:
-            stamp = self._current_stamp()
+            stamp = self._paths.stamp()
         except OSError:
             return None  # mid-rotation (file replaced): keep serving with the old pair
         with self._lock:

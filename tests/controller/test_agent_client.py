@@ -13,6 +13,7 @@ from fastshare.controller.agent_client import (
     MAX_IN_FLIGHT,
     AgentClient,
     AgentError,
+    AgentPool,
     AgentTarget,
 )
 from fastshare.security.tls import TlsPaths, server_credentials
@@ -167,3 +168,39 @@ def test_once_an_agent_has_no_batch_rpcs_its_calls_never_wait(serve):
     for t in threads:
         t.join(30)
     assert all(outcomes[i] == i for i in ids)
+
+
+class PingAgent(agent_pb2_grpc.NodeAgentServicer):
+    def Ping(self, request, context):
+        return common_pb2.Empty()
+
+
+def test_the_pool_presents_the_certificate_renewed_on_disk_after_the_old_one_expired(tmp_path):
+    """Leaves are short-lived and renewed in place; a connection made after the old one's
+    end (here: the agent restarted) must present the new one, without a controller restart."""
+    from tests.security.handmade import issue_client_cert
+
+    pki = Pki(tmp_path)
+    pki.issue("node-x")
+    issue_client_cert(pki.ca, "controller", pki.dir, ends_in_days=2 / 86400)
+    ends = time.monotonic() + 2
+
+    def serve(address):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        agent_pb2_grpc.add_NodeAgentServicer_to_server(PingAgent(), server)
+        port = server.add_secure_port(address, server_credentials(TlsPaths.in_dir(pki.dir, "node-x")))
+        server.start()
+        return server, f"127.0.0.1:{port}"
+
+    server, address = serve("127.0.0.1:0")
+    pool = AgentPool(TlsPaths.in_dir(pki.dir, "controller"))
+    try:
+        pool.get("node-x", address).ping()
+        pki.issue("controller")                  # renewed before the old one ends
+        time.sleep(max(0.0, ends - time.monotonic()) + 0.5)
+        server.stop(None)                        # the agent restarts: a new handshake
+        server, _ = serve(address)
+        pool.get("node-x", address).ping()
+    finally:
+        pool.close()
+        server.stop(None)

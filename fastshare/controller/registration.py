@@ -29,7 +29,10 @@ class Registrar:
         self.node_name = node_name
         self.agent_address = agent_address
         self.labels = dict(labels or {})
-        self._channel = mtls_channel(controller_address, tls, server_name=controller_name)
+        self._dial = lambda: mtls_channel(controller_address, tls, server_name=controller_name)
+        self._tls = tls
+        self._stamp = tls.stamp()
+        self._channel = self._dial()
         self._stub = pb_grpc.NodeRegistryStub(self._channel)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="registrar", daemon=True)
@@ -60,9 +63,23 @@ class Registrar:
         self.registered.set()
         log.info("registered with the controller as %s (%s)", self.node_name, self.agent_address)
 
+    def _follow_renewal(self) -> None:
+        """A channel presents the certificate it was built with; after the files were renewed
+        on disk, build a new one (the old certificate expires)."""
+        try:
+            stamp = self._tls.stamp()
+        except OSError:
+            return   # mid-rotation
+        if stamp != self._stamp:
+            self._stamp = stamp
+            self._channel.close()
+            self._channel = self._dial()
+            self._stub = pb_grpc.NodeRegistryStub(self._channel)
+
     def _loop(self) -> None:
         backoff = 0.5
         while not self._stop.is_set():
+            self._follow_renewal()
             try:
                 if not self.registered.is_set():
                     self._register()

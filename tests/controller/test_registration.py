@@ -1,0 +1,57 @@
+"""The agent's registrar over real mTLS gRPC against a stand-in NodeRegistry."""
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from fastshare.controller.registration import Registrar
+from fastshare.security.tls import TlsPaths, server_credentials
+from fastshare.v1 import controller_pb2 as pb
+from fastshare.v1 import controller_pb2_grpc as pb_grpc
+from tests.security.handmade import issue_client_cert
+
+from .conftest import Pki
+
+
+class Registry(pb_grpc.NodeRegistryServicer):
+    def __init__(self) -> None:
+        self.heartbeats = threading.Semaphore(0)
+
+    def RegisterNode(self, request, context):
+        return pb.RegisterNodeResponse(heartbeat_interval_seconds=1)
+
+    def Heartbeat(self, request, context):
+        self.heartbeats.release()
+        return pb.HeartbeatResponse(registered=True)
+
+
+def test_the_registrar_presents_the_certificate_renewed_on_disk_after_the_old_one_expired(tmp_path):
+    """After the agent's first certificate ended (renewed in place meanwhile), a reconnection
+    (here: the controller restarted) must use the new one, without an agent restart."""
+    pki = Pki(tmp_path)
+    issue_client_cert(pki.ca, "node-x", pki.dir, ends_in_days=2 / 86400)
+    ends = time.monotonic() + 2
+
+    def serve(address):
+        registry = Registry()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_NodeRegistryServicer_to_server(registry, server)
+        port = server.add_secure_port(address, server_credentials(TlsPaths.in_dir(pki.dir, "controller")))
+        server.start()
+        return server, registry, f"127.0.0.1:{port}"
+
+    server, registry, address = serve("127.0.0.1:0")
+    registrar = Registrar(address, "node-x", "127.0.0.1:1", TlsPaths.in_dir(pki.dir, "node-x"),
+                          controller_name="controller").start()
+    try:
+        assert registry.heartbeats.acquire(timeout=10)
+        pki.issue("node-x")                      # renewed before the old one ends
+        time.sleep(max(0.0, ends - time.monotonic()) + 0.5)
+        server.stop(None)                        # the controller restarts: a new handshake
+        server, registry, _ = serve(address)
+        assert registry.heartbeats.acquire(timeout=15), "the registrar never got through again"
+    finally:
+        registrar.stop()
+        server.stop(None)

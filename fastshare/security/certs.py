@@ -148,6 +148,8 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
     ``usage`` both (default) suits agents: they serve RPCs and also call the controller.
     """
     validate_name("--name", name)
+    if f"{name}.crt" == CA_CERT:
+        raise CertError(f"--name {name!r} is reserved: {name}.crt and {name}.key are the CA's file names")
     _validate_days("--days", days, MAX_LEAF_DAYS)
     if usage not in USAGES:
         raise CertError(f"--usage must be one of {', '.join(USAGES)}, got {usage!r}")

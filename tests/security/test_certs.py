@@ -103,3 +103,14 @@ def test_issue_with_an_expired_ca_says_so_and_writes_nothing(tmp_path, monkeypat
     with pytest.raises(pki.CertError, match="expired"):
         pki.issue(tmp_path / "ca", "x", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out", ["ca", "out"])
+def test_issue_refuses_the_name_of_the_ca_files(tmp_path, out):
+    """NAME.crt/NAME.key would be ca.crt/ca.key: into the CA directory that replaced the CA's
+    key (lost for good), elsewhere the leaf certificate was overwritten by the CA copy."""
+    pki.init_ca(tmp_path / "ca")
+    ca_key = (tmp_path / "ca" / "ca.key").read_bytes()
+    with pytest.raises(pki.CertError, match="--name"):
+        pki.issue(tmp_path / "ca", "ca", tmp_path / out)
+    assert (tmp_path / "ca" / "ca.key").read_bytes() == ca_key

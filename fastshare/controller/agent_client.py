@@ -16,6 +16,7 @@ for as long as the RPC deadline fails as DEADLINE_EXCEEDED without being sent.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -136,6 +137,9 @@ class AgentClient:
         return self._call("SetMigMode", agent_pb2.SetMigModeRequest(gpu_uuid=gpu_uuid, enabled=enabled))
 
 
+TLS_CHECK_S = 1.0   # how often the pool looks whether its certificate files were renewed
+
+
 class AgentPool:
     """Clients by node name; a new address (agent moved or restarted elsewhere) gets a new channel."""
 
@@ -145,6 +149,7 @@ class AgentPool:
         self._clients: dict[str, AgentClient] = {}
         self._lock = threading.Lock()
         self._stamp = self._tls_stamp()
+        self._stamp_checked = time.monotonic()
 
     def _tls_stamp(self) -> tuple[tuple[int, int], ...] | None:
         try:
@@ -153,7 +158,13 @@ class AgentPool:
             return None   # mid-rotation: decided at the next call
 
     def get(self, node: str, address: str) -> AgentClient:
-        stamp = self._tls_stamp()
+        # Every agent call comes here; certificates are renewed days before they end, so the
+        # files are looked at (three stats) at most once per TLS_CHECK_S, not on every call.
+        now = time.monotonic()
+        stamp = None
+        if now - self._stamp_checked >= TLS_CHECK_S:
+            self._stamp_checked = now
+            stamp = self._tls_stamp()
         with self._lock:
             if stamp is not None and stamp != self._stamp:
                 # Renewed certificate files: a channel presents the certificate it was built

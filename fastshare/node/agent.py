@@ -480,14 +480,16 @@ class Agent:
             if not any(s.kind in ("fastpod", "mps") for s in live):
                 return  # the last MPS share left meanwhile (housekeeping raced its release)
             sm, mem = self._ceilings(live)
+            # No cap (None) cannot be sent: the device's whole memory is the same cap (and a
+            # daemon adopted after a crash may still carry an earlier share's cap).
+            mem_limit = dev.memory_bytes if mem is None else mem
             if row is not None and row.state == "running":
                 raise_sm = row.sm_ceiling is None or sm > row.sm_ceiling
                 raise_mem = _raises_mem(row.mem_ceiling, mem)
                 if raise_sm or raise_mem:
-                    # No cap (None) cannot be sent: the device's whole memory is the same cap.
-                    new_mem = (dev.memory_bytes if mem is None else mem) if raise_mem else None
                     try:
-                        self.mps.set_limits(dev.uuid, sm if raise_sm else None, new_mem)
+                        self.mps.set_limits(dev.uuid, sm if raise_sm else None,
+                                            mem_limit if raise_mem else None)
                     except MpsError as exc:
                         raise AgentError("UNAVAILABLE", str(exc)) from None
                     self.journal.update_mps(dev.uuid, sm_ceiling=max(sm, row.sm_ceiling or 0),
@@ -506,9 +508,7 @@ class Agent:
                     log.warning("cannot set EXCLUSIVE_PROCESS on %s (%s); MPS runs anyway", dev.uuid, exc)
             self.journal.update_mps(dev.uuid, compute_mode_set=int(compute_mode_set))
             try:
-                # No cap (None) is sent as the device's whole memory: a daemon adopted after a
-                # crash may still carry an earlier share's cap.
-                pid = self.mps.start(dev.uuid, sm, dev.memory_bytes if mem is None else mem)
+                pid = self.mps.start(dev.uuid, sm, mem_limit)
             except MpsError as exc:
                 raise AgentError("UNAVAILABLE", f"MPS daemon for {dev.uuid}: {exc}") from None
             faults.point("agent.after_mps_start")

@@ -52,6 +52,27 @@ def _mem_arg(memory_bytes: int) -> str:
     return f"{max(1, memory_bytes // (1 << 20))}M"
 
 
+def _dev(limit_name: str) -> str:
+    """Memory limits are per device of the daemon (it sees one: ordinal 0); SM shares are not."""
+    return "0 " if limit_name == "device_pinned_mem_limit" else ""
+
+
+_LIMIT_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?$", re.IGNORECASE)
+_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _same_limit(answer: str, expected: str) -> bool:
+    """Whether a read-back equals what was set: numbers compared as numbers, sizes in bytes
+    (``4096M`` and ``4G`` are the same limit), within half a MiB for rounding in the answer."""
+    got, want = _LIMIT_RE.match(answer), _LIMIT_RE.match(expected)
+    if got is None or want is None:
+        return False
+    if not want.group(2):   # a percentage
+        return abs(float(got.group(1)) - float(want.group(1))) < 0.01
+    as_bytes = [float(m.group(1)) * _UNIT[m.group(2).upper()] for m in (got, want)]
+    return abs(as_bytes[0] - as_bytes[1]) < (1 << 19)
+
+
 class MpsControl:
     """Talks to the MPS control daemons of one host."""
 
@@ -148,23 +169,35 @@ class MpsControl:
         """Daemon defaults (next server) and the same limits on servers already running.
 
         Defaults first, then the server list: a server that starts in between gets the new
-        defaults, one that started before is in the list (listed first, it could get neither)."""
-        commands = []
+        defaults, one that started before is in the list (listed first, it could get neither).
+        The control binary exits 0 even when it rejects a ``set_*`` command, so every limit is
+        read back; a limit the daemon did not take raises MpsError."""
+        wanted: list[tuple[str, str]] = []   # (get command suffix, expected value) per device scope
         if active_thread_percentage is not None:
-            commands.append(f"set_default_active_thread_percentage {active_thread_percentage:g}")
+            wanted.append(("active_thread_percentage", f"{active_thread_percentage:g}"))
         if pinned_mem_limit:
-            commands.append(f"set_default_device_pinned_mem_limit 0 {_mem_arg(pinned_mem_limit)}")
-        if not commands:
+            wanted.append(("device_pinned_mem_limit", _mem_arg(pinned_mem_limit)))
+        if not wanted:
             return
-        self.command(device_uuid, *commands)
-        commands = []
-        for pid in self.server_pids(device_uuid):
-            if active_thread_percentage is not None:
-                commands.append(f"set_active_thread_percentage {pid} {active_thread_percentage:g}")
-            if pinned_mem_limit:
-                commands.append(f"set_device_pinned_mem_limit {pid} 0 {_mem_arg(pinned_mem_limit)}")
+        self.command(device_uuid, *(f"set_default_{name} {_dev(name)}{value}" for name, value in wanted))
+        pids = self.server_pids(device_uuid)
+        commands = [f"set_{name} {pid} {_dev(name)}{value}" for pid in pids for name, value in wanted]
         if commands:
             self.command(device_uuid, *commands)
+        for name, value in wanted:
+            self._check_reads_back(device_uuid, f"get_default_{name} {_dev(name)}".strip(), value)
+        still_running = set(self.server_pids(device_uuid))
+        for pid in pids:
+            if pid in still_running:   # a server that exited meanwhile has no limits to check
+                for name, value in wanted:
+                    self._check_reads_back(device_uuid, f"get_{name} {pid} {_dev(name)}".strip(), value)
+
+    def _check_reads_back(self, device_uuid: str, query: str, expected: str) -> None:
+        answer = self.command(device_uuid, query).strip()
+        if not _same_limit(answer, expected):
+            log = self.paths(device_uuid).log_dir / "control.log"
+            raise MpsError(f"MPS daemon for {device_uuid} did not take the limit {expected}: "
+                           f"'{query}' answers {answer[:200]!r}; see {log}")
 
     def stop(self, device_uuid: str) -> None:
         """Stop the device's daemon and remove its directories; verified, idempotent."""

@@ -138,10 +138,12 @@ def test_a_server_starting_while_limits_are_raised_gets_the_new_limits(mps, monk
     new limits, from the defaults or by pid."""
     mps.start(UUID, active_thread_percentage=40, pinned_mem_limit=3 << 30)
     listed = mps.server_pids
+    started = []
 
     def list_then_a_server_starts(device_uuid):
         pids = listed(device_uuid)
-        mps.command(UUID, "start_server -uid 0")
+        if not started:   # once: the read-back lists the servers again
+            started.append(mps.command(UUID, "start_server -uid 0"))
         return pids
 
     monkeypatch.setattr(mps, "server_pids", list_then_a_server_starts)
@@ -149,3 +151,25 @@ def test_a_server_starting_while_limits_are_raised_gets_the_new_limits(mps, monk
     (server,) = listed(UUID)
     assert mps.command(UUID, f"get_active_thread_percentage {server}").strip() == "60"
     assert mps.command(UUID, f"get_device_pinned_mem_limit {server} 0").strip() == "4096M"
+
+
+def test_a_limit_the_daemon_rejects_is_an_error_not_silence(mps, monkeypatch):
+    """The control binary exits 0 after rejecting a set_* command; the read-back catches it."""
+    mps.start(UUID, active_thread_percentage=40, pinned_mem_limit=3 << 30)
+    mps.command(UUID, "start_server -uid 0")
+    with pytest.raises(MpsError, match="did not take the limit 150"):
+        mps.set_limits(UUID, 150, None)
+    monkeypatch.setattr("fastshare.mps.control._mem_arg", lambda _bytes: "4096X")
+    with pytest.raises(MpsError, match="did not take the limit 4096X"):
+        mps.set_limits(UUID, None, 4 << 30)
+    assert mps.command(UUID, "get_default_active_thread_percentage").strip() == "40"
+
+
+@pytest.mark.parametrize(("answer", "expected", "same"), [
+    ("40", "40", True), ("40.0", "40", True), ("40.5", "40", False), ("Invalid percentage", "40", False),
+    ("4096M", "4096M", True), ("4G", "4096M", True), ("4294967296", "4096M", True),
+    ("4096 MiB", "4096M", True), ("3072M", "4096M", False), ("0", "4096M", False), ("", "40", False),
+])
+def test_limits_are_compared_as_values(answer, expected, same):
+    from fastshare.mps.control import _same_limit
+    assert _same_limit(answer, expected) is same

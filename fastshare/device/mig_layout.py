@@ -173,17 +173,22 @@ def _free_capacity(shape: GpuShape, used_mask: int, used_compute: int, counts: C
                       free_compute // max(1, profile.slices)))
 
 
-def future_score(shape: GpuShape, placed: Sequence[Placed]) -> tuple[int, ...]:
-    """Higher is better: how many of each profile still fit, largest profiles first, then the
-    number of (profile, start) placements still possible."""
-    used_mask = 0
-    used_compute = 0
+def _occupied(shape: GpuShape, placed: Sequence[Placed]) -> tuple[int, int, Counter[int]]:
+    """Memory-slice mask, compute slices and instance count per profile that ``placed`` takes."""
+    mask = compute = 0
     counts: Counter[int] = Counter()
     for p in placed:
         prof = shape.profile(p.profile_id)
-        used_mask |= shape.mask(prof, p.start)
-        used_compute += prof.slices
+        mask |= shape.mask(prof, p.start)
+        compute += prof.slices
         counts[p.profile_id] += 1
+    return mask, compute, counts
+
+
+def future_score(shape: GpuShape, placed: Sequence[Placed]) -> tuple[int, ...]:
+    """Higher is better: how many of each profile still fit, largest profiles first, then the
+    number of (profile, start) placements still possible."""
+    used_mask, used_compute, counts = _occupied(shape, placed)
     ordered = sorted((p for p in shape.profiles if "+me" not in p.name),
                      key=lambda p: (-p.memory_slices, -p.slices, p.profile_id))
     caps = [_free_capacity(shape, used_mask, used_compute, counts, p) for p in ordered]
@@ -248,14 +253,7 @@ def _search(shape: GpuShape, fixed: Sequence[Placed], todo: Counter[int],
     then the best future shapes, then the lowest starts. None if nothing fits."""
     order = sorted(todo.elements(), key=lambda pid: (-shape.profile(pid).memory_slices,
                                                      -shape.profile(pid).slices, pid))
-    base_mask = 0
-    base_compute = 0
-    counts: Counter[int] = Counter()
-    for p in fixed:
-        prof = shape.profile(p.profile_id)
-        base_mask |= shape.mask(prof, p.start)
-        base_compute += prof.slices
-        counts[p.profile_id] += 1
+    base_mask, base_compute, counts = _occupied(shape, fixed)
     best: tuple[tuple, list[Placed]] | None = None
     chosen: list[Placed] = []
 

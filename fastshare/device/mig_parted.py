@@ -69,7 +69,9 @@ class GpuPlan:
     """What one GPU needs in this run: a MIG mode change and/or layout steps, or nothing.
 
     ``plan`` holds only the steps this run can carry out: none while a mode change waits for a
-    GPU reset (Ampere), then the layout is created by the first run after the reset."""
+    GPU reset (Ampere), then the layout is created by the first run after the reset.
+    ``force`` and ``held`` are the in-use rules the plan was made under; apply_host re-plans
+    under the same rules when MIG comes on during the run."""
 
     gpu_index: int
     mig_enabled: bool
@@ -79,6 +81,9 @@ class GpuPlan:
     layout: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     reset_required: bool = False           # after this run the mode change waits for a GPU reset
+    force: bool = False
+    held: frozenset[str] = frozenset()
+    from_catalog: bool = False             # planned on the catalog's profiles: MIG was off
 
     @property
     def changed(self) -> bool:
@@ -222,7 +227,7 @@ def _plan_gpu(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
     notes = ("MIG mode change waits for a GPU reset; instances are created by the first run after it",) \
         if reset_required else ()
     return GpuPlan(gpu.index, True, mode_change, plan, shape, format_layout(wanted, shape), notes,
-                   reset_required)
+                   reset_required, force, frozenset(held), from_catalog=not gpu.mig_current)
 
 
 def _disable_plan(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
@@ -303,10 +308,15 @@ def _apply_gpu(devices: Devices, gp: GpuPlan) -> list[Step]:
     if not gpu.mig_current:
         return done                       # the layout waits for the GPU reset
     plan = gp.plan
-    if gp.mode_change or plan is None:
-        # MIG just came on: plan against NVML's own profiles (the plan used the catalog).
+    if plan is None or gp.from_catalog:
+        # MIG just came on: plan against NVML's own profiles (the plan used the catalog), with
+        # the same in-use rules as the plan; a plan made on NVML's profiles is carried out as
+        # planned (and as check mode reported it).
         shape = _shape(devices, gpu)
-        plan = plan_layout(shape, devices.mig_instances(gp.gpu_index), parse_layout(gp.layout, shape))
+        try:
+            plan = _checked_plan(shape, gpu, parse_layout(gp.layout, shape), gp.force, gp.held)
+        except LayoutError as exc:
+            raise ConfigError(f"GPU {gp.gpu_index} ({gpu.name}): after the MIG mode change: {exc}") from None
     if plan.changed:
         apply_plan(devices, gp.gpu_index, plan)
         done.extend(plan.steps)

@@ -17,7 +17,8 @@ except ImportError:  # the module fails with missing_required_lib before using a
 
 
 class MigConfigError(Exception):
-    """A request that cannot be carried out; nothing has been changed when it is raised."""
+    """A request that cannot be carried out; nothing has been changed when planning raises it
+    (apply_plans may raise it after an earlier change)."""
 
 
 def layout_targets(layout, gpus):
@@ -91,8 +92,13 @@ def plan_targets(devices, targets, force, held):
 
 
 def apply_plans(devices, plans):
-    """Carry the plans out (mig_parted.apply_host): per GPU the steps done and the reset state."""
-    return mig_parted.apply_host(devices, plans)
+    """Carry the plans out (mig_parted.apply_host): per GPU the steps done and the reset state.
+
+    A refusal while carrying out (a re-plan after MIG came on) is a MigConfigError too."""
+    try:
+        return mig_parted.apply_host(devices, plans)
+    except mig_parted.ConfigError as exc:
+        raise MigConfigError(str(exc)) from None
 
 
 def step_dict(gpu_index, step):

@@ -291,6 +291,17 @@ def _devices_of(instances):
     return [(m.profile_name, m.start, m.size, m.uuid) for m in instances]
 
 
+def _state(devices):
+    return [(g.index, g.mig_current, g.mig_pending, _devices_of(g.mig_instances)) for g in devices.gpus()]
+
+
+def _changed_since(devices, state):
+    try:
+        return _state(devices) != state
+    except DeviceError:
+        return True                       # cannot read back: do not claim that nothing changed
+
+
 def _predicted(gpu_plan, gpu, before):
     """Check mode: (plan, steps, MIG mode, reset required, devices) as the run would leave them."""
     steps = [s.to_dict() for s in gpu_plan.plan.steps] if gpu_plan.plan else []
@@ -318,7 +329,13 @@ def run(module, devices):
     if module.check_mode:
         outcomes = [_predicted(gp, gpus[gp.gpu_index], before[gp.gpu_index]) for gp in plans]
     else:
-        results = apply_plans(devices, plans)
+        state = _state(devices)
+        try:
+            results = apply_plans(devices, plans)
+        except (MigConfigError, DeviceError) as exc:
+            # A GPU may have changed before the failure: report what the GPUs say, not a guess.
+            extra = dict(nvml_error=exc.code) if isinstance(exc, DeviceError) else {}
+            module.fail_json(msg=str(exc), changed=_changed_since(devices, state), **extra)
         now = {g.index: g for g in devices.gpus()}
         outcomes = [_observed(gp, r, now[gp.gpu_index]) for gp, r in zip(plans, results, strict=True)]
     steps, report, diff_before, diff_after = [], [], [], []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fs_collection import COLLECTION, run_module, run_tasks
 
-from fastshare.device import simnvml
+from fastshare.device import open_devices, simnvml
 
 MIG_CONFIG = f"{COLLECTION}.mig_config"
 GPU_INFO = f"{COLLECTION}.gpu_info"
@@ -206,6 +206,36 @@ def test_share_held_instance_needs_force(mig, machine, tmp_path):
     assert refused["failed"] and held in refused["msg"] and "force" in refused["msg"]
     forced = mig([{"devices": [1], "mig_devices": {"7g.80gb": 1}}], agent_journal=str(journal), force=True)
     assert forced["changed"] is True and layout_on_disk(machine, 1) == [(0, 0)]
+
+
+def test_share_held_instance_is_kept_when_the_mig_mode_changes_too(mig, machine, tmp_path):
+    """The A100's MIG mode is on with a disable pending (until a reset) and instances were made
+    meanwhile; asking for MIG on again changes the mode and the layout in one run. The layout
+    steps must be the planned ones (the held instance kept, as check mode says), not a re-plan
+    that ignores the shares and destroys the held instance without force."""
+    assert mig([{"devices": [0], "mig_enabled": False}])["reset_required"] is True
+    with open_devices("sim", machine) as devices:
+        devices.create_mig_instance(0, 9, 0)                  # 3g.20gb at 0 and at 4
+        devices.create_mig_instance(0, 9, 4)
+        held = next(m.uuid for m in devices.mig_instances(0) if m.start == 0)
+    journal = tmp_path / "journal.db"
+    _journal_with_share(journal, held)
+    layout = [{"devices": [0], "mig_devices": {"3g.20gb": 1, "2g.10gb": 1, "1g.5gb": 1}}]
+    check = mig(layout, check=True, agent_journal=str(journal))
+    applied = mig(layout, agent_journal=str(journal))
+    assert applied["changed"] is True and applied["steps"] == check["steps"], (check, applied)
+    assert all(s["start"] != 0 for s in applied["steps"] if s["action"] == "destroy")
+    assert layout_on_disk(machine, 0) == [(9, 0), (14, 4), (19, 6)]
+    assert held in {d["uuid"] for d in applied["gpus"][0]["mig_devices"]}
+    # No place for the held instance: refused before the mode is touched; force overrides.
+    before = machine.read_bytes()
+    whole = [{"devices": [0], "mig_devices": {"7g.40gb": 1}}]
+    for check in (True, False):
+        refused = mig(whole, check=check, agent_journal=str(journal))
+        assert refused["failed"] and held in refused["msg"] and refused["changed"] is False, refused
+        assert machine.read_bytes() == before
+    forced = mig(whole, agent_journal=str(journal), force=True)
+    assert forced["changed"] is True and layout_on_disk(machine, 0) == [(0, 0)]
 
 
 def _journal_with_share(path: Path, device_uuid: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fastshare.device import DeviceError, simnvml
-from fastshare.device.mig_parted import ConfigError, apply_host, parse_config, plan_host, resolve
+from fastshare.device.mig_parted import ConfigError, DeviceSpec, apply_host, parse_config, plan_host, resolve
 
 CONFIG = """
 version: v1
@@ -110,6 +110,23 @@ def test_instances_held_by_shares_need_force(devices, machine: Path):
         plan_host(devices, chosen, held=held)
     apply_host(devices, plan_host(devices, chosen, held=held, force=True))
     assert devices.gpu(0).mig_instances == ()
+
+
+def test_mode_change_keeps_the_planned_steps_and_the_held_instances(devices):
+    """GPU 0 (A100): MIG on with a disable pending, two instances made meanwhile, one held.
+    Enabling again changes the mode and the layout in one run: apply_host carries out the
+    plan (which kept the held instance), not a re-plan that ignores ``held``."""
+    devices.set_mig_mode(0, False)                           # Ampere: pending until a reset
+    devices.create_mig_instance(0, 9, 0)
+    devices.create_mig_instance(0, 9, 4)
+    held = {next(m.uuid for m in devices.mig_instances(0) if m.start == 0)}
+    spec = DeviceSpec((0,), True, (("3g.20gb", 1), ("2g.10gb", 1), ("1g.5gb", 1)))
+    plans = plan_host(devices, {0: spec}, held=held)
+    assert plans[0].mode_change
+    results = apply_host(devices, plans)
+    assert results[0]["steps"] == [s.to_dict() for s in plans[0].plan.steps]
+    assert held <= {m.uuid for m in devices.mig_instances(0)}
+    assert (devices.gpu(0).mig_current, devices.gpu(0).mig_pending) == (True, True)
 
 
 def test_apply_failure_names_the_gpu_and_the_step(devices, machine: Path):

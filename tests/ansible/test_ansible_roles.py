@@ -114,6 +114,60 @@ def test_controller_unit_lets_the_service_write_its_state_dir(collections_path: 
     assert "ProtectSystem=strict" in unit.read_text() and state_dir in writable, writable
 
 
+def _rpm(name: str, version: str, epoch: int | None = 3) -> dict:
+    """An entry of ansible_facts.packages as ansible.builtin.package_facts (manager rpm) gives it."""
+    return {name: [{"name": name, "version": version, "release": "1.el9", "epoch": epoch,
+                    "arch": "x86_64", "source": "rpm"}]}
+
+
+def test_rhel_driver_packages_are_held_at_the_installed_version(collections_path: Path, tmp_path: Path):
+    """On the RHEL family the driver is held with dnf's versionlock list, as dpkg holds it on
+    Debian: `dnf upgrade` must not replace the driver under running GPU jobs. The role's own
+    tasks (driver.yml, after the versionlock plugin is installed and package_facts has read
+    the rpm database) run here with the facts of a RHEL 9 host and a lock list in tmp_path."""
+    driver = yaml.safe_load((REPO / "roles" / "gpu_node" / "tasks" / "driver.yml").read_text())
+    by_name = {t["name"]: t for t in driver}
+    assert by_name["Install the dnf versionlock plugin (RHEL family)"]["ansible.builtin.dnf"]["name"] == \
+        "python3-dnf-plugin-versionlock"
+    assert "ansible.builtin.package_facts" in by_name["Read the installed packages (RHEL family)"]
+    hold = [by_name["Check that the driver packages to hold are installed (RHEL family)"],
+            by_name["Hold the driver packages at this version (RHEL family)"]]
+    os_vars = yaml.safe_load((REPO / "roles" / "gpu_node" / "vars" / "RedHat.yml").read_text())
+    locklist = tmp_path / "versionlock.list"
+    locklist.write_text("# Added lock on Mon Jan  5 10:00:00 2026\n"
+                        "kernel-0:5.14.0-503.11.1.el9_5.*\nnvidia-driver-3:550.90.07-1.el9.*\n")
+
+    def run_hold(packages: dict, os_family: str = "RedHat", *extra_args: str) -> list[dict]:
+        facts = {"os_family": os_family, "distribution_major_version": "9", "packages": packages}
+        role_vars = {**os_vars, "ansible_facts": facts, "gpu_node_driver_branch": "550",
+                     "gpu_node_dnf_versionlock_list": str(locklist)}
+        return run_tasks(collections_path, [{**t, "vars": role_vars} for t in hold], tmp_path,
+                         extra_args=list(extra_args))
+
+    driver_rpms = ("nvidia-driver", "kmod-nvidia-latest-dkms", "nvidia-driver-cuda-libs",
+                   "nvidia-fabric-manager")
+    installed = {k: v for name in driver_rpms for k, v in _rpm(name, "550.127.08").items()}
+    installed |= {**_rpm("dnf-plugin-nvidia", "2.0", epoch=None), **_rpm("bash", "5.1.8", epoch=None)}
+    held = ["nvidia-driver-3:550.127.08-1.el9.*", "kmod-nvidia-latest-dkms-3:550.127.08-1.el9.*",
+            "nvidia-driver-cuda-libs-3:550.127.08-1.el9.*", "nvidia-fabric-manager-3:550.127.08-1.el9.*"]
+
+    check = run_hold(installed, "RedHat", "--check")
+    assert not any(r.get("failed") for r in check) and check[1]["changed"] is True, check
+    assert "550.127.08" not in locklist.read_text(), "check mode wrote the lock list"
+
+    first = run_hold(installed)
+    assert not any(r.get("failed") for r in first) and first[1]["changed"] is True, first
+    lines = locklist.read_text().splitlines()
+    assert sorted(line for line in lines if "nvidia" in line) == sorted(held), lines
+    assert "kernel-0:5.14.0-503.11.1.el9_5.*" in lines          # other locks are left alone
+    assert run_hold(installed)[1]["changed"] is False            # idempotent
+
+    # Not on Debian (dpkg holds the packages there); a missing driver is said, not skipped.
+    assert all(r.get("skipped") for r in run_hold(installed, "Debian"))
+    missing = run_hold(_rpm("bash", "5.1.8", epoch=None))
+    assert missing[0].get("failed") and "nvidia-driver" in missing[0]["msg"], missing
+
+
 def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Path):
     values = {"namespace": "gpu-sharing"}
     result = run_module(collections_path, f"{COLLECTION}.k8s_manifests", {"values": values})

@@ -7,6 +7,7 @@ role's template, parsed by fastshare's parser), and the Kubernetes manifests mod
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -166,6 +167,125 @@ def test_rhel_driver_packages_are_held_at_the_installed_version(collections_path
     assert all(r.get("skipped") for r in run_hold(installed, "Debian"))
     missing = run_hold(_rpm("bash", "5.1.8", epoch=None))
     assert missing[0].get("failed") and "nvidia-driver" in missing[0]["msg"], missing
+
+
+# Directory names with the characters systemd treats specially in a command line; an
+# executable path may not hold quotes or backslashes at all (systemd refuses to load the unit).
+AWKWARD_VENV = "fast share 100% $HOME"
+AWKWARD_DATA = """data "q" it's back\\slash 50% $PATH"""
+
+
+def _systemd_argv(value: str) -> list[str]:
+    """ExecStart= value -> argv, as systemd.service(5) and systemd.syntax(7) read it: %%
+    specifiers, then words (double or single quotes, C escapes), then $$ in each argument."""
+    assert re.fullmatch(r"([^%]|%%)*", value), f"unescaped specifier in {value!r}"
+    value = value.replace("%%", "%")
+    escapes = {"n": "\n", "t": "\t", "r": "\r", "s": " ", "\\": "\\", '"': '"', "'": "'"}
+    words, word, quote, i = [], None, None, 0
+    while i < len(value):
+        c = value[i]
+        if c == "\\":
+            nxt = value[i + 1]
+            if nxt == "x":
+                word, i = (word or "") + chr(int(value[i + 2:i + 4], 16)), i + 4
+                continue
+            word, i = (word or "") + escapes[nxt], i + 2
+            continue
+        if quote:
+            quote = None if c == quote else quote
+            word = word if quote is None else word + c
+        elif c in "\"'":
+            quote, word = c, word or ""
+        elif c.isspace():
+            if word is not None:
+                words.append(word)
+            word = None
+        else:
+            word = (word or "") + c
+        i += 1
+    assert quote is None, f"unterminated quote in {value!r}"
+    if word is not None:
+        words.append(word)
+    for w in words[1:]:      # the executable path gets no variable substitution
+        assert re.fullmatch(r"([^$]|\$\$)*", w), f"unescaped $ in {w!r}"
+    return words[:1] + [w.replace("$$", "$") for w in words[1:]]
+
+
+def _exec_start(unit: Path) -> list[str]:
+    [value] = [line[len("ExecStart="):] for line in unit.read_text().splitlines()
+               if line.startswith("ExecStart=")]
+    return _systemd_argv(value)
+
+
+def _executable(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_commands_survive_paths_systemd_would_split_or_expand(collections_path: Path, tmp_path: Path):
+    """Every ExecStart= the roles write (MIG layout unit, controller unit, node agent unit)
+    takes paths with spaces, quotes, backslashes, % and $ as they are. Unquoted, systemd split
+    "/opt/my venv/bin/fastshare" at the space (\"Command /opt/my is not executable\") and
+    expanded % specifiers and $VARIABLES. `systemd-analyze verify` checks the executable it
+    parsed exists; _systemd_argv checks every other argument. Ordinary paths are written as
+    before (no quotes), and an executable systemd would refuse fails the task instead."""
+    venv, data = tmp_path / AWKWARD_VENV, tmp_path / AWKWARD_DATA
+    fastshare = _executable(venv / "bin" / "fastshare")
+    gpu_node_vars = yaml.safe_load((REPO / "roles" / "gpu_node" / "vars" / "main.yml").read_text())
+    node_vars = {**gpu_node_vars, "gpu_node_venv": str(venv), "gpu_node_gpu_backend": "sim",
+                 "gpu_node_sim_state": str(data / "sim gpus.json"),
+                 "gpu_node_mig_config_file": str(data / "mig-config.yaml"),
+                 "gpu_node_mig_config_name": "fastshare"}
+    mig_unit = tmp_path / "fastshare-mig-layout.service"
+    controller_unit = tmp_path / "fastshare-controller.service"
+    node_unit = tmp_path / "fastshare-node.service"
+    agent = yaml.safe_load((REPO / "roles" / "gpu_node" / "tasks" / "agent.yml").read_text())
+    install_agent_unit = next(t for t in agent if t["name"] == "Install the node agent unit")
+    shipped_unit = subprocess.run([str(Path(sys.executable).with_name("fastshare")), "node", "unit"],
+                                  capture_output=True, text=True, check=True).stdout
+    results = run_tasks(collections_path, [
+        {"ansible.builtin.template": {"src": str(REPO / "roles/gpu_node/templates" / f"{mig_unit.name}.j2"),
+                                      "dest": str(mig_unit), "mode": "0644"}, "vars": node_vars},
+        {"ansible.builtin.template": {"src": str(REPO / "roles/controller/templates" /
+                                                 f"{controller_unit.name}.j2"),
+                                      "dest": str(controller_unit), "mode": "0644"},
+         "vars": {"controller_user": "root", "controller_venv": str(venv),
+                  "controller_state_dir": "/var/lib/fastshare/controller"}},
+        {**install_agent_unit, "notify": [], "vars": {**node_vars, "gpu_node_unit": {"stdout": shipped_unit}},
+         "ansible.builtin.copy": {**install_agent_unit["ansible.builtin.copy"],
+                                  "dest": str(node_unit)}},
+        {"ansible.builtin.template": {"src": str(REPO / "roles/gpu_node/templates" / f"{mig_unit.name}.j2"),
+                                      "dest": str(tmp_path / "default.service"), "mode": "0644"},
+         "vars": {**gpu_node_vars, "gpu_node_venv": "/opt/fastshare", "gpu_node_gpu_backend": "nvml",
+                  "gpu_node_mig_config_file": "/etc/fastshare/mig-config.yaml",
+                  "gpu_node_mig_config_name": "fastshare"}},
+        {"ansible.builtin.template": {"src": str(REPO / "roles/controller/templates" /
+                                                 f"{controller_unit.name}.j2"),
+                                      "dest": str(tmp_path / "refused.service"), "mode": "0644"},
+         "vars": {"controller_user": "root", "controller_venv": str(data),
+                  "controller_state_dir": "/var/lib/fastshare/controller"}},
+    ], tmp_path)
+    *rendered, refused = results
+    assert not any(r.get("failed") for r in rendered), [r.get("msg") for r in rendered]
+    for unit in (mig_unit, controller_unit, node_unit):
+        verify = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
+                                timeout=120)
+        assert verify.returncode == 0 and unit.name not in verify.stderr, verify.stderr
+        assert _exec_start(unit)[0] == str(fastshare), unit.read_text()
+    assert _exec_start(mig_unit)[1:] == [
+        "mig", "config", "--gpu-backend", "sim", "--sim-state", str(data / "sim gpus.json"),
+        "--file", str(data / "mig-config.yaml"), "--select", "fastshare", "--apply"]
+    assert _exec_start(controller_unit)[1:] == ["controller", "serve", "--config",
+                                                "/etc/fastshare/controller.yaml"]
+    assert _exec_start(node_unit)[1:] == ["node", "serve", "--config", "/etc/fastshare/node.yaml"]
+    assert f"apply the MIG layout ({data / 'mig-config.yaml'})".replace("%", "%%") in mig_unit.read_text()
+    assert refused.get("failed") and "systemd refuses an executable path" in refused["msg"], refused
+    assert ("ExecStart=/opt/fastshare/bin/fastshare mig config --gpu-backend nvml --file "
+            "/etc/fastshare/mig-config.yaml --select fastshare --apply\n"
+            in (tmp_path / "default.service").read_text())
 
 
 def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Path):

@@ -36,8 +36,9 @@ BIN = Path(sys.executable).parent
 
 def _start_agent(work: Path) -> tuple[subprocess.Popen, dict[str, int], Path]:
     pki.init_ca(work / "ca")
-    pki.issue(work / "ca", "node", work / "server", sans=["127.0.0.1"], days=1)
-    pki.issue(work / "ca", "bench", work / "client", usage="client", days=1)
+    pki.issue(work / "ca", "node", work / "server", sans=["127.0.0.1"], role="node", days=1)
+    # Over mTLS the agent takes PrepareShare only from the controller: the benchmark is one.
+    pki.issue(work / "ca", "bench", work / "client", role="controller", days=1)
     machine = work / "machine.json"
     simnvml.create_machine(machine, ["A100-SXM4-40GB"])
     # Like production: run_dir on tmpfs (/run), the journal on disk (fsync is real there).

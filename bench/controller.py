@@ -74,8 +74,9 @@ class Cluster:
         shm = Path("/dev/shm")
         self.run_root = Path(tempfile.mkdtemp(prefix="fsb-run-", dir=shm)) if shm.is_dir() else root
         certs.init_ca(root / "ca")
-        for name in ("controller", "client", "node-1", "node-2"):
-            certs.issue(root / "ca", name, root / "pki", sans=["127.0.0.1"])
+        for name, role in (("controller", "controller"), ("client", "client"), ("node-1", "node"),
+                           ("node-2", "node")):
+            certs.issue(root / "ca", name, root / "pki", sans=["127.0.0.1"], role=role)
 
     def _spawn(self, args: list[str], log: str) -> None:
         with open(self.root / log, "ab") as out:

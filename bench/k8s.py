@@ -144,7 +144,7 @@ def main() -> None:
         api = plane.api_client()
         envtest.install_crds(api)
         certs.init_ca(root / "ca")
-        certs.issue(root / "ca", "controller", root / "controller", usage="client", days=1)
+        certs.issue(root / "ca", "controller", root / "controller", role="controller", days=1)
         tls = TlsPaths.in_dir(root / "controller", "controller")
         # 2 nodes x 8 GPUs x 48 MPS clients each = 768 shares >= 500
         agents = [Agent(root, root / "ca", f"node-{i}", ["V100-SXM2-32GB"] * 8, mig=False) for i in range(2)]

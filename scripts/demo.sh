@@ -55,8 +55,9 @@ export FASTSHARE_CONTROLLER="127.0.0.1:$controller_port" FASTSHARE_TLS_DIR="$wor
 
 step "certificates: a cluster CA, the controller, a client and two nodes (mTLS everywhere)"
 fastshare certs init "$work/ca" >/dev/null
-for name in controller client node-a node-b; do
-  fastshare certs issue --ca "$work/ca" --name "$name" --san 127.0.0.1 --out "$work/pki" >/dev/null
+for role_name in controller:controller client:client node:node-a node:node-b; do
+  fastshare certs issue --ca "$work/ca" --role "${role_name%%:*}" --name "${role_name#*:}" --san 127.0.0.1 \
+    --out "$work/pki" >/dev/null
 done
 ls "$work/pki"
 

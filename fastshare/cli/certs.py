@@ -41,16 +41,17 @@ def init(ca_dir: Path, name: str, days: int, force: bool, as_json: bool) -> None
 @click.option("--san", "sans", multiple=True, help="Extra DNS name or IP address; repeatable.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Writes NAME.crt, NAME.key and ca.crt here.")
-@click.option("--usage", type=click.Choice(pki.USAGES), default="both", show_default=True,
-              help="Extended key usage.")
+@click.option("--role", type=click.Choice(pki.ROLES), default=pki.DEFAULT_ROLE, show_default=True,
+              help="node: a node agent (NAME = its node name); controller: the controller; client: a "
+                   "user or operator of the controller's API. Servers decide on the role, not on names.")
 @click.option("--days", type=int, default=pki.DEFAULT_LEAF_DAYS, show_default=True,
               help="Lifetime; short on purpose, servers reload re-issued files.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def issue(ca_dir: Path, name: str, sans: tuple[str, ...], out_dir: Path, usage: str, days: int,
+def issue(ca_dir: Path, name: str, sans: tuple[str, ...], out_dir: Path, role: str, days: int,
           as_json: bool) -> None:
-    """Issue a certificate signed by the CA (ECDSA P-256)."""
+    """Issue a certificate with a role, signed by the CA (ECDSA P-256)."""
     try:
-        issued = pki.issue(ca_dir, name, out_dir, sans=sans, usage=usage, days=days)
+        issued = pki.issue(ca_dir, name, out_dir, sans=sans, role=role, days=days)
     except pki.CertError as exc:
         fail(str(exc))
     info = pki.describe(issued.cert_path)
@@ -58,16 +59,16 @@ def issue(ca_dir: Path, name: str, sans: tuple[str, ...], out_dir: Path, usage: 
     if as_json:
         print_json(info)
     else:
-        print_table(None, ["cert", "key", "ca", "names", "valid until"],
-                    [[issued.cert_path, issued.key_path, issued.ca_path, ", ".join(info["sans"]),
-                      info["not_after"]]])
+        print_table(None, ["cert", "key", "ca", "role", "names", "valid until"],
+                    [[issued.cert_path, issued.key_path, issued.ca_path, info["role"],
+                      ", ".join(info["sans"]), info["not_after"]]])
 
 
 @certs.command("show")
 @click.argument("cert", type=click.Path(dir_okay=False, exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(cert: Path, as_json: bool) -> None:
-    """Subject, names and validity of a certificate."""
+    """Subject, role, names and validity of a certificate."""
     try:
         info = pki.describe(cert)
     except ValueError as exc:
@@ -75,9 +76,9 @@ def show(cert: Path, as_json: bool) -> None:
     if as_json:
         print_json(info)
     else:
-        print_table(None, ["common name", "names", "not before", "not after", "issuer"],
-                    [[info["common_name"], ", ".join(info["sans"]), info["not_before"],
-                      info["not_after"], info["issuer"]]])
+        print_table(None, ["common name", "role", "names", "not before", "not after", "issuer"],
+                    [[info["common_name"], info["role"] or "none (re-issue it with --role)",
+                      ", ".join(info["sans"]), info["not_before"], info["not_after"], info["issuer"]]])
 
 
 COMMANDS = [certs]

@@ -106,7 +106,8 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         fail("--state-dir is required (or state_dir in --config)")
     if "tls_dir" not in values:
         fail("--tls-dir is required (or tls_dir in --config)",
-             "create certificates with `fastshare certs init` and `fastshare certs issue --name controller`")
+             "create certificates with `fastshare certs init` and "
+             "`fastshare certs issue --role controller --name controller`")
     tokens: tuple[str, ...] = ()
     if values.get("token_file"):
         try:

@@ -106,7 +106,7 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
     try:
         tls.check()
     except (OSError, ValueError) as exc:
-        fail(str(exc), hint="fastshare certs issue --name controller --out DIR")
+        fail(str(exc), hint="fastshare certs issue --role controller --name controller --out DIR")
     try:
         if kubeconfig:
             api = config.new_client_from_config(config_file=kubeconfig)

@@ -6,6 +6,25 @@ servers reload them from disk when they change (see ``tls``), so re-issuing is e
 Directory layout (stable, the Ansible roles and the CLI rely on it):
   CA dir:   ca.crt, ca.key (0600)
   out dir:  NAME.crt, NAME.key (0600), ca.crt (copy of the CA certificate, for peers)
+
+Roles. Every leaf certificate carries exactly one role, and the servers decide on it, not on
+the names a certificate lists:
+  node        a node agent: registers and heartbeats as the node in its Common Name, serves
+              the agent API;
+  controller  the controller: the only caller an agent takes GPU-changing orders from;
+  client      a user or operator: the controller's client API, nothing else (the default).
+
+The role is the Subject Organizational Unit ``fastshare:ROLE`` (the idea of Kubernetes'
+``O=system:nodes`` / ``CN=system:node:NAME``): a certificate has one subject, so it carries
+one role, bound to its one Common Name, which is the name the role acts for. The DNS and IP
+SANs stay what they are for, host name verification; a node certificate may list any host
+name there without becoming that node. A SAN URI (SPIFFE style) would do too, but it would
+land in the same SAN list as the host names (gRPC reports them together, and
+``allowed_clients`` matches names there), and mixing "which host" with "who" is the confusion
+this replaces: a certificate that merely *named* a node could act as it. Only `issue` (the CA
+key's holder) writes the OU, exactly one per certificate. Certificates issued before roles
+existed have none: :func:`role_of` gives None, and no server grants them a node's or the
+controller's authority (they keep what any client certificate may do).
 """
 
 from __future__ import annotations
@@ -28,7 +47,13 @@ CA_KEY = "ca.key"
 DEFAULT_CA_DAYS = 3650
 DEFAULT_LEAF_DAYS = 30
 MAX_LEAF_DAYS = 825  # browsers' historic cap; longer leaves defeat rotation
-USAGES = ("server", "client", "both")
+ROLES = ("node", "controller", "client")
+DEFAULT_ROLE = "client"   # least authority: what a certificate gets unless a role is asked for
+_ROLE_PREFIX = "fastshare:"
+# Node agents and the controller both serve and call; users only call.
+_ROLE_EKUS = {"node": [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+              "controller": [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+              "client": [ExtendedKeyUsageOID.CLIENT_AUTH]}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # Clocks on a cluster drift; a certificate valid "from now" fails on a node a few seconds behind.
 _BACKDATE = dt.timedelta(minutes=5)
@@ -131,6 +156,28 @@ def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
     return cert, key
 
 
+def leaf_subject(name: str, role: str) -> x509.Name:
+    """O=fastshare, OU=fastshare:ROLE, CN=NAME (see the module docstring)."""
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fastshare"),
+                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, _ROLE_PREFIX + role),
+                      x509.NameAttribute(NameOID.COMMON_NAME, name)])
+
+
+def role_of(cert: x509.Certificate) -> str | None:
+    """The certificate's role, or None: issued before roles existed, or not by `fastshare certs`."""
+    marks = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+             if isinstance(a.value, str) and a.value.startswith(_ROLE_PREFIX)]
+    if len(marks) != 1:
+        return None
+    role = marks[0][len(_ROLE_PREFIX):]
+    return role if role in ROLES else None
+
+
+def reissue_command(role: str, name: str) -> str:
+    """What to run to get a certificate with ``role`` for ``name`` (for error messages)."""
+    return f"fastshare certs issue --role {role} --name {name}"
+
+
 def _san_entry(value: str) -> x509.GeneralName:
     try:
         return x509.IPAddress(ipaddress.ip_address(value))
@@ -142,17 +189,17 @@ def _san_entry(value: str) -> x509.GeneralName:
 
 
 def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[str] = (),
-          usage: str = "both", days: int = DEFAULT_LEAF_DAYS) -> IssuedCert:
-    """Issue ``NAME.crt``/``NAME.key`` signed by the CA; CN = name, SAN = name + ``sans``.
-
-    ``usage`` both (default) suits agents: they serve RPCs and also call the controller.
-    """
+          role: str = DEFAULT_ROLE, days: int = DEFAULT_LEAF_DAYS) -> IssuedCert:
+    """Issue ``NAME.crt``/``NAME.key`` signed by the CA; CN = name, SAN = name + ``sans``,
+    with ``role`` (see the module docstring). The role also sets the extended key usage:
+    node and controller certificates serve and call (server and client auth), client
+    certificates only call."""
     validate_name("--name", name)
     if f"{name}.crt" == CA_CERT:
         raise CertError(f"--name {name!r} is reserved: {name}.crt and {name}.key are the CA's file names")
     _validate_days("--days", days, MAX_LEAF_DAYS)
-    if usage not in USAGES:
-        raise CertError(f"--usage must be one of {', '.join(USAGES)}, got {usage!r}")
+    if role not in ROLES:
+        raise CertError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
     entries: list[x509.GeneralName] = []
     for value in (name, *sans):
         entry = _san_entry(value)
@@ -166,12 +213,9 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
                         "refused; create a new CA with `fastshare certs init DIR --force`")
     key = ec.generate_private_key(ec.SECP256R1())
     not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
-    ekus = {"server": [ExtendedKeyUsageOID.SERVER_AUTH], "client": [ExtendedKeyUsageOID.CLIENT_AUTH],
-            "both": [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]}[usage]
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fastshare"),
-                                 x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .subject_name(leaf_subject(name, role))
         .issuer_name(ca_cert.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _BACKDATE).not_valid_after(not_after)
@@ -180,7 +224,7 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
                                      content_commitment=False, key_encipherment=False,
                                      data_encipherment=False, key_agreement=True,
                                      encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage(ekus), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(_ROLE_EKUS[role]), critical=False)
         .add_extension(x509.SubjectAlternativeName(entries), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
                        critical=False)
@@ -197,7 +241,8 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
 
 
 def describe(cert_path: Path) -> dict[str, object]:
-    """Subject, SANs and validity of a certificate (for `fastshare certs show`)."""
+    """Subject, role, SANs and validity of a certificate (for `fastshare certs show`); role is
+    None for a certificate without one."""
     cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -206,7 +251,7 @@ def describe(cert_path: Path) -> dict[str, object]:
     except x509.ExtensionNotFound:
         sans = []
     cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    return {"path": str(cert_path), "common_name": cn[0].value if cn else "",
+    return {"path": str(cert_path), "common_name": cn[0].value if cn else "", "role": role_of(cert),
             "issuer": cert.issuer.rfc4514_string(), "sans": sans,
             "not_before": cert.not_valid_before_utc.isoformat(),
             "not_after": cert.not_valid_after_utc.isoformat(),

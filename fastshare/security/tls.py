@@ -12,6 +12,7 @@ certificates can be rotated by re-issuing them in place, without a restart.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterable
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from cryptography import x509
+
+from fastshare.security.certs import reissue_command, role_of
 
 
 @dataclass(frozen=True)
@@ -123,17 +127,41 @@ def mtls_channel(target: str, paths: TlsPaths, server_name: str | None = None,
 
 @dataclass(frozen=True)
 class PeerIdentity:
-    """Who is calling, from the verified client certificate."""
+    """Who is calling, from the verified client certificate. ``role`` (see
+    :mod:`fastshare.security.certs`) is None for a certificate issued without one."""
 
     common_name: str
     sans: tuple[str, ...]
+    role: str | None = None
 
     def names(self) -> set[str]:
         return {self.common_name, *self.sans}
 
+    def describe_role(self) -> str:
+        return f"the {self.role} role" if self.role else "no role (issued before certificates had roles)"
+
+    def is_node(self, node: str) -> str | None:
+        """None if this is node ``node``'s own certificate, else what is wrong and what to do."""
+        if self.role != "node":
+            return (f"certificate {self.common_name!r} has {self.describe_role()}, not the node role, so it "
+                    f"cannot act as node {node!r}; re-issue it with `{reissue_command('node', node)}`")
+        if self.common_name != node:
+            return (f"the node certificate of {self.common_name!r} cannot act as node {node!r}: a node "
+                    "certificate acts only for the node in its common name (the agent's node_name must "
+                    f"be that name, or give it a certificate from `{reissue_command('node', node)}`)")
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _role_of_pem(pem: bytes) -> str | None:
+    try:
+        return role_of(x509.load_pem_x509_certificate(pem))
+    except ValueError:
+        return None
+
 
 def peer_identity(context: grpc.ServicerContext) -> PeerIdentity | None:
-    """The verified client certificate's CN and SANs, or None (no TLS or no client cert).
+    """The verified client certificate's CN, SANs and role, or None (no TLS or no client cert).
 
     gRPC only fills these keys after it verified the chain against the server's CA.
     """
@@ -143,7 +171,8 @@ def peer_identity(context: grpc.ServicerContext) -> PeerIdentity | None:
     if not cns and not sans:
         return None
     cn = cns[0].decode() if cns else ""
-    return PeerIdentity(cn, tuple(s.decode() for s in sans))
+    pem = (auth.get("x509_pem_cert") or [b""])[0]
+    return PeerIdentity(cn, tuple(s.decode() for s in sans), _role_of_pem(pem) if pem else None)
 
 
 def require_peer(context: grpc.ServicerContext, allowed: Iterable[str] = ()) -> PeerIdentity:

@@ -65,11 +65,12 @@ class Pki:
         self.ca = root / "ca"
         self.dir = root / "pki"
         certs.init_ca(self.ca)
-        for name in ("controller", "client"):
-            self.issue(name)
+        self.issue("controller", role="controller")
+        self.issue("client", role="client")
 
-    def issue(self, name: str) -> Path:
-        certs.issue(self.ca, name, self.dir, sans=["127.0.0.1", "localhost"])
+    def issue(self, name: str, role: str = "node") -> Path:
+        """A certificate in the shared directory; node agents' by default."""
+        certs.issue(self.ca, name, self.dir, sans=["127.0.0.1", "localhost"], role=role)
         return self.dir
 
 

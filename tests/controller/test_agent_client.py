@@ -182,7 +182,7 @@ def test_the_pool_presents_the_certificate_renewed_on_disk_after_the_old_one_exp
 
     pki = Pki(tmp_path)
     pki.issue("node-x")
-    issue_client_cert(pki.ca, "controller", pki.dir, ends_in_days=2 / 86400)
+    issue_client_cert(pki.ca, "controller", pki.dir, ends_in_days=2 / 86400, role="controller")
     ends = time.monotonic() + 2
 
     def serve(address):
@@ -196,7 +196,7 @@ def test_the_pool_presents_the_certificate_renewed_on_disk_after_the_old_one_exp
     pool = AgentPool(TlsPaths.in_dir(pki.dir, "controller"))
     try:
         pool.get("node-x", address).ping()
-        pki.issue("controller")                  # renewed before the old one ends
+        pki.issue("controller", role="controller")   # renewed before the old one ends
         time.sleep(max(0.0, ends - time.monotonic()) + 0.5)
         server.stop(None)                        # the agent restarts: a new handshake
         server, _ = serve(address)

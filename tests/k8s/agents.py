@@ -34,7 +34,7 @@ class Agent:
     def __init__(self, root: Path, ca: Path, name: str, models: list[str], mig: bool) -> None:
         self.name, self.root = name, root / name
         self.root.mkdir(parents=True)
-        certs.issue(ca, name, self.root / "pki", sans=["127.0.0.1", "localhost"], days=1)
+        certs.issue(ca, name, self.root / "pki", sans=["127.0.0.1", "localhost"], role="node", days=1)
         self.machine = self.root / "machine.json"
         simnvml.create_machine(self.machine, models, mig_enabled=mig)
         self.port = free_port()

@@ -301,7 +301,7 @@ def consistent(cluster: Cluster) -> list[str]:
 def chaos_cluster(control_plane, api_client, fastpod_crd, namespace, tmp_path):
     root = tmp_path
     certs.init_ca(root / "ca")
-    certs.issue(root / "ca", "controller", root / "pki", sans=["127.0.0.1"], days=1)
+    certs.issue(root / "ca", "controller", root / "pki", sans=["127.0.0.1"], role="controller", days=1)
     tls = TlsPaths.in_dir(root / "pki", "controller")
     suffix = uuid.uuid4().hex[:4]
     agents = {

@@ -36,7 +36,7 @@ MPS = {"kind": "mps", "memory": "2Gi"}
 def tls(tmp_path_factory) -> TlsPaths:
     root = tmp_path_factory.mktemp("pki")
     certs.init_ca(root / "ca")
-    certs.issue(root / "ca", "controller", root / "pki", sans=["127.0.0.1", "localhost"])
+    certs.issue(root / "ca", "controller", root / "pki", sans=["127.0.0.1", "localhost"], role="controller")
     return TlsPaths.in_dir(root / "pki", "controller")
 
 

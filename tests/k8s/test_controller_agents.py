@@ -40,7 +40,7 @@ from .conftest import wait_for
 def pki(tmp_path_factory):
     root = tmp_path_factory.mktemp("k8s-agents")
     certs.init_ca(root / "ca")
-    certs.issue(root / "ca", "controller", root / "controller", usage="client", days=1)
+    certs.issue(root / "ca", "controller", root / "controller", role="controller", days=1)
     return root, TlsPaths.in_dir(root / "controller", "controller")
 
 

@@ -21,7 +21,7 @@ from .conftest import wait_for
 @pytest.fixture
 def tls_dir(tmp_path) -> Path:
     certs.init_ca(tmp_path / "ca")
-    certs.issue(tmp_path / "ca", "controller", tmp_path / "pki", sans=["127.0.0.1"])
+    certs.issue(tmp_path / "ca", "controller", tmp_path / "pki", sans=["127.0.0.1"], role="controller")
     return tmp_path / "pki"
 
 

@@ -122,7 +122,7 @@ def fuzz_env(api_client, fastpod_crd, tmp_path_factory):
     """A namespace, one agent (H100 in MIG mode + V100) with its Node, and the controller."""
     root = tmp_path_factory.mktemp("k8s-fuzz")
     certs.init_ca(root / "ca")
-    certs.issue(root / "ca", "controller", root / "controller", usage="client", days=1)
+    certs.issue(root / "ca", "controller", root / "controller", role="controller", days=1)
     tls = TlsPaths.in_dir(root / "controller", "controller")
     core = client.CoreV1Api(api_client)
     namespace = f"fz-{uuid.uuid4().hex[:8]}"

@@ -153,7 +153,7 @@ def test_the_controller_does_its_whole_job_with_exactly_that_role(controller_api
     """Leader Lease, node watch, finalizer, replica Pod with nodeName, status, Pod deletion and
     finalizer removal, all with the service account's token; the admin plays only user and kubelet."""
     certs.init_ca(tmp_path / "ca")
-    certs.issue(tmp_path / "ca", "controller", tmp_path / "controller", usage="client", days=1)
+    certs.issue(tmp_path / "ca", "controller", tmp_path / "controller", role="controller", days=1)
     tls = TlsPaths.in_dir(tmp_path / "controller", "controller")
     admin = client.CoreV1Api(api_client)
     agent = Agent(tmp_path, tmp_path / "ca", f"rbac-{uuid.uuid4().hex[:4]}", ["V100-SXM2-32GB"], mig=False)

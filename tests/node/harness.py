@@ -38,10 +38,10 @@ def pki_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("pki")
     pki.init_ca(root / "ca")
     pki.init_ca(root / "other-ca")
-    pki.issue(root / "ca", "node-1", root / "server", sans=["127.0.0.1", "localhost"], days=1)
-    pki.issue(root / "ca", "controller", root / "controller", usage="client", days=1)
-    pki.issue(root / "ca", "stranger", root / "stranger", usage="client", days=1)
-    pki.issue(root / "other-ca", "controller", root / "intruder", usage="client", days=1)
+    pki.issue(root / "ca", "node-1", root / "server", sans=["127.0.0.1", "localhost"], role="node", days=1)
+    pki.issue(root / "ca", "controller", root / "controller", role="controller", days=1)
+    pki.issue(root / "ca", "stranger", root / "stranger", role="client", days=1)
+    pki.issue(root / "other-ca", "controller", root / "intruder", role="controller", days=1)
     return root
 
 

@@ -1,5 +1,6 @@
-"""Hand-made certificates of the cluster CA that `fastshare certs` refuses to issue (expired ones),
-shared by the TLS tests of the bare credentials, the node agent and the controller."""
+"""Hand-made certificates of the cluster CA that `fastshare certs` refuses to issue (expired ones,
+ones without a role as issued before roles existed), shared by the TLS tests of the bare
+credentials, the node agent and the controller."""
 
 import datetime as dt
 from pathlib import Path
@@ -12,20 +13,56 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fastshare.security import certs as pki
 
 
-def issue_client_cert(ca_dir: Path, name: str, out_dir: Path, ends_in_days: int) -> None:
-    """A client certificate of the cluster CA, valid until ``ends_in_days`` from now."""
+def _write(out_dir: Path, name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out_dir / f"{name}.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+
+def issue_client_cert(ca_dir: Path, name: str, out_dir: Path, ends_in_days: int,
+                      role: str | None = None) -> None:
+    """A client certificate of the cluster CA, valid until ``ends_in_days`` from now, with
+    ``role`` (none by default)."""
     ca_cert, ca_key = pki.load_ca(ca_dir)
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
+    subject = (pki.leaf_subject(name, role) if role
+               else x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
     cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .subject_name(subject)
             .issuer_name(ca_cert.subject).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(days=10))
             .not_valid_after(now + dt.timedelta(days=ends_in_days))
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256()))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (out_dir / f"{name}.key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    _write(out_dir, name, cert, key)
+
+
+def issue_roleless_cert(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] = (),
+                        days: int = 30) -> None:
+    """What `fastshare certs issue` wrote before certificates had roles (its default usage
+    "both"): O=fastshare, CN=name, DNS/IP SANs name + ``sans``, server and client auth."""
+    ca_cert, ca_key = pki.load_ca(ca_dir)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    entries = []
+    for value in (name, *sans):
+        entry = pki._san_entry(value)
+        if entry not in entries:
+            entries.append(entry)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fastshare"),
+                                     x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(x509.SubjectAlternativeName(entries), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    _write(out_dir, name, cert, key)
+    (out_dir / pki.CA_CERT).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))

@@ -3,15 +3,18 @@
 import datetime as dt
 import ipaddress
 import json
+import os
 import stat
 import subprocess
 
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fastshare.security import certs as pki
+
+from .handmade import issue_roleless_cert
 
 
 def _load(path):
@@ -21,7 +24,8 @@ def _load(path):
 def test_init_then_issue_gives_a_chain_the_ca_verifies(tmp_path):
     ca_cert_path = pki.init_ca(tmp_path / "ca")
     assert stat.S_IMODE((tmp_path / "ca" / "ca.key").stat().st_mode) == 0o600
-    issued = pki.issue(tmp_path / "ca", "node-1", tmp_path / "out", sans=["127.0.0.1", "node-1.lan"])
+    issued = pki.issue(tmp_path / "ca", "node-1", tmp_path / "out", sans=["127.0.0.1", "node-1.lan"],
+                       role="node")
     assert stat.S_IMODE(issued.key_path.stat().st_mode) == 0o600
     ca, leaf = _load(ca_cert_path), _load(issued.cert_path)
     leaf.verify_directly_issued_by(ca)
@@ -42,11 +46,33 @@ def test_leaf_is_short_lived_by_default(tmp_path):
     assert dt.timedelta(days=pki.DEFAULT_LEAF_DAYS - 1) < life <= dt.timedelta(days=pki.DEFAULT_LEAF_DAYS)
 
 
-def test_client_usage_has_only_client_auth(tmp_path):
+def test_client_role_has_only_client_auth_and_is_the_default(tmp_path):
     pki.init_ca(tmp_path / "ca")
-    issued = pki.issue(tmp_path / "ca", "cli", tmp_path / "out", usage="client", days=1)
-    eku = _load(issued.cert_path).extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    for issued in (pki.issue(tmp_path / "ca", "cli", tmp_path / "out", role="client", days=1),
+                   pki.issue(tmp_path / "ca", "dflt", tmp_path / "out", days=1)):
+        leaf = _load(issued.cert_path)
+        eku = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+        assert pki.role_of(leaf) == "client"
+
+
+@pytest.mark.parametrize("role", pki.ROLES)
+def test_the_role_is_in_the_subject_and_read_back(tmp_path, role):
+    pki.init_ca(tmp_path / "ca")
+    issued = pki.issue(tmp_path / "ca", "n1", tmp_path / "out", sans=["10.0.0.1"], role=role, days=1)
+    leaf = _load(issued.cert_path)
+    assert pki.role_of(leaf) == role
+    ous = leaf.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    assert [a.value for a in ous] == [f"fastshare:{role}"]
+    assert leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "n1"
+    assert pki.describe(issued.cert_path)["role"] == role
+
+
+def test_a_certificate_from_before_roles_has_none(tmp_path):
+    pki.init_ca(tmp_path / "ca")
+    issue_roleless_cert(tmp_path / "ca", "n1", tmp_path / "out")
+    assert pki.role_of(_load(tmp_path / "out" / "n1.crt")) is None
+    assert pki.describe(tmp_path / "out" / "n1.crt")["role"] is None
 
 
 def test_init_refuses_to_replace_a_ca(tmp_path):
@@ -64,7 +90,7 @@ def test_init_refuses_to_replace_a_ca(tmp_path):
     ({"name": "x", "days": 0}, "--days must be between 1 and"),
     ({"name": "x", "days": 5000}, "--days must be between 1 and"),
     ({"name": "x", "sans": ["not a name!"]}, "--san"),
-    ({"name": "x", "usage": "everything"}, "--usage"),
+    ({"name": "x", "role": "admin"}, "--role must be one of node, controller, client"),
 ])
 def test_issue_rejects_bad_input_naming_the_field_and_writes_nothing(tmp_path, kwargs, message):
     pki.init_ca(tmp_path / "ca")
@@ -81,15 +107,16 @@ def test_issue_without_a_ca_says_how_to_make_one(tmp_path):
 def test_cli_init_issue_show(tmp_path):
     ca = tmp_path / "ca"
     subprocess.run(["fastshare", "certs", "init", str(ca)], check=True, capture_output=True)
-    out = subprocess.run(["fastshare", "certs", "issue", "--ca", str(ca), "--name", "agent-a",
-                          "--san", "::1", "--out", str(tmp_path / "o"), "--days", "2", "--json"],
+    out = subprocess.run(["fastshare", "certs", "issue", "--ca", str(ca), "--name", "agent-a", "--role",
+                          "node", "--san", "::1", "--out", str(tmp_path / "o"), "--days", "2", "--json"],
                          check=True, capture_output=True, text=True)
     info = json.loads(out.stdout)
-    assert info["common_name"] == "agent-a"
+    assert info["common_name"] == "agent-a" and info["role"] == "node"
     assert set(info["sans"]) == {"agent-a", "::1"}
     shown = subprocess.run(["fastshare", "certs", "show", "--json", str(tmp_path / "o" / "agent-a.crt")],
                            check=True, capture_output=True, text=True)
     assert json.loads(shown.stdout)["serial"] == info["serial"]
+    assert json.loads(shown.stdout)["role"] == "node"
     again = subprocess.run(["fastshare", "certs", "init", str(ca)], capture_output=True, text=True)
     assert again.returncode != 0 and "already exists" in again.stderr
 
@@ -114,3 +141,30 @@ def test_issue_refuses_the_name_of_the_ca_files(tmp_path, out):
     with pytest.raises(pki.CertError, match="--name"):
         pki.issue(tmp_path / "ca", "ca", tmp_path / out)
     assert (tmp_path / "ca" / "ca.key").read_bytes() == ca_key
+
+
+def test_cli_issue_role_defaults_to_client_and_show_displays_roles(tmp_path):
+    """Without --role a certificate gets the least authority; `certs show` names the role, and
+    says so when a certificate (from before roles) has none."""
+    ca, out = tmp_path / "ca", tmp_path / "o"
+    pki.init_ca(ca)
+    wide = {**os.environ, "COLUMNS": "400"}  # one table row per line
+    issued = subprocess.run(["fastshare", "certs", "issue", "--ca", str(ca), "--name", "alice", "--out",
+                             str(out)], check=True, capture_output=True, text=True, env=wide)
+    assert "client" in issued.stdout.splitlines()[-1].split()
+    assert pki.describe(out / "alice.crt")["role"] == "client"
+    subprocess.run(["fastshare", "certs", "issue", "--ca", str(ca), "--name", "ctl", "--role", "controller",
+                    "--out", str(out)], check=True, capture_output=True)
+    shown = subprocess.run(["fastshare", "certs", "show", str(out / "ctl.crt")], check=True,
+                           capture_output=True, text=True, env=wide)
+    assert shown.stdout.splitlines()[-1].split()[:2] == ["ctl", "controller"]
+    issue_roleless_cert(ca, "old-node", out)
+    shown = subprocess.run(["fastshare", "certs", "show", str(out / "old-node.crt")], check=True,
+                           capture_output=True, text=True, env=wide)
+    assert shown.stdout.splitlines()[-1].startswith("old-node     none (re-issue it with --role)")
+    bad = subprocess.run(["fastshare", "certs", "issue", "--ca", str(ca), "--name", "x", "--role", "admin",
+                          "--out", str(out)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--role" in bad.stderr
+    gone = subprocess.run(["fastshare", "certs", "issue", "--ca", str(ca), "--name", "x", "--usage", "both",
+                           "--out", str(out)], capture_output=True, text=True)
+    assert gone.returncode == 2 and "--usage" in gone.stderr, "the role replaced --usage"

@@ -44,10 +44,10 @@ def pkis(tmp_path):
     """Two independent CAs: the cluster's and a stranger's, with certs from each."""
     for ca in ("ca", "other-ca"):
         pki.init_ca(tmp_path / ca)
-    pki.issue(tmp_path / "ca", "server", tmp_path / "server", sans=["127.0.0.1"], days=1)
-    pki.issue(tmp_path / "ca", "admin", tmp_path / "admin", usage="client", days=1)
-    pki.issue(tmp_path / "ca", "worker", tmp_path / "worker", usage="client", days=1)
-    pki.issue(tmp_path / "other-ca", "admin", tmp_path / "intruder", usage="client", days=1)
+    pki.issue(tmp_path / "ca", "server", tmp_path / "server", sans=["127.0.0.1"], role="node", days=1)
+    pki.issue(tmp_path / "ca", "admin", tmp_path / "admin", role="client", days=1)
+    pki.issue(tmp_path / "ca", "worker", tmp_path / "worker", role="client", days=1)
+    pki.issue(tmp_path / "other-ca", "admin", tmp_path / "intruder", role="client", days=1)
     issue_client_cert(tmp_path / "ca", "admin", tmp_path / "expired", ends_in_days=-1)
     issue_client_cert(tmp_path / "ca", "admin", tmp_path / "handmade", ends_in_days=1)  # control
     return tmp_path
@@ -120,7 +120,7 @@ def test_server_follows_certificates_rotated_on_disk(pkis):
     server, target = _serve(paths, require=True)
     try:
         assert _call(mtls_channel(target, TlsPaths.in_dir(pkis / "admin", "admin"))) == b"admin"
-        pki.issue(pkis / "other-ca", "server", pkis / "server", sans=["127.0.0.1"], days=1)
+        pki.issue(pkis / "other-ca", "server", pkis / "server", sans=["127.0.0.1"], role="node", days=1)
         assert _call(mtls_channel(target, TlsPaths.in_dir(pkis / "intruder", "admin"))) == b"admin"
     finally:
         server.stop(0)

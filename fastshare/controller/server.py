@@ -1,11 +1,14 @@
 """The controller's gRPC servicers, authentication, and the serve loop.
 
 Authentication:
-- NodeRegistry: mTLS only, and the certificate must name the node that registers.
+- NodeRegistry: mTLS only, with the node's own certificate: the node role and the node's name
+  as common name (see :mod:`fastshare.security.certs`); any other certificate of the cluster
+  CA, however it is named, is refused.
 - Controller (clients): ``client_auth`` = ``cert`` (a client certificate signed by the cluster
   CA), ``token`` (``authorization: Bearer <token>`` metadata), or ``any`` (either). The main
   port always requires a client certificate at the TLS layer; ``token_listen`` adds a
-  server-TLS-only port for token clients without certificates.
+  server-TLS-only port for token clients without certificates. A node certificate is a GPU
+  node's, not a user's: it may only read, and cordon or uncordon its own node.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.heap import freeze_startup_objects
+from fastshare.security.certs import reissue_command
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
 from fastshare.sqlite_file import write_failure
 from fastshare.v1 import common_pb2
@@ -51,6 +55,9 @@ from fastshare.v1 import controller_pb2_grpc as pb_grpc
 
 log = logging.getLogger("fastshare.controller")
 CLIENT_AUTH = ("cert", "token", "any")
+# What a node certificate may call on the client API (playbooks/mig_reconfigure.yml cordons a
+# node with its own certificate); SetSchedulable only for its own node.
+NODE_METHODS = frozenset({"Ping", "Get", "List", "Watch", "Status", "SetSchedulable"})
 
 
 @dataclass(frozen=True)
@@ -99,13 +106,17 @@ class Authenticator:
                 return any(hmac.compare_digest(given, t) for t in self._tokens)
         return False
 
-    def check(self, context: grpc.ServicerContext) -> None:
-        has_cert = peer_identity(context) is not None
-        if self.mode == "cert" and has_cert:
+    def check(self, context: grpc.ServicerContext, method: str, request: Any = None) -> None:
+        if self.mode in ("token", "any") and self._token_ok(context):
             return
-        if self.mode == "token" and self._token_ok(context):
-            return
-        if self.mode == "any" and (has_cert or self._token_ok(context)):
+        peer = peer_identity(context)
+        if self.mode in ("cert", "any") and peer is not None:
+            if peer.role == "node" and (method not in NODE_METHODS or (
+                    method == "SetSchedulable" and getattr(request, "node", "") != peer.common_name)):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{method}: {peer.common_name!r} presents a node certificate, which may only "
+                              "read, and cordon or uncordon its own node; use a client certificate "
+                              f"(`{reissue_command('client', 'NAME')}`)")
             return
         need = {"cert": "a client certificate signed by the cluster CA",
                 "token": "a bearer token (authorization metadata)",
@@ -121,7 +132,7 @@ def _guard(method: Callable[..., Any], *, durable_by_core: bool = False) -> Call
     ``ControllerCore.allocate``); their errors take the full barrier."""
 
     def wrapper(self: ControllerServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        self.auth.check(context)
+        self.auth.check(context, method.__name__, request)
         try:
             try:
                 reply = method(self, request, context)
@@ -176,7 +187,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return pb.ListAllocationsResponse(allocations=[self._pb(a) for a in found])
 
     def Watch(self, request: pb.WatchAllocationsRequest, context) -> Iterator[pb.AllocationEvent]:
-        self.auth.check(context)
+        self.auth.check(context, "Watch", request)
         sub = self.core.events.subscribe(request.allocation_id)
         try:
             if request.allocation_id:
@@ -239,9 +250,8 @@ class RegistryServicer(pb_grpc.NodeRegistryServicer):
         if peer is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "node agents must use mTLS (a certificate "
                                                            "signed by the cluster CA)")
-        if not node or node not in peer.names():
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"certificate of {peer.common_name!r} does "
-                                                             f"not name node {node!r}")
+        if problem := peer.is_node(node):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
 
     def RegisterNode(self, request: pb.RegisterNodeRequest, context) -> pb.RegisterNodeResponse:
         self._node_identity(context, request.node)

@@ -10,9 +10,9 @@ from fastshare.controller.registration import Registrar
 from fastshare.security.tls import TlsPaths, server_credentials
 from fastshare.v1 import controller_pb2 as pb
 from fastshare.v1 import controller_pb2_grpc as pb_grpc
-from tests.security.handmade import issue_client_cert
+from tests.security.handmade import issue_client_cert, issue_roleless_cert
 
-from .conftest import Pki
+from .conftest import Pki, wait_for
 
 
 class Registry(pb_grpc.NodeRegistryServicer):
@@ -31,7 +31,7 @@ def test_the_registrar_presents_the_certificate_renewed_on_disk_after_the_old_on
     """After the agent's first certificate ended (renewed in place meanwhile), a reconnection
     (here: the controller restarted) must use the new one, without an agent restart."""
     pki = Pki(tmp_path)
-    issue_client_cert(pki.ca, "node-x", pki.dir, ends_in_days=2 / 86400)
+    issue_client_cert(pki.ca, "node-x", pki.dir, ends_in_days=2 / 86400, role="node")
     ends = time.monotonic() + 2
 
     def serve(address):
@@ -55,3 +55,20 @@ def test_the_registrar_presents_the_certificate_renewed_on_disk_after_the_old_on
     finally:
         registrar.stop()
         server.stop(None)
+
+
+def test_an_agent_with_a_certificate_from_before_roles_registers_once_it_is_reissued(cluster):
+    """The upgrade: the controller refuses the node's old role-less certificate, and says how to
+    fix it; once the certificate is issued again with the node role in place (what the Ansible
+    role does), the running agent picks it up and registers, without a restart."""
+    cluster.start_controller()
+    cluster.add_machine("n1", ["A100-SXM4-40GB"])
+    issue_roleless_cert(cluster.pki.ca, "n1", cluster.pki.dir, sans=("127.0.0.1", "localhost"))
+    agent = cluster.start_agent("n1", wait=False)
+    wait_for(lambda: "fastshare certs issue --role node --name n1" in agent.output(), 60,
+             "the agent logging the controller's refusal")
+    assert "has no role" in agent.output()
+    assert cluster.node("n1") is None
+    cluster.pki.issue("n1")                      # renewed in place, now with the node role
+    cluster.wait_node("n1", available=True)
+    assert agent.alive()

@@ -7,7 +7,7 @@ import subprocess
 
 import grpc
 import pytest
-from security.handmade import issue_client_cert
+from security.handmade import issue_client_cert, issue_roleless_cert
 
 from fastshare.controller.client import Client, ClientConfig
 from fastshare.security import certs
@@ -73,7 +73,7 @@ def test_expired_or_foreign_client_certificates_are_refused(cluster):
     # Valid, but issued by another CA (the client trusts the controller's CA to reach the handshake).
     foreign = cluster.root / "foreign"
     certs.init_ca(cluster.root / "other-ca")
-    certs.issue(cluster.root / "other-ca", "client", foreign, usage="client")
+    certs.issue(cluster.root / "other-ca", "client", foreign, role="client")
     shutil.copy(cluster.pki.dir / "ca.crt", foreign / "ca.crt")
     for config in (dict(tls_name="expired"), dict(tls_dir=foreign, tls_name="client")):
         client = Client(ClientConfig(address=cluster.address, **{"tls_dir": cluster.pki.dir, **config}))
@@ -124,6 +124,81 @@ def test_node_registry_needs_the_nodes_own_certificate(cluster):
         stub.RegisterNode(pb.RegisterNodeRequest(node="node-a", address="127.0.0.1:1"), timeout=10)
     assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
     channel.close()
+
+
+def test_only_a_node_certificate_for_the_node_registers_or_heartbeats_as_it(cluster):
+    """It used to be enough that a certificate of the cluster CA *named* the node (CN or any
+    SAN): a user's client certificate called n1, one issued before roles, the controller's own
+    certificate listing host n1, or node n2's listing an alias n1 all registered as n1 (and
+    would have been sent n1's GPU work). Only n1's node certificate may."""
+    from fastshare.security.tls import TlsPaths, mtls_channel
+    from fastshare.v1 import controller_pb2_grpc as pb_grpc
+
+    cluster.start_controller()
+    ca, root = cluster.pki.ca, cluster.root
+    certs.issue(ca, "n1", root / "user", sans=["127.0.0.1"], role="client")
+    issue_roleless_cert(ca, "n1", root / "old", sans=["127.0.0.1"])
+    certs.issue(ca, "controller", root / "ctl", sans=["n1", "127.0.0.1"], role="controller")
+    certs.issue(ca, "n2", root / "n2", sans=["n1", "127.0.0.1"], role="node")
+    certs.issue(ca, "n1", root / "n1", sans=["127.0.0.1"], role="node")
+    hint = "re-issue it with `fastshare certs issue --role node --name n1`"
+    refused = [("user", "n1", f"certificate 'n1' has the client role, not the node role, so it cannot act as "
+                              f"node 'n1'; {hint}"),
+               ("old", "n1", "certificate 'n1' has no role (issued before certificates had roles)"),
+               ("ctl", "controller", "has the controller role, not the node role"),
+               ("n2", "n2", "the node certificate of 'n2' cannot act as node 'n1'")]
+
+    def registry(where: str, name: str):
+        channel = mtls_channel(cluster.address, TlsPaths.in_dir(root / where, name), server_name="controller")
+        return channel, pb_grpc.NodeRegistryStub(channel)
+
+    for where, name, why in refused:
+        channel, stub = registry(where, name)
+        register = pb.RegisterNodeRequest(node="n1", address="127.0.0.1:1")
+        heartbeat = pb.HeartbeatRequest(node="n1")
+        with channel:
+            for call, request in ((stub.RegisterNode, register), (stub.Heartbeat, heartbeat)):
+                with pytest.raises(grpc.RpcError) as exc:
+                    call(request, timeout=10)
+                assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED, (where, exc.value)
+                assert why in exc.value.details(), (where, exc.value.details())
+                assert "fastshare certs issue --role node --name n1" in exc.value.details()
+    assert list(cluster.status().nodes) == []
+    # n1's own certificate gets through: the heartbeat is answered (n1 is not registered yet)
+    # and registration fails only where the controller dials the (absent) agent back.
+    channel, stub = registry("n1", "n1")
+    with channel:
+        assert stub.Heartbeat(pb.HeartbeatRequest(node="n1"), timeout=10).registered is False
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.RegisterNode(pb.RegisterNodeRequest(node="n1", address="127.0.0.1:1"), timeout=30)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "reach the agent back" in exc.value.details()
+
+
+def test_a_node_certificate_may_only_read_and_cordon_its_own_node(cluster):
+    """A GPU node's certificate is not a user's: it must not allocate, release or cordon other
+    nodes through the client API (playbooks/mig_reconfigure.yml cordons a node with its own)."""
+    cluster.start_controller()
+    cluster.pki.issue("n1")
+    node = cluster.client(tls_name="n1")
+    assert node.call("Status", pb.ClusterStatusRequest(), timeout=10) is not None
+    assert list(node.call("List", pb.ListAllocationsRequest(), timeout=10).allocations) == []
+    for method, request in (("Allocate", pb.AllocateRequest(idempotency_key="k")),
+                            ("Release", pb.ReleaseAllocationRequest(allocation_id="a")),
+                            ("RenewLease", pb.RenewLeaseRequest(allocation_id="a")),
+                            ("SetSchedulable", pb.SetSchedulableRequest(node="n2", schedulable=False))):
+        with pytest.raises(grpc.RpcError) as exc:
+            node.call(method, request, timeout=10)
+        assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
+        assert "node certificate" in exc.value.details() and "--role client" in exc.value.details()
+    # Its own node: past the authorisation, to the controller's "no such node".
+    with pytest.raises(grpc.RpcError) as exc:
+        node.call("SetSchedulable", pb.SetSchedulableRequest(node="n1", schedulable=False), timeout=10)
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    # A client certificate still does what a user does.
+    with pytest.raises(grpc.RpcError) as exc:
+        allocate(cluster.client(), "mps", memory_bytes=GiB)
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_stops_cleanly_on_sigterm(cluster):

@@ -46,7 +46,8 @@ class NodeConfig:
     unix_socket_mode: int = 0o660
     unix_socket_group: str = ""
     tls: TlsConfig = field(default_factory=TlsConfig)
-    allowed_clients: tuple[str, ...] = ()  # CN/SAN allowed to mutate over TCP; empty = any cluster cert
+    # CN/SAN allowed to mutate over TCP, on top of the controller role (always needed); empty = any
+    allowed_clients: tuple[str, ...] = ()
     state_dir: str = "/var/lib/fastshare/node"
     run_dir: str = "/run/fastshare"
     device_backend: str = "nvml"
@@ -89,8 +90,8 @@ class NodeConfig:
             raise ConfigError("listen and unix_socket are both empty: the agent would be unreachable")
         if (self.listen or self.readonly_listen) and not all((self.tls.cert, self.tls.key, self.tls.ca)):
             raise ConfigError("listen/readonly_listen need tls.cert, tls.key and tls.ca (mTLS is required "
-                              "on TCP); create them with `fastshare certs issue`, or serve only the "
-                              "unix socket by leaving listen empty")
+                              "on TCP); create them with `fastshare certs issue --role node`, or serve only "
+                              "the unix socket by leaving listen empty")
         if self.readonly_listen and self.readonly_listen == self.listen and not self.listen.endswith(":0"):
             raise ConfigError("readonly_listen must differ from listen")
         if not 0 <= self.unix_socket_mode <= 0o777:

@@ -2,8 +2,11 @@
 
 Who may call what:
 - unix socket: everything (the socket's file permissions are the access control);
-- mTLS TCP port: everything, for a client certificate signed by the cluster CA (and named in
-  ``allowed_clients`` when that list is set); gRPC refuses the handshake without one;
+- mTLS TCP port: read-only calls for any client certificate signed by the cluster CA (gRPC
+  refuses the handshake without one); calls that change the node only for the controller: a
+  certificate with the controller role (see :mod:`fastshare.security.certs`; another node's
+  or a user's certificate is refused, whatever it is named), and named in ``allowed_clients``
+  when that list is set;
 - read-only TCP port (server TLS only, when configured): read-only calls; mutations fail
   with UNAUTHENTICATED.
 """
@@ -23,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 from fastshare.node.agent import Agent, AgentError, Deadline, Snapshot
 from fastshare.node.journal import ShareRow
 from fastshare.node.model import Prepared, ShareSpec
+from fastshare.security.certs import reissue_command
 from fastshare.security.tls import peer_identity
 from fastshare.sqlite_file import write_failure
 from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -135,6 +139,13 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             raise _Abort(grpc.StatusCode.UNAUTHENTICATED,
                          f"{method} changes the node: it needs a client certificate signed by the cluster "
                          "CA (mTLS port) or the local unix socket")
+        if peer.role != "controller":
+            raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
+                         f"{method} changes the node: over TCP only the controller may call it, and "
+                         f"{peer.common_name!r} presents a certificate with {peer.describe_role()}; if "
+                         "it is the controller, re-issue its certificate with "
+                         f"`{reissue_command('controller', peer.common_name)}`, else use the local unix "
+                         "socket")
         allowed = set(self.agent.config.allowed_clients)
         if allowed and not (peer.names() & allowed):
             raise _Abort(grpc.StatusCode.PERMISSION_DENIED,

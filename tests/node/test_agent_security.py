@@ -6,9 +6,10 @@ import subprocess
 
 import grpc
 import pytest
-from security.handmade import issue_client_cert
+from security.handmade import issue_client_cert, issue_roleless_cert
 
 from fastshare.node.client import channel
+from fastshare.security import certs as pki
 from fastshare.security.tls import TlsPaths
 from fastshare.v1 import agent_pb2, agent_pb2_grpc
 
@@ -61,6 +62,34 @@ def test_allowed_clients_restricts_mutations_to_named_certificates(agent):
     err = rpc_error(agent.mtls("stranger").PrepareShare, fastpod("x", gpu))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "stranger" in err.details()
     assert agent.mtls("stranger").GetInventory(INV, timeout=30).node_name == "node-1"
+    assert agent.mtls("controller").PrepareShare(fastpod("x", gpu), timeout=60).created
+
+
+def test_only_the_controller_may_change_the_node_over_tcp(agent, tmp_path):
+    """Any certificate of the cluster CA used to be enough to prepare or release shares and
+    change MIG: another node's, a user's, even one called "controller" without the controller
+    role (or issued before roles). Reads stay open to all of them; the unix socket is local."""
+    agent.start()
+    gpu = _gpu(agent)
+    ca = agent.pki / "ca"
+    pki.issue(ca, "node-2", tmp_path / "other-node", sans=["127.0.0.1"], role="node", days=1)
+    pki.issue(ca, "controller", tmp_path / "user", role="client", days=1)
+    issue_roleless_cert(ca, "controller", tmp_path / "old", sans=["127.0.0.1"])
+    target = f"127.0.0.1:{agent.ports['listen']}"
+    for where, name, role in (("other-node", "node-2", "the node role"),
+                              ("user", "controller", "the client role"),
+                              ("old", "controller", "no role (issued before certificates had roles)")):
+        stub = agent_pb2_grpc.NodeAgentStub(channel(target, tls=TlsPaths.in_dir(tmp_path / where, name)))
+        for call, request in ((stub.PrepareShare, fastpod("x", gpu)),
+                              (stub.ReleaseShare, agent_pb2.ReleaseShareRequest(share_id="x")),
+                              (stub.PrepareShares, agent_pb2.PrepareSharesRequest(calls=[fastpod("x", gpu)])),
+                              (stub.SetMigMode, agent_pb2.SetMigModeRequest(gpu_uuid=gpu, enabled=True))):
+            err = rpc_error(call, request)
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED, (where, err)
+            assert "only the controller may call it" in err.details() and role in err.details(), err.details()
+            assert f"fastshare certs issue --role controller --name {name}" in err.details()
+        assert stub.GetInventory(INV, timeout=30).node_name == "node-1"
+    assert agent.unix().GetInventory(INV, timeout=30).shares == []
     assert agent.mtls("controller").PrepareShare(fastpod("x", gpu), timeout=60).created
 
 

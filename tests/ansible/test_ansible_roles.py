@@ -20,6 +20,7 @@ from fs_collection import COLLECTION, REPO, run_module, run_tasks
 from fastshare.device import mig_parted
 from fastshare.k8s import manifests
 from fastshare.security.certs import describe
+from tests.security.handmade import issue_roleless_cert
 
 
 @pytest.mark.parametrize(("role", "bad_vars", "expected"), [
@@ -27,7 +28,7 @@ from fastshare.security.certs import describe
     ("controller", {"controller_deploy_mode": "docker"},
      "controller_deploy_mode must be one of: systemd, kubernetes"),
     ("gpu_node", {"gpu_node_reboot_timeout": "soon"}, "gpu_node_reboot_timeout"),
-    ("pki", {"pki_usage": "email"}, "pki_usage must be one of: server, client, both"),
+    ("pki", {"pki_role": "admin"}, "pki_role must be one of: node, controller, client"),
     # A misspelt key would otherwise be dropped from the layout file: MIG devices destroyed.
     ("gpu_node", {"gpu_node_mig_layout": [{"devices": [0], "mig_device": {"3g.20gb": 2}}]},
      "mig_device"),
@@ -325,6 +326,35 @@ def test_pki_issues_once_then_renews_only_when_due_or_names_change(collections_p
     assert (tls / "gpu9.crt").read_bytes() != first
     assert converge(pki_sans=["gpu9", "10.0.0.9", "gpu9.example"]) is True
     assert "gpu9.example" in describe(tls / "gpu9.crt")["sans"]
+
+
+def test_pki_gives_a_certificate_from_before_roles_its_role_once(collections_path: Path, tmp_path: Path):
+    """A cluster set up before certificates had roles: its node certificate has none, and the
+    controller now refuses it. The next run issues it again with the role, and only once."""
+    fastshare = str(Path(sys.executable).with_name("fastshare"))
+    tls, ca = tmp_path / "tls", tmp_path / "ca"
+
+    def converge() -> bool:
+        role_vars = {"pki_ca_host": "localhost", "pki_ca_dir": str(ca), "pki_name": "gpu9",
+                     "pki_role": "node", "pki_sans": ["gpu9", "10.0.0.9"], "pki_fastshare": fastshare,
+                     "pki_dest_dir": str(tls), "pki_owner": "root", "pki_group": "root"}
+        results = run_tasks(collections_path, [
+            {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"}, "vars": role_vars}],
+            tmp_path, gather_facts=True)
+        failed = [r.get("msg") for r in results if r.get("failed")]
+        assert not failed, failed
+        return any(r.get("changed") for r in results)
+
+    assert converge() is True
+    assert describe(tls / "gpu9.crt")["role"] == "node"
+    # What the previous version issued and installed: same names, valid for 30 days, no role.
+    issue_roleless_cert(ca, "gpu9", ca / "issued" / "gpu9", sans=("10.0.0.9",))
+    for name in ("gpu9.crt", "gpu9.key"):
+        shutil.copy(ca / "issued" / "gpu9" / name, tls / name)
+    assert describe(tls / "gpu9.crt")["role"] is None
+    assert converge() is True, "a certificate without the role must be issued again"
+    assert describe(tls / "gpu9.crt")["role"] == "node"
+    assert converge() is False, "once it has the role, a second run changes nothing"
 
 
 def test_controller_and_node_agent_keep_their_certificates_apart():

@@ -250,7 +250,7 @@ class RegistryServicer(pb_grpc.NodeRegistryServicer):
         if peer is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "node agents must use mTLS (a certificate "
                                                            "signed by the cluster CA)")
-        if problem := peer.is_node(node):
+        if problem := peer.why_not_node(node):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
 
     def RegisterNode(self, request: pb.RegisterNodeRequest, context) -> pb.RegisterNodeResponse:

@@ -140,7 +140,7 @@ class PeerIdentity:
     def describe_role(self) -> str:
         return f"the {self.role} role" if self.role else "no role (issued before certificates had roles)"
 
-    def is_node(self, node: str) -> str | None:
+    def why_not_node(self, node: str) -> str | None:
         """None if this is node ``node``'s own certificate, else what is wrong and what to do."""
         if self.role != "node":
             return (f"certificate {self.common_name!r} has {self.describe_role()}, not the node role, so it "

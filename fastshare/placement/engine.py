@@ -12,7 +12,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastshare.placement import mig as migmath
@@ -132,6 +132,17 @@ class Engine:
             self._gpu_milli[g.model] += sign * MILLI
         self.policy.cluster(self._cpu_total, self._gpu_milli)
 
+    def set_capacity(self, name: str, cpu_milli: int, memory_mib: int) -> None:
+        """Change the host CPU/memory a node offers, assignments kept: where others (Pods the
+        engine does not place) took it, the node may end up over-committed and takes only
+        requests that ask for no CPU/memory, as the kube-scheduler does."""
+        node = self._nodes[name]
+        if (node.view.cpu_milli, node.view.memory_mib) == (cpu_milli, memory_mib):
+            return
+        self._capacity(node.view, -1)
+        node.view = replace(node.view, cpu_milli=max(0, cpu_milli), memory_mib=max(0, memory_mib))
+        self._capacity(node.view, +1)
+
     @property
     def nodes(self) -> list[NodeView]:
         return [n.view for n in self._nodes.values()]
@@ -170,12 +181,14 @@ class Engine:
         return out
 
     # ---- decisions ---------------------------------------------------------------------------
-    def place(self, request: Request) -> Assignment | Rejection:
+    def place(self, request: Request, excluded: Mapping[str, str] | None = None) -> Assignment | Rejection:
+        """``excluded``: nodes the caller rules out (node -> why, worded to follow "N node(s)"),
+        e.g. for a Pod's node affinity or taints, which the engine does not model itself."""
         if request.id in self._assignments:
             raise InvalidRequest(f"id: request {request.id} is already placed")
         if request.kind in ("fastpod", "whole"):   # the kinds whose GPU share the policy learns
             self.policy.observe(_policy_task(request))
-        nodes, why = self._filter_nodes(request)
+        nodes, why = self._filter_nodes(request, excluded or {})
         if not nodes:
             return Rejection(why)
         result = getattr(self, f"_place_{request.kind}")(request, nodes)
@@ -210,15 +223,16 @@ class Engine:
                 g.whole = None
         return a
 
-    def restore(self, assignment: Assignment) -> None:
-        """Re-apply a persisted assignment (controller restart). Refuses one that no longer fits."""
+    def restore(self, assignment: Assignment, check_host: bool = True) -> None:
+        """Re-apply a persisted assignment (controller restart). Refuses one that no longer fits;
+        ``check_host=False`` skips the host CPU/memory check (see :meth:`set_capacity`)."""
         r = assignment.request
         if r.id in self._assignments:
             raise InvalidRequest(f"id: request {r.id} is already placed")
         node = self._nodes.get(assignment.node)
         if node is None:
             raise InvalidRequest(f"node: {assignment.node} is not in the cluster view")
-        if r.cpu_milli > node.cpu_left or r.memory_mib > node.mem_left:
+        if check_host and (r.cpu_milli > node.cpu_left or r.memory_mib > node.mem_left):
             raise InvalidRequest(f"assignment {r.id}: node {node.view.name} lacks CPU/memory for it")
         for i in assignment.gpus:
             if not 0 <= i < len(node.gpus):
@@ -256,34 +270,40 @@ class Engine:
         self._assignments[r.id] = a
 
     # ---- filters -----------------------------------------------------------------------------
-    def _filter_nodes(self, r: Request) -> tuple[list[_Node], str]:
-        """The nodes whose labels, free CPU and free memory fit ``r``, and why the others
-        do not ("" when none was dropped)."""
+    def _filter_nodes(self, r: Request, excluded: Mapping[str, str]) -> tuple[list[_Node], str]:
+        """The nodes not ``excluded`` whose labels, free CPU and free memory fit ``r``, and why
+        the others do not ("" when none was dropped)."""
         sel = dict(r.node_selector)
         out, no_sel, no_cpu, no_mem = [], 0, [], []
+        ruled_out: dict[str, list[str]] = {}
         for n in self._nodes.values():
             labels = dict(n.view.labels)
             if any(labels.get(k) != v for k, v in sel.items()):
                 no_sel += 1
-            elif r.cpu_milli > n.cpu_left:
+            elif n.view.name in excluded:
+                ruled_out.setdefault(excluded[n.view.name], []).append(n.view.name)
+            elif r.cpu_milli and r.cpu_milli > n.cpu_left:
                 no_cpu.append(n)
-            elif r.memory_mib > n.mem_left:
+            elif r.memory_mib and r.memory_mib > n.mem_left:
                 no_mem.append(n)
             else:
                 out.append(n)
         if not self._nodes:
             return [], "the cluster view has no nodes"
         parts = []
+        for why, names in sorted(ruled_out.items()):
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(f"{len(names)} node(s) {why} ({', '.join(names[:3])}{more})")
         if no_sel:
             parts.append(f"{no_sel} node(s) do not match node_selector {sel}")
         if no_cpu:
             best = max(no_cpu, key=lambda n: n.cpu_left)
-            parts.append(f"{len(no_cpu)} node(s) lack {r.cpu_milli} milli-CPU; most free is {best.cpu_left} "
-                         f"on {best.view.name}")
+            parts.append(f"{len(no_cpu)} node(s) lack {r.cpu_milli} milli-CPU; most free is "
+                         f"{max(0, best.cpu_left)} on {best.view.name}")
         if no_mem:
             best = max(no_mem, key=lambda n: n.mem_left)
             parts.append(f"{len(no_mem)} node(s) lack {_fmt_mib(r.memory_mib)} host memory; most free is "
-                         f"{_fmt_mib(best.mem_left)} on {best.view.name}")
+                         f"{_fmt_mib(max(0, best.mem_left))} on {best.view.name}")
         return out, "; ".join(parts)
 
     def _gpu_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:

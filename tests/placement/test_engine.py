@@ -318,3 +318,37 @@ def test_whole_rejection_names_empty_gpus_in_mig_mode():
     assert not rej and "1 empty GPU(s) are in MIG mode" in rej.reason
     rej = Engine([_with_layout(((9, 0, 4),))]).place(Request("w", "whole", gpus=1))
     assert not rej and "MIG mode" not in rej.reason      # not empty: a layout slice is on it
+
+
+def test_nodes_the_caller_excludes_are_skipped_and_named_with_the_reason():
+    eng = Engine([node("a", n_gpus=1), node("b", n_gpus=1), node("c", n_gpus=1)])
+    excluded = {"a": "have taint k=v:NoSchedule that tolerations does not tolerate",
+                "b": "do not match the required node affinity"}
+    assert eng.place(fastpod("p", 30), excluded).node == "c"
+    rej = eng.place(fastpod("q", 30), {**excluded, "c": "do not match the required node affinity"})
+    assert not rej
+    assert "2 node(s) do not match the required node affinity (b, c)" in rej.reason, rej.reason
+    assert "1 node(s) have taint k=v:NoSchedule that tolerations does not tolerate (a)" in rej.reason
+    # the GPUs are full where the caller lets it go: the reason also says why the rest was skipped
+    rej = eng.place(fastpod("r", 80), {"a": "are cordoned", "b": "are cordoned"})
+    assert not rej and "only 1 of 3 node(s) were looked at: 2 node(s) are cordoned (a, b)" in rej.reason
+
+
+def test_capacity_may_shrink_below_what_assignments_hold_without_dropping_them():
+    """Others (Pods the engine does not place) took the host's CPU: what the engine placed
+    stays, the node takes no more CPU, but a request for no CPU still fits (as in Kubernetes)."""
+    eng = Engine([node("a", n_gpus=2, cpu=4000, mem=8192)])
+    placed = eng.place(fastpod("p", 30, cpu_milli=3000, memory_mib=4096))
+    assert placed
+    eng.set_capacity("a", 1000, 1024)
+    assert "p" in eng.assignments
+    rej = eng.place(fastpod("q", 30, cpu_milli=100))
+    assert not rej and "lack 100 milli-CPU; most free is 0 on a" in rej.reason, rej.reason
+    assert eng.place(fastpod("r", 30))   # asks no CPU or memory
+    eng.set_capacity("a", 8000, 8192)
+    assert eng.place(fastpod("s", 30, cpu_milli=4000, memory_mib=1024)).node == "a"
+    with pytest.raises(InvalidRequest, match="lacks CPU/memory"):
+        Engine([node("b", cpu=1000)]).restore(placed.__class__(placed.request, "b", (0,)))
+    lenient = Engine([node("a", cpu=1000)])
+    lenient.restore(placed, check_host=False)
+    assert "p" in lenient.assignments

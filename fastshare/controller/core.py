@@ -206,7 +206,8 @@ class ControllerCore:
             return node in self._registered and node in self._last_seen
 
     # -- allocate --------------------------------------------------------------------------------
-    def allocate(self, request: Request, lookup: bool = True) -> Allocation:
+    def allocate(self, request: Request, lookup: bool = True,
+                 excluded: dict[str, str] | None = None) -> Allocation:
         """Place, record, prepare, activate; returns once the answer survives a power loss.
 
         What must be on disk before the answer is the ``pending`` record (the intent), not the
@@ -220,12 +221,14 @@ class ControllerCore:
         barrier (see ``server._guard``).
 
         ``lookup=False``: the caller made the key just now, so looking it up first is a wasted
-        read; a duplicate is still caught, by the store's create (DuplicateKey)."""
-        allocation, intent = self._allocate(request, lookup)
+        read; a duplicate is still caught, by the store's create (DuplicateKey). ``excluded``:
+        nodes the caller rules out, with why (in-cluster: the Pod's node affinity and taints)."""
+        allocation, intent = self._allocate(request, lookup, excluded)
         self.store.sync(intent)
         return allocation
 
-    def _allocate(self, request: Request, lookup: bool) -> tuple[Allocation, object | None]:
+    def _allocate(self, request: Request, lookup: bool,
+                  excluded: dict[str, str] | None = None) -> tuple[Allocation, object | None]:
         """The allocation, and the durability ticket that covers it (None: everything so far)."""
         gpus, most = self.known_gpus()
         validate(request, gpus, most)
@@ -239,7 +242,7 @@ class ControllerCore:
         if isinstance(engine_request, Rejection):
             raise Rejected(engine_request.reason)
         with self.claim(allocation_id):
-            placed = self.ledger.place(engine_request)
+            placed = self.ledger.place(engine_request, excluded)
             if isinstance(placed, Rejection):
                 raise Rejected(placed.reason)
             try:   # until the record is stored, the reservation lives in memory only: undo it on failure

@@ -51,6 +51,9 @@ class Ledger:
         self._views: dict[str, NodeView] = {}
         self._available: dict[str, bool] = {}
         self._cordoned: dict[str, str] = {}   # node -> the operator's reason
+        # node -> host (cpu milli, memory MiB) left for the engine's assignments, where a caller
+        # knows it (in-cluster: allocatable minus other Pods); else the view's own figures
+        self._host: dict[str, tuple[int, int]] = {}
 
     # -- cluster view -------------------------------------------------------------------------
     def _view(self, view: NodeView, available: bool) -> NodeView:
@@ -59,17 +62,20 @@ class Ledger:
             labels[STATE_LABEL] = "unavailable"
         else:
             labels[STATE_LABEL] = "cordoned" if view.name in self._cordoned else "available"
-        return NodeView(name=view.name, cpu_milli=view.cpu_milli, memory_mib=view.memory_mib,
-                        gpus=view.gpus, labels=labels, links=view.links)
+        cpu, memory = self._host.get(view.name, (view.cpu_milli, view.memory_mib))
+        return NodeView(name=view.name, cpu_milli=cpu, memory_mib=memory, gpus=view.gpus, labels=labels,
+                        links=view.links)
 
     def _rebuild(self, assignments: Iterable[Assignment]) -> list[tuple[Assignment, str]]:
-        """New engine from the views + assignments (policy kept); returns what did not fit."""
+        """New engine from the views + assignments (policy kept); returns what did not fit.
+        Host CPU/memory is not checked: a held share's Pod is on its node already, and others
+        may have taken the node's CPU since (see ``set_host``)."""
         engine = Engine((self._view(v, self._available[n]) for n, v in sorted(self._views.items())),
                         policy=self._engine.policy, mps_oversubscription=self._oversub)
         failed = []
         for a in assignments:
             try:
-                engine.restore(a)
+                engine.restore(a, check_host=False)
             except Exception as exc:  # the engine says why (node gone, no longer fits)
                 failed.append((a, str(exc)))
         self._engine = engine
@@ -110,6 +116,20 @@ class Ledger:
             if before != cordoned and name in self._views:
                 self._rebuild(self._engine.assignments.values())
 
+    def set_host(self, name: str, cpu_milli: int, memory_mib: int) -> None:
+        """The host CPU/memory a node has for the engine's assignments (held ones included);
+        no rebuild, so it may change often. Unknown names are remembered."""
+        with self._lock:
+            self._host[name] = (max(0, cpu_milli), max(0, memory_mib))
+            if name in self._views:
+                self._engine.set_capacity(name, *self._host[name])
+
+    def host_requests(self) -> dict[str, tuple[int, int]]:
+        """Allocation id -> the host (cpu milli, memory MiB) the engine counts for it."""
+        with self._lock:
+            return {rid: (a.request.cpu_milli, a.request.memory_mib)
+                    for rid, a in self._engine.assignments.items()}
+
     def models(self) -> set[str]:
         with self._lock:
             return {g.model for v in self._views.values() for g in v.gpus}
@@ -149,12 +169,14 @@ class Ledger:
             id=allocation_id, kind=spec.kind.value, sm_percent=sm_percent, sm_count=sm_count,
             gpu_memory_mib=memory_mib, quota_request=spec.quota_request or 1.0,
             quota_limit=spec.quota_limit or 1.0, gpus=spec.gpu_count or 1, gpu_models=models,
+            cpu_milli=spec.cpu_milli, memory_mib=-(-spec.host_memory_bytes // MiB),
             node_selector=selector, affinity=spec.affinity or None,
             anti_affinity=spec.anti_affinity or None, exclusion=spec.exclusion or None)
 
-    def place(self, request: Request) -> Assignment | Rejection:
+    def place(self, request: Request, excluded: dict[str, str] | None = None) -> Assignment | Rejection:
+        """``excluded``: nodes ruled out for this request, with why (see ``Engine.place``)."""
         with self._lock:
-            result = self._engine.place(request)
+            result = self._engine.place(request, excluded)
             if isinstance(result, Assignment) and request.kind == "fastpod":
                 problem = self._quota_problem(result)
                 if problem:

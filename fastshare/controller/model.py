@@ -51,6 +51,8 @@ class Spec:
     affinity: str = ""
     anti_affinity: str = ""
     exclusion: str = ""
+    cpu_milli: int = 0            # host CPU and memory the workload needs beside the GPU share
+    host_memory_bytes: int = 0    # (in-cluster: the replica Pod's effective request)
 
     def to_json(self) -> dict[str, Any]:
         data = dict(vars(self))   # every field is a scalar or a tuple replaced below (asdict deep-copies)

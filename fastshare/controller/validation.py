@@ -177,6 +177,9 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
         raise ValidationError("spec.gpu_count", f"kind {kind.value} uses one GPU; use kind whole for "
                                                 f"{spec.gpu_count} GPUs")
     _strings("spec.models", spec.models)
+    for name in ("cpu_milli", "host_memory_bytes"):
+        if getattr(spec, name) < 0:
+            raise ValidationError(f"spec.{name}", f"must be >= 0, got {getattr(spec, name)}")
     if len(spec.node_selector) > MAX_LIST_ENTRIES:
         raise ValidationError("spec.node_selector",
                               f"at most {MAX_LIST_ENTRIES} entries, got {len(spec.node_selector)}")

@@ -107,3 +107,27 @@ def test_guaranteed_time_quota_never_exceeds_one_per_gpu():
     third = _place(ledger, "q3", Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, quota_request=0.3,
                                       quota_limit=1.0, models=("L4",)))
     assert isinstance(third, Assignment)
+
+
+def test_host_cpu_and_memory_from_the_caller_count_and_survive_a_rebuild():
+    """In-cluster the controller tells the ledger each node's CPU/memory (set_host); the spec's
+    host request goes to the engine; a node refresh (rebuild) neither forgets the figures nor
+    drops a share whose node has since been filled by others."""
+    ledger = _ledger()
+    spec = Spec(kind=Kind.MPS, memory_bytes=GiB, cpu_milli=1500, host_memory_bytes=2 * GiB)
+    request = ledger.to_request("x", spec)
+    assert (request.cpu_milli, request.memory_mib) == (1500, 2048)
+    assert not ledger.place(request)                      # no node has told its CPU: none fits
+    ledger.set_host("b", 2000, 4096)
+    placed = _place(ledger, "fs-1", spec)
+    assert placed.node == "b"
+    assert ledger.host_requests() == {"fs-1": (1500, 2048)}
+    rejected = _place(ledger, "fs-2", spec)
+    assert not rejected and "lack 1500 milli-CPU; most free is 500 on b" in rejected.reason, rejected.reason
+    ledger.set_host("b", 1000, 1024)                      # others took the CPU: fs-1 stays
+    ledger.set_available("b", False)                      # each a rebuild of the engine
+    ledger.set_available("b", True)
+    assert ledger.holds("fs-1")
+    assert not _place(ledger, "fs-3", spec)
+    ledger.set_host("b", 4000, 8192)
+    assert _place(ledger, "fs-4", spec).node == "b"

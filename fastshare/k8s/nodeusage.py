@@ -1,0 +1,86 @@
+"""What the Pods bound to each node request, kept from a watch of every namespace's bound,
+non-terminated Pods (an informer), so that placement sees the CPU and memory that Pods
+fastshare did not create take, without listing Pods per pass. Only each Pod's node, effective
+request and allocation id are kept, not the Pod."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from fastshare.k8s.pods import ALLOCATION_ANNOTATION
+from fastshare.k8s.scheduling import Demand, pod_running_demand
+
+# The Pods a kubelet counts: bound, not ended (a Pod that ends leaves the watch as DELETED).
+FIELD_SELECTOR = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
+
+Key = tuple[str, str]
+Entry = tuple[str, Demand, str]   # node, request, allocation id ("" for Pods not ours)
+
+
+def _entry(pod: dict[str, Any]) -> Entry | None:
+    node = (pod.get("spec") or {}).get("nodeName")
+    if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return None
+    allocation = (pod["metadata"].get("annotations") or {}).get(ALLOCATION_ANNOTATION, "")
+    return node, pod_running_demand(pod), allocation
+
+
+def _key(pod: dict[str, Any]) -> Key:
+    return pod["metadata"]["namespace"], pod["metadata"]["name"]
+
+
+class NodeUsage:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pods: dict[Key, Entry] = {}
+        self._synced = threading.Event()
+
+    @property
+    def synced(self) -> bool:
+        return self._synced.is_set()
+
+    def wait_synced(self, timeout: float) -> bool:
+        return self._synced.wait(timeout)
+
+    def replace(self, pods: Iterable[dict[str, Any]]) -> None:
+        fresh = {_key(p): e for p in pods if (e := _entry(p)) is not None}
+        with self._lock:
+            self._pods = fresh
+        self._synced.set()
+
+    def put(self, pod: dict[str, Any]) -> None:
+        entry = _entry(pod)
+        with self._lock:
+            if entry is None:
+                self._pods.pop(_key(pod), None)
+            else:
+                self._pods[_key(pod)] = entry
+
+    def remove(self, pod: dict[str, Any]) -> None:
+        with self._lock:
+            self._pods.pop(_key(pod), None)
+
+    def on(self, nodes: Iterable[str]) -> dict[str, list[tuple[Demand, str]]]:
+        """Per node of ``nodes``: each bound Pod's request and allocation id."""
+        out: dict[str, list[tuple[Demand, str]]] = {n: [] for n in nodes}
+        with self._lock:
+            for node, demand, allocation in self._pods.values():
+                if node in out:
+                    out[node].append((demand, allocation))
+        return out
+
+
+def host_left(allocatable: Demand, pods: Iterable[tuple[Demand, str]],
+              held: dict[str, tuple[int, int]]) -> Demand:
+    """What a node has left for the engine's assignments: its allocatable minus what bound Pods
+    request, where a Pod whose allocation the engine holds (``held``: id -> cpu milli, memory
+    MiB) counts only beyond what the engine already counts for it, so it is not counted twice.
+    May be negative (over-committed)."""
+    cpu, memory = allocatable.cpu_milli, allocatable.memory_bytes
+    for demand, allocation in pods:
+        counted_cpu, counted_mib = held.get(allocation, (0, 0)) if allocation else (0, 0)
+        cpu -= max(0, demand.cpu_milli - counted_cpu)
+        memory -= max(0, demand.memory_bytes - counted_mib * 1024**2)
+    return Demand(cpu, memory)

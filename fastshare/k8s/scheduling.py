@@ -1,0 +1,332 @@
+"""What the kube-scheduler and the kubelet check before a Pod may run on a node, for the Pods
+the controller binds itself (``nodeName``, so no scheduler looks at them): the Pod's effective
+CPU/memory request against the node's allocatable minus what bound Pods request, its required
+node affinity, and the node's taints (and cordon) against its tolerations.
+
+Pure functions over plain dicts (the API's JSON); a template that cannot be read raises
+:class:`TemplateError` naming the field, so that the FastPod gets a condition, not a crashed pass.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+MiB = 1024**2
+UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
+_BLOCKING = ("NoSchedule", "NoExecute")   # PreferNoSchedule only steers the scheduler
+# Kubernetes' quantity grammar (parse_quantity alone also takes e.g. "1 Gi" or "nan")
+_QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
+_AFFINITY = "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+
+
+class TemplateError(ValueError):
+    """A field of the Pod template cannot be read; ``field`` is where the user wrote it."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field, self.detail = field, detail
+
+
+def quantity(value: object, field: str) -> Decimal:
+    """A Kubernetes quantity (``100m``, ``2``, ``1Gi``, ``500M``, ``1e3``) as a non-negative Decimal."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise TemplateError(field, f"must be a quantity such as 500m, 2 or 1Gi (got {value!r})")
+    if not _QUANTITY.match(str(value)):
+        raise TemplateError(field, f"{value!r} is not a quantity (such as 500m, 2 or 1Gi)")
+    try:
+        parsed = parse_quantity(value)
+    except (ValueError, InvalidOperation, TypeError):
+        raise TemplateError(field, f"{value!r} is not a quantity (such as 500m, 2 or 1Gi)") from None
+    if not parsed.is_finite() or parsed < 0:
+        raise TemplateError(field, f"must be a finite quantity >= 0 (got {value!r})")
+    return parsed
+
+
+def milli(value: object, field: str) -> int:
+    """A CPU quantity in millicores, rounded up (as Kubernetes' MilliValue)."""
+    return math.ceil(quantity(value, field) * 1000)
+
+
+def whole(value: object, field: str) -> int:
+    """A memory quantity in bytes, rounded up."""
+    return math.ceil(quantity(value, field))
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A Pod's effective request: what the scheduler and the kubelet count on a node."""
+
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+
+    def __add__(self, other: Demand) -> Demand:
+        return Demand(self.cpu_milli + other.cpu_milli, self.memory_bytes + other.memory_bytes)
+
+    def most(self, other: Demand) -> Demand:
+        return Demand(max(self.cpu_milli, other.cpu_milli), max(self.memory_bytes, other.memory_bytes))
+
+    @property
+    def memory_mib(self) -> int:
+        return -(-self.memory_bytes // MiB)
+
+
+def _resources(amounts: object, field: str) -> Demand:
+    if amounts is None:
+        return Demand()
+    if not isinstance(amounts, Mapping):
+        raise TemplateError(field, f"must be a map of resource quantities (got {type(amounts).__name__})")
+    cpu, memory = amounts.get("cpu"), amounts.get("memory")
+    return Demand(milli(cpu, f"{field}.cpu") if cpu is not None else 0,
+                  whole(memory, f"{field}.memory") if memory is not None else 0)
+
+
+def _container(container: object, field: str) -> Demand:
+    """requests, each resource defaulting to its limit (the API server's defaulting)."""
+    if not isinstance(container, Mapping):
+        raise TemplateError(field, "must be an object")
+    resources = container.get("resources") or {}
+    if not isinstance(resources, Mapping):
+        raise TemplateError(f"{field}.resources", "must be an object")
+    requests = resources.get("requests") or {}
+    limits = resources.get("limits") or {}
+    if not isinstance(requests, Mapping) or not isinstance(limits, Mapping):
+        raise TemplateError(f"{field}.resources", "requests and limits must be maps of quantities")
+    asked = _resources({k: requests.get(k, limits.get(k)) for k in ("cpu", "memory")
+                        if requests.get(k, limits.get(k)) is not None}, f"{field}.resources.requests")
+    _resources(limits, f"{field}.resources.limits")   # refused here too, not only by the kubelet
+    return asked
+
+
+def _list(spec: Mapping[str, Any], key: str, prefix: str) -> list[Any]:
+    items = spec.get(key) or []
+    if not isinstance(items, list):
+        raise TemplateError(f"{prefix}.{key}", "must be a list")
+    return items
+
+
+def pod_demand(spec: Mapping[str, Any], prefix: str = "spec") -> Demand:
+    """The Kubernetes rule: max(sum of the containers, the largest init step) + overhead, where
+    sidecars (init containers with restartPolicy Always) run on beside what starts after them."""
+    containers = Demand()
+    for i, c in enumerate(_list(spec, "containers", prefix)):
+        containers = containers + _container(c, f"{prefix}.containers[{i}]")
+    sidecars, init = Demand(), Demand()
+    for i, c in enumerate(_list(spec, "initContainers", prefix)):
+        own = _container(c, f"{prefix}.initContainers[{i}]")
+        if c.get("restartPolicy") == "Always":
+            sidecars = sidecars + own
+            init = init.most(sidecars)
+        else:
+            init = init.most(own + sidecars)
+    return (containers + sidecars).most(init) + _resources(spec.get("overhead"), f"{prefix}.overhead")
+
+
+def pod_running_demand(pod: Mapping[str, Any]) -> Demand:
+    """A bound Pod's request as a node counts it; a Pod the API server accepted is readable, so
+    a field that is not counts as nothing rather than stopping the count of a whole node."""
+    try:
+        return pod_demand(pod.get("spec") or {})
+    except TemplateError:
+        return Demand()
+
+
+# -- nodes -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    value: str
+    effect: str
+
+    def __str__(self) -> str:
+        return f"{self.key}{'=' + self.value if self.value else ''}:{self.effect}"
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What placement needs of a Node object."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...] = ()
+    taints: tuple[Taint, ...] = ()
+    unschedulable: bool = False
+    allocatable: Demand = Demand()
+
+
+def node_facts(node: Any) -> NodeFacts:
+    """From a typed ``V1Node``; a missing allocatable (no kubelet reported yet) counts as none."""
+    meta, spec, status = node.metadata, node.spec, node.status
+    allocatable = (status.allocatable if status else None) or {}
+    try:
+        capacity = Demand(milli(allocatable.get("cpu", 0), "cpu"),
+                          whole(allocatable.get("memory", 0), "memory"))
+    except TemplateError:
+        capacity = Demand()
+    taints = tuple(Taint(t.key or "", t.value or "", t.effect or "")
+                   for t in (spec.taints if spec else None) or [])
+    return NodeFacts(name=meta.name, labels=tuple(sorted((meta.labels or {}).items())), taints=taints,
+                     unschedulable=bool(spec and spec.unschedulable), allocatable=capacity)
+
+
+# -- a Pod's constraints on nodes -----------------------------------------------------------------------
+_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt")
+
+
+@dataclass(frozen=True)
+class _Requirement:
+    key: str
+    operator: str
+    values: tuple[str, ...]
+
+    def matches(self, value: str | None) -> bool:
+        op = self.operator
+        if op == "In":
+            return value is not None and value in self.values
+        if op == "NotIn":
+            return value is None or value not in self.values
+        if op == "Exists":
+            return value is not None
+        if op == "DoesNotExist":
+            return value is None
+        try:   # Gt / Lt: both sides integers, else no match
+            have, bound = int(value or ""), int(self.values[0])
+        except ValueError:
+            return False
+        return have > bound if op == "Gt" else have < bound
+
+
+def _requirements(items: object, field: str, fields: bool) -> tuple[_Requirement, ...]:
+    if items is None:
+        return ()
+    if not isinstance(items, list):
+        raise TemplateError(field, "must be a list")
+    out = []
+    for i, item in enumerate(items):
+        at = f"{field}[{i}]"
+        if not isinstance(item, Mapping) or not isinstance(item.get("key"), str):
+            raise TemplateError(at, "needs a key (string) and an operator")
+        op, values = item.get("operator"), item.get("values") or []
+        allowed = ("In", "NotIn") if fields else _OPERATORS
+        if op not in allowed:
+            raise TemplateError(f"{at}.operator", f"must be one of {', '.join(allowed)} (got {op!r})")
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise TemplateError(f"{at}.values", "must be a list of strings")
+        if op in ("In", "NotIn") and not values:
+            raise TemplateError(f"{at}.values", f"operator {op} needs at least one value")
+        if op in ("Exists", "DoesNotExist") and values:
+            raise TemplateError(f"{at}.values", f"operator {op} takes no values")
+        if op in ("Gt", "Lt"):
+            if len(values) != 1:
+                raise TemplateError(f"{at}.values", f"operator {op} needs exactly one value")
+            try:
+                int(values[0])
+            except ValueError:
+                raise TemplateError(f"{at}.values",
+                                    f"operator {op} needs an integer (got {values[0]!r})") from None
+        if fields and item["key"] != "metadata.name":
+            raise TemplateError(f"{at}.key", f"only metadata.name is supported (got {item['key']!r})")
+        out.append(_Requirement(item["key"], op, tuple(values)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _Term:
+    expressions: tuple[_Requirement, ...]
+    fields: tuple[_Requirement, ...]
+
+    def matches(self, node: NodeFacts) -> bool:
+        if not self.expressions and not self.fields:
+            return False   # an empty term selects no node (as in the scheduler)
+        labels = dict(node.labels)
+        return (all(r.matches(labels.get(r.key)) for r in self.expressions)
+                and all(r.matches(node.name) for r in self.fields))
+
+
+@dataclass(frozen=True)
+class _Toleration:
+    key: str
+    operator: str
+    value: str
+    effect: str
+
+    def tolerates(self, taint: Taint) -> bool:
+        if self.effect and self.effect != taint.effect:
+            return False
+        if not self.key:
+            return self.operator == "Exists"   # empty key with Exists: every taint
+        if self.key != taint.key:
+            return False
+        return self.operator == "Exists" or self.value == taint.value
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """A Pod's required node affinity (None: any node) and its tolerations."""
+
+    terms: tuple[_Term, ...] | None = None
+    tolerations: tuple[_Toleration, ...] = ()
+
+    def tolerates(self, taint: Taint) -> bool:
+        return any(t.tolerates(taint) for t in self.tolerations)
+
+    def problem(self, node: NodeFacts, prefix: str = "spec") -> str | None:
+        """Why a Pod with these constraints may not run on ``node`` (None: it may)."""
+        if node.unschedulable and not self.tolerates(Taint(UNSCHEDULABLE_TAINT, "", "NoSchedule")):
+            return "are cordoned (spec.unschedulable)"
+        for taint in node.taints:
+            if taint.effect in _BLOCKING and not self.tolerates(taint):
+                return f"have taint {taint} that {prefix}.tolerations does not tolerate"
+        if self.terms is not None and not any(t.matches(node) for t in self.terms):
+            return f"do not match {prefix}.{_AFFINITY}"
+        return None
+
+
+def constraints(spec: Mapping[str, Any], prefix: str = "spec") -> Constraints:
+    """Read (and check) a Pod spec's required node affinity and tolerations."""
+    terms = None
+    affinity = spec.get("affinity") or {}
+    if not isinstance(affinity, Mapping):
+        raise TemplateError(f"{prefix}.affinity", "must be an object")
+    node_affinity = affinity.get("nodeAffinity") or {}
+    if not isinstance(node_affinity, Mapping):
+        raise TemplateError(f"{prefix}.affinity.nodeAffinity", "must be an object")
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
+    if required is not None:
+        field = f"{prefix}.{_AFFINITY}.nodeSelectorTerms"
+        raw = required.get("nodeSelectorTerms") if isinstance(required, Mapping) else None
+        if not isinstance(raw, list) or not raw:
+            raise TemplateError(field, "must be a non-empty list of terms")
+        parsed = []
+        for i, term in enumerate(raw):
+            if not isinstance(term, Mapping):
+                raise TemplateError(f"{field}[{i}]", "must be an object")
+            at = f"{field}[{i}]"
+            parsed.append(_Term(_requirements(term.get("matchExpressions"), f"{at}.matchExpressions", False),
+                                _requirements(term.get("matchFields"), f"{at}.matchFields", True)))
+        terms = tuple(parsed)
+    tolerations = []
+    for i, t in enumerate(_list(spec, "tolerations", prefix)):
+        at = f"{prefix}.tolerations[{i}]"
+        if not isinstance(t, Mapping):
+            raise TemplateError(at, "must be an object")
+        key, op, value, effect = t.get("key") or "", t.get("operator") or "Equal", t.get("value") or "", \
+            t.get("effect") or ""
+        if not all(isinstance(x, str) for x in (key, op, value, effect)):
+            raise TemplateError(at, "key, operator, value and effect must be strings")
+        if op not in ("Equal", "Exists"):
+            raise TemplateError(f"{at}.operator", f"must be Equal or Exists (got {op!r})")
+        if not key and op != "Exists":
+            raise TemplateError(f"{at}.operator", "an empty key needs operator Exists")
+        if op == "Exists" and value:
+            raise TemplateError(f"{at}.value", "operator Exists takes no value")
+        if effect not in ("", "NoSchedule", "PreferNoSchedule", "NoExecute"):
+            raise TemplateError(f"{at}.effect",
+                                f"must be NoSchedule, PreferNoSchedule or NoExecute (got {effect!r})")
+        tolerations.append(_Toleration(key, op, value, effect))
+    return Constraints(terms, tuple(tolerations))

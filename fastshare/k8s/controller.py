@@ -12,6 +12,10 @@ replica) before any agent is asked to prepare it. What is Kubernetes-specific li
   scale-down finished), Pods without a holding allocation are deleted, missing replicas are
   allocated and then created (a failed create releases the allocation again), surplus ones
   deleted; the share of a deleted Pod is released only once the Pod is really gone;
+- replicas go only where their Pod fits as the kubelet and the kube-scheduler would check it
+  (fastshare binds them itself): the nodes' allocatable CPU/memory minus what every bound Pod
+  requests (a cluster-wide watch, see nodeusage), required node affinity, taints, cordons
+  (see scheduling);
 - a finalizer keeps a deleted FastPod until every share is released;
 - on start (and on every leadership change) it rebuilds its view from FastPods, their Pods
   and the agents; it never deletes and re-creates a running Pod to change it.
@@ -40,17 +44,21 @@ from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, Stat
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
+from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, host_left
 from fastshare.k8s.podcache import PodCache
 from fastshare.k8s.pods import (
     FASTPOD_LABEL,
     MPS_PATH_ENV,
+    TEMPLATE_SPEC,
     fastpod_field,
     is_ready,
     is_terminated,
+    replica_constraints,
     replica_pod,
     spec_of,
 )
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
+from fastshare.k8s.scheduling import MiB, NodeFacts, TemplateError, node_facts
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
 
@@ -143,6 +151,8 @@ class KubeController:
         # ready, no replacement before this monotonic time, why the last one ended)
         self._ended: dict[str, tuple[int, float, str]] = {}
         self.podcache = PodCache()
+        self.usage = NodeUsage()                   # what bound Pods request, per node
+        self._nodes: dict[str, NodeFacts] = {}     # GPU nodes as their Node objects say
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
                                                            thread_name_prefix="replica")
         self._stop = threading.Event()
@@ -156,10 +166,13 @@ class KubeController:
         log.info("state rebuilt from the cluster: %s", report)
         # Watch threads are not joined on stop: they block in a read for up to watch_timeout and
         # then see the stop flag; until then their events go to the closed queue and are dropped.
-        for name, target in (("watch-fastpods", self._watch_fastpods), ("watch-pods", self._watch_pods)):
+        for name, target in (("watch-fastpods", self._watch_fastpods), ("watch-pods", self._watch_pods),
+                             ("watch-node-pods", self._watch_node_pods)):
             threading.Thread(target=target, name=name, daemon=True).start()
-        if not self.podcache.wait_synced(60.0):  # passes wait for it anyway (reconcile requeues)
+        # passes wait for them anyway (reconcile requeues)
+        if not (self.podcache.wait_synced(60.0) and self.usage.wait_synced(60.0)):
             log.warning("no Pod listing after 60 s; FastPods wait until it arrives")
+        self.refresh_host()
         self._spawn("housekeeping", self._housekeeping)
         for i in range(self.settings.workers):
             self._spawn(f"worker-{i}", self._worker)
@@ -192,7 +205,9 @@ class KubeController:
     def sync_nodes(self) -> None:
         """Register new agents, heartbeat reachable ones; silent ones go unavailable on timeout."""
         label = self.settings.gpu_node_label
-        for node in self.pods.list_node(label_selector=f"{label}=true").items:
+        listed = self.pods.list_node(label_selector=f"{label}=true").items
+        self._nodes = {node.metadata.name: node_facts(node) for node in listed}
+        for node in listed:
             name, address = node.metadata.name, self._endpoint(node)
             if address is None:
                 continue
@@ -210,6 +225,18 @@ class KubeController:
                     self.core.put_node(Node(name=name, address=address, labels=labels, available=False))
                 log.info("node agent %s at %s unreachable: %s", name, address, exc.details)
         self.core.check_liveness()
+        self.refresh_host()
+
+    def refresh_host(self) -> None:
+        """Tell the engine each GPU node's CPU/memory: allocatable minus what bound Pods request
+        that the engine does not count itself (see nodeusage.host_left)."""
+        if not self.usage.synced:
+            return
+        nodes = self._nodes
+        held = self.core.ledger.host_requests()
+        for name, pods in self.usage.on(nodes).items():
+            left = host_left(nodes[name].allocatable, pods, held)
+            self.core.ledger.set_host(name, left.cpu_milli, left.memory_bytes // MiB)
 
     # -- event sources ---------------------------------------------------------------------------------
     def queue_all(self) -> None:
@@ -276,6 +303,19 @@ class KubeController:
         else:
             self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, label_selector=FASTPOD_LABEL)
 
+    def _watch_node_pods(self) -> None:
+        """Every namespace's bound Pods (the kubelet counts them all), for node usage."""
+        def on_list(listing: dict[str, Any]) -> None:
+            self.usage.replace(listing["items"])
+
+        def on_pod(kind: str, pod: dict[str, Any]) -> None:
+            if kind == "DELETED":
+                self.usage.remove(pod)
+            elif kind in ("ADDED", "MODIFIED"):
+                self.usage.put(pod)
+
+        self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, field_selector=FIELD_SELECTOR)
+
     def _housekeeping(self) -> None:
         s = self.settings
         next_reconcile = next_resync = time.monotonic()
@@ -330,7 +370,7 @@ class KubeController:
             fastpod = self._patch_finalizers(fastpod, [*(meta.get("finalizers") or []), FINALIZER])
             meta = fastpod["metadata"]
         self.store.remember_owner(fastpod)
-        if not self.podcache.synced:
+        if not (self.podcache.synced and self.usage.synced):
             return 1.0
         # Pods (from the watch's cache, see podcache) before records: a record made after this
         # cannot be mistaken for one whose Pod is gone (this FastPod's replicas are only made by
@@ -453,7 +493,12 @@ class KubeController:
         generation = meta.get("generation", 0)
         if self._templates_ok.get(meta["uid"]) == generation:
             return None
-        probe = Allocation(id="dry-run", spec=spec_of(fastpod), owner="", state=State.PENDING, node="dry-run",
+        try:   # what the controller itself reads of the template: resources, affinity, tolerations
+            spec = spec_of(fastpod)
+            replica_constraints(fastpod, self.settings.gpu_node_label)
+        except TemplateError as exc:
+            return {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
+        probe = Allocation(id="dry-run", spec=spec, owner="", state=State.PENDING, node="dry-run",
                            env={"CUDA_VISIBLE_DEVICES": "GPU-dry-run",
                                 **{var: f"/run/fastshare/mps/dry-run/{var.lower()}" for var in MPS_PATH_ENV}})
         pod = replica_pod(fastpod, f"{meta['name']}-dry-run", probe, self.settings.gpu_node_label)
@@ -478,6 +523,13 @@ class KubeController:
         new one after the first problem, so that a FastPod that cannot be placed costs one attempt
         per pass, not ``count`` (as ReplicaSets do). A window, not batches: nothing waits for the
         slowest of a batch."""
+        try:
+            rules = replica_constraints(fastpod, self.settings.gpu_node_label)
+        except TemplateError as exc:
+            return [], {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
+        excluded = {name: why for name, facts in self._nodes.items()
+                    if (why := rules.problem(facts, TEMPLATE_SPEC)) is not None}
+        self.refresh_host()   # Pods bound since the last node sync
         names: list[str] = []
         prefix = fastpod["metadata"]["name"]
         while len(names) < count:
@@ -491,7 +543,7 @@ class KubeController:
         window, running = 1, set()
         while running or (names and problem is None and error is None):
             while names and problem is None and error is None and len(running) < window:
-                running.add(self._pool.submit(self._create_replica, fastpod, names.pop()))
+                running.add(self._pool.submit(self._create_replica, fastpod, names.pop(), excluded))
             done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
                 try:
@@ -507,15 +559,20 @@ class KubeController:
             raise error
         return created, problem
 
-    def _create_replica(self, fastpod: dict[str, Any], pod_name: str
+    def _create_replica(self, fastpod: dict[str, Any], pod_name: str, excluded: dict[str, str]
                         ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
-        """Allocate (record first, then the agent), then create the Pod; a failed create releases."""
+        """Allocate (record first, then the agent) on a node not ``excluded``, then create the
+        Pod; a failed create releases."""
         meta = fastpod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        request = Request(spec=spec_of(fastpod), owner=f"{namespace}/{name}",
-                          idempotency_key=replica_key(namespace, name, pod_name))
         try:
-            allocation = self.core.allocate(request, lookup=False)  # a fresh name: creating is the check
+            request = Request(spec=spec_of(fastpod), owner=f"{namespace}/{name}",
+                              idempotency_key=replica_key(namespace, name, pod_name))
+            # a fresh name: creating is the check
+            allocation = self.core.allocate(request, lookup=False, excluded=excluded)
+        except TemplateError as exc:
+            return None, None, {"type": "Scheduled", "status": "False", "reason": "Invalid",
+                                "message": str(exc)}
         except Rejected as exc:
             return None, None, {"type": "Scheduled", "status": "False", "reason": "Unschedulable",
                                 "message": str(exc)}

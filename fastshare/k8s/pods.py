@@ -17,6 +17,7 @@ from kubernetes.utils import parse_quantity
 
 from fastshare.controller.model import Allocation, Kind, Spec
 from fastshare.k8s.resources import API_VERSION, KIND
+from fastshare.k8s.scheduling import Constraints, constraints, pod_demand
 
 FASTPOD_LABEL = "fastshare.io/fastpod"
 ALLOCATION_ANNOTATION = "fastshare.io/allocation"
@@ -36,6 +37,8 @@ FASTPOD_FIELDS = {
     "spec.models": "spec.gpu.models", "spec.affinity": "spec.gpu.affinity",
     "spec.anti_affinity": "spec.gpu.antiAffinity", "spec.exclusion": "spec.gpu.exclusion",
     "spec.node_selector": "spec.template.spec.nodeSelector",
+    "spec.cpu_milli": "spec.template.spec.containers[*].resources.requests.cpu",
+    "spec.host_memory_bytes": "spec.template.spec.containers[*].resources.requests.memory",
 }
 
 
@@ -44,10 +47,15 @@ def fastpod_field(field: str) -> str:
     return FASTPOD_FIELDS.get(field, field)
 
 
+TEMPLATE_SPEC = "spec.template.spec"   # where a FastPod's Pod spec is, for messages
+
+
 def spec_of(fastpod: dict[str, Any]) -> Spec:
-    """The controller's request for one replica of ``fastpod`` (already schema-validated)."""
+    """The controller's request for one replica of ``fastpod`` (already schema-validated); the
+    host CPU/memory is the replica Pod's effective request (TemplateError if unreadable)."""
     gpu = fastpod["spec"]["gpu"]
     pod_spec = fastpod["spec"]["template"].get("spec") or {}
+    demand = pod_demand(pod_spec, TEMPLATE_SPEC)
     memory = gpu.get("memory")
     return Spec(
         kind=Kind(gpu["kind"]),
@@ -63,7 +71,24 @@ def spec_of(fastpod: dict[str, Any]) -> Spec:
         affinity=gpu.get("affinity", ""),
         anti_affinity=gpu.get("antiAffinity", ""),
         exclusion=gpu.get("exclusion", ""),
+        cpu_milli=demand.cpu_milli,
+        host_memory_bytes=demand.memory_bytes,
     )
+
+
+def gpu_toleration(gpu_node_label: str) -> dict[str, str]:
+    """Added to every replica Pod: GPU nodes may be tainted to keep other Pods off."""
+    return {"key": gpu_node_label, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def replica_constraints(fastpod: dict[str, Any], gpu_node_label: str) -> Constraints:
+    """The replica Pod's required node affinity and tolerations (ours added), TemplateError if
+    the template's cannot be read."""
+    pod_spec = dict(fastpod["spec"]["template"].get("spec") or {})
+    tolerations = pod_spec.get("tolerations") or []
+    if isinstance(tolerations, list):
+        pod_spec["tolerations"] = [*tolerations, gpu_toleration(gpu_node_label)]
+    return constraints(pod_spec, TEMPLATE_SPEC)
 
 
 def _with_env(container: dict[str, Any], env: dict[str, str]) -> None:
@@ -104,7 +129,7 @@ def replica_pod(fastpod: dict[str, Any], pod_name: str, allocation: Allocation,
         spec["volumes"] = [v for v in spec.get("volumes") or [] if v.get("name") not in ours] + [
             {"name": m["name"], "hostPath": {"path": m["mountPath"], "type": "Directory"}} for m in mounts
         ]
-    toleration = {"key": gpu_node_label, "operator": "Exists", "effect": "NoSchedule"}
+    toleration = gpu_toleration(gpu_node_label)
     tolerations = spec.setdefault("tolerations", [])
     if toleration not in tolerations:
         tolerations.append(toleration)

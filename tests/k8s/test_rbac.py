@@ -75,6 +75,7 @@ ALLOWED = [
     ("create", "pods", "", "team-a", "", ""),
     ("delete", "pods", "", "team-a", "job-0", ""),
     ("watch", "pods", "", "", "", ""),
+    ("list", "pods", "", "", "", ""),   # every namespace's bound Pods: what a node has left
     ("list", "nodes", "", "", "", ""),
     ("create", "leases", "coordination.k8s.io", NAMESPACE, "", ""),
     ("update", "leases", "coordination.k8s.io", NAMESPACE, "fastshare-controller", ""),
@@ -168,6 +169,7 @@ def test_the_controller_does_its_whole_job_with_exactly_that_role(controller_api
     try:
         assert elector.step() and elector.is_leader  # create + get/update of its own Lease
         controller.start()
+        assert controller.usage.synced   # every namespace's Pods, for the nodes' CPU and memory
         objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
                                                 fastpod_manifest("r", {"kind": "mps", "memory": "2Gi"}, 1))
 

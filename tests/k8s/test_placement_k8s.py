@@ -1,0 +1,218 @@
+"""Placement in-cluster respects what the kubelet and the kube-scheduler check, on a real API
+server with real node agents: node CPU/memory (allocatable minus every bound Pod's request,
+also of Pods fastshare did not create, the replicas' own counted once), required node affinity,
+taints against tolerations, cordons; and a template fastshare cannot read is refused by name."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from kubernetes import client
+
+from fastshare.controller.agent_client import AgentPool
+from fastshare.controller.core import Settings as CoreSettings
+from fastshare.k8s.controller import KubeController, KubeSettings
+from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
+from fastshare.security import certs
+from fastshare.security.tls import TlsPaths
+
+from .agents import Agent, kubelet_step, register_node
+from .conftest import wait_for
+from .test_controller_agents import View
+
+MPS = {"kind": "mps", "memory": "1Gi"}
+ALLOCATABLE = {"cpu": "4", "memory": "8Gi", "pods": "110"}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k8s-placement")
+    certs.init_ca(root / "ca")
+    certs.issue(root / "ca", "controller", root / "controller", usage="client", days=1)
+    return root, TlsPaths.in_dir(root / "controller", "controller")
+
+
+@pytest.fixture(scope="module")
+def agents(api_client, pki):
+    """Two GPU nodes of one V100 each, 4 CPUs and 8 GiB; ``a`` sorts first, so that it is where
+    a replica goes when nothing rules it out (the engine takes the first of equals)."""
+    root, tls = pki
+    suffix = uuid.uuid4().hex[:4]
+    started = {key: Agent(root, root / "ca", f"cap-{key}-{suffix}", ["V100-SXM2-32GB"], mig=False)
+               for key in ("a", "b")}
+    core = client.CoreV1Api(api_client)
+    for key, agent in started.items():
+        agent.start(tls)
+        register_node(core, agent)
+        core.patch_node(agent.name, {"metadata": {"labels": {"zone": f"z{key}"}}})
+    yield started
+    for agent in started.values():
+        agent.stop()
+        core.delete_node(agent.name)
+
+
+@pytest.fixture
+def nodes(api_client, agents):
+    """The two nodes' names; each test starts with them untainted, schedulable, full allocatable."""
+    core = client.CoreV1Api(api_client)
+
+    def reset():
+        for agent in agents.values():
+            core.patch_node(agent.name, {"spec": {"taints": [], "unschedulable": False}})
+            status = {"allocatable": ALLOCATABLE, "capacity": ALLOCATABLE}
+            core.patch_node_status(agent.name, {"status": status})
+
+    reset()
+    yield {key: agent.name for key, agent in agents.items()}
+    reset()
+
+
+@pytest.fixture
+def controller(api_client, fastpod_crd, namespace, pki, nodes, agents):
+    c = KubeController(api_client, AgentPool(pki[1], deadline=10.0),
+                       KubeSettings(namespace=namespace, workers=3, node_interval=0.5, resync_interval=3,
+                                    watch_timeout=10),
+                       CoreSettings(heartbeat_timeout=3.0, reconcile_interval=2.0, busy_wait=10.0))
+    c.start()
+    yield c
+    # leave the module's agents without shares and its nodes without Pods
+    objects, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    for fp in objects.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]:
+        objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fp["metadata"]["name"])
+    view = View(api_client, namespace, "", agents, pki[1])
+    wait_for(lambda: (kubelet_step(core, namespace), view.shares() == [] and not
+                      core.list_namespaced_pod(namespace).items)[1], "released", timeout=120)
+    c.stop()
+    c.core.agents.close()
+
+
+@pytest.fixture
+def other_namespace(api_client):
+    name = f"o-{uuid.uuid4().hex[:10]}"
+    core = client.CoreV1Api(api_client)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    account = client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
+    core.create_namespaced_service_account(name, account)
+    yield name
+    for pod in core.list_namespaced_pod(name).items:
+        core.delete_namespaced_pod(pod.metadata.name, name, grace_period_seconds=0)
+
+
+def _template(name: str, requests: dict | None = None, **spec) -> dict:
+    container = {"name": "main", "image": "busybox", "command": ["sleep", "inf"]}
+    if requests:
+        container["resources"] = {"requests": requests}
+    return {"metadata": {"labels": {"app": name}}, "spec": {"containers": [container], **spec}}
+
+
+def _create(view: View, name: str, replicas: int = 1, **template) -> None:
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, view.namespace, PLURAL, fastpod_manifest(
+        name, MPS, replicas, _template(name, **template)))
+
+
+def _scheduled(view: View, name: str) -> dict | None:
+    fp = view.objects.get_namespaced_custom_object(GROUP, VERSION, view.namespace, PLURAL, name)
+    conditions = (fp.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == "Scheduled"), None)
+
+
+def _refused(view: View, name: str, reason: str = "Unschedulable") -> str:
+    condition = wait_for(lambda: (c := _scheduled(view, name)) and c["status"] == "False" and c,
+                         f"{name} not scheduled", timeout=60)
+    assert condition["reason"] == reason, condition
+    return condition["message"]
+
+
+def _on(view: View, name: str) -> list[str]:
+    view.name = name
+    return sorted(p.spec.node_name for p in view.pods())
+
+
+def _by_name(node: str) -> dict:
+    return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}}
+
+
+@pytest.mark.parametrize(("resource", "foreign", "each", "short"), [
+    ("cpu", "3500m", "1", "lack 1000 milli-CPU"),
+    ("memory", "7Gi", "2Gi", "lack 2 GiB host memory"),
+])
+def test_replicas_go_where_the_node_has_the_cpu_or_memory_left(api_client, namespace, other_namespace,
+                                                                 controller, agents, pki, nodes, resource,
+                                                                 foreign, each, short):
+    """A Pod fastshare did not create (another namespace) takes node a's CPU or memory: the
+    replicas go to b, exactly as many as b has room for (a replica's own Pod counts once, not
+    again beside its share), and the next one is refused with the reason."""
+    core = client.CoreV1Api(api_client)
+    core.create_namespaced_pod(other_namespace, {
+        "metadata": {"name": "foreign"},
+        "spec": {"nodeName": nodes["a"], "automountServiceAccountToken": False, "containers": [
+            {"name": "c", "image": "busybox", "resources": {"requests": {resource: foreign}}}]}})
+    view = View(api_client, namespace, "cap", agents, pki[1])
+    _create(view, "cap", 3, requests={resource: each})
+    wait_for(lambda: view.settled(3), "3 replicas", timeout=120)
+    assert _on(view, "cap") == [nodes["b"]] * 3
+    view.scale(4)    # b's last room: its 3 Pods (seen by now) must not count twice
+    wait_for(lambda: view.settled(4), "4 replicas", timeout=60)
+    assert _on(view, "cap") == [nodes["b"]] * 4
+    view.scale(5)
+    message = _refused(view, "cap")
+    assert f"2 node(s) {short}" in message, message   # a: the foreign Pod's, b: the replicas'
+    assert len(view.pods()) == 4
+
+
+def test_required_node_affinity_picks_the_node_or_the_rejection_names_it(api_client, namespace, controller,
+                                                                         agents, pki, nodes):
+    view = View(api_client, namespace, "", agents, pki[1])
+    zone_b = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["zb"]}]}]}}}}
+    _create(view, "picky", **zone_b)
+    wait_for(lambda: _on(view, "picky") == [nodes["b"]], "picky on b", timeout=60)
+    nowhere = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["zc"]}]}]}}}}
+    _create(view, "nowhere", **nowhere)
+    message = _refused(view, "nowhere")
+    assert "2 node(s) do not match spec.template.spec.affinity.nodeAffinity" in message, message
+    assert _on(view, "nowhere") == []
+
+
+def test_tainted_and_cordoned_nodes_are_avoided_unless_tolerated(api_client, namespace, controller, agents,
+                                                                  pki, nodes):
+    core = client.CoreV1Api(api_client)
+    core.patch_node(nodes["a"], {"spec": {"taints": [{"key": "dedicated", "value": "infer",
+                                                      "effect": "NoSchedule"}]}})
+    view = View(api_client, namespace, "", agents, pki[1])
+    controller.sync_nodes()   # now, not on its next round
+    _create(view, "plain")
+    wait_for(lambda: _on(view, "plain") == [nodes["b"]], "plain on b", timeout=60)
+
+    _create(view, "intolerant", **_by_name(nodes["a"]))
+    message = _refused(view, "intolerant")
+    assert "taint dedicated=infer:NoSchedule that spec.template.spec.tolerations does not tolerate" in message
+
+    tolerations = [{"key": "dedicated", "operator": "Equal", "value": "infer", "effect": "NoSchedule"}]
+    _create(view, "tolerant", tolerations=tolerations, **_by_name(nodes["a"]))
+    wait_for(lambda: _on(view, "tolerant") == [nodes["a"]], "tolerant on a", timeout=60)
+
+    core.patch_node(nodes["b"], {"spec": {"unschedulable": True}})
+    controller.sync_nodes()
+    _create(view, "cordoned", **_by_name(nodes["b"]))
+    assert "cordoned (spec.unschedulable)" in _refused(view, "cordoned")
+
+
+def test_a_template_the_controller_cannot_read_is_refused_naming_the_field(api_client, namespace, controller,
+                                                                            agents, pki, nodes):
+    view = View(api_client, namespace, "", agents, pki[1])
+    _create(view, "lots", requests={"cpu": "lots"})
+    message = _refused(view, "lots", "Invalid")
+    assert message.startswith("spec.template.spec.containers[0].resources.requests.cpu: "), message
+    assert _on(view, "lots") == []
+    # what the schema types is refused at once, naming the field
+    body = fastpod_manifest("near", MPS, 1, _template("near", tolerations=[{"key": "k", "operator": "Like"}]))
+    with pytest.raises(client.ApiException) as refused:
+        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    assert refused.value.status == 422
+    assert "spec.template.spec.tolerations[0].operator" in json.loads(refused.value.body)["message"]

@@ -103,10 +103,22 @@ def start_controller(kubeconfig: Path, namespace: str, tls_dir: Path, identity: 
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+NODE_ALLOCATABLE = {"cpu": "64", "memory": "256Gi", "pods": "110"}
+
+
 def register_node(core: client.CoreV1Api, agent: Agent) -> None:
+    """A Node for ``agent``, as a kubelet and the node lifecycle controller would leave it: Ready,
+    its allocatable reported, and without the not-ready taint the API server puts on a new Node
+    (the controller, like the scheduler, keeps replicas off not-ready nodes)."""
     core.create_node(client.V1Node(metadata=client.V1ObjectMeta(
         name=agent.name, labels={"fastshare.io/gpu": "true"},
         annotations={ENDPOINT_ANNOTATION: agent.address})))
+    core.patch_node(agent.name, {"spec": {"taints": []}})
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    core.patch_node_status(agent.name, {"status": {
+        "allocatable": NODE_ALLOCATABLE, "capacity": NODE_ALLOCATABLE,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                        "lastHeartbeatTime": now, "lastTransitionTime": now}]}})
 
 
 def kubelet_step(core: client.CoreV1Api, namespace: str) -> None:

@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kubernetes import client, watch
@@ -40,7 +40,7 @@ from kubernetes import client, watch
 from fastshare.controller.agent_client import AgentError, AgentPool
 from fastshare.controller.core import AgentFailed, Busy, ControllerCore, KeyConflict, Rejected
 from fastshare.controller.core import Settings as CoreSettings
-from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, State
+from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, Spec, State
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
@@ -58,7 +58,7 @@ from fastshare.k8s.pods import (
     spec_of,
 )
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
-from fastshare.k8s.scheduling import MiB, NodeFacts, TemplateError, node_facts
+from fastshare.k8s.scheduling import Demand, MiB, NodeFacts, TemplateError, node_facts, pod_running_demand
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
 
@@ -146,7 +146,9 @@ class KubeController:
         self.pods = client.CoreV1Api(api)
         self.objects = client.CustomObjectsApi(api)
         self.queue = WorkQueue()
-        self._templates_ok: dict[str, int] = {}   # FastPod uid -> generation whose Pod dry-ran fine
+        # FastPod uid -> generation whose Pod dry-ran fine, and that Pod's request as admitted
+        # (with the namespace's LimitRange defaults and the RuntimeClass overhead)
+        self._templates_ok: dict[str, tuple[int, Demand]] = {}
         # FastPod uid -> (passes that found replica Pods terminated since all its replicas were last
         # ready, no replacement before this monotonic time, why the last one ended)
         self._ended: dict[str, tuple[int, float, str]] = {}
@@ -491,7 +493,7 @@ class KubeController:
         gets a condition naming the field before any GPU share is allocated for it."""
         meta = fastpod["metadata"]
         generation = meta.get("generation", 0)
-        if self._templates_ok.get(meta["uid"]) == generation:
+        if self._templates_ok.get(meta["uid"], (None,))[0] == generation:
             return None
         try:   # what the controller itself reads of the template: resources, affinity, tolerations
             spec = spec_of(fastpod)
@@ -503,8 +505,8 @@ class KubeController:
                                 **{var: f"/run/fastshare/mps/dry-run/{var.lower()}" for var in MPS_PATH_ENV}})
         pod = replica_pod(fastpod, f"{meta['name']}-dry-run", probe, self.settings.gpu_node_label)
         try:
-            _raw(self.pods.create_namespaced_pod(meta["namespace"], pod, dry_run="All",
-                                                 _preload_content=False))
+            admitted = _raw(self.pods.create_namespaced_pod(meta["namespace"], pod, dry_run="All",
+                                                            _preload_content=False))
         except client.ApiException as exc:
             if exc.status in (409, 429) or exc.status >= 500:
                 raise   # not about the template: retried
@@ -513,8 +515,17 @@ class KubeController:
         except (TypeError, ValueError) as exc:   # the client's own model check (e.g. a non-string label)
             return {"type": "Scheduled", "status": "False", "reason": "PodCreateFailed",
                     "message": f"the pod template is refused: {' '.join(str(exc).split())[:500]}"}
-        self._templates_ok[meta["uid"]] = generation
+        self._templates_ok[meta["uid"]] = (generation, pod_running_demand(admitted).most(
+            Demand(spec.cpu_milli, spec.host_memory_bytes)))
         return None
+
+    def _replica_spec(self, fastpod: dict[str, Any]) -> Spec:
+        """The request of one replica; its host part as the dry run's Pod was admitted."""
+        spec = spec_of(fastpod)
+        generation, admitted = self._templates_ok.get(fastpod["metadata"]["uid"], (None, None))
+        if admitted is None or generation != fastpod["metadata"].get("generation", 0):
+            return spec
+        return replace(spec, cpu_milli=admitted.cpu_milli, host_memory_bytes=admitted.memory_bytes)
 
     def _create_replicas(self, fastpod: dict[str, Any], count: int, taken: set[str]
                          ) -> tuple[list[tuple[dict[str, Any], Allocation]], dict[str, str] | None]:
@@ -566,7 +577,7 @@ class KubeController:
         meta = fastpod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         try:
-            request = Request(spec=spec_of(fastpod), owner=f"{namespace}/{name}",
+            request = Request(spec=self._replica_spec(fastpod), owner=f"{namespace}/{name}",
                               idempotency_key=replica_key(namespace, name, pod_name))
             # a fresh name: creating is the check
             allocation = self.core.allocate(request, lookup=False, excluded=excluded)

@@ -164,6 +164,23 @@ def test_replicas_go_where_the_node_has_the_cpu_or_memory_left(api_client, names
     assert len(view.pods()) == 4
 
 
+def test_the_namespace_limit_range_default_request_counts(api_client, namespace, other_namespace, controller,
+                                                          agents, pki, nodes):
+    """A template without requests in a namespace whose LimitRange gives every container 3 CPUs:
+    the replica asks 3 CPUs (as its Pod will be admitted), which a (2 CPUs left) has not."""
+    core = client.CoreV1Api(api_client)
+    core.create_namespaced_limit_range(namespace, {"metadata": {"name": "defaults"}, "spec": {"limits": [
+        {"type": "Container", "defaultRequest": {"cpu": "3"}, "default": {"cpu": "3"}}]}})
+    core.create_namespaced_pod(other_namespace, {
+        "metadata": {"name": "foreign"},
+        "spec": {"nodeName": nodes["a"], "automountServiceAccountToken": False, "containers": [
+            {"name": "c", "image": "busybox", "resources": {"requests": {"cpu": "2"}}}]}})
+    view = View(api_client, namespace, "", agents, pki[1])
+    _create(view, "defaulted")
+    wait_for(lambda: _on(view, "defaulted") == [nodes["b"]], "defaulted on b", timeout=60)
+    assert view.pods()[0].spec.containers[0].resources.requests == {"cpu": "3"}
+
+
 def test_required_node_affinity_picks_the_node_or_the_rejection_names_it(api_client, namespace, controller,
                                                                          agents, pki, nodes):
     view = View(api_client, namespace, "", agents, pki[1])

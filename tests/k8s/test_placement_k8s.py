@@ -30,7 +30,7 @@ ALLOCATABLE = {"cpu": "4", "memory": "8Gi", "pods": "110"}
 def pki(tmp_path_factory):
     root = tmp_path_factory.mktemp("k8s-placement")
     certs.init_ca(root / "ca")
-    certs.issue(root / "ca", "controller", root / "controller", usage="client", days=1)
+    certs.issue(root / "ca", "controller", root / "controller", role="controller", days=1)
     return root, TlsPaths.in_dir(root / "controller", "controller")
 
 

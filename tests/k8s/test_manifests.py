@@ -96,3 +96,24 @@ def test_cli_rejects_a_bad_values_file_with_the_key(tmp_path):
     result = CliRunner().invoke(main, ["k8s", "manifests", "--values", str(values)])
     assert result.exit_code != 0
     assert "agent.prot: unknown value" in result.output
+
+
+def test_each_pod_mounts_only_its_own_key_of_the_tls_secret():
+    """The agents take GPU-changing calls only from the controller's certificate; a Secret
+    volume without items would put controller.key into every privileged node-agent Pod (and
+    node.key into the controller's)."""
+    docs = manifests.render()
+
+    def tls_files(pod_spec):
+        volume = next(v for v in pod_spec["volumes"] if v["name"] == "tls")
+        assert volume["secret"]["secretName"] == "fastshare-tls"
+        return {item["key"]: item["path"] for item in volume["secret"].get("items", [])}
+
+    agent = _by_kind(docs, "DaemonSet")[0]["spec"]["template"]["spec"]
+    controller = _by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    assert tls_files(agent) == {"ca.crt": "ca.crt", "node.crt": "node.crt", "node.key": "node.key"}
+    args = agent["containers"][0]["args"]
+    assert {"--tls-cert=/etc/fastshare/tls/node.crt", "--tls-key=/etc/fastshare/tls/node.key",
+            "--tls-ca=/etc/fastshare/tls/ca.crt"} <= set(args)
+    assert tls_files(controller) == {"ca.crt": "ca.crt", "controller.crt": "controller.crt",
+                                     "controller.key": "controller.key"}

@@ -13,7 +13,8 @@ description:
   - Joins a command, given as a list of arguments, into the value of a systemd C(ExecStart=)
     (or C(ExecStartPre=), C(ExecStop=), ...) setting, so that systemd passes every argument
     through exactly as it is given, whatever characters a path or a value contains.
-  - Following C(systemd.service(5)) and C(systemd.syntax(7)), an argument that is empty or has
+  - Following C(systemd.service(5)) and C(systemd.syntax(7)), an argument that is empty, is a
+    lone C(;) (a command separator unquoted) or has
     whitespace, a quote, a backslash or a control character is put in double quotes, with
     C(\), C(") and control characters C-escaped; C(%) becomes C(%%) (no specifier) everywhere
     and C($) becomes C($$) (no environment variable) in the arguments after the executable.
@@ -62,7 +63,8 @@ _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 def systemd_quote(arg, dollar="$$"):
     """One argument as systemd reads it back unchanged (the executable: dollar="$")."""
     text = str(arg)
-    if text and not _NEEDS_QUOTES.search(text):
+    # A lone unquoted ';' separates two commands; quoted it is an argument like any other.
+    if text and text != ";" and not _NEEDS_QUOTES.search(text):
         return text.replace("%", "%%").replace("$", dollar)
     quoted = "".join(_ESCAPES.get(c, f"\\x{ord(c):02x}" if ord(c) < 0x20 or ord(c) == 0x7f else c)
                      for c in text)

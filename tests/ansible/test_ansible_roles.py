@@ -289,6 +289,26 @@ def test_unit_commands_survive_paths_systemd_would_split_or_expand(collections_p
             in (tmp_path / "default.service").read_text())
 
 
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_an_argument_that_is_a_lone_semicolon_stays_an_argument(collections_path: Path, tmp_path: Path):
+    """systemd.service(5): a lone ';' in an Exec line separates two commands. Unquoted, an
+    argument ';' (a MIG config name, say) split the command in two: a second ExecStart= that
+    a simple service refuses, or in a oneshot unit '--apply' run as a program of its own."""
+    fastshare = _executable(tmp_path / "venv" / "bin" / "fastshare")
+    unit = tmp_path / "semicolon.service"
+    argv = [str(fastshare), "mig", "config", "--select", ";", "--apply", "a;", ";b"]
+    [result] = run_tasks(collections_path, [
+        {"ansible.builtin.copy": {"dest": str(unit), "mode": "0644", "content": "[Service]\nType=simple\n"
+                                  "ExecStart={{ argv | fastshare.gpu.systemd_command }}\n"},
+         "vars": {"argv": argv}},
+    ], tmp_path)
+    assert not result.get("failed"), result.get("msg")
+    verify = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
+                            timeout=120)
+    assert verify.returncode == 0 and unit.name not in verify.stderr, (unit.read_text(), verify.stderr)
+    assert _exec_start(unit) == argv
+
 def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Path):
     values = {"namespace": "gpu-sharing"}
     result = run_module(collections_path, f"{COLLECTION}.k8s_manifests", {"values": values})

@@ -188,9 +188,16 @@ class MpsControl:
             self._check_reads_back(device_uuid, f"get_default_{name} {_dev(name)}".strip(), value)
         still_running = set(self.server_pids(device_uuid))
         for pid in pids:
-            if pid in still_running:   # a server that exited meanwhile has no limits to check
-                for name, value in wanted:
+            if pid not in still_running:   # a server that exited meanwhile has no limits to check
+                continue
+            for name, value in wanted:
+                try:
                     self._check_reads_back(device_uuid, f"get_{name} {pid} {_dev(name)}".strip(), value)
+                except MpsError:
+                    # It may have exited after the listing above: its query then fails too.
+                    if pid in self.server_pids(device_uuid):
+                        raise
+                    break
 
     def _check_reads_back(self, device_uuid: str, query: str, expected: str) -> None:
         answer = self.command(device_uuid, query).strip()

@@ -173,3 +173,32 @@ def test_a_limit_the_daemon_rejects_is_an_error_not_silence(mps, monkeypatch):
 def test_limits_are_compared_as_values(answer, expected, same):
     from fastshare.mps.control import _same_limit
     assert _same_limit(answer, expected) is same
+
+
+def test_a_server_that_exits_before_its_read_back_is_not_a_failure(mps, monkeypatch):
+    """A server listed as running may exit before its limits are read back: the query about
+    it then fails (the daemon no longer knows the pid). That server has no limits to check;
+    the share must not fail for it."""
+    mps.start(UUID, active_thread_percentage=40, pinned_mem_limit=3 << 30)
+    mps.command(UUID, "start_server -uid 0")
+    (server,) = mps.server_pids(UUID)
+    command, gone = mps.command, []
+
+    def server_exits_when_queried(device_uuid, *commands, **kwargs):
+        if any(c.startswith(f"get_active_thread_percentage {server}") for c in commands):
+            gone.append(server)
+        if gone and commands == ("get_server_list",):
+            return ""
+        if gone and any(f" {server}" in c for c in commands):
+            return "Server not found"
+        return command(device_uuid, *commands, **kwargs)
+
+    monkeypatch.setattr(mps, "command", server_exits_when_queried)
+    mps.set_limits(UUID, 60, 4 << 30)
+    assert gone == [server]
+    monkeypatch.undo()
+    assert mps.command(UUID, "get_default_active_thread_percentage").strip() == "60"
+    # A limit that does not read back is still an error.
+    monkeypatch.setattr("fastshare.mps.control._same_limit", lambda answer, expected: False)
+    with pytest.raises(MpsError, match="did not take the limit"):
+        mps.set_limits(UUID, 70, None)

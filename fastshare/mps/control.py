@@ -63,14 +63,23 @@ _UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def _same_limit(answer: str, expected: str) -> bool:
     """Whether a read-back equals what was set: numbers compared as numbers, sizes in bytes
-    (``4096M`` and ``4G`` are the same limit), within half a MiB for rounding in the answer."""
+    (``4096M`` and ``4G`` are the same limit), within half a MiB for rounding in the answer.
+
+    A size may also come back in a larger unit, in whole units (rounded down): NVIDIA's GPU
+    Operator documentation shows ``get_default_device_pinned_mem_limit`` answering ``3G`` on a
+    T4 shared by 4 replicas, where its device plugin sets ``3840M``. Such an answer is taken
+    when it is exactly the set value rounded down to its unit."""
     got, want = _LIMIT_RE.match(answer), _LIMIT_RE.match(expected)
     if got is None or want is None:
         return False
     if not want.group(2):   # a percentage
         return abs(float(got.group(1)) - float(want.group(1))) < 0.01
-    as_bytes = [float(m.group(1)) * _UNIT[m.group(2).upper()] for m in (got, want)]
-    return abs(as_bytes[0] - as_bytes[1]) < (1 << 19)
+    got_unit, want_unit = _UNIT[got.group(2).upper()], _UNIT[want.group(2).upper()]
+    got_bytes, want_bytes = float(got.group(1)) * got_unit, float(want.group(1)) * want_unit
+    if abs(got_bytes - want_bytes) < (1 << 19):
+        return True
+    whole = got.group(1).isdigit() and int(got.group(1)) >= 1
+    return whole and got_unit > want_unit and int(got.group(1)) == int(want_bytes // got_unit)
 
 
 class MpsControl:

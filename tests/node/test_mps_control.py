@@ -169,6 +169,9 @@ def test_a_limit_the_daemon_rejects_is_an_error_not_silence(mps, monkeypatch):
     ("40", "40", True), ("40.0", "40", True), ("40.5", "40", False), ("Invalid percentage", "40", False),
     ("4096M", "4096M", True), ("4G", "4096M", True), ("4294967296", "4096M", True),
     ("4096 MiB", "4096M", True), ("3072M", "4096M", False), ("0", "4096M", False), ("", "40", False),
+    # NVIDIA's documented answer for 3840M (GPU Operator, T4 with 4 MPS replicas): whole GiB
+    ("3G", "3840M", True), ("4G", "3840M", False), ("2G", "3840M", False), ("0G", "512M", False),
+    ("3.5G", "3840M", False), ("81559M", "81559M", True), ("79G", "81559M", True),
 ])
 def test_limits_are_compared_as_values(answer, expected, same):
     from fastshare.mps.control import _same_limit

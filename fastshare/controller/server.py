@@ -240,18 +240,34 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
 
 class RegistryServicer(pb_grpc.NodeRegistryServicer):
+    # Refusals logged, so each is logged once (an agent retries every few seconds) until that
+    # node gets through; bounded, since any certificate of the CA may ask for any node name.
+    MAX_REFUSALS_REMEMBERED = 1024
+
     def __init__(self, core: ControllerCore, on_registered: Callable[[str], None]) -> None:
         self.core = core
         self._on_registered = on_registered
+        self._refused: dict[str, str] = {}
+        self._refused_lock = threading.Lock()
 
-    @staticmethod
-    def _node_identity(context: grpc.ServicerContext, node: str) -> None:
+    def _node_identity(self, context: grpc.ServicerContext, node: str) -> None:
         peer = peer_identity(context)
         if peer is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "node agents must use mTLS (a certificate "
                                                            "signed by the cluster CA)")
-        if problem := peer.why_not_node(node):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+        problem = peer.why_not_node(node)
+        with self._refused_lock:
+            if problem is None:
+                self._refused.pop(node, None)
+                return
+            new = self._refused.get(node) != problem
+            if new and len(self._refused) < self.MAX_REFUSALS_REMEMBERED:
+                self._refused[node] = problem
+        if new:
+            # Without this line the controller's log only said the node missed its heartbeats
+            # (e.g. while an upgrade has not re-issued the nodes' certificates with their role).
+            log.warning("node %s refused: %s", node, problem)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
 
     def RegisterNode(self, request: pb.RegisterNodeRequest, context) -> pb.RegisterNodeResponse:
         self._node_identity(context, request.node)

@@ -175,6 +175,29 @@ def test_only_a_node_certificate_for_the_node_registers_or_heartbeats_as_it(clus
         assert "reach the agent back" in exc.value.details()
 
 
+
+def test_a_refused_node_is_named_once_in_the_controllers_log(cluster):
+    """During an upgrade (controller first, nodes' certificates re-issued with their role after)
+    the controller refuses the nodes: its log must say so and why, not only that they missed
+    their heartbeats, and once per node rather than at every retry."""
+    from fastshare.security.tls import TlsPaths, mtls_channel
+    from fastshare.v1 import controller_pb2_grpc as pb_grpc
+
+    cluster.start_controller()
+    issue_roleless_cert(cluster.pki.ca, "n1", cluster.root / "old", sans=["127.0.0.1"])
+    channel = mtls_channel(cluster.address, TlsPaths.in_dir(cluster.root / "old", "n1"),
+                           server_name="controller")
+    with channel:
+        stub = pb_grpc.NodeRegistryStub(channel)
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.Heartbeat(pb.HeartbeatRequest(node="n1"), timeout=10)
+            assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    wait_for(lambda: "node n1 refused" in cluster.controller.output(), 10, "the refusal in the log")
+    lines = [line for line in cluster.controller.output().splitlines() if "node n1 refused" in line]
+    assert len(lines) == 1, lines
+    assert "no role" in lines[0] and "fastshare certs issue --role node --name n1" in lines[0]
+
 def test_a_node_certificate_may_only_read_and_cordon_its_own_node(cluster):
     """A GPU node's certificate is not a user's: it must not allocate, release or cordon other
     nodes through the client API (playbooks/mig_reconfigure.yml cordons a node with its own)."""

@@ -3,6 +3,7 @@ both, while the agent keeps access to the NVIDIA device nodes."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -18,9 +19,19 @@ pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
 TEMPLATE = REPO / "roles/controller/templates/fastshare-controller.service.j2"
 
 
+def _systemd_command():
+    """The collection's filter the template calls (plugins/filter/systemd_command.py)."""
+    path = REPO / "plugins" / "filter" / "systemd_command.py"
+    spec = importlib.util.spec_from_file_location("systemd_command", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.systemd_command
+
+
 def controller_unit() -> str:
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
     env.filters["regex_replace"] = lambda value, pattern, repl: re.sub(pattern, repl, value)
+    env.filters["fastshare.gpu.systemd_command"] = _systemd_command()
     return env.from_string(TEMPLATE.read_text()).render(
         ansible_managed="rendered by the test", controller_user="fastshare", controller_venv="/opt/fastshare",
         controller_state_dir="/var/lib/fastshare/controller")

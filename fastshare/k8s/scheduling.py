@@ -38,10 +38,11 @@ def quantity(value: object, field: str) -> Decimal:
     """A Kubernetes quantity (``100m``, ``2``, ``1Gi``, ``500M``, ``1e3``) as a non-negative Decimal."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise TemplateError(field, f"must be a quantity such as 500m, 2 or 1Gi (got {value!r})")
-    if not _QUANTITY.match(str(value)):
+    text = str(value)   # a JSON number as its text, as the API server reads it (0.1 is 100m)
+    if not _QUANTITY.match(text):
         raise TemplateError(field, f"{value!r} is not a quantity (such as 500m, 2 or 1Gi)")
     try:
-        parsed = parse_quantity(value)
+        parsed = parse_quantity(text)
     except (ValueError, InvalidOperation, TypeError):
         raise TemplateError(field, f"{value!r} is not a quantity (such as 500m, 2 or 1Gi)") from None
     if not parsed.is_finite() or parsed < 0:

@@ -31,6 +31,14 @@ def test_cpu_quantities_in_millicores_rounded_up(value, expected):
     assert milli(value, "cpu") == expected
 
 
+@pytest.mark.parametrize(("value", "expected"), [(0.1, 100), (1.1, 1100), (0.3, 300), (2.2, 2200), (1e-3, 1)])
+def test_a_json_number_counts_as_the_api_server_reads_it(value, expected):
+    """``cpu: 0.1`` arrives as the float 0.1 (0.1000000000000000055...); the API server reads
+    the number's text, 100m: ten such replicas fit one CPU, not nine."""
+    assert milli(value, "cpu") == expected
+    assert pod_demand({"containers": [_c({"cpu": 0.1})] * 10}).cpu_milli == 1000
+
+
 @pytest.mark.parametrize(("value", "expected"), [
     ("1Gi", Gi), ("512Mi", 512 * Mi), ("500M", 500_000_000), ("1e3", 1000), ("1.5Ki", 1536), (1024, 1024),
     ("1k", 1000), ("0.5", 1),

@@ -215,7 +215,9 @@ class KubeController:
                 continue
             labels = dict(node.metadata.labels or {})
             stored = self.store.get_node(name)
-            known = stored is not None and stored.address == address
+            # relabelled: register again, the engine matches nodeSelector against the labels
+            # it was given (the kubelet against the Node's own, and refuses a Pod they miss)
+            known = stored is not None and stored.address == address and stored.labels == labels
             try:
                 if known:  # the ping is the heartbeat: it counts only once the agent answered
                     self.core.agents.get(name, address).ping()

@@ -233,3 +233,20 @@ def test_a_template_the_controller_cannot_read_is_refused_naming_the_field(api_c
         view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
     assert refused.value.status == 422
     assert "spec.template.spec.tolerations[0].operator" in json.loads(refused.value.body)["message"]
+
+
+def test_node_selector_follows_the_node_labels_of_now(api_client, namespace, controller, agents, pki, nodes):
+    """An operator moves the zone label from node a to node b after both agents registered: a
+    replica selecting it goes to b (the kubelet on a would refuse it: NodeAffinity), not where
+    the label was when the agent registered."""
+    core = client.CoreV1Api(api_client)
+    view = View(api_client, namespace, "", agents, pki[1])
+    try:
+        core.patch_node(nodes["a"], {"metadata": {"labels": {"zone": "moved"}}})
+        core.patch_node(nodes["b"], {"metadata": {"labels": {"zone": "za"}}})
+        controller.sync_nodes()
+        _create(view, "follows", nodeSelector={"zone": "za"})
+        wait_for(lambda: _on(view, "follows") == [nodes["b"]], "follows on b", timeout=60)
+    finally:
+        for key, agent in agents.items():
+            core.patch_node(agent.name, {"metadata": {"labels": {"zone": f"z{key}"}}})

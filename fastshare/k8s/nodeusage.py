@@ -35,6 +35,8 @@ class NodeUsage:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pods: dict[Key, Entry] = {}
+        # the same entries by node: a node's Pods without a walk over every Pod of the cluster
+        self._by_node: dict[str, dict[Key, tuple[Demand, str]]] = {}
         self._synced = threading.Event()
 
     @property
@@ -46,30 +48,37 @@ class NodeUsage:
 
     def replace(self, pods: Iterable[dict[str, Any]]) -> None:
         fresh = {_key(p): e for p in pods if (e := _entry(p)) is not None}
+        by_node: dict[str, dict[Key, tuple[Demand, str]]] = {}
+        for key, (node, demand, allocation) in fresh.items():
+            by_node.setdefault(node, {})[key] = (demand, allocation)
         with self._lock:
-            self._pods = fresh
+            self._pods, self._by_node = fresh, by_node
         self._synced.set()
 
+    def _drop(self, key: Key) -> None:
+        old = self._pods.pop(key, None)
+        if old is not None:
+            on_node = self._by_node[old[0]]
+            del on_node[key]
+            if not on_node:
+                del self._by_node[old[0]]
+
     def put(self, pod: dict[str, Any]) -> None:
-        entry = _entry(pod)
+        entry, key = _entry(pod), _key(pod)
         with self._lock:
-            if entry is None:
-                self._pods.pop(_key(pod), None)
-            else:
-                self._pods[_key(pod)] = entry
+            self._drop(key)
+            if entry is not None:
+                self._pods[key] = entry
+                self._by_node.setdefault(entry[0], {})[key] = entry[1:]
 
     def remove(self, pod: dict[str, Any]) -> None:
         with self._lock:
-            self._pods.pop(_key(pod), None)
+            self._drop(_key(pod))
 
     def on(self, nodes: Iterable[str]) -> dict[str, list[tuple[Demand, str]]]:
         """Per node of ``nodes``: each bound Pod's request and allocation id."""
-        out: dict[str, list[tuple[Demand, str]]] = {n: [] for n in nodes}
         with self._lock:
-            for node, demand, allocation in self._pods.values():
-                if node in out:
-                    out[node].append((demand, allocation))
-        return out
+            return {n: list(self._by_node.get(n, {}).values()) for n in nodes}
 
 
 def host_left(allocatable: Demand, pods: Iterable[tuple[Demand, str]],

@@ -224,3 +224,32 @@ def test_a_pod_whose_share_the_engine_holds_is_not_counted_twice():
     # an allocation recorded before requests were counted (0): its Pod still counts in full
     assert host_left(allocatable, pods, {"fs-1": (0, 0)}) == Demand(4000 - 2200, 8 * Gi - Gi - 512 * Mi)
     assert host_left(Demand(1000, 0), [(Demand(3000, 0), "")], {}).cpu_milli == -2000   # over-committed
+
+
+class _CountedName(str):
+    """A node name that counts how often it is hashed (looked up)."""
+
+    looked_at = 0
+
+    def __hash__(self):
+        type(self).looked_at += 1
+        return str.__hash__(self)
+
+
+def test_a_node_s_pods_are_found_without_going_through_every_pod_of_the_cluster():
+    """Placement asks for the GPU nodes' Pods on every pass that creates replicas: that must not
+    cost a walk over every Pod of a big cluster (most of them on other nodes)."""
+    usage = NodeUsage()
+    usage.replace([_pod(f"other-{i}", _CountedName(f"cpu-node-{i % 50}"), "100m") for i in range(2000)]
+                  + [_pod("mine", "gpu-1", "1", allocation="fs-1")])
+    usage.put(_pod("moved", _CountedName("cpu-node-1"), "1"))
+    usage.put(_pod("moved", "gpu-1", "2"))              # re-bound (a new Pod of the same name)
+    _CountedName.looked_at = 0
+    found = usage.on(["gpu-1", "gpu-2"])
+    assert _CountedName.looked_at == 0
+    expected = [(Demand(1000, 0), "fs-1"), (Demand(2000, 0), "")]
+    assert sorted(found["gpu-1"], key=str) == sorted(expected, key=str)
+    assert found["gpu-2"] == []
+    usage.remove(_pod("moved", "gpu-1", "2"))
+    usage.put(_pod("mine", "gpu-1", "1", phase="Succeeded"))
+    assert usage.on(["gpu-1", "cpu-node-1"]) == {"gpu-1": [], "cpu-node-1": [(Demand(100, 0), "")] * 40}

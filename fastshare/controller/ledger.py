@@ -124,11 +124,13 @@ class Ledger:
             if name in self._views:
                 self._engine.set_capacity(name, *self._host[name])
 
-    def host_requests(self) -> dict[str, tuple[int, int]]:
-        """Allocation id -> the host (cpu milli, memory MiB) the engine counts for it."""
+    def host_requests(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """Node -> allocation id -> the host (cpu milli, memory MiB) the engine counts for it there."""
+        out: dict[str, dict[str, tuple[int, int]]] = {}
         with self._lock:
-            return {rid: (a.request.cpu_milli, a.request.memory_mib)
-                    for rid, a in self._engine.assignments.items()}
+            for rid, a in self._engine.assignments.items():
+                out.setdefault(a.node, {})[rid] = (a.request.cpu_milli, a.request.memory_mib)
+        return out
 
     def models(self) -> set[str]:
         with self._lock:

@@ -239,7 +239,7 @@ class KubeController:
         nodes = self._nodes
         held = self.core.ledger.host_requests()
         for name, pods in self.usage.on(nodes).items():
-            left = host_left(nodes[name].allocatable, pods, held)
+            left = host_left(nodes[name].allocatable, pods, held.get(name, {}))
             self.core.ledger.set_host(name, left.cpu_milli, left.memory_bytes // MiB)
 
     # -- event sources ---------------------------------------------------------------------------------

@@ -84,12 +84,17 @@ class NodeUsage:
 def host_left(allocatable: Demand, pods: Iterable[tuple[Demand, str]],
               held: dict[str, tuple[int, int]]) -> Demand:
     """What a node has left for the engine's assignments: its allocatable minus what bound Pods
-    request, where a Pod whose allocation the engine holds (``held``: id -> cpu milli, memory
-    MiB) counts only beyond what the engine already counts for it, so it is not counted twice.
-    May be negative (over-committed)."""
+    request, where a Pod whose allocation the engine holds on this node (``held``: id -> cpu
+    milli, memory MiB) counts only beyond what the engine already counts for it, so it is not
+    counted twice; that for one Pod per allocation only (a copy of a replica Pod keeps its
+    annotation, and the kubelet counts both). May be negative (over-committed)."""
     cpu, memory = allocatable.cpu_milli, allocatable.memory_bytes
+    covered: set[str] = set()
     for demand, allocation in pods:
-        counted_cpu, counted_mib = held.get(allocation, (0, 0)) if allocation else (0, 0)
+        counted_cpu, counted_mib = (0, 0)
+        if allocation and allocation not in covered and allocation in held:
+            covered.add(allocation)
+            counted_cpu, counted_mib = held[allocation]
         cpu -= max(0, demand.cpu_milli - counted_cpu)
         memory -= max(0, demand.memory_bytes - counted_mib * 1024**2)
     return Demand(cpu, memory)

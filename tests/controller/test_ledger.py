@@ -121,7 +121,8 @@ def test_host_cpu_and_memory_from_the_caller_count_and_survive_a_rebuild():
     ledger.set_host("b", 2000, 4096)
     placed = _place(ledger, "fs-1", spec)
     assert placed.node == "b"
-    assert ledger.host_requests() == {"fs-1": (1500, 2048)}
+    assert ledger.host_requests() == {"b": {"fs-1": (1500, 2048)}}   # by node: a Pod elsewhere
+    # that carries fs-1's annotation (a copy) is not covered by this share
     rejected = _place(ledger, "fs-2", spec)
     assert not rejected and "lack 1500 milli-CPU; most free is 500 on b" in rejected.reason, rejected.reason
     ledger.set_host("b", 1000, 1024)                      # others took the CPU: fs-1 stays

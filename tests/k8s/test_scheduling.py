@@ -253,3 +253,10 @@ def test_a_node_s_pods_are_found_without_going_through_every_pod_of_the_cluster(
     usage.remove(_pod("moved", "gpu-1", "2"))
     usage.put(_pod("mine", "gpu-1", "1", phase="Succeeded"))
     assert usage.on(["gpu-1", "cpu-node-1"]) == {"gpu-1": [], "cpu-node-1": [(Demand(100, 0), "")] * 40}
+
+
+def test_a_copy_of_a_replica_pod_counts_in_full():
+    """``kubectl debug --copy-to --same-node`` copies a replica Pod with its annotations: the
+    kubelet counts both Pods, the engine holds one share; only one Pod is covered by it."""
+    pods = [(Demand(1000, Gi), "fs-1"), (Demand(1000, Gi), "fs-1")]
+    assert host_left(Demand(4000, 8 * Gi), pods, {"fs-1": (1000, 1024)}) == Demand(3000, 7 * Gi)

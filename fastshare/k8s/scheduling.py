@@ -195,11 +195,21 @@ class _Requirement:
             return value is not None
         if op == "DoesNotExist":
             return value is None
-        try:   # Gt / Lt: both sides integers, else no match
-            have, bound = int(value or ""), int(self.values[0])
-        except ValueError:
+        have, bound = _integer(value), _integer(self.values[0])   # Gt / Lt: both integers, else no match
+        if have is None or bound is None:
             return False
         return have > bound if op == "Gt" else have < bound
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _integer(text: str | None) -> int | None:
+    """An integer as Go's strconv.ParseInt(text, 10, 64) reads it (int() also takes "1_000",
+    " 7" or other scripts' digits), None if it does not."""
+    if text is None or not _INTEGER.fullmatch(text) or not -2**63 <= (value := int(text)) < 2**63:
+        return None
+    return value
 
 
 def _requirements(items: object, field: str, fields: bool) -> tuple[_Requirement, ...]:
@@ -225,11 +235,8 @@ def _requirements(items: object, field: str, fields: bool) -> tuple[_Requirement
         if op in ("Gt", "Lt"):
             if len(values) != 1:
                 raise TemplateError(f"{at}.values", f"operator {op} needs exactly one value")
-            try:
-                int(values[0])
-            except ValueError:
-                raise TemplateError(f"{at}.values",
-                                    f"operator {op} needs an integer (got {values[0]!r})") from None
+            if _integer(values[0]) is None:
+                raise TemplateError(f"{at}.values", f"operator {op} needs an integer (got {values[0]!r})")
         if fields and item["key"] != "metadata.name":
             raise TemplateError(f"{at}.key", f"only metadata.name is supported (got {item['key']!r})")
         out.append(_Requirement(item["key"], op, tuple(values)))

@@ -260,3 +260,15 @@ def test_a_copy_of_a_replica_pod_counts_in_full():
     kubelet counts both Pods, the engine holds one share; only one Pod is covered by it."""
     pods = [(Demand(1000, Gi), "fs-1"), (Demand(1000, Gi), "fs-1")]
     assert host_left(Demand(4000, 8 * Gi), pods, {"fs-1": (1000, 1024)}) == Demand(3000, 7 * Gi)
+
+
+@pytest.mark.parametrize(("label", "fits"), [("64", True), ("+64", True), ("1_000", False), ("٦٤", False),
+                                             ("64.0", False)])
+def test_gt_compares_integers_as_kubernetes_reads_them(label, fits):
+    """Gt/Lt parse both sides as Go's strconv.ParseInt(s, 10, 64) does: Python's int() also
+    takes "1_000" or other scripts' digits, which on a node label match nothing in Kubernetes."""
+    node = NodeFacts(name="gpu-a", labels=(("cores", label),))
+    spec = _affinity({"matchExpressions": [_expr("cores", "Gt", "32")]})
+    assert (constraints(spec).problem(node) is None) == fits
+    with pytest.raises(TemplateError, match="needs an integer"):
+        constraints(_affinity({"matchExpressions": [_expr("cores", "Gt", "3_2")]}))

@@ -77,6 +77,9 @@ class KubeSettings:
     resync_interval: float = 30.0   # every FastPod reconciled at least this often
     watch_timeout: int = 30         # seconds a watch request stays open before it is renewed
     namespace: str | None = None    # serve one namespace only (None: every namespace)
+    # Pods per page of the listing of every bound Pod (node usage): one page is held at a time,
+    # not every Pod of the cluster as JSON at once
+    list_page: int = 500
 
 
 def _now() -> str:
@@ -252,16 +255,26 @@ class KubeController:
             self.queue.add(key)
 
     def _stream(self, list_fn: Callable[..., Any], on_event: Callable[[str, dict[str, Any]], None],
-                on_list: Callable[[dict[str, Any]], None] | None = None, **kwargs: Any) -> None:
+                on_list: Callable[[dict[str, Any]], None] | None = None, page: int = 0,
+                **kwargs: Any) -> None:
         """List (``on_list``, then each item as "LISTED"), then watch from the list's
-        resourceVersion (``on_event(type, object)``); start over on any error or expiry."""
+        resourceVersion (``on_event(type, object)``); start over on any error or expiry.
+        ``page`` > 0: list in pages of that many, and ``on_list`` gets the items as an iterator
+        that fetches them page by page (each item goes to ``on_event`` as it is read)."""
         while not self._stop.is_set():
             try:
-                listing = _raw(list_fn(**kwargs, _preload_content=False))
-                if on_list is not None:
-                    on_list(listing)
-                for item in listing["items"]:
-                    on_event("LISTED", item)
+                if page > 0:
+                    listing = self._paged(list_fn, page, on_event, **kwargs)
+                    if on_list is not None:
+                        on_list(listing)
+                    for _ in listing["items"]:   # what on_list did not read
+                        pass
+                else:
+                    listing = _raw(list_fn(**kwargs, _preload_content=False))
+                    if on_list is not None:
+                        on_list(listing)
+                    for item in listing["items"]:
+                        on_event("LISTED", item)
                 stream = watch.Watch()
                 for event in stream.stream(list_fn, resource_version=listing["metadata"]["resourceVersion"],
                                            timeout_seconds=self.settings.watch_timeout, deserialize=False,
@@ -276,6 +289,26 @@ class KubeController:
                 if not self._stop.is_set():
                     log.info("watch %s restarts: %s", getattr(list_fn, "__name__", "?"), exc)
                     self._stop.wait(1.0)
+
+    @staticmethod
+    def _paged(list_fn: Callable[..., Any], page: int, on_event: Callable[[str, dict[str, Any]], None],
+               **kwargs: Any) -> dict[str, Any]:
+        """A listing whose ``items`` are read page by page (the first page now, for the
+        resourceVersion that every page of one listing shares)."""
+        first = _raw(list_fn(**kwargs, limit=page, _preload_content=False))
+
+        def items() -> Any:
+            listing = first
+            while True:
+                for item in listing["items"]:
+                    on_event("LISTED", item)
+                    yield item
+                token = listing["metadata"].get("continue")
+                if not token:
+                    return
+                listing = _raw(list_fn(**kwargs, limit=page, _continue=token, _preload_content=False))
+
+        return {"metadata": first["metadata"], "items": items()}
 
     def _watch_fastpods(self) -> None:
         def on_fastpod(_: str, obj: dict[str, Any]) -> None:
@@ -318,7 +351,8 @@ class KubeController:
             elif kind in ("ADDED", "MODIFIED"):
                 self.usage.put(pod)
 
-        self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, field_selector=FIELD_SELECTOR)
+        self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, page=self.settings.list_page,
+                     field_selector=FIELD_SELECTOR)
 
     def _housekeeping(self) -> None:
         s = self.settings

@@ -5,7 +5,9 @@ taints against tolerations, cordons; and a template fastshare cannot read is ref
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 import uuid
 
 import pytest
@@ -15,6 +17,7 @@ from fastshare.controller.agent_client import AgentPool
 from fastshare.controller.core import Settings as CoreSettings
 from fastshare.k8s.controller import KubeController, KubeSettings
 from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
+from fastshare.k8s.scheduling import Demand
 from fastshare.security import certs
 from fastshare.security.tls import TlsPaths
 
@@ -250,3 +253,38 @@ def test_node_selector_follows_the_node_labels_of_now(api_client, namespace, con
     finally:
         for key, agent in agents.items():
             core.patch_node(agent.name, {"metadata": {"labels": {"zone": f"z{key}"}}})
+
+
+def test_every_bound_pod_is_listed_a_page_at_a_time(api_client, other_namespace, pki):
+    """The node-usage listing covers every Pod of the cluster: read whole, a cluster of some ten
+    thousand Pods is gigabytes of JSON objects at once (the controller's memory limit is 512Mi).
+    It comes in pages, and every bound Pod is counted all the same."""
+    core = client.CoreV1Api(api_client)
+    node = f"paged-{uuid.uuid4().hex[:6]}"
+    for i in range(5):
+        core.create_namespaced_pod(other_namespace, {
+            "metadata": {"name": f"p{i}"},
+            "spec": {"nodeName": node, "automountServiceAccountToken": False, "containers": [
+                {"name": "c", "image": "busybox", "resources": {"requests": {"cpu": "100m"}}}]}})
+    c = KubeController(api_client, AgentPool(pki[1], deadline=5.0),
+                       KubeSettings(list_page=2, watch_timeout=5))
+    calls = []
+    listing = c.pods.list_pod_for_all_namespaces
+
+    @functools.wraps(listing)
+    def spy(**kwargs):
+        calls.append(kwargs)
+        return listing(**kwargs)
+
+    c.pods.list_pod_for_all_namespaces = spy
+    watcher = threading.Thread(target=c._watch_node_pods, daemon=True)
+    watcher.start()
+    try:
+        assert c.usage.wait_synced(30)
+        assert c.usage.on([node])[node] == [(Demand(100, 0), "")] * 5
+        lists = [k for k in calls if not k.get("watch")]
+        assert lists and all(k.get("limit") == 2 for k in lists), lists
+        assert any(k.get("_continue") for k in lists)
+    finally:
+        c._stop.set()
+        watcher.join(15)

@@ -23,3 +23,20 @@ def test_generated_protos_import():
     from fastshare.v1 import common_pb2
 
     assert common_pb2.SHARE_KIND_EXCLUSIVE == 3
+
+
+def _commands(command, path=("fastshare",)):
+    yield path, command
+    for name, sub in sorted(getattr(command, "commands", {}).items()):
+        yield from _commands(sub, (*path, name))
+
+
+def test_help_describes_every_option():
+    # `--help` is the reference a user reads: an option listed with no words says nothing of
+    # what it does (e.g. `bench mig --steps`, `run --kind`, `k8s controller --agent-port`)
+    import click
+
+    bare = [f"{' '.join(path)} {param.opts[0]}" for path, command in _commands(main)
+            for param in command.params
+            if isinstance(param, click.Option) and param.opts[0] != "--help" and not param.help]
+    assert not bare, f"options without help text: {', '.join(bare)}"

@@ -29,12 +29,14 @@ def bench() -> None:
 @click.option("--data", type=click.Path(file_okay=False),
               help="openb directory (default ../shared/data/openb).")
 @click.option("--traces", default="all", show_default=True, help="Comma list of trace names, or 'all'.")
-@click.option("--policies", default="fgd,bestfit,fastshare", show_default=True)
+@click.option("--policies", default="fgd,bestfit,fastshare", show_default=True,
+              help="Comma list of placement policies (those of `fastshare sim --policy`).")
 @click.option("--seeds", type=Seeds(), default="42-51", show_default=True, help="e.g. 42-51 or 42,43.")
 @click.option("--speed/--no-speed", default=True, show_default=True,
               help="Also time decisions on 1,213 / 2,500 / 5,000 / 10,000-node clusters.")
-@click.option("--quality/--no-quality", default=True, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--quality/--no-quality", default=True, show_default=True,
+              help="Replay every trace x policy x seed and report the final GPU allocation.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout instead of tables.")
 def placement(data: str | None, traces: str, policies: str, seeds: list[int], speed: bool, quality: bool,
               as_json: bool) -> None:
     """Final GPU allocation per trace x policy (mean over seeds, beside the published means),
@@ -83,12 +85,15 @@ def placement(data: str | None, traces: str, policies: str, seeds: list[int], sp
 
 
 @bench.command("mig")
-@click.option("--seeds", type=Seeds(), default="1-5", show_default=True)
-@click.option("--steps", type=click.IntRange(10, 100000), default=2000, show_default=True)
-@click.option("--gpus", type=click.IntRange(1, 4096), default=32, show_default=True)
+@click.option("--seeds", type=Seeds(), default="1-5", show_default=True,
+              help="Request streams, e.g. 1-5 or 1,3.")
+@click.option("--steps", type=click.IntRange(10, 100000), default=2000, show_default=True,
+              help="Arrivals and departures per stream.")
+@click.option("--gpus", type=click.IntRange(1, 4096), default=32, show_default=True,
+              help="A100-40GB GPUs in the simulated cluster.")
 @click.option("--load", type=Number(0.1, 5), default=1.1, show_default=True,
               help="Offered load as a multiple of the cluster's compute slices.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON list on stdout instead of a table.")
 def mig(seeds: list[int], steps: int, gpus: int, load: float, as_json: bool) -> None:
     """Fragmentation rejections of exclusive (MIG) requests with departures: fastshare's
     placement vs NVIDIA's default largest-first order vs first-fit, on the same streams."""

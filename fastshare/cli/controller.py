@@ -86,7 +86,7 @@ def controller() -> None:
 @click.option("--reconcile-interval", type=float, help="Seconds between reconciler passes [5].")
 @click.option("--agent-deadline", type=float, help="Deadline of every RPC to an agent, seconds [10].")
 @click.option("--mps-oversubscription", type=float, help="Memory factor MPS shares may promise [1.0].")
-@click.option("--log-level", type=click.Choice(CHOICES["log_level"]))
+@click.option("--log-level", type=click.Choice(CHOICES["log_level"]), help="Log verbosity [info].")
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Run the controller until SIGTERM/SIGINT. A second one on the same state dir refuses to start."""
     from fastshare.controller.core import Settings

@@ -63,25 +63,28 @@ def _k8s(rule: Callable[[str], str | None]) -> Callable[..., str | None]:
 @click.option("--namespace", default=None, callback=_k8s(names.namespace_problem),
               help="Serve the FastPods of this namespace only (default: all).")
 @click.option("--lease-namespace", default="fastshare-system", show_default=True,
-              callback=_k8s(names.namespace_problem))
+              callback=_k8s(names.namespace_problem), help="Namespace of the leader election Lease.")
 @click.option("--lease-name", default="fastshare-controller", show_default=True,
-              callback=_k8s(names.name_problem))
+              callback=_k8s(names.name_problem), help="Name of the leader election Lease.")
 @click.option("--identity", envvar="POD_NAME", default=None,
               help="Leader election identity (default: $POD_NAME, else the host name and pid).")
 @click.option("--gpu-node-label", default="fastshare.io/gpu", show_default=True,
               callback=_k8s(names.label_key_problem),
               help="Nodes labelled <label>=true run a node agent.")
-@click.option("--agent-port", default=7444, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--agent-port", default=7444, show_default=True, type=click.IntRange(1, 65535),
+              help="Node agents' port when a Node has no fastshare.io/agent-endpoint annotation.")
 @click.option("--tls-dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Directory with controller.crt, controller.key and ca.crt (mTLS to the node agents).")
 @click.option("--metrics-port", default=0, type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics (and liveness) on this port; 0 = off.")
-@click.option("--lease-duration", default=15.0, show_default=True, type=Number(1.0, 3600))
+@click.option("--lease-duration", default=15.0, show_default=True, type=Number(1.0, 3600),
+              help="Seconds a leader holds the Lease without renewing it before another replica takes over.")
 @click.option("--node-interval", default=2.0, show_default=True, type=Number(0.1, 3600),
               help="Seconds between agent pings (heartbeats).")
 @click.option("--heartbeat-timeout", default=8.0, show_default=True, type=Number(0.5, 86400),
               help="Silence after which a node agent counts as down.")
-@click.option("--log-level", default="info", type=click.Choice(LOG_LEVELS))
+@click.option("--log-level", default="info", show_default=True, type=click.Choice(LOG_LEVELS),
+              help="Log verbosity.")
 def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity, gpu_node_label,
                    agent_port, tls_dir, metrics_port, lease_duration, node_interval, heartbeat_timeout,
                    log_level) -> None:

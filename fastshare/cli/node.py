@@ -51,7 +51,7 @@ def node() -> None:
               default=str(node_config.DEFAULT_PATH), envvar="FASTSHARE_NODE_CONFIG", show_default=True,
               show_envvar=True, help="YAML settings; flags and environment override it.")
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
-              envvar="FASTSHARE_LOG_LEVEL", show_default=True)
+              envvar="FASTSHARE_LOG_LEVEL", show_envvar=True, show_default=True, help="Log verbosity.")
 @_serve_options
 def serve(config_path: Path, log_level: str, **flags: str | None) -> None:
     """Run the agent: reconcile the journal with the GPUs, then serve gRPC until SIGTERM."""
@@ -104,7 +104,7 @@ def _call(fn, *args):
 
 @node.command("status")
 @_SOCKET
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(unix_socket: str, as_json: bool) -> None:
     """GPUs, MIG devices, MPS daemons and shares of the local agent."""
     from fastshare.v1 import agent_pb2, common_pb2

@@ -68,7 +68,8 @@ def _describe(a) -> str:
 
 @click.command("run", context_settings={"allow_interspersed_args": False})
 @click.option("--kind", type=click.Choice(["fastpod", "mps", "exclusive", "whole"]), default="fastpod",
-              show_default=True)
+              show_default=True, help="fastpod: SM share + memory limit (MPS); mps: memory-only MPS share; "
+              "exclusive: a MIG slice; whole: whole GPUs.")
 @click.option("--sm", "sm_percent", type=click.IntRange(0, 100), default=0,
               help="SM share in % (fastpod; exclusive: slice size).")
 @click.option("--mem", "memory", help="GPU memory, e.g. 8GiB (fastpod limit, mps share, exclusive minimum).")

@@ -26,7 +26,7 @@ def _default(name: str) -> str | None:
               default=lambda: _default("openb_node_list_gpu_node.csv"),
               show_default="../shared/data/openb/openb_node_list_gpu_node.csv", help="Node list CSV.")
 @click.option("--policy", type=click.Choice(POLICY_NAMES, case_sensitive=False), default="fastshare",
-              show_default=True)
+              show_default=True, help="Placement policy.")
 @click.option("--tune", type=Number(0, 10), default=1.3, show_default=True,
               help="Append random task copies until requested GPU = TUNE x capacity (0 = none).")
 @click.option("--seed", type=int, default=42, show_default=True, help="Arrival shuffle and tie order.")

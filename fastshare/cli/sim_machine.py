@@ -66,7 +66,8 @@ def sim_show(state: str) -> None:
 @_state_option
 @click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
 @click.option("--mig", "mig_uuid", help="MIG device UUID (required when the GPU is in MIG mode)")
-@click.option("--memory-mib", type=click.IntRange(min=0), default=256, show_default=True)
+@click.option("--memory-mib", type=click.IntRange(min=0), default=256, show_default=True,
+              help="GPU memory the process uses")
 def sim_add_process(state: str, gpu_index: int, mig_uuid: str | None, memory_mib: int) -> None:
     """Pretend a CUDA process runs on a GPU or MIG device; prints its pid."""
     try:

@@ -122,3 +122,33 @@ def test_k8s_controller_names_follow_kubernetes_rules(flag, value, ok):
         assert "Missing option '--tls-dir'" in result.output
     else:
         assert f"Invalid value for '{flag}'" in result.output and "must be" in result.output
+
+
+@pytest.mark.parametrize("setting", ["listen", "readonly_listen", "metrics_listen"])
+def test_node_agent_names_the_setting_whose_port_is_taken(tmp_path, setting):
+    # a second agent on one host (the README's node.yaml sets no metrics_listen, so both take
+    # 127.0.0.1:9402) stopped with only "[Errno 98] Address already in use"
+    import socket
+
+    import yaml
+
+    from fastshare.device import simnvml
+    from fastshare.security import certs
+
+    certs.init_ca(tmp_path / "ca")
+    certs.issue(tmp_path / "ca", "node-1", tmp_path / "pki", sans=["127.0.0.1"], role="node", days=1)
+    simnvml.create_machine(tmp_path / "m.json", ["L4"])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        settings = {"listen": "127.0.0.1:0", "readonly_listen": "", "metrics_listen": "", setting: address}
+        (tmp_path / "node.yaml").write_text(yaml.safe_dump({
+            "node_name": "node-1", **settings, "unix_socket": "", "state_dir": str(tmp_path / "state"),
+            "run_dir": str(tmp_path / "run"), "device_backend": "sim", "sim_state": str(tmp_path / "m.json"),
+            "tls": {"cert": str(tmp_path / "pki/node-1.crt"), "key": str(tmp_path / "pki/node-1.key"),
+                    "ca": str(tmp_path / "pki/ca.crt")}}))
+        result = CliRunner().invoke(main, ["node", "serve", "--config", str(tmp_path / "node.yaml")])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert f"{setting} {address}: cannot listen there" in result.output

@@ -15,9 +15,11 @@ import signal
 import socket
 import stat
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from prometheus_client import start_http_server
@@ -97,6 +99,20 @@ def _secure_unix(config: NodeConfig) -> None:
     os.chmod(path, config.unix_socket_mode)
 
 
+T = TypeVar("T")
+
+
+def _bound(config: NodeConfig, setting: str, bind: Callable[[str], T]) -> T:
+    """``bind(address)``, or an error naming the setting and its address (a port in use said
+    only "[Errno 98] Address already in use", and gRPC only "Failed to bind to address")."""
+    address = getattr(config, setting)
+    try:
+        return bind(address)
+    except (OSError, RuntimeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "in use, or not of this host"
+        raise RuntimeError(f"{setting} {address}: cannot listen there ({why})") from exc
+
+
 def start(config: NodeConfig) -> Running:
     """Open everything, reconcile, then open the ports. Raises on any configuration problem."""
     devices = open_devices(config.device_backend, config.sim_state or None)
@@ -115,11 +131,11 @@ def start(config: NodeConfig) -> Running:
     ports: dict[str, int] = {}
     tls = TlsPaths(Path(config.tls.cert), Path(config.tls.key), Path(config.tls.ca))
     if config.listen:
-        ports["listen"] = server.add_secure_port(config.listen,
-                                                 server_credentials(tls, require_client_cert=True))
+        ports["listen"] = _bound(config, "listen", lambda address: server.add_secure_port(
+            address, server_credentials(tls, require_client_cert=True)))
     if config.readonly_listen:
-        ports["readonly_listen"] = server.add_secure_port(
-            config.readonly_listen, server_credentials(tls, require_client_cert=False))
+        ports["readonly_listen"] = _bound(config, "readonly_listen", lambda address: server.add_secure_port(
+            address, server_credentials(tls, require_client_cert=False)))
     if config.unix_socket:
         _bind_unix(server, config)
     server.start()
@@ -129,7 +145,12 @@ def start(config: NodeConfig) -> Running:
     metrics_server = None
     if config.metrics_listen:
         host, _, port = config.metrics_listen.rpartition(":")
-        metrics_server, _thread = start_http_server(int(port), host.strip("[]"), registry=metrics.registry)
+        try:
+            metrics_server, _thread = _bound(config, "metrics_listen", lambda _address: start_http_server(
+                int(port), host.strip("[]"), registry=metrics.registry))
+        except RuntimeError:
+            server.stop(None)
+            raise
         ports["metrics_listen"] = metrics_server.server_port
 
     stop_event = threading.Event()

@@ -111,8 +111,8 @@ def _validate_days(field: str, days: int, maximum: int) -> None:
 def init_ca(ca_dir: Path, name: str = "fastshare-ca", days: int = DEFAULT_CA_DAYS,
             force: bool = False) -> Path:
     """Create a CA in ``ca_dir``; refuses to overwrite an existing one unless ``force``."""
-    validate_name("name", name)
-    _validate_days("days", days, 36500)
+    validate_name("--name", name)
+    _validate_days("--days", days, 36500)
     ca_dir = Path(ca_dir)
     if (ca_dir / CA_KEY).exists() and not force:
         raise CertError(f"{ca_dir / CA_KEY} already exists; refusing to replace the cluster CA"

@@ -86,6 +86,17 @@ def test_init_refuses_to_replace_a_ca(tmp_path):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
+    ({"name": "bad name"}, "--name 'bad name' is invalid"),
+    ({"days": 0}, "--days must be between 1 and 36500 days, got 0"),
+])
+def test_init_rejects_bad_input_naming_the_option_and_writes_nothing(tmp_path, kwargs, message):
+    # `fastshare certs init --days 0` said "days must be ...", unlike `certs issue`
+    with pytest.raises(pki.CertError, match=message):
+        pki.init_ca(tmp_path / "ca", **kwargs)
+    assert not (tmp_path / "ca").exists()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
     ({"name": "bad name"}, "--name"),
     ({"name": "x", "days": 0}, "--days must be between 1 and"),
     ({"name": "x", "days": 5000}, "--days must be between 1 and"),

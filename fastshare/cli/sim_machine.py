@@ -10,8 +10,8 @@ from fastshare.cli._output import fail, print_json, print_table
 from fastshare.device import catalog, simnvml
 from fastshare.device.factory import SIM_STATE_ENV
 
-_state_option = click.option("--state", "state", type=click.Path(dir_okay=False), envvar=SIM_STATE_ENV,
-                             required=True, help=f"machine file [env {SIM_STATE_ENV}]")
+_state_option = click.option("--state", "state", type=click.Path(exists=True, dir_okay=False),
+                             envvar=SIM_STATE_ENV, required=True, help=f"machine file [env {SIM_STATE_ENV}]")
 
 
 @click.group("sim-machine")
@@ -32,8 +32,10 @@ def sim_create(path: str, gpus: str, mig_enabled: bool, force: bool) -> None:
         state = simnvml.create_machine(path, models, mig_enabled=mig_enabled, overwrite=force)
     except catalog.CatalogError as exc:
         fail(f"--gpus: {exc}")
-    except (FileExistsError, ValueError) as exc:
-        fail(str(exc), "pass --force to replace it" if isinstance(exc, FileExistsError) else None)
+    except FileExistsError:
+        fail(f"{path} already exists", "pass --force to replace it")
+    except ValueError as exc:
+        fail(str(exc))
     names = ", ".join(g["model"] for g in state["gpus"])
     click.echo(f"created {path} with {len(state['gpus'])} GPU(s): {names}")
     click.echo(f"use it with: export FASTSHARE_GPU_BACKEND=sim {SIM_STATE_ENV}={os.path.abspath(path)}")
@@ -71,6 +73,10 @@ def sim_show(state: str) -> None:
 def sim_add_process(state: str, gpu_index: int, mig_uuid: str | None, memory_mib: int) -> None:
     """Pretend a CUDA process runs on a GPU or MIG device; prints its pid."""
     try:
+        gpus = simnvml.load_machine(state)["gpus"]
+        if mig_uuid is None and 0 <= gpu_index < len(gpus) and gpus[gpu_index]["mig_current"]:
+            fail(f"add-process: GPU {gpu_index} is in MIG mode: a process runs on one of its MIG devices; "
+                 "name it with --mig", "`fastshare gpu list` shows their UUIDs")
         click.echo(simnvml.add_process(state, gpu_index, mig_uuid=mig_uuid, used_mib=memory_mib))
     except (ValueError, simnvml.NVMLError) as exc:
         fail(f"add-process: {exc}")

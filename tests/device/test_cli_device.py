@@ -103,9 +103,22 @@ def test_sim_machine_create_and_errors(tmp_path: Path):
                                                                          "V100-SXM2-16GB"]
     again = run(["sim-machine", "create", str(path), "--gpus", "L4"], ok=False)
     assert "already exists" in again.output and "--force" in again.output
+    assert "overwrite" not in again.output   # the library's keyword, beside the hint's --force
     bad = run(["sim-machine", "create", str(tmp_path / "b.json"), "--gpus", "GTX-480"], ok=False)
     assert "--gpus: unknown GPU model 'GTX-480'" in bad.output
     assert "H100-SXM5-80GB" in run(["sim-machine", "models"]).output
+
+
+def test_sim_machine_errors_name_the_option(env, tmp_path: Path):
+    # a GPU in MIG mode asked for "(mig_uuid)", the library's keyword; a missing machine file
+    # said "Driver Not Loaded" (remove-process, reset, reboot, add-process)
+    result = run(["sim-machine", "add-process", "--gpu", "0"], env, ok=False)
+    assert result.exit_code == 1 and "name it with --mig" in result.output
+    assert "mig_uuid" not in result.output
+    for args in (["add-process", "--gpu", "0"], ["remove-process", "4"], ["reset", "--gpu", "0"], ["reboot"],
+                 ["show"]):
+        result = run(["sim-machine", *args, "--state", str(tmp_path / "none.json")], ok=False)
+        assert result.exit_code == 2 and "'--state'" in result.output and "does not exist" in result.output
 
 
 def test_real_subprocess_round_trip(machine: Path, tmp_path: Path):

@@ -13,6 +13,7 @@ reconcile pass, and each allocation step writes its own small object.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -50,7 +51,9 @@ def _median_ms(fn) -> float:
     return 1000 * statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     with envtest.ControlPlane(envtest.find_assets()) as plane:
         api = plane.api_client()
         envtest.install_crds(api)

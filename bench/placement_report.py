@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 
 
@@ -54,10 +54,17 @@ def mig(rows: list[dict]) -> None:
               f"{r['frag_rejection_ratio'] / base['first-fit']:.3f}x |")
 
 
-if __name__ == "__main__":
-    for path in sys.argv[1:]:
-        with open(path) as f:
-            data = json.load(f)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", metavar="FILE.json",
+                        help="output of `fastshare bench placement --json` or `fastshare bench mig --json`")
+    for path in parser.parse_args(argv).files:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as exc:
+            parser.error(f"{path}: {exc}")
         if isinstance(data, list):
             mig(data)
         else:
@@ -66,3 +73,7 @@ if __name__ == "__main__":
             if "speed" in data:
                 speed(data["speed"])
         print()
+
+
+if __name__ == "__main__":
+    main()

@@ -152,3 +152,43 @@ def test_node_agent_names_the_setting_whose_port_is_taken(tmp_path, setting):
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit)
     assert f"{setting} {address}: cannot listen there" in result.output
+
+
+@pytest.mark.parametrize("args, field, flag", [
+    (["--mem", "1GiB"], "spec.sm_percent", "--sm"), (["--sm", "30"], "spec.memory_bytes", "--mem"),
+    (["--sm", "30", "--mem", "1GiB", "--quota", "0.9:0.3"], "spec.quota_limit", "--quota"),
+    (["--kind", "whole", "--sm", "30"], "spec.sm_percent", "--sm")])
+def test_run_names_the_flag_of_the_field_the_controller_refuses(monkeypatch, args, field, flag):
+    # `fastshare run --mem 1GiB -- cmd` said only "spec.sm_percent: must be in 1..100, got 0"
+    import grpc
+
+    from fastshare.controller import convert, validation
+    from fastshare.controller.validation import Request
+
+    class Refused(grpc.RpcError):
+        def __init__(self, details):
+            self._details = details
+
+        def code(self):
+            return grpc.StatusCode.INVALID_ARGUMENT
+
+        def details(self):
+            return self._details
+
+    class Client:   # answers as the controller does: its own validation's message
+        def __init__(self, config):
+            pass
+
+        def call(self, method, request, **kwargs):
+            req = Request(spec=convert.spec_from_pb(request.spec), owner=request.owner,
+                          idempotency_key=request.idempotency_key, lease_ttl=request.lease_ttl_seconds)
+            try:
+                validation.validate(req, [])
+            except validation.ValidationError as exc:
+                raise Refused(str(exc)) from None
+            raise AssertionError("accepted")
+
+    monkeypatch.setattr("fastshare.controller.client.Client", Client)
+    result = CliRunner().invoke(main, ["run", *args, "--", "true"], env=OFFLINE)
+    assert result.exit_code == 1, result.output
+    assert f"invalid request: {field} ({flag}): " in result.output

@@ -45,6 +45,21 @@ def _quota(text: str | None) -> tuple[float, float]:
     return parts[0], parts[1]
 
 
+# The controller names the request field it refuses; the user typed the flag.
+FLAGS = {"spec.kind": "--kind", "spec.sm_percent": "--sm", "spec.memory_bytes": "--mem",
+         "spec.quota_request": "--quota", "spec.quota_limit": "--quota", "spec.gpu_count": "--gpus",
+         "spec.mig_profile": "--mig-profile", "spec.sm_count": "--sm-count", "spec.models": "--model",
+         "spec.node_selector": "--selector", "spec.affinity": "--affinity",
+         "spec.anti_affinity": "--anti-affinity", "spec.exclusion": "--exclusion", "owner": "--owner",
+         "lease_ttl_seconds": "--lease-ttl", "idempotency_key": "--key"}
+
+
+def _with_flag(details: str) -> str:
+    """'spec.sm_percent: must be ...' -> 'spec.sm_percent (--sm): must be ...'."""
+    field, sep, rest = details.partition(":")
+    return f"{field} ({FLAGS[field]}){sep}{rest}" if sep and field in FLAGS else details
+
+
 def _retry(fn, what: str, attempts: int = 5):
     for attempt in range(attempts):
         try:
@@ -130,7 +145,8 @@ def run(client_config, kind, sm_percent, memory, quota, gpu_count, mig_profile, 
         label = {grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected",
                  grpc.StatusCode.INVALID_ARGUMENT: "invalid request",
                  grpc.StatusCode.UNAUTHENTICATED: "not authenticated"}.get(exc.code(), exc.code().name)
-        fail(f"{label}: {exc.details()}")
+        details = exc.details() or ""
+        fail(f"{label}: {_with_flag(details) if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else details}")
     if allocation.state != pb.ALLOCATION_STATE_ACTIVE:
         why = f": {allocation.reason}" if allocation.reason else ""
         fail(f"{_describe(allocation)} is not usable{why}",

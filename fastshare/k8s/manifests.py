@@ -49,8 +49,9 @@ _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+=-]{0,252}$")
 def _scalar(where: str, default: Any, value: Any) -> Any:
     """``value`` if it has the default's type and only characters that render as themselves."""
     kind = type(default)
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31):
-        raise ValuesError(f"{where}: must be an integer in 0..{2**31 - 1}, got {value!r}")
+    low, high = (1, 65535) if where.lower().endswith("port") else (0, 2**31 - 1)   # a Pod's ports
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
+        raise ValuesError(f"{where}: must be an integer in {low}..{high}, got {value!r}")
     if kind is str and not (isinstance(value, str) and _SAFE.match(value)):
         raise ValuesError(f"{where}: must be 1-253 characters of letters, digits and . _ / : @ + = - "
                           f"(starting with a letter or digit), got {value!r}")

@@ -79,6 +79,17 @@ def test_values_override_deep_and_unknown_keys_are_refused_by_name():
         manifests.render({"agent": "yes"})
 
 
+@pytest.mark.parametrize("values, key", [({"agent": {"port": 99999}}, "agent.port"),
+                                         ({"controller": {"apiPort": 0}}, "controller.apiPort"),
+                                         ({"controller": {"metricsPort": 65536}}, "controller.metricsPort")])
+def test_ports_are_refused_outside_what_a_pod_can_have(values, key):
+    # agent.port 99999 rendered a DaemonSet the API server refuses and a controller Deployment
+    # whose --agent-port its own CLI refuses
+    with pytest.raises(manifests.ValuesError, match=rf"{key}: must be an integer in 1\.\.65535"):
+        manifests.render(values)
+    assert manifests.render({"agent": {"port": 65535}})
+
+
 def test_cli_prints_the_same_objects_as_yaml(tmp_path):
     values = tmp_path / "values.yaml"
     values.write_text("namespace: gpu\n")

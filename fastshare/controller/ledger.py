@@ -3,7 +3,8 @@
 Translates the API's :class:`Spec` into the engine's ``Request`` (globs in the model
 allow-list become the models present, a MIG profile name becomes its SM count and memory),
 keeps unavailable and cordoned nodes in the engine (their shares are still held) but out of
-reach of new requests, and rebuilds the engine from persisted assignments after a restart.
+reach of new requests (the engine's ``excluded``, so a rejection names them and why), and
+rebuilds the engine from persisted assignments after a restart.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from fastshare.placement.engine import Engine
 from fastshare.placement.model import Assignment, GpuView, NodeView, Rejection, Request
 
 MiB = 1024**2
-# Every node view carries this label; every request selects "available". An unavailable node
-# keeps its assignments in the engine but matches no new request.
-STATE_LABEL = "fastshare.io/node-state"
 
 
 def _names(model: str) -> set[str]:
@@ -56,21 +54,16 @@ class Ledger:
         self._host: dict[str, tuple[int, int]] = {}
 
     # -- cluster view -------------------------------------------------------------------------
-    def _view(self, view: NodeView, available: bool) -> NodeView:
-        labels = dict(view.labels)
-        if not available:
-            labels[STATE_LABEL] = "unavailable"
-        else:
-            labels[STATE_LABEL] = "cordoned" if view.name in self._cordoned else "available"
+    def _view(self, view: NodeView) -> NodeView:
         cpu, memory = self._host.get(view.name, (view.cpu_milli, view.memory_mib))
-        return NodeView(name=view.name, cpu_milli=cpu, memory_mib=memory, gpus=view.gpus, labels=labels,
-                        links=view.links)
+        return NodeView(name=view.name, cpu_milli=cpu, memory_mib=memory, gpus=view.gpus,
+                        labels=dict(view.labels), links=view.links)
 
     def _rebuild(self, assignments: Iterable[Assignment]) -> list[tuple[Assignment, str]]:
         """New engine from the views + assignments (policy kept); returns what did not fit.
         Host CPU/memory is not checked: a held share's Pod is on its node already, and others
         may have taken the node's CPU since (see ``set_host``)."""
-        engine = Engine((self._view(v, self._available[n]) for n, v in sorted(self._views.items())),
+        engine = Engine((self._view(v) for _, v in sorted(self._views.items())),
                         policy=self._engine.policy, mps_oversubscription=self._oversub)
         failed = []
         for a in assignments:
@@ -93,28 +86,24 @@ class Ledger:
     def set_node(self, view: NodeView, available: bool) -> list[tuple[Assignment, str]]:
         """Add or refresh a node (new inventory or availability); assignments are kept."""
         with self._lock:
-            if self._views.get(view.name) == view and self._available.get(view.name) == available:
+            self._available[view.name] = available
+            if self._views.get(view.name) == view:
                 return []
             self._views[view.name] = view
-            self._available[view.name] = available
             return self._rebuild(self._engine.assignments.values())
 
     def set_available(self, name: str, available: bool) -> None:
         with self._lock:
-            if name in self._views and self._available.get(name) != available:
+            if name in self._views:
                 self._available[name] = available
-                self._rebuild(self._engine.assignments.values())
 
     def set_cordoned(self, name: str, cordoned: bool, reason: str = "") -> None:
         """Cordon (no new work, shares kept) or uncordon a node; unknown names are remembered."""
         with self._lock:
-            before = name in self._cordoned
             if cordoned:
                 self._cordoned[name] = reason
             else:
                 self._cordoned.pop(name, None)
-            if before != cordoned and name in self._views:
-                self._rebuild(self._engine.assignments.values())
 
     def set_host(self, name: str, cpu_milli: int, memory_mib: int) -> None:
         """The host CPU/memory a node has for the engine's assignments (held ones included);
@@ -166,7 +155,7 @@ class Ledger:
             models = tuple(m for m, _ in having)
             sm_count = min(p.sm_count for _, p in having)
             memory_mib = max(memory_mib, min(p.memory_mib for _, p in having))
-        selector = {**dict(spec.node_selector), STATE_LABEL: "available"}
+        selector = dict(spec.node_selector)
         return Request(
             id=allocation_id, kind=spec.kind.value, sm_percent=sm_percent, sm_count=sm_count,
             gpu_memory_mib=memory_mib, quota_request=spec.quota_request or 1.0,
@@ -178,23 +167,21 @@ class Ledger:
     def place(self, request: Request, excluded: dict[str, str] | None = None) -> Assignment | Rejection:
         """``excluded``: nodes ruled out for this request, with why (see ``Engine.place``)."""
         with self._lock:
-            result = self._engine.place(request, excluded)
+            result = self._engine.place(request, {**self._no_new_work(), **(excluded or {})})
             if isinstance(result, Assignment) and request.kind == "fastpod":
                 problem = self._quota_problem(result)
                 if problem:
                     self._engine.release(result)
                     return Rejection(problem)
-            if isinstance(result, Rejection):
-                notes = []
-                down = sorted(n for n, ok in self._available.items() if not ok)
-                if down:
-                    notes.append(f"unavailable, no new work: {', '.join(down)}")
-                if self._cordoned:
-                    notes.append("cordoned: " + ", ".join(
-                        f"{n} ({why})" if why else n for n, why in sorted(self._cordoned.items())))
-                if notes:
-                    return Rejection(f"{result.reason} ({'; '.join(notes)})", result.details)
             return result
+
+    def _no_new_work(self) -> dict[str, str]:
+        """Nodes that keep their shares but take nothing new, with why (worded after "N node(s)")."""
+        out = {n: f"are cordoned: {why}" if why else "are cordoned"
+               for n, why in self._cordoned.items() if n in self._views}
+        down = "are unavailable (their agent does not answer)"
+        out.update({n: down for n, ok in self._available.items() if not ok})
+        return out
 
     def _quota_problem(self, placed: Assignment) -> str | None:
         """The engine does not count guaranteed time quotas; the node agent admits fastpod shares

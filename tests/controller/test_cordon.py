@@ -44,7 +44,7 @@ def test_cordoned_node_keeps_its_allocations_and_gets_no_new_ones(two_nodes):
     with pytest.raises(grpc.RpcError) as exc:
         allocate(c, "fastpod", sm_percent=10, memory_bytes=GiB, models=["L4"])
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "cordoned: node-b (MIG change)" in exc.value.details()
+    assert "1 node(s) are cordoned: MIG change (node-b)" in exc.value.details(), exc.value.details()
     assert allocate(c, "exclusive", mig_profile="1g.5gb").node == "node-a"   # the rest still works
     assert c.call("Get", pb.GetAllocationRequest(allocation_id=held.id)).state == pb.ALLOCATION_STATE_ACTIVE
 

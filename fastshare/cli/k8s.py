@@ -91,7 +91,6 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
     """Run the in-cluster controller (one active replica at a time, chosen through a Lease)."""
     import logging
     import os
-    import signal
     import socket
     import threading
 
@@ -103,6 +102,7 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
     from fastshare.k8s.controller import KubeController, KubeSettings, run_with_leader_election
     from fastshare.k8s.leader import LeaderElector
     from fastshare.security.tls import TlsPaths
+    from fastshare.stop_signal import stop_on_signals
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tls = TlsPaths.in_dir(tls_dir, "controller")
@@ -136,8 +136,7 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
                             renew_deadline=lease_duration * 2 / 3, retry_period=lease_duration / 7.5)
     stop = threading.Event()
     lost = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
 
     def on_lost() -> None:
         lost.set()

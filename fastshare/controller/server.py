@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +48,7 @@ from fastshare.heap import freeze_startup_objects
 from fastshare.security.certs import reissue_command
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
 from fastshare.sqlite_file import write_failure
+from fastshare.stop_signal import stop_on_signals
 from fastshare.v1 import common_pb2
 from fastshare.v1 import controller_pb2 as pb
 from fastshare.v1 import controller_pb2_grpc as pb_grpc
@@ -357,10 +357,8 @@ class ControllerServer:
     def serve_forever(self) -> None:
         """Until SIGTERM or SIGINT."""
         done = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: done.set())
+        stop_on_signals(done)
         freeze_startup_objects()
-        while not done.wait(3600):
-            pass
+        done.wait()
         log.info("stopping")
         self.stop()

@@ -11,7 +11,6 @@ import contextlib
 import grp
 import logging
 import os
-import signal
 import socket
 import stat
 import threading
@@ -32,6 +31,7 @@ from fastshare.node.config import NodeConfig
 from fastshare.node.journal import Journal
 from fastshare.node.service import Metrics, NodeAgentService
 from fastshare.security.tls import TlsPaths, server_credentials
+from fastshare.stop_signal import stop_on_signals
 from fastshare.v1 import agent_pb2_grpc
 
 log = logging.getLogger("fastshare.node")
@@ -193,8 +193,7 @@ def _controller_hook(config: NodeConfig, agent: Agent, stop: threading.Event) ->
 def serve(config: NodeConfig) -> None:
     """Run until SIGTERM/SIGINT (the systemd unit's main process)."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     running = start(config)
     where = ", ".join(f"{k}={v}" for k, v in running.ports.items())
     log.info("fastshare node agent %s serving (%s%s)", config.node_name, where,

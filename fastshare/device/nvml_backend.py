@@ -24,6 +24,7 @@ from fastshare.device.api import (
 )
 
 _MIB = 1024 * 1024
+_MIG_READ_ATTEMPTS = 5   # MIG devices read again when one vanished mid-read (see _settled_instances)
 
 
 def error_names(nvml: Any) -> dict[int, str]:
@@ -109,7 +110,7 @@ class NvmlDevices(Devices):
             capable = False
         uuid = _text(nvml.nvmlDeviceGetUUID(h))
         pci = nvml.nvmlDeviceGetPciInfo(h)
-        instances = tuple(self._instances(index, h, uuid)) if current else ()
+        instances = self._settled_instances(index, h, uuid) if current else ()
         return GpuInfo(
             index=index, uuid=uuid, name=name,
             memory_mib=nvml.nvmlDeviceGetMemoryInfo(h).total // _MIB,
@@ -300,6 +301,19 @@ class NvmlDevices(Devices):
             sms = int(nvml.nvmlDeviceGetAttributes(mig).multiprocessorCount)
             out[key] = (_text(nvml.nvmlDeviceGetUUID(mig)), len(self._processes(mig)), sms)
         return out
+
+    def _settled_instances(self, gpu_index: int, h: Any, uuid: str) -> tuple[MigInstance, ...]:
+        """The GPU's MIG devices, read again when one vanished while they were being read: a
+        release in another thread or process destroys it between the listing and the queries
+        of its handle, which NVML then answers with INVALID_ARGUMENT or NOT_FOUND. The next
+        listing no longer has it; an error that outlasts the retries is real and is raised."""
+        for attempt in range(_MIG_READ_ATTEMPTS):
+            try:
+                return tuple(self._instances(gpu_index, h, uuid))
+            except self._nvml.NVMLError as exc:
+                if attempt == _MIG_READ_ATTEMPTS - 1 or not self._is(exc, "INVALID_ARGUMENT", "NOT_FOUND"):
+                    raise
+        raise AssertionError("unreachable")
 
     def _instances(self, gpu_index: int, h: Any, uuid: str) -> Iterator[MigInstance]:
         nvml = self._nvml

@@ -193,3 +193,30 @@ def test_processes_on_a_mig_device_count_without_the_aggregate_list(devices, mac
         assert unprivileged.mig_instances(0)[0].processes == 1
         with pytest.raises(DeviceError, match=f"IN_USE .*{inst.uuid}"):
             unprivileged.destroy_mig_instance(0, 0)
+
+
+def test_a_mig_device_destroyed_while_the_gpus_are_read_is_not_an_error(devices, machine: Path):
+    """A release destroys a MIG device (here through a second handle, as another thread or
+    process would) between the listing of the GPU's MIG devices and the queries of its
+    handle. The inventory must come back without it, not fail with INVALID_ARGUMENT (the
+    agent's GetInventory failed with INTERNAL under load this way)."""
+    devices.create_mig_instance(0, 19, 0)
+    devices.create_mig_instance(0, 19, 1)
+    nvml = devices._nvml
+    real = nvml.nvmlDeviceGetAttributes
+    calls, destroyed = [], []
+
+    def attributes_after_a_release(handle):
+        calls.append(handle)
+        if len(calls) == 2 and not destroyed:   # the second device's handle is already listed
+            with open_devices("sim", machine) as other:
+                other.destroy_mig_instance(0, 1)
+            destroyed.append(1)
+        return real(handle)
+
+    nvml.nvmlDeviceGetAttributes = attributes_after_a_release
+    try:
+        starts = [m.start for m in devices.gpus()[0].mig_instances]
+    finally:
+        nvml.nvmlDeviceGetAttributes = real
+    assert destroyed and starts == [0]

@@ -5,17 +5,16 @@ request and allocation id are kept, not the Pod."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from typing import Any
 
+from fastshare.k8s.podcache import Key, WatchCache, pod_key
 from fastshare.k8s.pods import ALLOCATION_ANNOTATION
 from fastshare.k8s.scheduling import Demand, pod_running_demand
 
 # The Pods a kubelet counts: bound, not ended (a Pod that ends leaves the watch as DELETED).
 FIELD_SELECTOR = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
 
-Key = tuple[str, str]
 Entry = tuple[str, Demand, str]   # node, request, allocation id ("" for Pods not ours)
 
 
@@ -27,27 +26,15 @@ def _entry(pod: dict[str, Any]) -> Entry | None:
     return node, pod_running_demand(pod), allocation
 
 
-def _key(pod: dict[str, Any]) -> Key:
-    return pod["metadata"]["namespace"], pod["metadata"]["name"]
-
-
-class NodeUsage:
+class NodeUsage(WatchCache):
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        super().__init__()
         self._pods: dict[Key, Entry] = {}
         # the same entries by node: a node's Pods without a walk over every Pod of the cluster
         self._by_node: dict[str, dict[Key, tuple[Demand, str]]] = {}
-        self._synced = threading.Event()
-
-    @property
-    def synced(self) -> bool:
-        return self._synced.is_set()
-
-    def wait_synced(self, timeout: float) -> bool:
-        return self._synced.wait(timeout)
 
     def replace(self, pods: Iterable[dict[str, Any]]) -> None:
-        fresh = {_key(p): e for p in pods if (e := _entry(p)) is not None}
+        fresh = {pod_key(p): e for p in pods if (e := _entry(p)) is not None}
         by_node: dict[str, dict[Key, tuple[Demand, str]]] = {}
         for key, (node, demand, allocation) in fresh.items():
             by_node.setdefault(node, {})[key] = (demand, allocation)
@@ -64,7 +51,7 @@ class NodeUsage:
                 del self._by_node[old[0]]
 
     def put(self, pod: dict[str, Any]) -> None:
-        entry, key = _entry(pod), _key(pod)
+        entry, key = _entry(pod), pod_key(pod)
         with self._lock:
             self._drop(key)
             if entry is not None:
@@ -73,7 +60,7 @@ class NodeUsage:
 
     def remove(self, pod: dict[str, Any]) -> None:
         with self._lock:
-            self._drop(_key(pod))
+            self._drop(pod_key(pod))
 
     def on(self, nodes: Iterable[str]) -> dict[str, list[tuple[Demand, str]]]:
         """Per node of ``nodes``: each bound Pod's request and allocation id."""

@@ -31,15 +31,15 @@ def _version(pod: dict[str, Any]) -> int:
         return 0
 
 
-def _key(pod: dict[str, Any]) -> Key:
+def pod_key(pod: dict[str, Any]) -> Key:
     return pod["metadata"]["namespace"], pod["metadata"]["name"]
 
 
-class PodCache:
+class WatchCache:
+    """Something a watch fills: not ``synced`` until its first full listing arrived."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pods: dict[Key, dict[str, Any]] = {}
-        self._gone: dict[Key, int] = {}   # tombstones: version at deletion
         self._synced = threading.Event()
 
     @property
@@ -49,13 +49,20 @@ class PodCache:
     def wait_synced(self, timeout: float) -> bool:
         return self._synced.wait(timeout)
 
+
+class PodCache(WatchCache):
+    def __init__(self) -> None:
+        super().__init__()
+        self._pods: dict[Key, dict[str, Any]] = {}
+        self._gone: dict[Key, int] = {}   # tombstones: version at deletion
+
     def replace(self, pods: list[dict[str, Any]], list_version: str) -> None:
         """A fresh list (as of ``list_version``) replaces everything older than it."""
         try:
             as_of = int(list_version)
         except ValueError:
             as_of = 0
-        fresh = {_key(p): p for p in pods}
+        fresh = {pod_key(p): p for p in pods}
         with self._lock:
             for key, pod in self._pods.items():
                 if key not in fresh and _version(pod) > as_of:
@@ -68,7 +75,7 @@ class PodCache:
 
     def put(self, pod: dict[str, Any]) -> None:
         """An added or changed Pod (watch event or our own create/delete reply)."""
-        key, version = _key(pod), _version(pod)
+        key, version = pod_key(pod), _version(pod)
         with self._lock:
             held = self._pods.get(key)
             if (held is not None and _version(held) > version) or self._gone.get(key, -1) >= version:
@@ -77,7 +84,7 @@ class PodCache:
 
     def remove(self, pod: dict[str, Any]) -> None:
         """A Pod that no longer exists."""
-        key, version = _key(pod), _version(pod)
+        key, version = pod_key(pod), _version(pod)
         with self._lock:
             held = self._pods.get(key)
             if held is not None and _version(held) > version:

@@ -320,21 +320,26 @@ def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Pat
     assert bad["failed"] and "values" in bad["msg"]
 
 
+def _converge_pki(collections_path: Path, tmp_path: Path, **extra) -> bool:
+    """roles/pki for node gpu9 with the CA on localhost, files under tmp_path; whether it changed."""
+    fastshare = str(Path(sys.executable).with_name("fastshare"))
+    role_vars = {"pki_ca_host": "localhost", "pki_ca_dir": str(tmp_path / "ca"), "pki_name": "gpu9",
+                 "pki_sans": ["gpu9", "10.0.0.9"], "pki_fastshare": fastshare,
+                 "pki_dest_dir": str(tmp_path / "tls"), "pki_owner": "root", "pki_group": "root", **extra}
+    results = run_tasks(collections_path, [
+        {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"}, "vars": role_vars}],
+        tmp_path, gather_facts=True)
+    failed = [r.get("msg") for r in results if r.get("failed")]
+    assert not failed, failed
+    return any(r.get("changed") for r in results)
+
+
 def test_pki_issues_once_then_renews_only_when_due_or_names_change(collections_path: Path, tmp_path: Path):
     """roles/pki with the CA on localhost, all files under tmp_path (fastshare certs does the work)."""
-    fastshare = str(Path(sys.executable).with_name("fastshare"))
     tls = tmp_path / "tls"
 
     def converge(**extra) -> bool:
-        role_vars = {"pki_ca_host": "localhost", "pki_ca_dir": str(tmp_path / "ca"), "pki_name": "gpu9",
-                     "pki_sans": ["gpu9", "10.0.0.9"], "pki_fastshare": fastshare,
-                     "pki_dest_dir": str(tls), "pki_owner": "root", "pki_group": "root", **extra}
-        results = run_tasks(collections_path, [
-            {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"}, "vars": role_vars}],
-            tmp_path, gather_facts=True)
-        failed = [r.get("msg") for r in results if r.get("failed")]
-        assert not failed, failed
-        return any(r.get("changed") for r in results)
+        return _converge_pki(collections_path, tmp_path, **extra)
 
     assert converge() is True
     key = tls / "gpu9.key"
@@ -351,19 +356,10 @@ def test_pki_issues_once_then_renews_only_when_due_or_names_change(collections_p
 def test_pki_gives_a_certificate_from_before_roles_its_role_once(collections_path: Path, tmp_path: Path):
     """A cluster set up before certificates had roles: its node certificate has none, and the
     controller now refuses it. The next run issues it again with the role, and only once."""
-    fastshare = str(Path(sys.executable).with_name("fastshare"))
     tls, ca = tmp_path / "tls", tmp_path / "ca"
 
     def converge() -> bool:
-        role_vars = {"pki_ca_host": "localhost", "pki_ca_dir": str(ca), "pki_name": "gpu9",
-                     "pki_role": "node", "pki_sans": ["gpu9", "10.0.0.9"], "pki_fastshare": fastshare,
-                     "pki_dest_dir": str(tls), "pki_owner": "root", "pki_group": "root"}
-        results = run_tasks(collections_path, [
-            {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"}, "vars": role_vars}],
-            tmp_path, gather_facts=True)
-        failed = [r.get("msg") for r in results if r.get("failed")]
-        assert not failed, failed
-        return any(r.get("changed") for r in results)
+        return _converge_pki(collections_path, tmp_path, pki_role="node")
 
     assert converge() is True
     assert describe(tls / "gpu9.crt")["role"] == "node"

@@ -14,6 +14,8 @@ import pytest
 from kubernetes import client
 
 from fastshare.k8s import envtest
+from fastshare.security import certs
+from fastshare.security.tls import TlsPaths
 
 _ASSETS = pytest.StashKey[object]()
 
@@ -86,12 +88,26 @@ def wait_for(predicate, what: str, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting for {what}{suffix}")
 
 
-@pytest.fixture
-def namespace(api_client):
+def new_namespace(api_client, prefix: str = "t") -> str:
     """A fresh namespace with its `default` ServiceAccount (no controller-manager creates it here)."""
-    name = f"t-{uuid.uuid4().hex[:10]}"
+    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
     core = client.CoreV1Api(api_client)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     account = client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
     core.create_namespaced_service_account(name, account)
     return name
+
+
+@pytest.fixture
+def namespace(api_client):
+    return new_namespace(api_client)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A cluster CA and the controller's certificate (controller role: agents take orders only
+    from it); (root, the controller's TlsPaths)."""
+    root = tmp_path_factory.mktemp("k8s-pki")
+    certs.init_ca(root / "ca")
+    certs.issue(root / "ca", "controller", root / "controller", role="controller", days=1)
+    return root, TlsPaths.in_dir(root / "controller", "controller")

@@ -29,19 +29,9 @@ from fastshare.k8s.controller import KubeController, KubeSettings
 from fastshare.k8s.pods import FASTPOD_LABEL, spec_of
 from fastshare.k8s.resources import ALLOCATION_PLURAL, GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.k8s.store import replica_key
-from fastshare.security import certs
-from fastshare.security.tls import TlsPaths
 
 from .agents import Agent, kubelet_step, register_node
 from .conftest import wait_for
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    root = tmp_path_factory.mktemp("k8s-agents")
-    certs.init_ca(root / "ca")
-    certs.issue(root / "ca", "controller", root / "controller", role="controller", days=1)
-    return root, TlsPaths.in_dir(root / "controller", "controller")
 
 
 @pytest.fixture(scope="module")

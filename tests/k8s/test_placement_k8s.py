@@ -18,23 +18,13 @@ from fastshare.controller.core import Settings as CoreSettings
 from fastshare.k8s.controller import KubeController, KubeSettings
 from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.k8s.scheduling import Demand
-from fastshare.security import certs
-from fastshare.security.tls import TlsPaths
 
 from .agents import Agent, kubelet_step, register_node
-from .conftest import wait_for
+from .conftest import new_namespace, wait_for
 from .test_controller_agents import View
 
 MPS = {"kind": "mps", "memory": "1Gi"}
 ALLOCATABLE = {"cpu": "4", "memory": "8Gi", "pods": "110"}
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    root = tmp_path_factory.mktemp("k8s-placement")
-    certs.init_ca(root / "ca")
-    certs.issue(root / "ca", "controller", root / "controller", role="controller", days=1)
-    return root, TlsPaths.in_dir(root / "controller", "controller")
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +83,8 @@ def controller(api_client, fastpod_crd, namespace, pki, nodes, agents):
 
 @pytest.fixture
 def other_namespace(api_client):
-    name = f"o-{uuid.uuid4().hex[:10]}"
+    name = new_namespace(api_client, "o")
     core = client.CoreV1Api(api_client)
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    account = client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
-    core.create_namespaced_service_account(name, account)
     yield name
     for pod in core.list_namespaced_pod(name).items:
         core.delete_namespaced_pod(pod.metadata.name, name, grace_period_seconds=0)

@@ -99,15 +99,17 @@ class Authenticator:
         self.mode = mode
         self._tokens = [t.encode() for t in tokens]
 
-    def _token_ok(self, context: grpc.ServicerContext) -> bool:
+    def _token(self, context: grpc.ServicerContext) -> bool | None:
+        """Whether the call's bearer token is one of ours; None when it brings none."""
         for key, value in context.invocation_metadata():
             if key == "authorization" and value.startswith("Bearer "):
                 given = value[len("Bearer "):].encode()
                 return any(hmac.compare_digest(given, t) for t in self._tokens)
-        return False
+        return None
 
     def check(self, context: grpc.ServicerContext, method: str, request: Any = None) -> None:
-        if self.mode in ("token", "any") and self._token_ok(context):
+        token = self._token(context) if self.mode in ("token", "any") else None
+        if token:
             return
         peer = peer_identity(context)
         if self.mode in ("cert", "any") and peer is not None:
@@ -121,6 +123,9 @@ class Authenticator:
         need = {"cert": "a client certificate signed by the cluster CA",
                 "token": "a bearer token (authorization metadata)",
                 "any": "a client certificate or a bearer token"}[self.mode]
+        if token is False:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not one this controller "
+                                                           "accepts (see its token_file)")
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"this controller requires {need}")
 
 

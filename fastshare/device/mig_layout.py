@@ -305,7 +305,7 @@ def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], want
         if remaining[p.profile_id] == 0:
             raise LayoutError(
                 f"{_name(shape, p)} is in use and the layout has no place for it; stop its "
-                "processes or pass force")
+                "processes or force it (`--force`; Ansible: `force: true`)")
         remaining[p.profile_id] -= 1
     existing = {(p.profile_id, p.start): p for p in now if p not in busy}
     found = _search(shape, busy, +remaining, existing)
@@ -313,7 +313,7 @@ def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], want
         blockers = ", ".join(_name(shape, p) for p in busy)
         raise LayoutError(
             f"the layout fits an empty {shape.label} but not around the instances in use "
-            f"({blockers}); stop their processes or pass force")
+            f"({blockers}); stop their processes or force it (`--force`; Ansible: `force: true`)")
     final = sorted([*busy, *found], key=lambda p: p.start)
     kept = [p for p in final if (p.profile_id, p.start) in {(q.profile_id, q.start) for q in now}]
     kept_keys = {(p.profile_id, p.start) for p in kept}

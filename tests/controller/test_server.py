@@ -108,6 +108,7 @@ def test_token_port(cluster):
     with Client(ClientConfig(**base, token_file=bad)) as wrong, pytest.raises(grpc.RpcError) as exc:
         wrong.call("Ping", common_pb2.Empty())
     assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "bearer token is not one this controller accepts" in exc.value.details(), exc.value.details()
     # Certificate clients still work on the main port.
     cluster.client().call("Ping", common_pb2.Empty())
 

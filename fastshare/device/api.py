@@ -61,7 +61,7 @@ class GpuInfo:
     pci_bus_id: str
     mig_capable: bool
     mig_current: bool
-    mig_pending: bool
+    mig_pending: bool        # NVML "pending": the mode after the next reset (= mig_current if none waits)
     compute_mode: str        # "DEFAULT" | "EXCLUSIVE_PROCESS" | "PROHIBITED"
     processes: int = 0
     mig_instances: tuple[MigInstance, ...] = field(default_factory=tuple)

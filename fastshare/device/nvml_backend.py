@@ -307,13 +307,13 @@ class NvmlDevices(Devices):
         release in another thread or process destroys it between the listing and the queries
         of its handle, which NVML then answers with INVALID_ARGUMENT or NOT_FOUND. The next
         listing no longer has it; an error that outlasts the retries is real and is raised."""
-        for attempt in range(_MIG_READ_ATTEMPTS):
+        for _ in range(_MIG_READ_ATTEMPTS - 1):
             try:
                 return tuple(self._instances(gpu_index, h, uuid))
             except self._nvml.NVMLError as exc:
-                if attempt == _MIG_READ_ATTEMPTS - 1 or not self._is(exc, "INVALID_ARGUMENT", "NOT_FOUND"):
+                if not self._is(exc, "INVALID_ARGUMENT", "NOT_FOUND"):
                     raise
-        raise AssertionError("unreachable")
+        return tuple(self._instances(gpu_index, h, uuid))
 
     def _instances(self, gpu_index: int, h: Any, uuid: str) -> Iterator[MigInstance]:
         nvml = self._nvml

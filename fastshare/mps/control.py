@@ -195,15 +195,12 @@ class MpsControl:
             self.command(device_uuid, *commands)
         for name, value in wanted:
             self._check_reads_back(device_uuid, f"get_default_{name} {_dev(name)}".strip(), value)
-        still_running = set(self.server_pids(device_uuid))
         for pid in pids:
-            if pid not in still_running:   # a server that exited meanwhile has no limits to check
-                continue
             for name, value in wanted:
                 try:
                     self._check_reads_back(device_uuid, f"get_{name} {pid} {_dev(name)}".strip(), value)
                 except MpsError:
-                    # It may have exited after the listing above: its query then fails too.
+                    # A server that exited since the listing has no limits to check.
                     if pid in self.server_pids(device_uuid):
                         raise
                     break

@@ -575,7 +575,8 @@ class KubeController:
         except TemplateError as exc:
             return [], {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
         excluded = {name: why for name, facts in self._nodes.items()
-                    if (why := rules.problem(facts, TEMPLATE_SPEC)) is not None}
+                    if (why := rules.problem(facts, TEMPLATE_SPEC)
+                        or facts.pods_problem(self.usage.count(name)))}
         self.refresh_host()   # Pods bound since the last node sync
         names: list[str] = []
         prefix = fastpod["metadata"]["name"]

@@ -62,6 +62,11 @@ class NodeUsage(WatchCache):
         with self._lock:
             self._drop(pod_key(pod))
 
+    def count(self, node: str) -> int:
+        """How many bound, unfinished Pods the node runs."""
+        with self._lock:
+            return len(self._by_node.get(node, {}))
+
     def on(self, nodes: Iterable[str]) -> dict[str, list[tuple[Demand, str]]]:
         """Per node of ``nodes``: each bound Pod's request and allocation id."""
         with self._lock:

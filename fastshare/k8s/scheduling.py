@@ -158,6 +158,13 @@ class NodeFacts:
     taints: tuple[Taint, ...] = ()
     unschedulable: bool = False
     allocatable: Demand = Demand()
+    max_pods: int = 0   # status.allocatable.pods; 0: not reported, no limit known
+
+    def pods_problem(self, bound: int) -> str | None:
+        """Why a node running ``bound`` Pods takes no other (the kubelet refuses: OutOfpods)."""
+        if self.max_pods and bound >= self.max_pods:
+            return "run as many Pods as they allow (status.allocatable.pods)"
+        return None
 
 
 def node_facts(node: Any) -> NodeFacts:
@@ -169,10 +176,15 @@ def node_facts(node: Any) -> NodeFacts:
                           whole(allocatable.get("memory", 0), "memory"))
     except TemplateError:
         capacity = Demand()
+    try:
+        max_pods = whole(allocatable.get("pods", 0), "pods")
+    except TemplateError:
+        max_pods = 0
     taints = tuple(Taint(t.key or "", t.value or "", t.effect or "")
                    for t in (spec.taints if spec else None) or [])
     return NodeFacts(name=meta.name, labels=tuple(sorted((meta.labels or {}).items())), taints=taints,
-                     unschedulable=bool(spec and spec.unschedulable), allocatable=capacity)
+                     unschedulable=bool(spec and spec.unschedulable), allocatable=capacity,
+                     max_pods=max_pods)
 
 
 # -- a Pod's constraints on nodes -----------------------------------------------------------------------

@@ -154,6 +154,32 @@ def test_replicas_go_where_the_node_has_the_cpu_or_memory_left(api_client, names
     assert len(view.pods()) == 4
 
 
+def test_a_node_running_as_many_pods_as_it_allows_is_avoided(api_client, namespace, other_namespace,
+                                                            controller, agents, pki, nodes):
+    """Node a allows 2 Pods (status.allocatable.pods) and runs 2 that fastshare did not create:
+    its kubelet would refuse a third (OutOfpods), so the replica goes to b; with b full too, the
+    rejection says why."""
+    core = client.CoreV1Api(api_client)
+    for node, allowed in ((nodes["a"], "2"), (nodes["b"], "3")):
+        limited = {**ALLOCATABLE, "pods": allowed}
+        core.patch_node_status(node, {"status": {"allocatable": limited, "capacity": limited}})
+    for i in range(2):
+        core.create_namespaced_pod(other_namespace, {
+            "metadata": {"name": f"foreign-{i}"},
+            "spec": {"nodeName": nodes["a"], "automountServiceAccountToken": False,
+                     "containers": [{"name": "c", "image": "busybox"}]}})
+    wait_for(lambda: controller._nodes[nodes["a"]].max_pods == 2 and controller.usage.count(nodes["a"]) == 2,
+             "a's Pod limit and its 2 Pods seen by the controller", timeout=30)
+    view = View(api_client, namespace, "few", agents, pki[1])
+    _create(view, "few", 3)
+    wait_for(lambda: view.settled(3), "3 replicas", timeout=120)
+    assert _on(view, "few") == [nodes["b"]] * 3
+    wait_for(lambda: controller.usage.count(nodes["b"]) == 3, "b's 3 Pods in the usage cache", timeout=30)
+    view.scale(4)
+    message = _refused(view, "few")
+    assert "2 node(s) run as many Pods as they allow" in message, message
+
+
 def test_the_namespace_limit_range_default_request_counts(api_client, namespace, other_namespace, controller,
                                                           agents, pki, nodes):
     """A template without requests in a namespace whose LimitRange gives every container 3 CPUs:

@@ -195,6 +195,11 @@ def test_node_facts_from_a_node_object():
                                          Demand(7800, 31 * Gi))
     bare = node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="new")))  # no kubelet report yet
     assert bare.allocatable == Demand() and not bare.taints and not bare.unschedulable
+    assert bare.max_pods == 0 and bare.pods_problem(500) is None      # no limit known: none applied
+    full = node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="full"),
+                                    status=client.V1NodeStatus(allocatable={"pods": "110"})))
+    assert full.max_pods == 110 and full.pods_problem(109) is None
+    assert "status.allocatable.pods" in full.pods_problem(110)
 
 
 def _pod(name, node, cpu, memory="0", phase="Running", allocation=None):

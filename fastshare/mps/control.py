@@ -52,9 +52,9 @@ def _mem_arg(memory_bytes: int) -> str:
     return f"{max(1, memory_bytes // (1 << 20))}M"
 
 
-def _dev(limit_name: str) -> str:
-    """Memory limits are per device of the daemon (it sees one: ordinal 0); SM shares are not."""
-    return "0 " if limit_name == "device_pinned_mem_limit" else ""
+def _words(*words: object) -> str:
+    """One control command from its words, the empty ones left out."""
+    return " ".join(str(w) for w in words if w != "")
 
 
 _LIMIT_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?$", re.IGNORECASE)
@@ -181,24 +181,26 @@ class MpsControl:
         defaults, one that started before is in the list (listed first, it could get neither).
         The control binary exits 0 even when it rejects a ``set_*`` command, so every limit is
         read back; a limit the daemon did not take raises MpsError."""
-        wanted: list[tuple[str, str]] = []   # (get command suffix, expected value) per device scope
+        # (limit, device, value): memory limits are per device of the daemon (it sees one:
+        # ordinal 0), SM shares are not
+        wanted: list[tuple[str, str, str]] = []
         if active_thread_percentage is not None:
-            wanted.append(("active_thread_percentage", f"{active_thread_percentage:g}"))
+            wanted.append(("active_thread_percentage", "", f"{active_thread_percentage:g}"))
         if pinned_mem_limit:
-            wanted.append(("device_pinned_mem_limit", _mem_arg(pinned_mem_limit)))
+            wanted.append(("device_pinned_mem_limit", "0", _mem_arg(pinned_mem_limit)))
         if not wanted:
             return
-        self.command(device_uuid, *(f"set_default_{name} {_dev(name)}{value}" for name, value in wanted))
+        self.command(device_uuid, *(_words(f"set_default_{n}", dev, v) for n, dev, v in wanted))
         pids = self.server_pids(device_uuid)
-        commands = [f"set_{name} {pid} {_dev(name)}{value}" for pid in pids for name, value in wanted]
+        commands = [_words(f"set_{n}", pid, dev, v) for pid in pids for n, dev, v in wanted]
         if commands:
             self.command(device_uuid, *commands)
-        for name, value in wanted:
-            self._check_reads_back(device_uuid, f"get_default_{name} {_dev(name)}".strip(), value)
+        for n, dev, v in wanted:
+            self._check_reads_back(device_uuid, _words(f"get_default_{n}", dev), v)
         for pid in pids:
-            for name, value in wanted:
+            for n, dev, v in wanted:
                 try:
-                    self._check_reads_back(device_uuid, f"get_{name} {pid} {_dev(name)}".strip(), value)
+                    self._check_reads_back(device_uuid, _words(f"get_{n}", pid, dev), v)
                 except MpsError:
                     # A server that exited since the listing has no limits to check.
                     if pid in self.server_pids(device_uuid):

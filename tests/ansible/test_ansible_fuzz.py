@@ -98,9 +98,10 @@ def mig_config_args(draw, paths: dict[str, str]) -> dict:
     return args
 
 
-value_keys = st.sampled_from(["namespace", "image", "imagePullPolicy", "gpuNodeLabel", "tlsSecret", "labels",
+value_keys = st.sampled_from(["namespace", "image", "imagePullPolicy", "gpuNodeLabel", "labels",
                               "controller", "agent", "unknownKey"])
-nested = st.dictionaries(st.sampled_from(["name", "replicas", "port", "runDir", "resources", "x"]),
+nested = st.dictionaries(st.sampled_from(["name", "replicas", "port", "runDir", "tlsSecret", "resources",
+                                          "x"]),
                          wild | st.sampled_from(["fastshare-x", 3, "/run/x"]), max_size=2)
 scalars = st.sampled_from(["fastshare-x", "ns-2", "Bad Name", "a\nkind: Secret", "x: y", "'", "\"", "#c",
                            "{{ 7*7 }}", "a" * 70, "ü"]) | st.text(max_size=10)

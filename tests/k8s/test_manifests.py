@@ -109,22 +109,35 @@ def test_cli_rejects_a_bad_values_file_with_the_key(tmp_path):
     assert "agent.prot: unknown value" in result.output
 
 
-def test_each_pod_mounts_only_its_own_key_of_the_tls_secret():
-    """The agents take GPU-changing calls only from the controller's certificate; a Secret
-    volume without items would put controller.key into every privileged node-agent Pod (and
-    node.key into the controller's)."""
+def test_the_controller_key_is_in_no_secret_a_gpu_node_pod_names():
+    """The agents take GPU-changing calls only from the controller's certificate. A GPU node's
+    kubelet may read every Secret a Pod on that node names (the node authorizer), so the
+    controller's key must be in a Secret the node-agent Pods never name; and each Pod mounts
+    only its own three files (items), so nothing else put in a Secret reaches it."""
     docs = manifests.render()
 
-    def tls_files(pod_spec):
+    def tls_volume(pod_spec):
         volume = next(v for v in pod_spec["volumes"] if v["name"] == "tls")
-        assert volume["secret"]["secretName"] == "fastshare-tls"
-        return {item["key"]: item["path"] for item in volume["secret"].get("items", [])}
+        items = volume["secret"].get("items", [])
+        return volume["secret"]["secretName"], {i["key"]: i["path"] for i in items}
 
     agent = _by_kind(docs, "DaemonSet")[0]["spec"]["template"]["spec"]
     controller = _by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
-    assert tls_files(agent) == {"ca.crt": "ca.crt", "node.crt": "node.crt", "node.key": "node.key"}
+    assert tls_volume(agent) == ("fastshare-node-tls",
+                                 {"ca.crt": "ca.crt", "node.crt": "node.crt", "node.key": "node.key"})
     args = agent["containers"][0]["args"]
     assert {"--tls-cert=/etc/fastshare/tls/node.crt", "--tls-key=/etc/fastshare/tls/node.key",
             "--tls-ca=/etc/fastshare/tls/ca.crt"} <= set(args)
-    assert tls_files(controller) == {"ca.crt": "ca.crt", "controller.crt": "controller.crt",
-                                     "controller.key": "controller.key"}
+    assert tls_volume(controller) == ("fastshare-controller-tls", {
+        "ca.crt": "ca.crt", "controller.crt": "controller.crt", "controller.key": "controller.key"})
+    named_by_agent = {v["secret"]["secretName"] for v in agent["volumes"] if "secret" in v}
+    assert "fastshare-controller-tls" not in named_by_agent
+
+
+def test_the_two_secrets_are_named_by_values_and_the_old_shared_name_is_refused():
+    docs = manifests.render({"controller": {"tlsSecret": "ctl"}, "agent": {"tlsSecret": "nodes"}})
+    names = {d["kind"]: next(v["secret"]["secretName"] for v in d["spec"]["template"]["spec"]["volumes"]
+                             if v["name"] == "tls") for d in docs if d["kind"] in ("DaemonSet", "Deployment")}
+    assert names == {"DaemonSet": "nodes", "Deployment": "ctl"}
+    with pytest.raises(manifests.ValuesError, match=r"tlsSecret: unknown value"):
+        manifests.render({"tlsSecret": "fastshare-tls"})

@@ -122,13 +122,24 @@ def _rpm(name: str, version: str, epoch: int | None = 3) -> dict:
                     "arch": "x86_64", "source": "rpm"}]}
 
 
+def _driver_tasks() -> dict[str, dict]:
+    """driver.yml's tasks by name, those in blocks too."""
+    def flat(tasks: list[dict]) -> dict[str, dict]:
+        found = {}
+        for task in tasks:
+            found[task["name"]] = task
+            for part in ("block", "rescue", "always"):
+                found |= flat(task.get(part, []))
+        return found
+    return flat(yaml.safe_load((REPO / "roles" / "gpu_node" / "tasks" / "driver.yml").read_text()))
+
+
 def test_rhel_driver_packages_are_held_at_the_installed_version(collections_path: Path, tmp_path: Path):
     """On the RHEL family the driver is held with dnf's versionlock list, as dpkg holds it on
     Debian: `dnf upgrade` must not replace the driver under running GPU jobs. The role's own
     tasks (driver.yml, after the versionlock plugin is installed and package_facts has read
     the rpm database) run here with the facts of a RHEL 9 host and a lock list in tmp_path."""
-    driver = yaml.safe_load((REPO / "roles" / "gpu_node" / "tasks" / "driver.yml").read_text())
-    by_name = {t["name"]: t for t in driver}
+    by_name = _driver_tasks()
     assert by_name["Install the dnf versionlock plugin (RHEL family)"]["ansible.builtin.dnf"]["name"] == \
         "python3-dnf-plugin-versionlock"
     assert "ansible.builtin.package_facts" in by_name["Read the installed packages (RHEL family)"]
@@ -168,6 +179,74 @@ def test_rhel_driver_packages_are_held_at_the_installed_version(collections_path
     assert all(r.get("skipped") for r in run_hold(installed, "Debian"))
     missing = run_hold(_rpm("bash", "5.1.8", epoch=None))
     assert missing[0].get("failed") and "nvidia-driver" in missing[0]["msg"], missing
+
+
+def test_rhel_driver_version_change_moves_only_the_driver_locks(collections_path: Path, tmp_path: Path):
+    """gpu_node_driver_version on the RHEL family: a version other than the installed driver's
+    drops the lock lines of exactly the driver's packages (a lock hides every other version
+    from dnf), the dnf task asks for each of them at the new version (downgrades allowed), and
+    once dnf has moved them they are locked again at it. Other lines, NVIDIA's or not, stay.
+    "" (or the installed version) releases nothing and asks dnf for nothing new. dnf itself is
+    not run (no rpm database here): its arguments are rendered as the role passes them."""
+    by_name = _driver_tasks()
+    release = by_name["Release the version locks of the driver packages that change version (RHEL family)"]
+    install = by_name["Install the NVIDIA driver (RHEL family)"]
+    hold = [by_name["Check that the driver packages to hold are installed (RHEL family)"],
+            by_name["Hold the driver packages at this version (RHEL family)"]]
+    assert install["register"] == "gpu_node_driver_dnf"    # what the reboot decision reads
+    dnf_args = {"ansible.builtin.debug": {"msg": install["ansible.builtin.dnf"]}, "when": install["when"]}
+    os_vars = yaml.safe_load((REPO / "roles" / "gpu_node" / "vars" / "RedHat.yml").read_text())
+    locklist = tmp_path / "versionlock.list"
+    others = ["kernel-0:5.14.0-503.11.1.el9_5.*", "nvidia-container-toolkit-0:1.16.2-1.*",
+              "dnf-plugin-nvidia-0:2.0-1.el9.*"]
+    driver_rpms = ("nvidia-driver", "kmod-nvidia-latest-dkms", "nvidia-driver-cuda-libs")
+
+    def host(version: str) -> dict:
+        packages = {k: v for name in driver_rpms for k, v in _rpm(name, version).items()}
+        return packages | _rpm("nvidia-container-toolkit", "1.16.2", epoch=None) | \
+            _rpm("dnf-plugin-nvidia", "2.0", epoch=None) | _rpm("bash", "5.1.8", epoch=None)
+
+    def locks(version: str) -> list[str]:
+        return sorted([f"{name}-3:{version}-1.el9.*" for name in driver_rpms] + others)
+
+    def run(tasks: list[dict], packages: dict, wanted: str, *extra_args: str) -> list[dict]:
+        facts = {"os_family": "RedHat", "distribution_major_version": "9", "packages": packages}
+        role_vars = {**os_vars, "ansible_facts": facts, "gpu_node_driver_branch": "550",
+                     "gpu_node_driver_version": wanted, "gpu_node_dnf_versionlock_list": str(locklist),
+                     "gpu_node_driver_wanted": os_vars["gpu_node_driver_packages"]}
+        return run_tasks(collections_path, [{**t, "vars": role_vars} for t in tasks], tmp_path,
+                         extra_args=list(extra_args))
+
+    def lines() -> list[str]:
+        return sorted(line for line in locklist.read_text().splitlines() if not line.startswith("#"))
+
+    locklist.write_text("# Added lock on Mon Jan  5 10:00:00 2026\n" + "\n".join(locks("550.90.07")) + "\n")
+    old, new = host("550.90.07"), host("550.127.08")
+
+    preview = run([release, dnf_args], old, "550.127.08", "--check")
+    assert preview[0]["changed"] is True and lines() == locks("550.90.07"), preview
+    assert preview[1]["msg"]["disable_plugin"] == ["versionlock"], preview[1]   # check mode only
+
+    moving = run([release, dnf_args], old, "550.127.08")
+    assert [r["item"]["name"] for r in moving[0]["results"] if r["changed"]] == list(driver_rpms), moving
+    assert lines() == sorted(others), "only the driver's lock lines may go"
+    assert sorted(moving[1]["msg"]["name"]) == sorted(f"{n}-550.127.08" for n in driver_rpms)
+    assert moving[1]["msg"]["allow_downgrade"] is True and moving[1]["msg"]["disable_plugin"] == []
+
+    # dnf has installed 550.127.08: the always part of the block reads the rpms and locks them.
+    relock = run(hold, new, "550.127.08")
+    assert not any(r.get("failed") for r in relock) and lines() == locks("550.127.08"), relock
+
+    for wanted in ("550.127.08", "550.127.08-1.el9", ""):   # pinned where it is, or unpinned
+        still = run([release, dnf_args, *hold], new, wanted)
+        assert still[0].get("skipped") and not any(r.get("changed") for r in still), (wanted, still)
+        assert lines() == locks("550.127.08")
+    assert still[1]["msg"]["name"] == ["@nvidia-driver:550-dkms"]    # "": the stream, as before
+
+    # A new host (no driver yet): the stream and the driver at the version asked for.
+    fresh = run([release, dnf_args], _rpm("bash", "5.1.8", epoch=None), "550.127.08")
+    assert fresh[0].get("skipped"), fresh
+    assert fresh[1]["msg"]["name"] == ["@nvidia-driver:550-dkms", "nvidia-driver-550.127.08"]
 
 
 # Directory names with the characters systemd treats specially in a command line; an

@@ -75,7 +75,7 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+def write_atomic(path: Path, data: bytes, mode: int) -> None:
     """Write via temp + fsync + rename so a crash never leaves a half-written key."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -91,7 +91,7 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
         raise
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
@@ -136,8 +136,8 @@ def init_ca(ca_dir: Path, name: str = "fastshare-ca", days: int = DEFAULT_CA_DAY
     )
     ca_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(ca_dir, 0o700)
-    _write_atomic(ca_dir / CA_KEY, _key_pem(key), 0o600)
-    _write_atomic(ca_dir / CA_CERT, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomic(ca_dir / CA_KEY, key_pem(key), 0o600)
+    write_atomic(ca_dir / CA_CERT, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return ca_dir / CA_CERT
 
 
@@ -188,6 +188,46 @@ def _san_entry(value: str) -> x509.GeneralName:
     return x509.DNSName(value)
 
 
+def san_entries(values: tuple[str, ...] | list[str]) -> list[x509.GeneralName]:
+    """DNS names and IP addresses as SAN entries, in order, without repeats."""
+    entries: list[x509.GeneralName] = []
+    for value in values:
+        entry = _san_entry(value)
+        if entry not in entries:
+            entries.append(entry)
+    return entries
+
+
+def sign_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, name: str,
+              public_key: ec.EllipticCurvePublicKey, sans: list[x509.GeneralName], role: str,
+              lifetime: dt.timedelta, now: dt.datetime | None = None) -> x509.Certificate:
+    """The one place a leaf certificate is made: CN = ``name`` with ``role`` (subject OU, and
+    the extended key usage it implies), ``sans``, valid from a few minutes ago (clock drift)
+    for ``lifetime`` but never past the CA. Used by :func:`issue` (the CLI, a key made here)
+    and by the Kubernetes node bootstrap (a key from a CSR)."""
+    if role not in ROLES:
+        raise CertError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+    now = now or _now()
+    not_after = min(now + lifetime, ca_cert.not_valid_after_utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(leaf_subject(name, role))
+        .issuer_name(ca_cert.subject).public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE).not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
+                                     content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=True,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(_ROLE_EKUS[role]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                       critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+
 def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[str] = (),
           role: str = DEFAULT_ROLE, days: int = DEFAULT_LEAF_DAYS) -> IssuedCert:
     """Issue ``NAME.crt``/``NAME.key`` signed by the CA; CN = name, SAN = name + ``sans``,
@@ -200,11 +240,7 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
     _validate_days("--days", days, MAX_LEAF_DAYS)
     if role not in ROLES:
         raise CertError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
-    entries: list[x509.GeneralName] = []
-    for value in (name, *sans):
-        entry = _san_entry(value)
-        if entry not in entries:
-            entries.append(entry)
+    entries = san_entries((name, *sans))
     ca_cert, ca_key = load_ca(ca_dir)
     now = _now()
     if ca_cert.not_valid_after_utc <= now:
@@ -212,31 +248,16 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
                         f"{ca_cert.not_valid_after_utc.isoformat()}; every certificate it signs is "
                         "refused; create a new CA with `fastshare certs init DIR --force`")
     key = ec.generate_private_key(ec.SECP256R1())
-    not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(leaf_subject(name, role))
-        .issuer_name(ca_cert.subject).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _BACKDATE).not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
-                                     content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=True,
-                                     encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage(_ROLE_EKUS[role]), critical=False)
-        .add_extension(x509.SubjectAlternativeName(entries), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                       critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
+    cert = sign_leaf(ca_cert, ca_key, name, key.public_key(), entries, role,
+                     dt.timedelta(days=days), now=now)
+    not_after = cert.not_valid_after_utc
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     key_path, cert_path, ca_path = out_dir / f"{name}.key", out_dir / f"{name}.crt", out_dir / CA_CERT
     # Key first: a reader that sees the new certificate must also find the matching key.
-    _write_atomic(key_path, _key_pem(key), 0o600)
-    _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    _write_atomic(ca_path, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomic(key_path, key_pem(key), 0o600)
+    write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomic(ca_path, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return IssuedCert(cert_path, key_path, ca_path, not_after)
 
 

@@ -74,7 +74,20 @@ def _k8s(rule: Callable[[str], str | None]) -> Callable[..., str | None]:
 @click.option("--agent-port", default=7444, show_default=True, type=click.IntRange(1, 65535),
               help="Node agents' port when a Node has no fastshare.io/agent-endpoint annotation.")
 @click.option("--tls-dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Directory with controller.crt, controller.key and ca.crt (mTLS to the node agents).")
+              help="Directory with controller.crt, controller.key and ca.crt (mTLS to the node agents), and "
+                   "ca.key unless --api-port is 0 (it signs the agents' node certificates).")
+@click.option("--api-port", default=7443, show_default=True, type=click.IntRange(0, 65535),
+              help="Serve the node agents' certificate bootstrap (server-side TLS with controller.crt, whose "
+                   "SANs must name the Service <name>.<namespace>.svc) on this port, on every replica; "
+                   "0 = off (agents then need certificates issued by hand).")
+@click.option("--agent-namespace", default="fastshare-system", show_default=True,
+              callback=_k8s(names.namespace_problem),
+              help="Namespace of the node-agent DaemonSet whose Pods get node certificates.")
+@click.option("--agent-service-account", default="fastshare-node-agent", show_default=True,
+              callback=_k8s(names.name_problem), help="The node agents' ServiceAccount (their tokens' user).")
+@click.option("--agent-daemonset", default="fastshare-node-agent", show_default=True,
+              callback=_k8s(names.name_problem),
+              help="The DaemonSet that must own a Pod asking for a certificate.")
 @click.option("--metrics-port", default=0, type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics (and liveness) on this port; 0 = off.")
 @click.option("--lease-duration", default=15.0, show_default=True, type=Number(1.0, 3600),
@@ -86,7 +99,8 @@ def _k8s(rule: Callable[[str], str | None]) -> Callable[..., str | None]:
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(LOG_LEVELS),
               help="Log verbosity.")
 def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity, gpu_node_label,
-                   agent_port, tls_dir, metrics_port, lease_duration, node_interval, heartbeat_timeout,
+                   agent_port, tls_dir, api_port, agent_namespace, agent_service_account, agent_daemonset,
+                   metrics_port, lease_duration, node_interval, heartbeat_timeout,
                    log_level) -> None:
     """Run the in-cluster controller (one active replica at a time, chosen through a Lease)."""
     import logging
@@ -110,6 +124,11 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
         tls.check()
     except (OSError, ValueError) as exc:
         fail(str(exc), hint="fastshare certs issue --role controller --name controller --out DIR")
+    if api_port and not (tls_dir / "ca.key").is_file():
+        fail(f"--tls-dir {tls_dir}: ca.key not found; the node-certificate service (--api-port {api_port}) "
+             "signs the agents' certificates with the cluster CA key",
+             hint="add ca.key to the controller's Secret (README, Kubernetes), or pass --api-port 0 "
+                  "and issue every node's certificate by hand")
     try:
         if kubeconfig:
             api = config.new_client_from_config(config_file=kubeconfig)
@@ -142,10 +161,25 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
         lost.set()
         stop.set()
 
+    bootstrap_server = None
+    if api_port:
+        from fastshare.k8s import bootstrap
+        from fastshare.security.certs import CertError
+
+        try:
+            issuer = bootstrap.NodeCertIssuer(api, tls_dir, bootstrap.IssuerSettings(
+                namespace=agent_namespace, service_account=agent_service_account, daemonset=agent_daemonset,
+                gpu_node_label=gpu_node_label))
+            # Every replica serves it (the Service picks any): signing needs no leadership.
+            bootstrap_server, _ = bootstrap.serve(f"[::]:{api_port}", tls, issuer)
+        except (CertError, OSError, RuntimeError) as exc:
+            fail(f"--api-port {api_port}: {exc}")
     freeze_startup_objects()
     run_with_leader_election(lambda: KubeController(api, agents, settings, core_settings), elector, stop,
                              on_lost)
     agents.close()
+    if bootstrap_server is not None:
+        bootstrap_server.stop(5).wait()
     if lost.is_set():
         fail("lost leadership; exiting so that a fresh process rebuilds its state")
 

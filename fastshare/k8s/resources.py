@@ -13,6 +13,9 @@ FINALIZER = "fastshare.io/release-shares"
 ALLOCATION_PLURAL, ALLOCATION_KIND = "fastshareallocations", "FastShareAllocation"
 ALLOCATION_FINALIZER = "fastshare.io/release-share"   # on an allocation object while it holds a share
 ALLOCATION_LABEL = "fastshare.io/allocation"          # the allocation id (= the agent's share id)
+# Audience of the node agents' projected ServiceAccount token: the DaemonSet projects it, the
+# controller's TokenReview asks for it (fastshare.k8s.bootstrap). Not a value: both sides must agree.
+TOKEN_AUDIENCE = "fastshare"
 
 
 def fastpod_manifest(name: str, gpu: dict[str, Any], replicas: int = 1,

@@ -53,7 +53,19 @@ def node() -> None:
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
               envvar="FASTSHARE_LOG_LEVEL", show_envvar=True, show_default=True, help="Log verbosity.")
 @_serve_options
-def serve(config_path: Path, log_level: str, **flags: str | None) -> None:
+@click.option("--bootstrap-controller", envvar="FASTSHARE_NODE_BOOTSTRAP_CONTROLLER", show_envvar=True,
+              default=None, help="Kubernetes mode: HOST:PORT of the controller's node-certificate service; "
+              "the agent gets its own certificate there and writes it to --tls-cert/--tls-key/--tls-ca "
+              "(renewed at 2/3 of its life). Needs --bootstrap-token and --bootstrap-ca.")
+@click.option("--bootstrap-token", envvar="FASTSHARE_NODE_BOOTSTRAP_TOKEN", show_envvar=True, default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The Pod's projected ServiceAccount token (audience fastshare); re-read on every request.")
+@click.option("--bootstrap-ca", envvar="FASTSHARE_NODE_BOOTSTRAP_CA", show_envvar=True, default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The cluster CA certificate to verify --bootstrap-controller with (e.g. from a "
+                   "ConfigMap).")
+def serve(config_path: Path, log_level: str, bootstrap_controller: str | None,
+          bootstrap_token: Path | None, bootstrap_ca: Path | None, **flags: str | None) -> None:
     """Run the agent: reconcile the journal with the GPUs, then serve gRPC until SIGTERM."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides: dict[str, object] = {}
@@ -72,6 +84,8 @@ def serve(config_path: Path, log_level: str, **flags: str | None) -> None:
         cfg = node_config.load(config_path, overrides)
     except node_config.ConfigError as exc:
         fail(f"invalid node agent configuration: {exc}")
+    if bootstrap_controller or bootstrap_token or bootstrap_ca:
+        _bootstrap(cfg, bootstrap_controller, bootstrap_token, bootstrap_ca)
     from fastshare.device.api import DeviceError
     from fastshare.node.server import serve as run
 
@@ -81,6 +95,49 @@ def serve(config_path: Path, log_level: str, **flags: str | None) -> None:
         fail(f"cannot open the GPUs: {exc}")
     except (OSError, RuntimeError) as exc:
         fail(f"node agent failed to start: {exc}")
+
+
+def _bootstrap(cfg: node_config.NodeConfig, controller: str | None, token: Path | None,
+               ca: Path | None) -> None:
+    """Check the --bootstrap-* options, get this node's certificate (waiting for the controller
+    if need be) and keep renewing it in the background."""
+    import os
+    import threading
+
+    from fastshare.k8s import names
+    from fastshare.node.bootstrap import BootstrapConfig, BootstrapError, Bootstrapper
+
+    given = {"--bootstrap-controller": controller, "--bootstrap-token": token, "--bootstrap-ca": ca}
+    missing = [flag for flag, value in given.items() if not value]
+    if missing:
+        present = ", ".join(flag for flag, value in given.items() if value)
+        fail(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with {present}",
+             hint="the three --bootstrap-* options go together (Kubernetes mode)")
+    try:
+        node_config.check_hostport("--bootstrap-controller", controller)
+    except node_config.ConfigError as exc:
+        fail(str(exc))
+    paths = {"--tls-cert": cfg.tls.cert, "--tls-key": cfg.tls.key, "--tls-ca": cfg.tls.ca}
+    for flag, value in paths.items():
+        if not value:
+            fail(f"--bootstrap-controller needs {flag}: where the issued certificate, key and CA are written")
+        parent = Path(value).parent
+        if not (parent.is_dir() and os.access(parent, os.W_OK)):
+            fail(f"{flag} {value}: its directory {parent} is not a writable directory (the bootstrap writes "
+                 "the file there; in Kubernetes an emptyDir)")
+    why = names.name_problem(cfg.node_name)
+    if why or len(cfg.node_name) > 64:
+        fail(f"--node-name {cfg.node_name!r} cannot be a certificate's common name for a Kubernetes node: "
+             f"{why or 'longer than 64 characters'}")
+    bootstrapper = Bootstrapper(BootstrapConfig(
+        controller=controller, token_file=token, ca_file=ca, node_name=cfg.node_name,
+        cert=Path(cfg.tls.cert), key=Path(cfg.tls.key), ca=Path(cfg.tls.ca)))
+    never = threading.Event()   # SIGTERM ends the process; the renewals are a daemon thread
+    try:
+        cert = bootstrapper.obtain(never)
+    except BootstrapError as exc:
+        fail(str(exc))
+    bootstrapper.start_renewals(cert, never)
 
 
 def _stub(unix_socket: str):

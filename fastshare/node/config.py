@@ -85,7 +85,7 @@ class NodeConfig:
         for key in ("listen", "readonly_listen", "metrics_listen"):
             value = getattr(self, key)
             if value:
-                _check_hostport(key, value)
+                check_hostport(key, value)
         if not (self.listen or self.unix_socket):
             raise ConfigError("listen and unix_socket are both empty: the agent would be unreachable")
         if (self.listen or self.readonly_listen) and not all((self.tls.cert, self.tls.key, self.tls.ca)):
@@ -119,11 +119,11 @@ class NodeConfig:
         if not 2 <= self.max_workers <= 256:
             raise ConfigError(f"max_workers must be between 2 and 256, got {self.max_workers}")
         if self.controller_address:
-            _check_hostport("controller_address", self.controller_address)
+            check_hostport("controller_address", self.controller_address)
         return self
 
 
-def _check_hostport(key: str, value: str) -> None:
+def check_hostport(key: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
         raise ConfigError(f"{key} must be HOST:PORT (port 0-65535; [::1]:PORT for IPv6), got {value!r}")

@@ -1,0 +1,223 @@
+"""The node agent's own certificate in Kubernetes mode: asked for, written, renewed.
+
+``fastshare node serve --bootstrap-controller HOST:PORT --bootstrap-token FILE --bootstrap-ca
+FILE`` makes a new ECDSA key, sends a CSR (CN = ``--node-name``) with the Pod's projected
+ServiceAccount token to the controller's NodeBootstrap service (server-side TLS, verified
+against ``--bootstrap-ca``, the cluster CA from a ConfigMap), and writes the certificate, the
+key (mode 0600) and the CA it gets back to ``--tls-cert``/``--tls-key``/``--tls-ca``, each
+atomically. The agent then serves mTLS with them, as with a certificate issued by hand; its
+server credentials re-read re-issued files, so renewal (at 2/3 of the certificate's life,
+with a new key each time) needs no restart.
+
+At start a certificate already in place (a restarted container keeps its emptyDir) that is
+still valid for this node is used at once and renewed in the background; otherwise the agent
+waits for one, retrying with backoff while the controller cannot be reached. A definite
+refusal (PERMISSION_DENIED, INVALID_ARGUMENT) stops the start with the controller's message.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import random
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from fastshare.security import certs
+from fastshare.security.tls import secure_channel
+from fastshare.v1 import bootstrap_pb2 as pb
+from fastshare.v1 import bootstrap_pb2_grpc as pb_grpc
+
+log = logging.getLogger("fastshare.node.bootstrap")
+
+RENEW_FRACTION = 2 / 3
+RPC_TIMEOUT_S = 30.0
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 60.0
+# At least this long between two renewals, even if a certificate is due at once (a very short
+# lifetime, a clock ahead of the controller's): never a tight loop against the controller.
+MIN_RENEW_INTERVAL_S = 30.0
+# Refusals: asking again with the same token and Pod gets the same answer.
+_DEFINITE = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
+             grpc.StatusCode.UNIMPLEMENTED}
+
+
+class BootstrapError(RuntimeError):
+    """The certificate cannot be had: the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    controller: str       # HOST:PORT of the controller's NodeBootstrap service
+    token_file: Path      # the projected ServiceAccount token (re-read on every request)
+    ca_file: Path         # CA to verify the controller with
+    node_name: str        # CN asked for
+    cert: Path            # where the certificate, key and CA are written
+    key: Path
+    ca: Path
+
+
+def _remaining(cert: x509.Certificate, now: dt.datetime) -> dt.timedelta:
+    return cert.not_valid_after_utc - now
+
+
+def renew_at(cert: x509.Certificate) -> dt.datetime:
+    """When a certificate should be replaced: at 2/3 of its life."""
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return start + (end - start) * RENEW_FRACTION
+
+
+class Bootstrapper:
+    def __init__(self, config: BootstrapConfig, timeout: float = RPC_TIMEOUT_S,
+                 min_renew_interval: float = MIN_RENEW_INTERVAL_S) -> None:
+        self.config = config
+        self.timeout = timeout
+        self.min_renew_interval = min_renew_interval
+        self._thread: threading.Thread | None = None
+
+    # --- one request --------------------------------------------------------------------
+
+    def _token(self) -> str:
+        try:
+            token = self.config.token_file.read_text().strip()
+        except OSError as exc:
+            raise BootstrapError(f"--bootstrap-token {self.config.token_file}: cannot read it "
+                                 f"({exc.strerror or exc})") from None
+        if not token:
+            raise BootstrapError(f"--bootstrap-token {self.config.token_file} is empty")
+        return token
+
+    def request(self) -> x509.Certificate:
+        """Ask once; on success the three files are in place. Raises grpc.RpcError (the
+        controller's answer) or BootstrapError (a local problem or a bad reply)."""
+        c = self.config
+        key = ec.generate_private_key(ec.SECP256R1())
+        csr = (x509.CertificateSigningRequestBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, c.node_name)]))
+               .sign(key, hashes.SHA256()))
+        request = pb.IssueNodeCertificateRequest(csr_pem=csr.public_bytes(serialization.Encoding.PEM),
+                                                 token=self._token())
+        try:
+            channel = secure_channel(c.controller, c.ca_file)
+        except OSError as exc:
+            raise BootstrapError(f"--bootstrap-ca {c.ca_file}: cannot read it ({exc.strerror or exc})"
+                                 ) from None
+        try:
+            reply = pb_grpc.NodeBootstrapStub(channel).IssueNodeCertificate(request, timeout=self.timeout)
+        finally:
+            channel.close()
+        cert = self._check_reply(reply, key)
+        # Key first: a reader that sees the new certificate must also find the matching key.
+        certs.write_atomic(c.key, certs.key_pem(key), 0o600)
+        certs.write_atomic(c.cert, reply.certificate_pem, 0o644)
+        certs.write_atomic(c.ca, reply.ca_pem, 0o644)
+        return cert
+
+    def _check_reply(self, reply: pb.IssueNodeCertificateReply, key: ec.EllipticCurvePrivateKey
+                     ) -> x509.Certificate:
+        try:
+            cert = x509.load_pem_x509_certificate(reply.certificate_pem)
+            ca = x509.load_pem_x509_certificate(reply.ca_pem)
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature) as exc:
+            raise BootstrapError(f"the controller at {self.config.controller} sent an unusable certificate "
+                                 f"({type(exc).__name__}: {exc})") from None
+        problem = self.problem(cert, key.public_key())
+        if problem:
+            raise BootstrapError(f"the controller at {self.config.controller} sent a certificate {problem}")
+        return cert
+
+    def problem(self, cert: x509.Certificate,
+                public_key: ec.EllipticCurvePublicKey | None = None) -> str | None:
+        """Why ``cert`` cannot be this agent's certificate, or None."""
+        cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if [a.value for a in cns] != [self.config.node_name]:
+            named = ", ".join(str(a.value) for a in cns) or "no name"
+            return f"for {named}, not for node {self.config.node_name}"
+        if certs.role_of(cert) != "node":
+            return f"with role {certs.role_of(cert)}, not node"
+        if public_key is not None and cert.public_key() != public_key:
+            return "for another key than the one this agent made"
+        return None
+
+    # --- at start, and later ----------------------------------------------------------------
+
+    def existing(self) -> x509.Certificate | None:
+        """A certificate already in place for this node, with its key, unexpired; else None."""
+        c = self.config
+        try:
+            cert = x509.load_pem_x509_certificate(c.cert.read_bytes())
+            key = serialization.load_pem_private_key(c.key.read_bytes(), password=None)
+            x509.load_pem_x509_certificate(c.ca.read_bytes())
+        except (OSError, ValueError, TypeError):
+            return None
+        now = dt.datetime.now(dt.UTC)
+        if self.problem(cert, key.public_key()) or _remaining(cert, now) < dt.timedelta(minutes=1):
+            return None
+        return cert
+
+    def obtain(self, stop: threading.Event) -> x509.Certificate | None:
+        """A certificate for this node: the one in place if still valid, else a new one, retried
+        with backoff while the controller cannot answer. None if ``stop`` was set meanwhile."""
+        cert = self.existing()
+        if cert is not None:
+            log.info("using the node certificate in %s (valid until %s); renewal due at %s",
+                     self.config.cert, cert.not_valid_after_utc.isoformat(), renew_at(cert).isoformat())
+            return cert
+        delay = FIRST_BACKOFF_S
+        while not stop.is_set():
+            try:
+                return self._request_logged()
+            except grpc.RpcError as exc:
+                if exc.code() in _DEFINITE:
+                    raise BootstrapError(f"the controller at {self.config.controller} refused a certificate "
+                                         f"for node {self.config.node_name}: {exc.code().name}: "
+                                         f"{exc.details()}") from None
+                log.warning("waiting for a node certificate from the controller at %s (%s: %s); "
+                            "retrying in %.0f s", self.config.controller, exc.code().name, exc.details(),
+                            delay)
+            stop.wait(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, MAX_BACKOFF_S)
+        return None
+
+    def _request_logged(self) -> x509.Certificate:
+        cert = self.request()
+        log.info("got node certificate for %s from %s (valid until %s); wrote %s, %s, %s",
+                 self.config.node_name, self.config.controller, cert.not_valid_after_utc.isoformat(),
+                 self.config.cert, self.config.key, self.config.ca)
+        return cert
+
+    def renew_forever(self, cert: x509.Certificate, stop: threading.Event) -> None:
+        """Replace ``cert`` at 2/3 of its life, and each new one likewise, until ``stop``. A failed
+        renewal is retried with backoff (the old certificate keeps serving until it expires)."""
+        delay = FIRST_BACKOFF_S
+        floor = 0.0   # the least wait: after a renewal, the minimum interval; after a failure, the backoff
+        while True:
+            wait = (renew_at(cert) - dt.datetime.now(dt.UTC)).total_seconds()
+            if stop.wait(max(wait, floor)):
+                return
+            try:
+                cert = self._request_logged()
+            except (grpc.RpcError, BootstrapError) as exc:
+                why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+                left = _remaining(cert, dt.datetime.now(dt.UTC))
+                log.error("renewing the node certificate failed (%s); the current one expires in %s; "
+                          "retrying in %.0f s", why, str(left).split(".")[0], delay)
+                floor = delay * random.uniform(0.8, 1.2)
+                delay = min(delay * 2, MAX_BACKOFF_S)
+            else:
+                floor, delay = self.min_renew_interval, FIRST_BACKOFF_S
+
+    def start_renewals(self, cert: x509.Certificate, stop: threading.Event) -> threading.Thread:
+        self._thread = threading.Thread(target=self.renew_forever, args=(cert, stop),
+                                        name="cert-renewal", daemon=True)
+        self._thread.start()
+        return self._thread

@@ -16,6 +16,7 @@ import jinja2
 import yaml
 
 from fastshare.controller import validation
+from fastshare.k8s.resources import TOKEN_AUDIENCE
 
 # Apply order: the namespace and CRD first, workloads last.
 TEMPLATES = (
@@ -73,13 +74,21 @@ def _free_form(where: str, base: dict[str, Any], value: dict[str, Any]) -> dict[
     return merged
 
 
+# Values that existed once: what replaced them.
+_REMOVED = {
+    "agent.tlsSecret": "each node agent now gets its own certificate from the controller (agent.caConfigMap "
+                       "names the ConfigMap with the CA certificate; README, Kubernetes)",
+}
+
+
 def _merge(base: dict[str, Any], override: dict[str, Any], path: str = "") -> dict[str, Any]:
     """Deep merge; a key absent from the defaults is a typo, so it is refused by name."""
     merged = copy.deepcopy(base)
     for key, value in override.items():
         where = f"{path}{key}"
         if key not in base:
-            raise ValuesError(f"{where}: unknown value (known: {', '.join(sorted(base))})")
+            removed = f"; {_REMOVED[where]}" if where in _REMOVED else ""
+            raise ValuesError(f"{where}: unknown value (known: {', '.join(sorted(base))}){removed}")
         if isinstance(base[key], dict):
             if not isinstance(value, dict):
                 raise ValuesError(f"{where}: must be a mapping, got {type(value).__name__}")
@@ -105,6 +114,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters["to_nice_yaml"] = _to_nice_yaml
     env.globals["limits"] = validation.schema_limits()  # not a value: the controller's own ranges
+    env.globals["tokenAudience"] = TOKEN_AUDIENCE   # not a value: the controller checks this one
     return env
 
 

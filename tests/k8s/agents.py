@@ -95,10 +95,12 @@ class Agent:
 def start_controller(kubeconfig: Path, namespace: str, tls_dir: Path, identity: str, log: Path,
                      *extra: str) -> subprocess.Popen:
     """`fastshare k8s controller` as a real process (its own session, for kill -9), serving and
-    electing its leader in ``namespace``, with a short Lease so that take-overs are quick."""
+    electing its leader in ``namespace``, with a short Lease so that take-overs are quick. The
+    node-certificate service is off (several controllers share this host's ports; the agents
+    here have certificates issued by hand; tests/k8s/test_node_bootstrap.py covers it)."""
     args = [str(BIN / "fastshare"), "k8s", "controller", "--kubeconfig", str(kubeconfig), "--namespace",
             namespace, "--lease-namespace", namespace, "--identity", identity, "--tls-dir", str(tls_dir),
-            "--lease-duration", "3", "--node-interval", "0.5", *extra]
+            "--lease-duration", "3", "--node-interval", "0.5", "--api-port", "0", *extra]
     with open(log, "ab") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 
 from fastshare.cli import main
 from fastshare.k8s import manifests
+from fastshare.k8s.resources import TOKEN_AUDIENCE
 
 
 def _by_kind(docs, kind):
@@ -42,8 +43,9 @@ def test_rbac_has_no_wildcards_and_exactly_the_controller_needs():
         ("fastshare.io", "fastpods/status"): {"patch"},
         ("fastshare.io", "fastpods/finalizers"): {"update"},
         ("fastshare.io", "fastshareallocations"): {"create", "get", "list", "update", "delete"},
-        ("", "pods"): {"create", "list", "watch", "delete"},
+        ("", "pods"): {"create", "get", "list", "watch", "delete"},
         ("", "nodes"): {"list"},
+        ("authentication.k8s.io", "tokenreviews"): {"create"},
     }
 
 
@@ -109,35 +111,72 @@ def test_cli_rejects_a_bad_values_file_with_the_key(tmp_path):
     assert "agent.prot: unknown value" in result.output
 
 
-def test_the_controller_key_is_in_no_secret_a_gpu_node_pod_names():
-    """The agents take GPU-changing calls only from the controller's certificate. A GPU node's
-    kubelet may read every Secret a Pod on that node names (the node authorizer), so the
-    controller's key must be in a Secret the node-agent Pods never name; and each Pod mounts
-    only its own three files (items), so nothing else put in a Secret reaches it."""
-    docs = manifests.render()
-
-    def tls_volume(pod_spec):
-        volume = next(v for v in pod_spec["volumes"] if v["name"] == "tls")
-        items = volume["secret"].get("items", [])
-        return volume["secret"]["secretName"], {i["key"]: i["path"] for i in items}
-
+def _pod_specs(docs):
     agent = _by_kind(docs, "DaemonSet")[0]["spec"]["template"]["spec"]
     controller = _by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
-    assert tls_volume(agent) == ("fastshare-node-tls",
-                                 {"ca.crt": "ca.crt", "node.crt": "node.crt", "node.key": "node.key"})
+    return agent, controller
+
+
+def test_no_key_is_in_a_secret_a_gpu_node_pod_names():
+    """The agents take GPU-changing calls only from the controller's certificate, and the CA key
+    signs every node's. A GPU node's kubelet may read every Secret a Pod on that node names (the
+    node authorizer), so the node-agent Pods name no Secret at all: their key is made in the Pod
+    (memory-backed emptyDir), the CA certificate comes from a ConfigMap; and the controller
+    mounts only its own four files (items), ca.key among them."""
+    docs = manifests.render()
+    agent, controller = _pod_specs(docs)
+    volumes = {v["name"]: v for v in agent["volumes"]}
+    assert not [v for v in agent["volumes"] if "secret" in v]
+    projected = [s for v in agent["volumes"] for s in v.get("projected", {}).get("sources", [])]
+    assert [s for s in projected if "secret" in s] == []
+    assert volumes["tls"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["ca"]["configMap"] == {"name": "fastshare-ca",
+                                          "items": [{"key": "ca.crt", "path": "ca.crt"}]}
     args = agent["containers"][0]["args"]
     assert {"--tls-cert=/etc/fastshare/tls/node.crt", "--tls-key=/etc/fastshare/tls/node.key",
-            "--tls-ca=/etc/fastshare/tls/ca.crt"} <= set(args)
-    assert tls_volume(controller) == ("fastshare-controller-tls", {
-        "ca.crt": "ca.crt", "controller.crt": "controller.crt", "controller.key": "controller.key"})
-    named_by_agent = {v["secret"]["secretName"] for v in agent["volumes"] if "secret" in v}
-    assert "fastshare-controller-tls" not in named_by_agent
+            "--tls-ca=/etc/fastshare/tls/ca.crt", "--bootstrap-ca=/etc/fastshare/ca/ca.crt",
+            "--bootstrap-token=/var/run/secrets/fastshare/token",
+            "--bootstrap-controller=fastshare-controller.fastshare-system.svc:7443"} <= set(args)
+    mounts = {m["name"]: m for m in agent["containers"][0]["volumeMounts"]}
+    assert "readOnly" not in mounts["tls"] and mounts["ca"]["readOnly"] and mounts["token"]["readOnly"]
+    tls = next(v for v in controller["volumes"] if v["name"] == "tls")["secret"]
+    assert tls["secretName"] == "fastshare-controller-tls"
+    assert {i["key"]: i["path"] for i in tls["items"]} == {
+        "ca.crt": "ca.crt", "ca.key": "ca.key", "controller.crt": "controller.crt",
+        "controller.key": "controller.key"}
 
 
-def test_the_two_secrets_are_named_by_values_and_the_old_shared_name_is_refused():
-    docs = manifests.render({"controller": {"tlsSecret": "ctl"}, "agent": {"tlsSecret": "nodes"}})
-    names = {d["kind"]: next(v["secret"]["secretName"] for v in d["spec"]["template"]["spec"]["volumes"]
-                             if v["name"] == "tls") for d in docs if d["kind"] in ("DaemonSet", "Deployment")}
-    assert names == {"DaemonSet": "nodes", "Deployment": "ctl"}
+def test_the_agent_proves_its_pod_with_an_audience_bound_projected_token():
+    agent, _ = _pod_specs(manifests.render())
+    assert agent["automountServiceAccountToken"] is False   # no token usable against the API server
+    token = next(v for v in agent["volumes"] if v["name"] == "token")["projected"]["sources"]
+    assert token == [{"serviceAccountToken": {"audience": "fastshare", "expirationSeconds": 3600,
+                                              "path": "token"}}]
+    assert TOKEN_AUDIENCE == "fastshare"   # what the controller's TokenReview asks for
+
+
+def test_the_controller_serves_the_bootstrap_on_its_api_port_for_this_daemonset():
+    docs = manifests.render({"namespace": "gpu", "controller": {"name": "ctl", "apiPort": 8443},
+                             "agent": {"name": "agents", "serviceAccount": "agent-sa"}})
+    agent, controller = _pod_specs(docs)
+    args = controller["containers"][0]["args"]
+    assert {"--api-port=8443", "--agent-namespace=gpu", "--agent-service-account=agent-sa",
+            "--agent-daemonset=agents"} <= set(args)
+    assert {"name": "api", "containerPort": 8443, "protocol": "TCP"} in controller["containers"][0]["ports"]
+    service = _by_kind(docs, "Service")[0]
+    assert service["metadata"]["name"] == "ctl" and {"name": "api", "port": 8443, "targetPort": "api",
+                                                    "protocol": "TCP"} in service["spec"]["ports"]
+    assert "--bootstrap-controller=ctl.gpu.svc:8443" in agent["containers"][0]["args"]
+    assert agent["serviceAccountName"] == "agent-sa"
+
+
+def test_the_secret_and_configmap_are_named_by_values_and_the_node_secret_is_gone():
+    docs = manifests.render({"controller": {"tlsSecret": "ctl"}, "agent": {"caConfigMap": "cluster-ca"}})
+    agent, controller = _pod_specs(docs)
+    assert next(v for v in controller["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "ctl"
+    assert next(v for v in agent["volumes"] if v["name"] == "ca")["configMap"]["name"] == "cluster-ca"
+    with pytest.raises(manifests.ValuesError, match=r"agent\.tlsSecret: unknown value .*its own "
+                                                    r"certificate from the controller"):
+        manifests.render({"agent": {"tlsSecret": "fastshare-node-tls"}})
     with pytest.raises(manifests.ValuesError, match=r"tlsSecret: unknown value"):
         manifests.render({"tlsSecret": "fastshare-tls"})

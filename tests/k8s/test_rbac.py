@@ -77,6 +77,9 @@ ALLOWED = [
     ("watch", "pods", "", "", "", ""),
     ("list", "pods", "", "", "", ""),   # every namespace's bound Pods: what a node has left
     ("list", "nodes", "", "", "", ""),
+    # the node-certificate service: an agent's token is reviewed, its Pod read afresh
+    ("create", "tokenreviews", "authentication.k8s.io", "", "", ""),
+    ("get", "pods", "", NAMESPACE, "fastshare-node-agent-x1", ""),
     ("create", "leases", "coordination.k8s.io", NAMESPACE, "", ""),
     ("update", "leases", "coordination.k8s.io", NAMESPACE, "fastshare-controller", ""),
 ]
@@ -98,12 +101,14 @@ DENIED = [
     ("patch", "fastshareallocations", "fastshare.io", "team-a", "job-0", ""),
     ("watch", "fastshareallocations", "fastshare.io", "", "", ""),
     ("deletecollection", "fastshareallocations", "fastshare.io", "team-a", "", ""),
-    # what the controller never does: rewrite a user's FastPod, read Pods or Nodes one by one,
-    # watch Nodes, or write Events
+    # what the controller never does: rewrite a user's FastPod, read Nodes one by one, watch
+    # Nodes, write Events, mint tokens (it only reviews the agents'), or use Kubernetes' CSR API
     ("update", "fastpods", "fastshare.io", "team-a", "job", ""),
     ("update", "fastpods", "fastshare.io", "team-a", "job", "status"),
-    ("get", "pods", "", "team-a", "job-0", ""),
     ("get", "nodes", "", "", "gpu-1", ""),
+    ("create", "serviceaccounts", "", NAMESPACE, "fastshare-node-agent", "token"),
+    ("create", "certificatesigningrequests", "certificates.k8s.io", "", "", ""),
+    ("create", "subjectaccessreviews", "authorization.k8s.io", "", "", ""),
     ("watch", "nodes", "", "", "", ""),
     ("create", "events", "", "team-a", "", ""),
 ]

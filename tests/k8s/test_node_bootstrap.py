@@ -1,0 +1,496 @@
+"""Each node agent's own certificate, proven by Kubernetes: a real API server (TokenRequest,
+TokenReview, RBAC as rendered), the controller's real NodeBootstrap gRPC service on loopback
+(with the controller ServiceAccount's token, so the rendered RBAC is enough), and a real
+`fastshare node serve` that bootstraps its certificate and then serves mTLS with it.
+
+There is no kubelet or DaemonSet controller here: the tests create the agent Pods themselves,
+owned by the rendered DaemonSet, bound to a node, with status.hostIP set through the status
+subresource, and get each Pod's token from the TokenRequest API (bound to the Pod, audience
+fastshare), as the kubelet would for the projected volume."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from click.testing import CliRunner
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import NameOID
+from kubernetes import client, utils
+
+from fastshare.cli import main
+from fastshare.controller.agent_client import AgentClient, AgentError, AgentTarget
+from fastshare.device import simnvml
+from fastshare.k8s import bootstrap, manifests
+from fastshare.security import certs
+from fastshare.security.tls import TlsPaths
+from fastshare.v1 import bootstrap_pb2 as pb
+from fastshare.v1 import bootstrap_pb2_grpc as pb_grpc
+
+from .agents import free_port, start_controller
+from .conftest import wait_for
+
+BIN = Path(sys.executable).parent
+SUFFIX = uuid.uuid4().hex[:6]
+NS = f"fsboot-{SUFFIX}"
+VALUES = {"namespace": NS, "controller": {"name": f"fsboot-ctl-{SUFFIX}"}}
+GPU_NODES = (f"gpu-a-{SUFFIX}", f"gpu-b-{SUFFIX}")
+PLAIN_NODE = f"plain-{SUFFIX}"
+
+
+class Cluster:
+    """The rendered namespace, ServiceAccounts, RBAC and node-agent DaemonSet; three Nodes; the
+    controller's bootstrap service (its ServiceAccount's token); helpers for agent Pods."""
+
+    def __init__(self, control_plane, api_client, root: Path) -> None:
+        self.admin = client.CoreV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.values = manifests.default_values()
+        self.values["namespace"] = NS
+        self.values["controller"]["name"] = VALUES["controller"]["name"]
+        docs = manifests.render(VALUES)
+        for doc in docs:
+            if doc["kind"] in {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+                               "RoleBinding", "DaemonSet"}:
+                utils.create_from_dict(api_client, doc)
+        self.agent_sa = self.values["agent"]["serviceAccount"]
+        self.daemonset = self.apps.read_namespaced_daemon_set(self.values["agent"]["name"], NS)
+        # another DaemonSet and another ServiceAccount in the same namespace (not the agents')
+        other_ds = next(d for d in docs if d["kind"] == "DaemonSet")
+        other_ds["metadata"]["name"] = "impostor"
+        other_ds["spec"]["selector"]["matchLabels"] = {"app": "impostor"}
+        other_ds["spec"]["template"]["metadata"]["labels"] = {"app": "impostor"}
+        self.impostor = self.apps.create_namespaced_daemon_set(NS, other_ds)
+        self.admin.create_namespaced_service_account(
+            NS, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="other")))
+        for node in GPU_NODES:
+            self.admin.create_node(client.V1Node(metadata=client.V1ObjectMeta(
+                name=node, labels={"fastshare.io/gpu": "true"})))
+        self.admin.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=PLAIN_NODE)))
+
+        # PKI: the controller's Secret holds ca.crt, ca.key, controller.crt/.key; its certificate
+        # names the Service (what the agents dial in a cluster) and loopback (what they dial here).
+        certs.init_ca(root / "ca")
+        service = f"{self.values['controller']['name']}.{NS}.svc"
+        certs.issue(root / "ca", "controller", root / "ctl", sans=[service, "localhost", "127.0.0.1"],
+                    role="controller", days=1)
+        shutil.copy(root / "ca" / "ca.key", root / "ctl" / "ca.key")
+        self.ca_file = root / "ca" / "ca.crt"
+        self.tls = TlsPaths.in_dir(root / "ctl", "controller")
+
+        token = self._token(self.values["controller"]["serviceAccount"], bound_to=None, audience="")
+        self.controller_api = control_plane.api_client({"token": token})
+        self.issuer = bootstrap.NodeCertIssuer(self.controller_api, root / "ctl", bootstrap.IssuerSettings(
+            namespace=NS, service_account=self.agent_sa, daemonset=self.values["agent"]["name"],
+            gpu_node_label=self.values["gpuNodeLabel"]))
+        self.server, port = bootstrap.serve("127.0.0.1:0", self.tls, self.issuer)
+        self.address = f"127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.stop(None)
+        self.controller_api.close()
+        for node in (*GPU_NODES, PLAIN_NODE):
+            self.admin.delete_node(node)
+        self.admin.delete_namespace(NS)
+
+    def _token(self, service_account: str, bound_to: client.V1Pod | None, audience: str = "fastshare") -> str:
+        """A TokenRequest token; ``audience`` "" = the API server's own (a credential for it)."""
+        ref = None if bound_to is None else client.V1BoundObjectReference(
+            kind="Pod", api_version="v1", name=bound_to.metadata.name, uid=bound_to.metadata.uid)
+        spec = client.V1TokenRequestSpec(audiences=[audience] if audience else [], expiration_seconds=3600,
+                                         bound_object_ref=ref)
+        request = client.AuthenticationV1TokenRequest(spec=spec)
+        return self.admin.create_namespaced_service_account_token(service_account, NS, request).status.token
+
+    def agent_pod(self, node: str, owner: client.V1DaemonSet | None = None, service_account: str = "",
+                  host_ip: str = "127.0.0.1") -> client.V1Pod:
+        """A Pod as the DaemonSet controller would make it (ownerReference, nodeName), with the
+        hostIP the kubelet would report."""
+        owner = owner or self.daemonset
+        pod = client.V1Pod(
+            metadata=client.V1ObjectMeta(
+                generate_name=f"{owner.metadata.name}-",
+                owner_references=[client.V1OwnerReference(
+                    api_version="apps/v1", kind="DaemonSet", name=owner.metadata.name, uid=owner.metadata.uid,
+                    controller=True, block_owner_deletion=True)]),
+            spec=client.V1PodSpec(node_name=node, service_account_name=service_account or self.agent_sa,
+                                  automount_service_account_token=False,
+                                  containers=[client.V1Container(name="agent", image="fastshare")]))
+        pod = self.admin.create_namespaced_pod(NS, pod)
+        self.admin.patch_namespaced_pod_status(pod.metadata.name, NS, {"status": {
+            "phase": "Running", "hostIP": host_ip, "hostIPs": [{"ip": host_ip}]}})
+        return pod
+
+    def token(self, pod: client.V1Pod, audience: str = "fastshare") -> str:
+        return self._token(pod.spec.service_account_name, bound_to=pod, audience=audience)
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane, api_client, tmp_path_factory):
+    made = Cluster(control_plane, api_client, tmp_path_factory.mktemp("boot"))
+    yield made
+    made.close()
+
+
+def _csr(node: str, key=None) -> bytes:
+    key = key or ec.generate_private_key(ec.SECP256R1())
+    csr = (x509.CertificateSigningRequestBuilder()
+           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
+           .sign(key, hashes.SHA256()))
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def _ask(cluster: Cluster, csr_pem: bytes, token: str) -> pb.IssueNodeCertificateReply:
+    channel = grpc.secure_channel(cluster.address, grpc.ssl_channel_credentials(cluster.ca_file.read_bytes()))
+    try:
+        return pb_grpc.NodeBootstrapStub(channel).IssueNodeCertificate(
+            pb.IssueNodeCertificateRequest(csr_pem=csr_pem, token=token), timeout=30)
+    finally:
+        channel.close()
+
+
+def _refused(cluster: Cluster, csr_pem: bytes, token: str) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        _ask(cluster, csr_pem, token)
+    return info.value
+
+
+def _sans(cert: x509.Certificate) -> set[str]:
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    ips = (str(ip) for ip in san.get_values_for_type(x509.IPAddress))
+    return {*san.get_values_for_type(x509.DNSName), *ips}
+
+
+# --- the happy path: a real agent process bootstraps, then serves mTLS with its certificate ------
+
+
+def _start_agent(root: Path, cluster: Cluster, node: str, token: str) -> tuple[subprocess.Popen, str]:
+    root.mkdir(parents=True)
+    (root / "tls").mkdir()
+    (root / "token").write_text(token)
+    machine = root / "machine.json"
+    simnvml.create_machine(machine, ["V100-SXM2-32GB"], mig_enabled=False)
+    address = f"127.0.0.1:{free_port()}"
+    config = root / "node.yaml"
+    config.write_text(yaml.safe_dump({
+        "node_name": node, "listen": address, "unix_socket": str(root / "node.sock"),
+        "state_dir": str(root / "state"), "run_dir": str(root / "run"), "device_backend": "sim",
+        "sim_state": str(machine), "mps_control_binary": str(BIN / "fastshare-mps-standin"),
+        "metrics_listen": "127.0.0.1:0", "reconcile_interval_s": 3600}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")}
+    env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
+    args = [str(BIN / "fastshare"), "node", "serve", "--config", str(config),
+            f"--tls-cert={root / 'tls' / 'node.crt'}", f"--tls-key={root / 'tls' / 'node.key'}",
+            f"--tls-ca={root / 'tls' / 'ca.crt'}", f"--bootstrap-controller={cluster.address}",
+            f"--bootstrap-token={root / 'token'}", f"--bootstrap-ca={cluster.ca_file}"]
+    with open(root / "agent.log", "ab") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, address
+
+
+def test_an_agent_gets_its_own_node_certificate_and_only_that_node_name_is_accepted(cluster, tmp_path):
+    node, other = GPU_NODES
+    pod = cluster.agent_pod(node, host_ip="127.0.0.1")
+    proc, address = _start_agent(tmp_path / "agent", cluster, node, cluster.token(pod))
+    tls_dir = tmp_path / "agent" / "tls"
+    try:
+        probe = AgentClient(AgentTarget(node, address), cluster.tls, deadline=5)
+
+        def serving():
+            if proc.poll() is not None:
+                raise AssertionError(f"agent exited:\n{(tmp_path / 'agent' / 'agent.log').read_text()}")
+            try:
+                probe.ping()
+                return True
+            except AgentError:
+                return False
+
+        wait_for(serving, "the agent serving mTLS with its bootstrapped certificate", timeout=90)
+        probe.close()
+        cert = x509.load_pem_x509_certificate((tls_dir / "node.crt").read_bytes())
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == node
+        assert certs.role_of(cert) == "node"
+        assert _sans(cert) == {node, "127.0.0.1"}                 # the Pod's hostIP, from the Pod
+        life = cert.not_valid_after_utc - dt.datetime.now(dt.UTC)
+        assert dt.timedelta(hours=23) < life <= dt.timedelta(hours=24)
+        cert.verify_directly_issued_by(x509.load_pem_x509_certificate(cluster.ca_file.read_bytes()))
+        assert stat.S_IMODE((tls_dir / "node.key").stat().st_mode) == 0o600
+        assert (tls_dir / "ca.crt").read_bytes() == cluster.ca_file.read_bytes()
+
+        # the controller, dialling the same address as the OTHER node, is refused at the handshake
+        impostor = AgentClient(AgentTarget(other, address), cluster.tls, deadline=5)
+        try:
+            with pytest.raises(AgentError) as info:
+                impostor.ping()
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        finally:
+            impostor.close()
+        again = AgentClient(AgentTarget(node, address), cluster.tls, deadline=5)
+        try:
+            again.ping()   # and the agent is still there for its own name
+        finally:
+            again.close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+
+
+def test_the_agent_waits_for_an_unreachable_controller_then_renews(cluster, tmp_path, caplog):
+    """Started before the controller listens: it retries (logging what it waits for) and gets its
+    certificate once the service is up; a due certificate is renewed with a new key."""
+    from fastshare.node.bootstrap import BootstrapConfig, Bootstrapper
+
+    node = GPU_NODES[1]
+    pod = cluster.agent_pod(node, host_ip="10.1.2.3")
+    (tmp_path / "token").write_text(cluster.token(pod))
+    port = free_port()
+    config = BootstrapConfig(controller=f"127.0.0.1:{port}", token_file=tmp_path / "token",
+                             ca_file=cluster.ca_file, node_name=node, cert=tmp_path / "tls" / "node.crt",
+                             key=tmp_path / "tls" / "node.key", ca=tmp_path / "tls" / "ca.crt")
+    agent = Bootstrapper(config, timeout=5, min_renew_interval=0.2)
+    got: list[object] = []
+    stop = threading.Event()
+    caplog.set_level("WARNING", logger="fastshare.node.bootstrap")
+    waiting = threading.Thread(target=lambda: got.append(agent.obtain(stop)))
+    waiting.start()
+    server = None
+    try:
+        wait_for(lambda: "waiting for a node certificate from the controller at" in caplog.text,
+                 "the agent to log what it waits for", timeout=30)
+        # a short-lived certificate: due for renewal as soon as it is issued
+        settings = bootstrap.IssuerSettings(
+            namespace=NS, service_account=cluster.agent_sa, daemonset=cluster.values["agent"]["name"],
+            lifetime=dt.timedelta(minutes=2))
+        short = bootstrap.NodeCertIssuer(cluster.controller_api, cluster.tls.cert.parent, settings)
+        server, _ = bootstrap.serve(f"127.0.0.1:{port}", cluster.tls, short)
+        waiting.join(60)
+        assert not waiting.is_alive() and isinstance(got[0], x509.Certificate)
+        first = got[0]
+        assert _sans(first) == {node, "10.1.2.3"}
+        first_key = (tmp_path / "tls" / "node.key").read_bytes()
+        agent.start_renewals(first, stop)
+
+        def renewed():
+            cert = x509.load_pem_x509_certificate((tmp_path / "tls" / "node.crt").read_bytes())
+            return cert.serial_number != first.serial_number and cert
+        second = wait_for(renewed, "the certificate renewed", timeout=30)
+        assert agent.problem(second) is None
+        assert (tmp_path / "tls" / "node.key").read_bytes() != first_key
+        assert "token" not in caplog.text.lower().replace("--bootstrap-token", "")
+    finally:
+        stop.set()
+        if server is not None:
+            server.stop(None)
+
+
+def test_the_agents_token_is_no_credential_for_the_api_server(control_plane, cluster):
+    """Audience fastshare: the API server itself refuses it (401), unlike the automounted token
+    the DaemonSet does not get."""
+    pod = cluster.agent_pod(GPU_NODES[0])
+    api = control_plane.api_client({"token": cluster.token(pod)})
+    try:
+        with pytest.raises(client.ApiException) as info:
+            client.CoreV1Api(api).list_namespaced_pod(NS)
+        assert info.value.status == 401
+    finally:
+        api.close()
+
+
+def test_the_k8s_controller_process_serves_it_on_its_api_port(control_plane, fastpod_crd, cluster,
+                                                               tmp_path):
+    """`fastshare k8s controller --api-port` (what the Deployment runs) serves the same service,
+    from the controller's --tls-dir with ca.key in it."""
+    from fastshare.node.bootstrap import BootstrapConfig, Bootstrapper
+
+    node = GPU_NODES[0]
+    pod = cluster.agent_pod(node, host_ip="10.9.8.7")
+    (tmp_path / "token").write_text(cluster.token(pod))
+    port = free_port()
+    log = tmp_path / "ctl.log"
+    proc = start_controller(control_plane.kubeconfig, NS, cluster.tls.cert.parent, "boot", log,
+                            "--api-port", str(port), "--agent-namespace", NS,
+                            "--agent-service-account", cluster.agent_sa,
+                            "--agent-daemonset", cluster.daemonset.metadata.name)
+    stop = threading.Event()
+    try:
+        config = BootstrapConfig(controller=f"localhost:{port}", token_file=tmp_path / "token",
+                                 ca_file=cluster.ca_file, node_name=node, cert=tmp_path / "node.crt",
+                                 key=tmp_path / "node.key", ca=tmp_path / "ca.crt")
+        give_up = threading.Timer(60, stop.set)   # obtain() waits for the controller as long as it takes
+        give_up.start()
+        cert = Bootstrapper(config, timeout=5).obtain(stop)
+        give_up.cancel()
+        assert cert is not None, log.read_text()
+        assert _sans(cert) == {node, "10.9.8.7"} and certs.role_of(cert) == "node"
+        assert proc.poll() is None, log.read_text()
+    finally:
+        stop.set()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+# --- refusals: each names what did not match ------------------------------------------------
+
+
+def test_refused_when_the_csr_names_another_node_than_the_pods(cluster):
+    node, other = GPU_NODES
+    pod = cluster.agent_pod(node)
+    error = _refused(cluster, _csr(other), cluster.token(pod))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    where = f"Pod {NS}/{pod.metadata.name}"
+    assert f"the CSR asks for node '{other}' but {where} runs on '{node}'" in error.details()
+
+
+def test_refused_for_a_token_of_another_audience(cluster):
+    node = GPU_NODES[0]
+    pod = cluster.agent_pod(node)
+    error = _refused(cluster, _csr(node), cluster.token(pod, audience="https://kubernetes.default.svc"))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "did not accept the token" in error.details() and "audience 'fastshare'" in error.details()
+    assert "audiences" in error.details()   # the API server's own reason is passed on
+
+
+def test_refused_for_a_token_of_another_service_account(cluster):
+    node = GPU_NODES[0]
+    pod = cluster.agent_pod(node, service_account="other")
+    error = _refused(cluster, _csr(node), cluster.token(pod))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (f"the token is of 'system:serviceaccount:{NS}:other', not of "
+            f"'system:serviceaccount:{NS}:{cluster.agent_sa}'") in error.details()
+
+
+def test_refused_for_a_pod_the_agent_daemonset_does_not_own(cluster):
+    node = GPU_NODES[0]
+    pod = cluster.agent_pod(node, owner=cluster.impostor)
+    error = _refused(cluster, _csr(node), cluster.token(pod))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (f"is controlled by DaemonSet impostor, not by the DaemonSet {cluster.daemonset.metadata.name}"
+            in error.details())
+
+
+def test_refused_once_the_pod_is_deleted_or_recreated(cluster):
+    node = GPU_NODES[0]
+    pod = cluster.agent_pod(node)
+    token = cluster.token(pod)
+    cluster.admin.delete_namespaced_pod(pod.metadata.name, NS, grace_period_seconds=0)
+    wait_for(lambda: not [p for p in cluster.admin.list_namespaced_pod(NS).items
+                          if p.metadata.name == pod.metadata.name], "the Pod gone")
+    error = _refused(cluster, _csr(node), token)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    # the API server's reason, then ours
+    assert "did not accept the token" in error.details() and "invalidated" in error.details()
+    assert "of a Pod that still exists" in error.details()
+    # a Pod of the same name again (new uid): the old token is still refused
+    again = client.V1Pod(metadata=client.V1ObjectMeta(
+        name=pod.metadata.name, owner_references=pod.metadata.owner_references), spec=pod.spec)
+    again = cluster.admin.create_namespaced_pod(NS, again)
+    assert again.metadata.uid != pod.metadata.uid
+    error = _refused(cluster, _csr(node), token)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "did not accept the token" in error.details()
+    assert f"pod UID ({again.metadata.uid}) does not match" in error.details()
+
+
+def test_the_issuer_itself_refuses_a_uid_mismatch(cluster):
+    """Should the API server vouch for a Pod uid that is no longer the Pod's (a review served
+    before a re-creation), the controller's own read of the Pod refuses it."""
+    node = GPU_NODES[0]
+    pod = cluster.agent_pod(node)
+    with pytest.raises(bootstrap.Refused) as info:
+        cluster.issuer._pod(pod.metadata.name, "00000000-0000-0000-0000-000000000000")
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "was deleted and re-created" in info.value.message and pod.metadata.uid in info.value.message
+
+
+def test_refused_for_a_node_without_the_gpu_label(cluster):
+    pod = cluster.agent_pod(PLAIN_NODE)
+    error = _refused(cluster, _csr(PLAIN_NODE), cluster.token(pod))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (f"Node {PLAIN_NODE} is not a fastshare GPU node: it has label fastshare.io/gpu=(none), "
+            "not fastshare.io/gpu=true") in error.details()
+
+
+@pytest.mark.parametrize("csr, says", [
+    (b"", "csr_pem is empty"),
+    (b"-----BEGIN CERTIFICATE REQUEST-----\nbm90IGEgY3Ny\n-----END CERTIFICATE REQUEST-----\n",
+     "csr_pem is not a usable CSR"),
+    (b"garbage" * 10, "csr_pem is not a usable CSR"),
+    ("rsa", "not ECDSA P-256/P-384"),
+    ("bad-name", "is not a Kubernetes node name"),
+], ids=["empty", "bad-der", "garbage", "rsa-key", "bad-cn"])
+def test_refused_for_a_garbage_csr(cluster, csr, says):
+    if csr == "rsa":
+        csr = _csr(GPU_NODES[0], rsa.generate_private_key(public_exponent=65537, key_size=2048))
+    elif csr == "bad-name":
+        csr = _csr("Not_A_Node")
+    pod = cluster.agent_pod(GPU_NODES[0])
+    error = _refused(cluster, csr, cluster.token(pod))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert says in error.details() and "CN=<node name>" in error.details()
+
+
+def test_refused_for_an_empty_or_unknown_token(cluster):
+    error = _refused(cluster, _csr(GPU_NODES[0]), "")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "token is empty" in error.details()
+    error = _refused(cluster, _csr(GPU_NODES[0]), "not-a-token")
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "did not accept the token" in error.details()
+
+
+def test_refused_for_a_token_not_bound_to_a_pod(cluster):
+    token = cluster._token(cluster.agent_sa, bound_to=None)
+    error = _refused(cluster, _csr(GPU_NODES[0]), token)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "not bound to a Pod" in error.details()
+
+
+# --- the command lines --------------------------------------------------------------------
+
+
+def test_node_serve_checks_the_bootstrap_options(tmp_path):
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("t")
+    ca.write_text("x")
+    (tmp_path / "node.yaml").write_text("{}\n")
+    base = ["node", "serve", "--config", str(tmp_path / "node.yaml"), "--node-name", "gpu-a",
+            "--unix-socket", str(tmp_path / "s"), "--gpu-backend", "sim", "--sim-state", str(tmp_path / "m")]
+    tls = [f"--tls-cert={tmp_path}/tls/node.crt", f"--tls-key={tmp_path}/tls/node.key",
+           f"--tls-ca={tmp_path}/tls/ca.crt"]
+    cases = [
+        (["--bootstrap-controller", "ctl:7443"], "--bootstrap-token, --bootstrap-ca are required with "
+                                                 "--bootstrap-controller"),
+        (["--bootstrap-controller", "ctl", "--bootstrap-token", str(token), "--bootstrap-ca", str(ca), *tls],
+         "--bootstrap-controller must be HOST:PORT"),
+        (["--bootstrap-token", str(tmp_path / "missing")], "Invalid value for '--bootstrap-token'"),
+        (["--bootstrap-controller", "ctl:7443", "--bootstrap-token", str(token), "--bootstrap-ca", str(ca)],
+         "--bootstrap-controller needs --tls-cert"),
+        (["--bootstrap-controller", "ctl:7443", "--bootstrap-token", str(token), "--bootstrap-ca", str(ca),
+          *tls], f"--tls-cert {tmp_path}/tls/node.crt: its directory {tmp_path}/tls is not a writable "),
+    ]
+    for extra, says in cases:
+        result = CliRunner().invoke(main, [*base, *extra])
+        assert result.exit_code != 0, (extra, result.output)
+        assert says in result.output, (extra, result.output)
+
+
+def test_the_k8s_controller_needs_ca_key_unless_the_bootstrap_is_off(tmp_path):
+    certs.init_ca(tmp_path / "ca")
+    certs.issue(tmp_path / "ca", "controller", tmp_path / "ctl", role="controller", days=1)
+    result = CliRunner().invoke(main, ["k8s", "controller", "--tls-dir", str(tmp_path / "ctl"),
+                                       "--kubeconfig", str(tmp_path / "ca" / "ca.crt")])
+    assert result.exit_code == 1
+    assert f"--tls-dir {tmp_path / 'ctl'}: ca.key not found" in result.output
+    assert "--api-port 0" in result.output

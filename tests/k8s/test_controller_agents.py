@@ -296,7 +296,8 @@ def _controller_process(control_plane, namespace, pki, fault: str, log: Path) ->
     exe = shutil.which("fastshare") or str(Path(sys.executable).parent / "fastshare")
     args = [exe, "k8s", "controller", "--kubeconfig", str(control_plane.kubeconfig),
             "--namespace", namespace, "--lease-namespace", namespace, "--identity", "doomed",
-            "--tls-dir", str(pki[0] / "controller"), "--lease-duration", "3", "--node-interval", "0.5"]
+            "--tls-dir", str(pki[0] / "controller"), "--lease-duration", "3", "--node-interval", "0.5",
+            "--api-port", "0"]
     return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, faults.ENV: fault})
 

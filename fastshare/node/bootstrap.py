@@ -32,16 +32,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from fastshare.security import certs
+from fastshare.security.rotation import FIRST_BACKOFF_S, MAX_BACKOFF_S, remaining, renew_at, renew_forever
 from fastshare.security.tls import secure_channel
 from fastshare.v1 import bootstrap_pb2 as pb
 from fastshare.v1 import bootstrap_pb2_grpc as pb_grpc
 
 log = logging.getLogger("fastshare.node.bootstrap")
 
-RENEW_FRACTION = 2 / 3
 RPC_TIMEOUT_S = 30.0
-FIRST_BACKOFF_S = 1.0
-MAX_BACKOFF_S = 60.0
 # At least this long between two renewals, even if a certificate is due at once (a very short
 # lifetime, a clock ahead of the controller's): never a tight loop against the controller.
 MIN_RENEW_INTERVAL_S = 30.0
@@ -63,16 +61,13 @@ class BootstrapConfig:
     cert: Path            # where the certificate, key and CA are written
     key: Path
     ca: Path
+    # The name the controller's certificate must carry, when it is not the host in
+    # ``controller`` (tests dial loopback and check the Service's DNS name, as a cluster does).
+    server_name: str | None = None
 
 
-def _remaining(cert: x509.Certificate, now: dt.datetime) -> dt.timedelta:
-    return cert.not_valid_after_utc - now
-
-
-def renew_at(cert: x509.Certificate) -> dt.datetime:
-    """When a certificate should be replaced: at 2/3 of its life."""
-    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
-    return start + (end - start) * RENEW_FRACTION
+def _explain(exc: BaseException) -> str:
+    return f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
 
 
 class Bootstrapper:
@@ -106,7 +101,7 @@ class Bootstrapper:
         request = pb.IssueNodeCertificateRequest(csr_pem=csr.public_bytes(serialization.Encoding.PEM),
                                                  token=self._token())
         try:
-            channel = secure_channel(c.controller, c.ca_file)
+            channel = secure_channel(c.controller, c.ca_file, server_name=c.server_name)
         except OSError as exc:
             raise BootstrapError(f"--bootstrap-ca {c.ca_file}: cannot read it ({exc.strerror or exc})"
                                  ) from None
@@ -160,7 +155,7 @@ class Bootstrapper:
         except (OSError, ValueError, TypeError):
             return None
         now = dt.datetime.now(dt.UTC)
-        if self.problem(cert, key.public_key()) or _remaining(cert, now) < dt.timedelta(minutes=1):
+        if self.problem(cert, key.public_key()) or remaining(cert, now) < dt.timedelta(minutes=1):
             return None
         return cert
 
@@ -198,23 +193,9 @@ class Bootstrapper:
     def renew_forever(self, cert: x509.Certificate, stop: threading.Event) -> None:
         """Replace ``cert`` at 2/3 of its life, and each new one likewise, until ``stop``. A failed
         renewal is retried with backoff (the old certificate keeps serving until it expires)."""
-        delay = FIRST_BACKOFF_S
-        floor = 0.0   # the least wait: after a renewal, the minimum interval; after a failure, the backoff
-        while True:
-            wait = (renew_at(cert) - dt.datetime.now(dt.UTC)).total_seconds()
-            if stop.wait(max(wait, floor)):
-                return
-            try:
-                cert = self._request_logged()
-            except (grpc.RpcError, BootstrapError) as exc:
-                why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
-                left = _remaining(cert, dt.datetime.now(dt.UTC))
-                log.error("renewing the node certificate failed (%s); the current one expires in %s; "
-                          "retrying in %.0f s", why, str(left).split(".")[0], delay)
-                floor = delay * random.uniform(0.8, 1.2)
-                delay = min(delay * 2, MAX_BACKOFF_S)
-            else:
-                floor, delay = self.min_renew_interval, FIRST_BACKOFF_S
+        renew_forever(cert, self._request_logged, stop, what="the node certificate", log=log,
+                      min_interval=self.min_renew_interval, errors=(grpc.RpcError, BootstrapError),
+                      explain=_explain)
 
     def start_renewals(self, cert: x509.Certificate, stop: threading.Event) -> threading.Thread:
         self._thread = threading.Thread(target=self.renew_forever, args=(cert, stop),

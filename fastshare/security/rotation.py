@@ -1,0 +1,60 @@
+"""Renewing a short-lived certificate before it ends: when, and the loop that does it.
+
+Shared by the node agent (which asks the controller for its certificate, see
+:mod:`fastshare.node.bootstrap`) and the in-cluster controller (which signs its own, see
+:mod:`fastshare.k8s.controller_cert`). Both replace the files in place; the servers and the
+controller's agent pool re-read changed files (see :mod:`fastshare.security.tls`), so a renewal
+needs no restart.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import random
+import threading
+from collections.abc import Callable
+
+from cryptography import x509
+
+RENEW_FRACTION = 2 / 3
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 60.0
+
+
+def remaining(cert: x509.Certificate, now: dt.datetime) -> dt.timedelta:
+    return cert.not_valid_after_utc - now
+
+
+def renew_at(cert: x509.Certificate) -> dt.datetime:
+    """When a certificate should be replaced: at 2/3 of its life."""
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return start + (end - start) * RENEW_FRACTION
+
+
+def renew_forever(cert: x509.Certificate, renew: Callable[[], x509.Certificate], stop: threading.Event, *,
+                  what: str, log: logging.Logger, min_interval: float,
+                  errors: tuple[type[BaseException], ...],
+                  explain: Callable[[BaseException], str] = str) -> None:
+    """Replace ``cert`` (by calling ``renew``, which returns the new one) at 2/3 of its life,
+    and each new one likewise, until ``stop``. ``renew`` raising one of ``errors`` is logged
+    (``what`` names the certificate, ``explain`` the error) and retried with backoff; the old
+    certificate keeps serving until it expires. At least ``min_interval`` seconds pass between
+    two renewals, even when a certificate is due at once (a very short lifetime, a clock ahead
+    of the signer's): never a tight loop."""
+    delay = FIRST_BACKOFF_S
+    floor = 0.0   # the least wait: after a renewal, the minimum interval; after a failure, the backoff
+    while True:
+        wait = (renew_at(cert) - dt.datetime.now(dt.UTC)).total_seconds()
+        if stop.wait(max(wait, floor)):
+            return
+        try:
+            cert = renew()
+        except errors as exc:
+            left = remaining(cert, dt.datetime.now(dt.UTC))
+            log.error("renewing %s failed (%s); the current one expires in %s; retrying in %.0f s",
+                      what, explain(exc), str(left).split(".")[0], delay)
+            floor = delay * random.uniform(0.8, 1.2)
+            delay = min(delay * 2, MAX_BACKOFF_S)
+        else:
+            floor, delay = min_interval, FIRST_BACKOFF_S

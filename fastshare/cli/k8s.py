@@ -11,7 +11,7 @@ import yaml
 
 from fastshare.cli._output import fail
 from fastshare.cli._types import LOG_LEVELS, Number
-from fastshare.k8s import names
+from fastshare.k8s import controller_cert, names
 
 
 @click.group("k8s")
@@ -74,12 +74,27 @@ def _k8s(rule: Callable[[str], str | None]) -> Callable[..., str | None]:
 @click.option("--agent-port", default=7444, show_default=True, type=click.IntRange(1, 65535),
               help="Node agents' port when a Node has no fastshare.io/agent-endpoint annotation.")
 @click.option("--tls-dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Directory with controller.crt, controller.key and ca.crt (mTLS to the node agents), and "
-                   "ca.key unless --api-port is 0 (it signs the agents' node certificates).")
+              help="Directory with ca.crt and ca.key (the controller's Secret): the controller signs its "
+                   "own certificate (see --cert-dir) and the node agents' with them. Without ca.key "
+                   "(--api-port 0 only): controller.crt, controller.key and ca.crt issued by hand.")
+@click.option("--cert-dir", default=Path("/run/fastshare/tls"), show_default=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Writable directory where the controller writes its own certificate and key, renewed at "
+                   "2/3 of their life (a memory-backed emptyDir in the Deployment); used when --tls-dir "
+                   "holds ca.key.")
+@click.option("--service-name", default="fastshare-controller", show_default=True,
+              callback=_k8s(names.namespace_problem),
+              help="The controller's Service: its own certificate names "
+                   "<service-name>.<service-namespace>.svc (and .svc.cluster.local), which the node agents "
+                   "dial and check.")
+@click.option("--service-namespace", default=None, callback=_k8s(names.namespace_problem),
+              help="Namespace of the controller's Service (default: --lease-namespace).")
+@click.option("--cert-lifetime", default=controller_cert.DEFAULT_LIFETIME.total_seconds(), hidden=True,
+              type=Number(1, 30 * 86400), help="Seconds the controller's own certificate is valid (tests).")
 @click.option("--api-port", default=7443, show_default=True, type=click.IntRange(0, 65535),
-              help="Serve the node agents' certificate bootstrap (server-side TLS with controller.crt, whose "
-                   "SANs must name the Service <name>.<namespace>.svc) on this port, on every replica; "
-                   "0 = off (agents then need certificates issued by hand).")
+              help="Serve the node agents' certificate bootstrap (server-side TLS with the controller's "
+                   "certificate) on this port, on every replica; 0 = off (agents then need certificates "
+                   "issued by hand).")
 @click.option("--agent-namespace", default="fastshare-system", show_default=True,
               callback=_k8s(names.namespace_problem),
               help="Namespace of the node-agent DaemonSet whose Pods get node certificates.")
@@ -99,10 +114,12 @@ def _k8s(rule: Callable[[str], str | None]) -> Callable[..., str | None]:
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(LOG_LEVELS),
               help="Log verbosity.")
 def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity, gpu_node_label,
-                   agent_port, tls_dir, api_port, agent_namespace, agent_service_account, agent_daemonset,
+                   agent_port, tls_dir, cert_dir, service_name, service_namespace, cert_lifetime, api_port,
+                   agent_namespace, agent_service_account, agent_daemonset,
                    metrics_port, lease_duration, node_interval, heartbeat_timeout,
                    log_level) -> None:
     """Run the in-cluster controller (one active replica at a time, chosen through a Lease)."""
+    import datetime as dt
     import logging
     import os
     import socket
@@ -115,20 +132,44 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
     from fastshare.heap import freeze_startup_objects
     from fastshare.k8s.controller import KubeController, KubeSettings, run_with_leader_election
     from fastshare.k8s.leader import LeaderElector
+    from fastshare.security.certs import CA_CERT, CA_KEY, CertError
     from fastshare.security.tls import TlsPaths
     from fastshare.stop_signal import stop_on_signals
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tls = TlsPaths.in_dir(tls_dir, "controller")
-    try:
-        tls.check()
-    except (OSError, ValueError) as exc:
-        fail(str(exc), hint="fastshare certs issue --role controller --name controller --out DIR")
-    if api_port and not (tls_dir / "ca.key").is_file():
-        fail(f"--tls-dir {tls_dir}: ca.key not found; the node-certificate service (--api-port {api_port}) "
-             "signs the agents' certificates with the cluster CA key",
-             hint="add ca.key to the controller's Secret (README, Kubernetes), or pass --api-port 0 "
-                  "and issue every node's certificate by hand")
+    log = logging.getLogger("fastshare.k8s")
+    own_cert = None
+    if (tls_dir / CA_KEY).is_file():
+        # The controller holds the CA key anyway: it signs (and renews) its own certificate
+        # rather than serving one an operator issued, which nothing would renew.
+        hand_issued = [n for n in ("controller.crt", "controller.key") if (tls_dir / n).exists()]
+        if hand_issued:
+            log.info("--tls-dir %s: ignoring %s: with ca.key there the controller issues and renews its own "
+                     "certificate in --cert-dir %s", tls_dir, " and ".join(hand_issued), cert_dir)
+        sans = controller_cert.service_names(service_name, service_namespace or lease_namespace)
+        own_cert = controller_cert.ControllerCert(tls_dir, cert_dir, sans,
+                                                  lifetime=dt.timedelta(seconds=cert_lifetime))
+        tls = own_cert.tls
+        try:
+            if not tls.ca.is_file():
+                raise CertError(f"--tls-dir {tls_dir}: {CA_CERT} not found next to {CA_KEY}")
+            issued = own_cert.issue()
+        except CertError as exc:
+            fail(str(exc), hint="the controller's Secret holds ca.crt and ca.key from `fastshare certs init` "
+                                "(README, Kubernetes)")
+    else:
+        tls = TlsPaths.in_dir(tls_dir, "controller")
+        try:
+            tls.check()
+        except (OSError, ValueError) as exc:
+            fail(f"--tls-dir {tls_dir}: {exc}",
+                 hint="put ca.crt and ca.key in it (the controller then issues its own certificate), or "
+                      "controller.crt/.key from `fastshare certs issue --role controller --name controller`")
+        if api_port:
+            fail(f"--tls-dir {tls_dir}: ca.key not found; the node-certificate service (--api-port "
+                 f"{api_port}) signs the agents' certificates with the cluster CA key",
+                 hint="add ca.key to the controller's Secret (README, Kubernetes), or pass --api-port 0 "
+                      "and issue every node's certificate by hand")
     try:
         if kubeconfig:
             api = config.new_client_from_config(config_file=kubeconfig)
@@ -156,6 +197,8 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
     stop = threading.Event()
     lost = threading.Event()
     stop_on_signals(stop)
+    if own_cert is not None:
+        own_cert.start_renewals(issued, stop)
 
     def on_lost() -> None:
         lost.set()
@@ -164,7 +207,6 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
     bootstrap_server = None
     if api_port:
         from fastshare.k8s import bootstrap
-        from fastshare.security.certs import CertError
 
         try:
             issuer = bootstrap.NodeCertIssuer(api, tls_dir, bootstrap.IssuerSettings(

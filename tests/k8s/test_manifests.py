@@ -122,7 +122,7 @@ def test_no_key_is_in_a_secret_a_gpu_node_pod_names():
     signs every node's. A GPU node's kubelet may read every Secret a Pod on that node names (the
     node authorizer), so the node-agent Pods name no Secret at all: their key is made in the Pod
     (memory-backed emptyDir), the CA certificate comes from a ConfigMap; and the controller
-    mounts only its own four files (items), ca.key among them."""
+    mounts only the CA's two files (items) from its Secret."""
     docs = manifests.render()
     agent, controller = _pod_specs(docs)
     volumes = {v["name"]: v for v in agent["volumes"]}
@@ -141,9 +141,30 @@ def test_no_key_is_in_a_secret_a_gpu_node_pod_names():
     assert "readOnly" not in mounts["tls"] and mounts["ca"]["readOnly"] and mounts["token"]["readOnly"]
     tls = next(v for v in controller["volumes"] if v["name"] == "tls")["secret"]
     assert tls["secretName"] == "fastshare-controller-tls"
-    assert {i["key"]: i["path"] for i in tls["items"]} == {
-        "ca.crt": "ca.crt", "ca.key": "ca.key", "controller.crt": "controller.crt",
-        "controller.key": "controller.key"}
+    assert {i["key"]: i["path"] for i in tls["items"]} == {"ca.crt": "ca.crt", "ca.key": "ca.key"}
+
+
+def test_the_controller_signs_its_own_certificate_into_a_memory_emptydir_of_a_read_only_pod():
+    """The Secret holds only the CA (ca.crt, ca.key): an operator-issued controller.crt expired
+    after 30 days with nothing renewing it. The controller writes its own, renewed, to --cert-dir,
+    a memory-backed emptyDir; the root filesystem and the Secret stay read-only; its SANs are
+    the Service's names, from --service-name and --service-namespace."""
+    docs = manifests.render({"namespace": "gpu", "controller": {"name": "ctl"}})
+    _, controller = _pod_specs(docs)
+    container = controller["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in controller["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/etc/fastshare/tls"] == {"name": "tls", "mountPath": "/etc/fastshare/tls",
+                                            "readOnly": True}
+    assert [i["key"] for i in volumes["tls"]["secret"]["items"]] == ["ca.crt", "ca.key"]
+    assert mounts["/run/fastshare/tls"] == {"name": "cert", "mountPath": "/run/fastshare/tls"}
+    assert volumes["cert"] == {"name": "cert", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+    args = container["args"]
+    assert {"--tls-dir=/etc/fastshare/tls", "--cert-dir=/run/fastshare/tls", "--service-name=ctl",
+            "--service-namespace=gpu"} <= set(args)
+    assert _by_kind(docs, "Service")[0]["metadata"] == {**_by_kind(docs, "Service")[0]["metadata"],
+                                                         "name": "ctl", "namespace": "gpu"}
 
 
 def test_the_agent_proves_its_pod_with_an_audience_bound_projected_token():

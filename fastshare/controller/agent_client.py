@@ -165,6 +165,8 @@ class AgentPool:
         if now - self._stamp_checked >= TLS_CHECK_S:
             self._stamp_checked = now
             stamp = self._tls_stamp()
+            if stamp is not None and stamp != self._stamp and not self._tls.pair_matches():
+                stamp = None   # mid-rotation (new key, old certificate): decided at the next check
         with self._lock:
             if stamp is not None and stamp != self._stamp:
                 # Renewed certificate files: a channel presents the certificate it was built

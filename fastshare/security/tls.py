@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from fastshare.security.certs import reissue_command, role_of
 
@@ -58,6 +59,26 @@ class TlsPaths:
 
     def read(self) -> tuple[bytes, bytes, bytes]:
         return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
+
+    def pair_matches(self) -> bool:
+        """Whether the key file holds the certificate's key. A renewal replaces the key, then
+        the certificate (each atomically): between the two renames, and if either is unreadable,
+        this is False and a reader keeps what it has until the pair is whole again. (The server
+        credentials need no such check: gRPC itself keeps the old pair when a reloaded one does
+        not match.)"""
+        try:
+            return _pair_matches(Path(self.cert).read_bytes(), Path(self.key).read_bytes())
+        except OSError:
+            return False
+
+
+def _pair_matches(cert_pem: bytes, key_pem: bytes) -> bool:
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        return cert.public_key() == key.public_key()
+    except (ValueError, TypeError):
+        return False
 
 
 class _Reloader:

@@ -204,3 +204,37 @@ def test_the_pool_presents_the_certificate_renewed_on_disk_after_the_old_one_exp
     finally:
         pool.close()
         server.stop(None)
+
+
+def test_the_pool_keeps_its_channels_while_a_renewal_has_replaced_only_the_key(tmp_path, monkeypatch):
+    """A renewal writes the new key, then the new certificate. A pool that looked in between
+    rebuilt its channels with the new key and the old certificate, and every call failed the
+    handshake until its next look; it now keeps the old pair until the new one is whole."""
+    from fastshare.controller import agent_client
+    from fastshare.security import certs
+
+    monkeypatch.setattr(agent_client, "TLS_CHECK_S", 0.0)   # look at the files on every call
+    pki = Pki(tmp_path)
+    pki.issue("node-x")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(PingAgent(), server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(TlsPaths.in_dir(pki.dir, "node-x")))
+    server.start()
+    address = f"127.0.0.1:{port}"
+    tls = TlsPaths.in_dir(pki.dir, "controller")
+    pool = AgentPool(tls)
+    try:
+        first = pool.get("node-x", address)
+        first.ping()
+        certs.issue(pki.ca, "controller", tmp_path / "next", role="controller")
+        certs.write_atomic(tls.key, (tmp_path / "next" / "controller.key").read_bytes(), 0o600)
+        assert not tls.pair_matches()
+        assert pool.get("node-x", address) is first
+        pool.get("node-x", address).ping()
+        certs.write_atomic(tls.cert, (tmp_path / "next" / "controller.crt").read_bytes(), 0o644)
+        renewed = pool.get("node-x", address)
+        assert renewed is not first
+        renewed.ping()
+    finally:
+        pool.close()
+        server.stop(None)

@@ -66,3 +66,21 @@ def issue_roleless_cert(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str,
             .sign(ca_key, hashes.SHA256()))
     _write(out_dir, name, cert, key)
     (out_dir / pki.CA_CERT).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+
+
+def served_certificate(target: str, ca: Path, server_name: str,
+                       client: tuple[Path, Path] | None = None) -> x509.Certificate:
+    """The certificate a TLS server at ``target`` (HOST:PORT) presents to a new connection,
+    verified against ``ca`` (chain and expiry) for ``server_name``; ``client`` = (cert, key) if
+    the server asks for one."""
+    import socket
+    import ssl
+
+    host, _, port = target.rpartition(":")
+    context = ssl.create_default_context(cafile=str(ca))
+    context.set_alpn_protocols(["h2"])   # gRPC's
+    if client is not None:
+        context.load_cert_chain(str(client[0]), str(client[1]))
+    with socket.create_connection((host, int(port)), timeout=10) as sock, \
+            context.wrap_socket(sock, server_hostname=server_name) as tls:
+        return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))

@@ -18,7 +18,7 @@ from fastshare.security.tls import (
     server_credentials,
 )
 
-from .handmade import issue_client_cert
+from .handmade import issue_client_cert, served_certificate
 
 METHOD = "/test.Echo/Who"
 
@@ -122,6 +122,31 @@ def test_server_follows_certificates_rotated_on_disk(pkis):
         assert _call(mtls_channel(target, TlsPaths.in_dir(pkis / "admin", "admin"))) == b"admin"
         pki.issue(pkis / "other-ca", "server", pkis / "server", sans=["127.0.0.1"], role="node", days=1)
         assert _call(mtls_channel(target, TlsPaths.in_dir(pkis / "intruder", "admin"))) == b"admin"
+    finally:
+        server.stop(0)
+
+
+def test_a_half_renewed_pair_is_not_served(pkis):
+    """A renewal replaces the key, then the certificate (each atomically). A handshake between
+    the two renames gets the old pair (gRPC refuses to load a key that does not match its
+    certificate); the renewed controller certificate relies on it."""
+    paths = TlsPaths.in_dir(pkis / "server", "server")
+    admin = TlsPaths.in_dir(pkis / "admin", "admin")
+    ca = pkis / "ca" / "ca.crt"
+    server, target = _serve(paths, require=True)
+    try:
+        old = served_certificate(target, ca, "127.0.0.1", (admin.cert, admin.key))
+        pki.issue(pkis / "ca", "server", pkis / "new", sans=["127.0.0.1"], role="node", days=1)
+        pki.write_atomic(paths.key, (pkis / "new" / "server.key").read_bytes(), 0o600)
+        assert not paths.pair_matches()
+        assert _call(mtls_channel(target, admin)) == b"admin"
+        assert served_certificate(target, ca, "127.0.0.1", (admin.cert, admin.key)) == old
+        pki.write_atomic(paths.cert, (pkis / "new" / "server.crt").read_bytes(), 0o644)
+        assert paths.pair_matches()
+        assert _call(mtls_channel(target, admin)) == b"admin"
+        new = served_certificate(target, ca, "127.0.0.1", (admin.cert, admin.key))
+        assert new.serial_number != old.serial_number and new.public_bytes(
+            pki.serialization.Encoding.PEM) == paths.cert.read_bytes()
     finally:
         server.stop(0)
 

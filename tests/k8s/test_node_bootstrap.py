@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -35,12 +36,14 @@ from fastshare.cli import main
 from fastshare.controller.agent_client import AgentClient, AgentError, AgentTarget
 from fastshare.device import simnvml
 from fastshare.k8s import bootstrap, manifests
+from fastshare.k8s.controller import ENDPOINT_ANNOTATION
 from fastshare.security import certs
 from fastshare.security.tls import TlsPaths
 from fastshare.v1 import bootstrap_pb2 as pb
 from fastshare.v1 import bootstrap_pb2_grpc as pb_grpc
+from tests.security.handmade import served_certificate
 
-from .agents import free_port, start_controller
+from .agents import Agent, free_port, start_controller
 from .conftest import wait_for
 
 BIN = Path(sys.executable).parent
@@ -88,7 +91,9 @@ class Cluster:
         certs.issue(root / "ca", "controller", root / "ctl", sans=[service, "localhost", "127.0.0.1"],
                     role="controller", days=1)
         shutil.copy(root / "ca" / "ca.key", root / "ctl" / "ca.key")
+        self.ca_dir = root / "ca"
         self.ca_file = root / "ca" / "ca.crt"
+        self.service_dns = f"{self.values['controller']['name']}.{NS}.svc"
         self.tls = TlsPaths.in_dir(root / "ctl", "controller")
 
         token = self._token(self.values["controller"]["serviceAccount"], bound_to=None, audience="")
@@ -310,37 +315,170 @@ def test_the_agents_token_is_no_credential_for_the_api_server(control_plane, clu
         api.close()
 
 
-def test_the_k8s_controller_process_serves_it_on_its_api_port(control_plane, fastpod_crd, cluster,
-                                                               tmp_path):
-    """`fastshare k8s controller --api-port` (what the Deployment runs) serves the same service,
-    from the controller's --tls-dir with ca.key in it."""
+def _ca_only_secret(cluster: Cluster, where: Path, *extra: Path) -> Path:
+    """The controller's Secret as the README has the operator create it: ca.crt and ca.key
+    (and ``extra`` files, e.g. a hand-issued controller.crt left over)."""
+    where.mkdir()
+    for path in (cluster.ca_dir / "ca.crt", cluster.ca_dir / "ca.key", *extra):
+        shutil.copy(path, where / path.name)
+    return where
+
+
+def _start_own_cert_controller(control_plane, cluster: Cluster, tls_dir: Path, cert_dir: Path, port: int,
+                               log: Path, *extra: str) -> subprocess.Popen:
+    """`fastshare k8s controller` with the Deployment's certificate options: the Service's name
+    and namespace, a writable --cert-dir, the bootstrap on ``port``."""
+    return start_controller(control_plane.kubeconfig, NS, tls_dir, "boot", log,
+                            "--api-port", str(port), "--cert-dir", str(cert_dir),
+                            "--service-name", cluster.values["controller"]["name"], "--service-namespace", NS,
+                            "--agent-namespace", NS, "--agent-service-account", cluster.agent_sa,
+                            "--agent-daemonset", cluster.daemonset.metadata.name, *extra)
+
+
+def _bootstrap_into(cluster: Cluster, agent: Agent, port: int, token_file: Path,
+                    stop: threading.Event) -> x509.Certificate:
+    """What the agent does at start, into the files ``agent`` serves with: against the controller
+    on loopback, checking its certificate for the Service's DNS name (what a cluster's agent
+    dials)."""
     from fastshare.node.bootstrap import BootstrapConfig, Bootstrapper
 
-    node = GPU_NODES[0]
-    pod = cluster.agent_pod(node, host_ip="10.9.8.7")
-    (tmp_path / "token").write_text(cluster.token(pod))
-    port = free_port()
-    log = tmp_path / "ctl.log"
-    proc = start_controller(control_plane.kubeconfig, NS, cluster.tls.cert.parent, "boot", log,
-                            "--api-port", str(port), "--agent-namespace", NS,
-                            "--agent-service-account", cluster.agent_sa,
-                            "--agent-daemonset", cluster.daemonset.metadata.name)
-    stop = threading.Event()
+    pki = agent.root / "pki"
+    (pki / f"{agent.name}.crt").unlink()   # the hand-issued one Agent() made: not used
+    (pki / f"{agent.name}.key").unlink()
+    config = BootstrapConfig(controller=f"127.0.0.1:{port}", token_file=token_file, ca_file=cluster.ca_file,
+                             node_name=agent.name, cert=pki / f"{agent.name}.crt",
+                             key=pki / f"{agent.name}.key", ca=pki / "ca.crt",
+                             server_name=cluster.service_dns)
+    give_up = threading.Timer(60, stop.set)   # obtain() waits for the controller as long as it takes
+    give_up.start()
     try:
-        config = BootstrapConfig(controller=f"localhost:{port}", token_file=tmp_path / "token",
-                                 ca_file=cluster.ca_file, node_name=node, cert=tmp_path / "node.crt",
-                                 key=tmp_path / "node.key", ca=tmp_path / "ca.crt")
-        give_up = threading.Timer(60, stop.set)   # obtain() waits for the controller as long as it takes
-        give_up.start()
         cert = Bootstrapper(config, timeout=5).obtain(stop)
-        give_up.cancel()
-        assert cert is not None, log.read_text()
-        assert _sans(cert) == {node, "10.9.8.7"} and certs.role_of(cert) == "node"
-        assert proc.poll() is None, log.read_text()
     finally:
-        stop.set()
+        give_up.cancel()
+    assert cert is not None
+    return cert
+
+
+def _point_node_at(cluster: Cluster, node: str, address: str | None) -> None:
+    """The endpoint annotation the controller dials the node's agent at (None: remove it)."""
+    cluster.admin.patch_node(node, {"metadata": {"annotations": {ENDPOINT_ANNOTATION: address}}})
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def test_the_k8s_controller_process_issues_its_own_certificate_and_serves_agents_with_it(
+        control_plane, fastpod_crd, cluster, tmp_path):
+    """`fastshare k8s controller` (what the Deployment runs) with a --tls-dir of ca.crt and
+    ca.key only: it signs its own controller certificate (Service DNS names, 24 h, key 0600) into
+    --cert-dir, an agent bootstraps its node certificate against it checking the Service's name,
+    and the controller's agent client talks to that agent (mTLS with the controller's own
+    certificate, the agent's bootstrapped one)."""
+    node = GPU_NODES[0]
+    pod = cluster.agent_pod(node, host_ip="127.0.0.1")
+    (tmp_path / "token").write_text(cluster.token(pod))
+    secret = _ca_only_secret(cluster, tmp_path / "secret")
+    cert_dir = tmp_path / "run-tls"
+    port = free_port()
+    log = tmp_path / "ctl.log"
+    proc = _start_own_cert_controller(control_plane, cluster, secret, cert_dir, port, log)
+    agent = Agent(tmp_path, cluster.ca_dir, node, ["V100-SXM2-32GB"], mig=False)
+    stop = threading.Event()
+    try:
+        node_cert = _bootstrap_into(cluster, agent, port, tmp_path / "token", stop)
+        assert _sans(node_cert) == {node, "127.0.0.1"} and certs.role_of(node_cert) == "node"
+
+        own = x509.load_pem_x509_certificate((cert_dir / "controller.crt").read_bytes())
+        assert own.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "controller"
+        assert certs.role_of(own) == "controller"
+        assert _sans(own) == {cluster.service_dns, f"{cluster.service_dns}.cluster.local"}
+        life = own.not_valid_after_utc - dt.datetime.now(dt.UTC)
+        assert dt.timedelta(hours=23) < life <= dt.timedelta(hours=24)
+        own.verify_directly_issued_by(x509.load_pem_x509_certificate(cluster.ca_file.read_bytes()))
+        assert stat.S_IMODE((cert_dir / "controller.key").stat().st_mode) == 0o600
+        served = served_certificate(f"127.0.0.1:{port}", cluster.ca_file, cluster.service_dns)
+        assert served.serial_number == own.serial_number
+        assert sorted(p.name for p in secret.iterdir()) == ["ca.crt", "ca.key"]   # nothing written there
+
+        agent.start(cluster.tls)   # serves mTLS with the bootstrapped certificate
+        _point_node_at(cluster, node, agent.address)
+        wait_for(lambda: f"node {node} registered at {agent.address}" in log.read_text(),
+                 "the controller to register the agent (its inventory over mTLS)", timeout=60)
+        text = log.read_text()
+        assert f"issued the controller's own certificate (role controller, SANs {cluster.service_dns}" in text
+        assert f"serial {own.serial_number:x}" in text and "PRIVATE KEY" not in text
+        assert f"node agent {node} at" not in text   # never unreachable
+        assert proc.poll() is None, text
+    finally:
+        stop.set()
+        _point_node_at(cluster, node, None)
+        agent.stop()
+        _stop(proc)
+
+
+def test_the_controllers_own_certificate_is_renewed_and_the_old_one_is_not_needed(
+        control_plane, fastpod_crd, cluster, tmp_path):
+    """With a 6 s lifetime the controller replaces its certificate (new serial, new key) every
+    2 s; new connections to its bootstrap port get the new one, verified after the first one
+    has expired; its agent client keeps talking to an agent across renewals. A hand-issued
+    controller.crt/.key next to ca.key is ignored, and the log says so."""
+    node = GPU_NODES[1]
+    pod = cluster.agent_pod(node, host_ip="127.0.0.1")
+    (tmp_path / "token").write_text(cluster.token(pod))
+    secret = _ca_only_secret(cluster, tmp_path / "secret", cluster.tls.cert, cluster.tls.key)
+    cert_dir = tmp_path / "run-tls"
+    port = free_port()
+    log = tmp_path / "ctl.log"
+    proc = _start_own_cert_controller(control_plane, cluster, secret, cert_dir, port, log,
+                                      "--cert-lifetime", "6")
+    agent = Agent(tmp_path, cluster.ca_dir, node, ["V100-SXM2-32GB"], mig=False)
+    stop = threading.Event()
+
+    def current() -> x509.Certificate:
+        return x509.load_pem_x509_certificate((cert_dir / "controller.crt").read_bytes())
+
+    try:
+        agent.start(cluster.tls)
+        first = wait_for(lambda: (cert_dir / "controller.crt").exists() and current(),
+                         "the first certificate")
+        first_key = (cert_dir / "controller.key").read_bytes()
+        _point_node_at(cluster, node, agent.address)
+        wait_for(lambda: f"node {node} registered at {agent.address}" in log.read_text(),
+                 "the controller to register the agent", timeout=60)
+
+        second = wait_for(lambda: current().serial_number != first.serial_number and current(),
+                          "the certificate renewed", timeout=30)
+        assert (cert_dir / "controller.key").read_bytes() != first_key
+        assert second.public_key() != first.public_key()
+        assert _sans(second) == _sans(first) and certs.role_of(second) == "controller"
+
+        # past the first certificate's end: a new connection verifies (chain and expiry) and
+        # presents a certificate of the files, never the first one
+        time.sleep(max(0.0, (first.not_valid_after_utc - dt.datetime.now(dt.UTC)).total_seconds()) + 1)
+        before = current().serial_number
+        served = served_certificate(f"127.0.0.1:{port}", cluster.ca_file, cluster.service_dns)
+        assert served.serial_number != first.serial_number
+        assert served.serial_number in {before, current().serial_number}
+        # an agent can still bootstrap through it
+        spare = Agent(tmp_path / "other", cluster.ca_dir, node, ["V100-SXM2-32GB"], mig=False)
+        node_cert = _bootstrap_into(cluster, spare, port, tmp_path / "token", stop)
+        assert certs.role_of(node_cert) == "node"
+        # heartbeats (pings every 0.5 s) went on with renewed certificates: never unreachable
+        time.sleep(2)
+        text = log.read_text()
+        assert f"node agent {node} at" not in text, text
+        assert (f"--tls-dir {secret}: ignoring controller.crt and controller.key: with ca.key there the "
+                "controller issues and renews its own certificate") in text
+        assert text.count("issued the controller's own certificate") >= 3
+        assert "PRIVATE KEY" not in text and proc.poll() is None, text
+    finally:
+        stop.set()
+        _point_node_at(cluster, node, None)
+        agent.stop()
+        _stop(proc)
 
 
 # --- refusals: each names what did not match ------------------------------------------------
@@ -494,3 +632,18 @@ def test_the_k8s_controller_needs_ca_key_unless_the_bootstrap_is_off(tmp_path):
     assert result.exit_code == 1
     assert f"--tls-dir {tmp_path / 'ctl'}: ca.key not found" in result.output
     assert "--api-port 0" in result.output
+
+
+def test_the_k8s_controller_names_what_keeps_it_from_issuing_its_own_certificate(tmp_path):
+    certs.init_ca(tmp_path / "ca")
+    (tmp_path / "file").write_text("")
+    base = ["k8s", "controller", "--tls-dir", str(tmp_path / "ca"), "--kubeconfig", str(tmp_path / "file")]
+    result = CliRunner().invoke(main, [*base, "--cert-dir", str(tmp_path / "file" / "tls")])
+    assert result.exit_code == 1
+    assert (f"--cert-dir {tmp_path / 'file' / 'tls'}: cannot write the controller's certificate there"
+            in result.output) and "writable directory" in result.output
+    (tmp_path / "ca" / "ca.crt").unlink()
+    result = CliRunner().invoke(main, [*base, "--cert-dir", str(tmp_path / "tls")])
+    assert result.exit_code == 1
+    assert f"--tls-dir {tmp_path / 'ca'}: ca.crt not found next to ca.key" in result.output
+    assert not (tmp_path / "tls" / "controller.key").exists()

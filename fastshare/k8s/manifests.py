@@ -118,9 +118,14 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+def merged_values(values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The templates' defaults with ``values`` merged in (what the manifests are rendered from)."""
+    return _merge(default_values(), values or {})
+
+
 def render_text(values: dict[str, Any] | None = None) -> str:
     """All manifests as one multi-document YAML stream."""
-    merged = _merge(default_values(), values or {})
+    merged = merged_values(values)
     env = _environment()
     return "---\n".join(env.get_template(name).render(**merged).strip() + "\n" for name in TEMPLATES)
 

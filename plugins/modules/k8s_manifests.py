@@ -71,6 +71,14 @@ namespace:
   returned: always
   type: str
   sample: fastshare-system
+merged_values:
+  description:
+    - The values the manifests were rendered from, the templates' defaults with O(values) merged
+      in; for example C(controller.tlsSecret) and C(agent.caConfigMap) in it name the cluster
+      CA's Secret and ConfigMap.
+  returned: always
+  type: dict
+  sample: {"namespace": "fastshare-system", "controller": {"tlsSecret": "fastshare-controller-tls"}}
 """
 
 import traceback  # noqa: E402  (Ansible: imports follow the docs)
@@ -94,10 +102,11 @@ def main():
         module.fail_json(msg=missing_required_lib("fastshare"), exception=FASTSHARE_IMPORT_ERROR)
     try:
         resources = manifests.render(module.params["values"])
+        values = manifests.merged_values(module.params["values"])
     except manifests.ValuesError as exc:
         module.fail_json(msg=f"values: {exc}")
     namespace = next((r["metadata"]["name"] for r in resources if r["kind"] == "Namespace"), "")
-    module.exit_json(changed=False, resources=resources, namespace=namespace)
+    module.exit_json(changed=False, resources=resources, namespace=namespace, merged_values=values)
 
 
 if __name__ == "__main__":

@@ -395,6 +395,8 @@ def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Pat
     assert result["resources"] == yaml.safe_load(yaml.safe_dump(manifests.render(values)))
     kinds = {r["kind"] for r in result["resources"]}
     assert {"CustomResourceDefinition", "Namespace", "Deployment", "DaemonSet", "Service"} <= kinds
+    assert result["merged_values"] == manifests.merged_values(values)   # names the CA's objects
+    assert result["merged_values"]["agent"]["caConfigMap"] == "fastshare-ca"
     bad = run_module(collections_path, f"{COLLECTION}.k8s_manifests", {"values": {"controller": 3}})
     assert bad["failed"] and "values" in bad["msg"]
 

@@ -1,20 +1,27 @@
 """roles/controller with deploy_mode=kubernetes against a real kube-apiserver (envtest).
 
 The role renders fastshare's manifests (k8s_manifests) and applies them with
-kubernetes.core.k8s; the API server is the same throw-away one the k8s tests use. There is no
+kubernetes.core.k8s, after creating the cluster CA's Secret and ConfigMap; the API server is
+the same throw-away one the k8s tests use. There is no
 kubelet, so the test does not wait for Pods; the CRD must become Established.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import sys
 from pathlib import Path
 
 import pytest
-from fs_collection import COLLECTION, run_tasks
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from fs_collection import COLLECTION, run, run_tasks, tool
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
 from fastshare.k8s import envtest, manifests
+from fastshare.security import certs as pki
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +58,147 @@ def test_kubernetes_mode_applies_fastshares_manifests_idempotently(plane, collec
     changed = [item.get("item", {}).get("kind") for r in second for item in r.get("results", [r])
                if item.get("changed")]
     assert not changed, f"a second apply changed {changed}"
+
+
+# ---- the cluster CA: Secret controller.tlsSecret (ca.crt, ca.key), ConfigMap agent.caConfigMap ----
+
+SECRET, CONFIGMAP = "fastshare-controller-tls", "fastshare-ca"
+KEY_HEADER = "PRIVATE KEY-----"
+
+
+def _ca_task(plane, namespace: str, **extra) -> dict:
+    return {"ansible.builtin.include_role": {"name": f"{COLLECTION}.controller"},
+            "vars": {"controller_deploy_mode": "kubernetes",
+                     "controller_k8s_values": {"namespace": namespace},
+                     "controller_k8s_kubeconfig": str(plane.kubeconfig),
+                     "controller_k8s_python": sys.executable, "controller_k8s_wait": False, **extra}}
+
+
+def _run_role(plane, collections_path: Path, tmp_path: Path, namespace: str, *, check: bool = False,
+              **extra) -> tuple[list[dict], str]:
+    """The role in its own playbook run; its per-task results and the whole JSON output.
+
+    TMPDIR is tmp_path/tmp, where the role makes the new CA's temporary directory.
+    """
+    (tmp_path / "tmp").mkdir(parents=True, exist_ok=True)
+    playbook = tmp_path / "play.yml"
+    play = [{"name": "controller role", "hosts": "localhost", "connection": "local", "gather_facts": False,
+             "vars": {"ansible_python_interpreter": sys.executable},
+             "tasks": [_ca_task(plane, namespace, **extra)]}]
+    playbook.write_text(json.dumps(play))
+    check_args = ["--check", "--diff"] if check else []
+    proc = run([tool("ansible-playbook"), "-i", "localhost,", str(playbook), *check_args], check=False,
+               env={"TMPDIR": str(tmp_path / "tmp"), "ANSIBLE_COLLECTIONS_PATH": str(collections_path),
+                    "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json",
+                    "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0"})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    tasks = json.loads(proc.stdout)["plays"][0]["tasks"]
+    return [t["hosts"]["localhost"] | {"task": t["task"]["name"].split(" : ")[-1]} for t in tasks], output
+
+
+def _changed(results: list[dict]) -> list[str]:
+    return [f"{r['task']}: {item['item'].get('kind', '') if isinstance(item.get('item'), dict) else ''}"
+            for r in results for item in r.get("results", [r]) if item.get("changed")]
+
+
+def _secret(plane, namespace: str) -> dict[str, bytes] | None:
+    try:
+        secret = client.CoreV1Api(plane.api_client()).read_namespaced_secret(SECRET, namespace)
+    except ApiException as exc:
+        assert exc.status == 404, exc
+        return None
+    assert secret.type == "Opaque"
+    return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+
+
+def _configmap(plane, namespace: str) -> dict[str, str] | None:
+    try:
+        return client.CoreV1Api(plane.api_client()).read_namespaced_config_map(CONFIGMAP, namespace).data
+    except ApiException as exc:
+        assert exc.status == 404, exc
+        return None
+
+
+def _assert_ca(crt: bytes, key: bytes) -> None:
+    cert = x509.load_pem_x509_certificate(crt)
+    assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    private = serialization.load_pem_private_key(key, password=None)
+    pub = serialization.PublicFormat.SubjectPublicKeyInfo
+    assert (private.public_key().public_bytes(serialization.Encoding.PEM, pub)
+            == cert.public_key().public_bytes(serialization.Encoding.PEM, pub))
+
+
+def test_role_creates_the_cluster_ca_once_and_never_logs_its_key(plane, collections_path: Path,
+                                                                  tmp_path: Path):
+    namespace = "ca-fresh"
+    first, output = _run_role(plane, collections_path, tmp_path / "1", namespace)
+    assert _changed(first)
+    secret = _secret(plane, namespace)
+    assert secret is not None and set(secret) == {"ca.crt", "ca.key"}
+    _assert_ca(secret["ca.crt"], secret["ca.key"])
+    assert _configmap(plane, namespace) == {"ca.crt": secret["ca.crt"].decode()}
+    assert KEY_HEADER not in output and secret["ca.key"].decode() not in output
+    assert base64.b64encode(secret["ca.key"]).decode() not in output
+    assert not list((tmp_path / "1" / "tmp").glob("fastshare-ca.*")), "the CA's temporary directory is left"
+
+    second, output = _run_role(plane, collections_path, tmp_path / "2", namespace)
+    assert not _changed(second), f"a second run changed {_changed(second)}"
+    assert _secret(plane, namespace) == secret, "the CA key changed on a second run"
+    assert KEY_HEADER not in output
+
+
+def test_role_keeps_an_operators_ca_and_the_configmap_follows_it(plane, collections_path: Path,
+                                                                  tmp_path: Path):
+    namespace = "ca-operator"
+    pki.init_ca(tmp_path / "ours")
+    pki.init_ca(tmp_path / "stale")
+    ours = {name: (tmp_path / "ours" / name).read_bytes() for name in ("ca.crt", "ca.key")}
+    core = client.CoreV1Api(plane.api_client())
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    core.create_namespaced_secret(namespace, client.V1Secret(
+        metadata=client.V1ObjectMeta(name=SECRET), type="Opaque",
+        data={k: base64.b64encode(v).decode() for k, v in ours.items()}))
+    core.create_namespaced_config_map(namespace, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name=CONFIGMAP),
+        data={"ca.crt": (tmp_path / "stale" / "ca.crt").read_text()}))
+    version = core.read_namespaced_secret(SECRET, namespace).metadata.resource_version
+
+    results, output = _run_role(plane, collections_path, tmp_path / "1", namespace)
+    assert _secret(plane, namespace) == ours
+    assert core.read_namespaced_secret(SECRET, namespace).metadata.resource_version == version
+    assert _configmap(plane, namespace) == {"ca.crt": ours["ca.crt"].decode()}
+    assert KEY_HEADER not in output
+    made = [r for r in results if r["task"] == "Create the CA with fastshare"]
+    assert made and all(r.get("skipped") for r in made), made
+
+    again, _ = _run_role(plane, collections_path, tmp_path / "2", namespace)
+    assert not _changed(again), f"a second run changed {_changed(again)}"
+
+
+def test_role_leaves_the_ca_to_the_operator_when_told(plane, collections_path: Path, tmp_path: Path):
+    namespace = "ca-unmanaged"
+    _run_role(plane, collections_path, tmp_path / "1", namespace, controller_k8s_manage_ca=False)
+    assert client.CoreV1Api(plane.api_client()).read_namespace(namespace)   # the manifests were applied
+    assert _secret(plane, namespace) is None and _configmap(plane, namespace) is None
+
+    # Managed again, in check mode, in the namespace that exists now: both dry-run, nothing made.
+    results, output = _run_role(plane, collections_path, tmp_path / "2", namespace, check=True)
+    assert {"Create the CA Secret", "Put the CA certificate into the agents' ConfigMap"} <= set(
+        r["task"] for r in results if r.get("changed"))
+    assert _secret(plane, namespace) is None and _configmap(plane, namespace) is None
+    assert KEY_HEADER not in output
+
+
+def test_check_mode_on_a_fresh_namespace_creates_nothing(plane, collections_path: Path, tmp_path: Path):
+    namespace = "ca-check"
+    results, output = _run_role(plane, collections_path, tmp_path, namespace, check=True)
+    assert _changed(results)
+    listed = next(r["msg"] for r in results if r["task"].startswith("List what check mode"))
+    assert f"Secret/{SECRET}" in listed and f"ConfigMap/{CONFIGMAP}" in listed, listed
+    core = client.CoreV1Api(plane.api_client())
+    with pytest.raises(ApiException) as missing:
+        core.read_namespace(namespace)
+    assert missing.value.status == 404
+    assert _secret(plane, namespace) is None and _configmap(plane, namespace) is None
+    assert KEY_HEADER not in output

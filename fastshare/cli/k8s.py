@@ -57,6 +57,48 @@ def _k8s(rule: Callable[[str], str | None]) -> Callable[..., str | None]:
     return check
 
 
+def _controller_tls(tls_dir: Path, cert_dir: Path, sans: list[str], lifetime_s: float, api_port: int):
+    """The controller's certificate paths: its own, signed (and later renewed) with the CA when
+    ``tls_dir`` holds ca.key, else the hand-issued controller.crt there. Returns the paths, the
+    renewer (or None) and the certificate it issued (or None); exits naming the option at fault."""
+    import datetime as dt
+    import logging
+
+    from fastshare.security.certs import CA_CERT, CA_KEY, CertError
+    from fastshare.security.tls import TlsPaths
+
+    if (tls_dir / CA_KEY).is_file():
+        # The controller holds the CA key anyway: it signs (and renews) its own certificate
+        # rather than serving one an operator issued, which nothing would renew.
+        hand_issued = [n for n in ("controller.crt", "controller.key") if (tls_dir / n).exists()]
+        if hand_issued:
+            logging.getLogger("fastshare.k8s").info(
+                "--tls-dir %s: ignoring %s: with ca.key there the controller issues and renews its own "
+                "certificate in --cert-dir %s", tls_dir, " and ".join(hand_issued), cert_dir)
+        lifetime = dt.timedelta(seconds=lifetime_s)
+        own = controller_cert.ControllerCert(tls_dir, cert_dir, sans, lifetime=lifetime)
+        try:
+            if not own.tls.ca.is_file():
+                raise CertError(f"--tls-dir {tls_dir}: {CA_CERT} not found next to {CA_KEY}")
+            return own.tls, own, own.issue()
+        except CertError as exc:
+            fail(str(exc), hint="the controller's Secret holds ca.crt and ca.key from `fastshare certs init` "
+                                "(README, Kubernetes)")
+    tls = TlsPaths.in_dir(tls_dir, "controller")
+    try:
+        tls.check()
+    except (OSError, ValueError) as exc:
+        fail(f"--tls-dir {tls_dir}: {exc}",
+             hint="put ca.crt and ca.key in it (the controller then issues its own certificate), or "
+                  "controller.crt/.key from `fastshare certs issue --role controller --name controller`")
+    if api_port:
+        fail(f"--tls-dir {tls_dir}: ca.key not found; the node-certificate service (--api-port "
+             f"{api_port}) signs the agents' certificates with the cluster CA key",
+             hint="add ca.key to the controller's Secret (README, Kubernetes), or pass --api-port 0 "
+                  "and issue every node's certificate by hand")
+    return tls, None, None
+
+
 @k8s.command("controller")
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False),
               help="Kubeconfig to use (default: the in-cluster service account, else ~/.kube/config).")
@@ -119,7 +161,6 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
                    metrics_port, lease_duration, node_interval, heartbeat_timeout,
                    log_level) -> None:
     """Run the in-cluster controller (one active replica at a time, chosen through a Lease)."""
-    import datetime as dt
     import logging
     import os
     import socket
@@ -132,44 +173,12 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
     from fastshare.heap import freeze_startup_objects
     from fastshare.k8s.controller import KubeController, KubeSettings, run_with_leader_election
     from fastshare.k8s.leader import LeaderElector
-    from fastshare.security.certs import CA_CERT, CA_KEY, CertError
-    from fastshare.security.tls import TlsPaths
+    from fastshare.security.certs import CertError
     from fastshare.stop_signal import stop_on_signals
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("fastshare.k8s")
-    own_cert = None
-    if (tls_dir / CA_KEY).is_file():
-        # The controller holds the CA key anyway: it signs (and renews) its own certificate
-        # rather than serving one an operator issued, which nothing would renew.
-        hand_issued = [n for n in ("controller.crt", "controller.key") if (tls_dir / n).exists()]
-        if hand_issued:
-            log.info("--tls-dir %s: ignoring %s: with ca.key there the controller issues and renews its own "
-                     "certificate in --cert-dir %s", tls_dir, " and ".join(hand_issued), cert_dir)
-        sans = controller_cert.service_names(service_name, service_namespace or lease_namespace)
-        own_cert = controller_cert.ControllerCert(tls_dir, cert_dir, sans,
-                                                  lifetime=dt.timedelta(seconds=cert_lifetime))
-        tls = own_cert.tls
-        try:
-            if not tls.ca.is_file():
-                raise CertError(f"--tls-dir {tls_dir}: {CA_CERT} not found next to {CA_KEY}")
-            issued = own_cert.issue()
-        except CertError as exc:
-            fail(str(exc), hint="the controller's Secret holds ca.crt and ca.key from `fastshare certs init` "
-                                "(README, Kubernetes)")
-    else:
-        tls = TlsPaths.in_dir(tls_dir, "controller")
-        try:
-            tls.check()
-        except (OSError, ValueError) as exc:
-            fail(f"--tls-dir {tls_dir}: {exc}",
-                 hint="put ca.crt and ca.key in it (the controller then issues its own certificate), or "
-                      "controller.crt/.key from `fastshare certs issue --role controller --name controller`")
-        if api_port:
-            fail(f"--tls-dir {tls_dir}: ca.key not found; the node-certificate service (--api-port "
-                 f"{api_port}) signs the agents' certificates with the cluster CA key",
-                 hint="add ca.key to the controller's Secret (README, Kubernetes), or pass --api-port 0 "
-                      "and issue every node's certificate by hand")
+    sans = controller_cert.service_names(service_name, service_namespace or lease_namespace)
+    tls, own_cert, issued = _controller_tls(tls_dir, cert_dir, sans, cert_lifetime, api_port)
     try:
         if kubeconfig:
             api = config.new_client_from_config(config_file=kubeconfig)

@@ -125,10 +125,10 @@ def _bootstrap(cfg: node_config.NodeConfig, controller: str | None, token: Path 
         if not (parent.is_dir() and os.access(parent, os.W_OK)):
             fail(f"{flag} {value}: its directory {parent} is not a writable directory (the bootstrap writes "
                  "the file there; in Kubernetes an emptyDir)")
-    why = names.name_problem(cfg.node_name)
-    if why or len(cfg.node_name) > 64:
+    why = names.node_cn_problem(cfg.node_name)
+    if why:
         fail(f"--node-name {cfg.node_name!r} cannot be a certificate's common name for a Kubernetes node: "
-             f"{why or 'longer than 64 characters'}")
+             f"{why}")
     bootstrapper = Bootstrapper(BootstrapConfig(
         controller=controller, token_file=token, ca_file=ca, node_name=cfg.node_name,
         cert=Path(cfg.tls.cert), key=Path(cfg.tls.key), ca=Path(cfg.tls.ca)))

@@ -56,7 +56,6 @@ MAX_TOKEN_BYTES = 16 * 1024
 MAX_MESSAGE_BYTES = 64 * 1024
 WORKERS = 4
 _CURVES = (ec.SECP256R1, ec.SECP384R1)
-_MAX_CN = 64   # X.509's upper bound for a Common Name
 
 
 class Refused(Exception):
@@ -121,10 +120,9 @@ def parse_csr(csr_pem: bytes) -> tuple[str, ec.EllipticCurvePublicKey]:
     if len(cns) != 1 or not isinstance(cns[0].value, str):
         raise _invalid(f"csr_pem: the subject has {len(cns)} common names, not exactly one: {fix}")
     node = cns[0].value
-    why = names.name_problem(node)
-    if why or len(node) > _MAX_CN:
-        raise _invalid(f"csr_pem: common name {node!r} is not a Kubernetes node name "
-                       f"({why or f'longer than {_MAX_CN} characters'}): {fix}")
+    why = names.node_cn_problem(node)
+    if why:
+        raise _invalid(f"csr_pem: common name {node!r} is not a Kubernetes node name ({why}): {fix}")
     return node, key
 
 

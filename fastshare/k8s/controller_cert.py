@@ -67,14 +67,12 @@ class ControllerCert:
             ca_cert, ca_key = certs.load_ca(self.ca_dir)
         except certs.CertError as exc:
             raise certs.CertError(f"--tls-dir: {exc}") from None
-        now = dt.datetime.now(dt.UTC)
-        if ca_cert.not_valid_after_utc <= now:
-            raise certs.CertError(f"--tls-dir {self.ca_dir}: {certs.CA_CERT} expired on "
-                                  f"{ca_cert.not_valid_after_utc.isoformat()}; create a new CA "
-                                  "(fastshare certs init) and put it in the controller's Secret")
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = certs.sign_leaf(ca_cert, ca_key, NAME, key.public_key(), self.sans, ROLE, self.lifetime,
-                               now=now)
+        try:
+            cert = certs.sign_leaf(ca_cert, ca_key, NAME, key.public_key(), self.sans, ROLE, self.lifetime)
+        except certs.CertError as exc:   # an expired CA: a new one goes into the controller's Secret
+            raise certs.CertError(f"--tls-dir {self.ca_dir}: {exc}, then put it in the controller's "
+                                  "Secret") from None
         # Key first: a reader that sees the new certificate must also find the matching key.
         try:
             certs.write_atomic(self.tls.key, certs.key_pem(key), 0o600)

@@ -35,3 +35,13 @@ def label_key_problem(value: str) -> str | None:
         return None
     return ("must be [PREFIX/]NAME: NAME at most 63 letters, digits, '-', '_' and '.', starting and "
             "ending with a letter or digit; PREFIX a DNS subdomain such as fastshare.io")
+
+
+MAX_COMMON_NAME = 64   # X.509's upper bound for a Common Name
+
+
+def node_cn_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a node certificate's common name for a Kubernetes node (a node
+    name that fits X.509's 64 characters), or None."""
+    return name_problem(value) or (f"longer than {MAX_COMMON_NAME} characters"
+                                   if len(value) > MAX_COMMON_NAME else None)

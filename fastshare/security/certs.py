@@ -208,6 +208,10 @@ def sign_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, nam
     if role not in ROLES:
         raise CertError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
     now = now or _now()
+    if ca_cert.not_valid_after_utc <= now:
+        raise CertError(f"the CA certificate expired on {ca_cert.not_valid_after_utc.isoformat()}; every "
+                        "certificate it signs is refused; create a new CA with "
+                        "`fastshare certs init DIR --force`")
     not_after = min(now + lifetime, ca_cert.not_valid_after_utc)
     return (
         x509.CertificateBuilder()
@@ -242,14 +246,11 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
         raise CertError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
     entries = san_entries((name, *sans))
     ca_cert, ca_key = load_ca(ca_dir)
-    now = _now()
-    if ca_cert.not_valid_after_utc <= now:
-        raise CertError(f"--ca {ca_dir}: the CA certificate expired on "
-                        f"{ca_cert.not_valid_after_utc.isoformat()}; every certificate it signs is "
-                        "refused; create a new CA with `fastshare certs init DIR --force`")
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = sign_leaf(ca_cert, ca_key, name, key.public_key(), entries, role,
-                     dt.timedelta(days=days), now=now)
+    try:
+        cert = sign_leaf(ca_cert, ca_key, name, key.public_key(), entries, role, dt.timedelta(days=days))
+    except CertError as exc:
+        raise CertError(f"--ca {ca_dir}: {exc}") from None
     not_after = cert.not_valid_after_utc
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

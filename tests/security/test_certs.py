@@ -143,6 +143,24 @@ def test_issue_with_an_expired_ca_says_so_and_writes_nothing(tmp_path, monkeypat
     assert not (tmp_path / "out").exists()
 
 
+def test_no_signer_signs_with_an_expired_ca(tmp_path, monkeypatch):
+    """The check lives in sign_leaf, the one signer: the node bootstrap (a key from a CSR) and
+    the controller's own certificate go through it too, and used to get a certificate that had
+    already expired (its end capped at the CA's)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    pki.init_ca(tmp_path / "ca", days=1)
+    ca_cert, ca_key = pki.load_ca(tmp_path / "ca")
+    key = ec.generate_private_key(ec.SECP256R1())
+    later = pki._now() + dt.timedelta(days=2)
+    with pytest.raises(pki.CertError, match="the CA certificate expired on"):
+        pki.sign_leaf(ca_cert, ca_key, "gpu-1", key.public_key(), pki.san_entries(["gpu-1"]), "node",
+                      dt.timedelta(hours=24), now=later)
+    fresh = pki.sign_leaf(ca_cert, ca_key, "gpu-1", key.public_key(), pki.san_entries(["gpu-1"]), "node",
+                          dt.timedelta(hours=24))
+    assert fresh.not_valid_after_utc > pki._now()
+
+
 @pytest.mark.parametrize("out", ["ca", "out"])
 def test_issue_refuses_the_name_of_the_ca_files(tmp_path, out):
     """NAME.crt/NAME.key would be ca.crt/ca.key: into the CA directory that replaced the CA's

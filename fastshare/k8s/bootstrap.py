@@ -18,8 +18,12 @@ The certificate: role node, CN = the node, SANs = the node's name and the Pod's
 (the agent renews it at 2/3 of that). Signed by :func:`fastshare.security.certs.sign_leaf`,
 the same code as ``fastshare certs issue``.
 
-The port has server-side TLS only (the caller has no certificate yet). The token is never
-logged; refusals are logged and returned with what did not match and what to do.
+The port has server-side TLS only (the caller has no certificate yet), so anyone in the
+cluster can call it: the checks that need no API server (sizes, the CSR, its common name) come
+first, then rate limits per caller address and for all callers
+(:mod:`fastshare.k8s.ratelimit`, RESOURCE_EXHAUSTED with when to retry), and only then the
+TokenReview. The token is never logged; refusals are logged and returned with what did not
+match and what to do.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from cryptography.x509.oid import NameOID
 from kubernetes import client
 
 from fastshare.k8s import names
+from fastshare.k8s.ratelimit import RETRY_AFTER_KEY, Refusal, RequestLimiter, peer_address
 from fastshare.k8s.resources import TOKEN_AUDIENCE
 from fastshare.security import certs
 from fastshare.security.tls import TlsPaths, server_credentials
@@ -61,10 +66,11 @@ _CURVES = (ec.SECP256R1, ec.SECP384R1)
 class Refused(Exception):
     """The request was not granted: ``code`` (a grpc.StatusCode) and a message saying why."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after = retry_after
 
 
 def _denied(message: str) -> Refused:
@@ -140,20 +146,28 @@ def _api_failure(what: str, exc: client.ApiException) -> Refused:
 class NodeCertIssuer:
     """Checks a node agent's token and Pod, then signs its certificate (see the module docstring)."""
 
-    def __init__(self, api: client.ApiClient, ca_dir: Path, settings: IssuerSettings | None = None) -> None:
+    def __init__(self, api: client.ApiClient, ca_dir: Path, settings: IssuerSettings | None = None,
+                 limiter: RequestLimiter | None = None) -> None:
         self.settings = settings or IssuerSettings()
         self.ca_dir = Path(ca_dir)
+        self.limiter = limiter or RequestLimiter()
         certs.load_ca(self.ca_dir)   # fail at start, not at the first agent
         self._auth = client.AuthenticationV1Api(api)
         self._core = client.CoreV1Api(api)
 
-    def issue(self, csr_pem: bytes, token: str) -> Issued:
+    def issue(self, csr_pem: bytes, token: str, caller: str = "") -> Issued:
+        """Check and sign; ``caller`` is the caller's address (its rate limit). Everything that
+        needs no API server is checked before the limit, and the limit before the TokenReview."""
         node, public_key = parse_csr(csr_pem)
         if not token:
             raise _invalid("token is empty: send the agent's projected ServiceAccount token "
                            f"(audience {TOKEN_AUDIENCE!r}, see --bootstrap-token)")
         if len(token) > MAX_TOKEN_BYTES:
             raise _invalid(f"token is longer than {MAX_TOKEN_BYTES} bytes; it is not a ServiceAccount token")
+        try:
+            self.limiter.admit(caller)
+        except Refusal as exc:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, exc.retry_after) from None
         pod_name, pod_uid = self._review(token)
         pod = self._pod(pod_name, pod_uid)
         host_ip = self._check_pod(pod, node)
@@ -258,10 +272,14 @@ class NodeBootstrapService(pb_grpc.NodeBootstrapServicer):
     def IssueNodeCertificate(self, request: pb.IssueNodeCertificateRequest,
                              context: grpc.ServicerContext) -> pb.IssueNodeCertificateReply:
         try:
-            issued = self.issuer.issue(request.csr_pem, request.token)
+            issued = self.issuer.issue(request.csr_pem, request.token, peer_address(context.peer()))
         except Refused as exc:
-            log.warning("node certificate refused (%s) to %s: %s", exc.code.name, context.peer(),
-                        exc.message)
+            # Over a rate limit: debug only, or a flood of calls would flood the log too.
+            level = logging.DEBUG if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else logging.WARNING
+            log.log(level, "node certificate refused (%s) to %s: %s", exc.code.name, context.peer(),
+                    exc.message)
+            if exc.retry_after is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{exc.retry_after:.3f}"),))
             context.abort(exc.code, exc.message)
         except certs.CertError as exc:   # the CA in --tls-dir became unusable
             log.error("cannot sign a node certificate: %s", exc)

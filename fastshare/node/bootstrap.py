@@ -11,15 +11,15 @@ with a new key each time) needs no restart.
 
 At start a certificate already in place (a restarted container keeps its emptyDir) that is
 still valid for this node is used at once and renewed in the background; otherwise the agent
-waits for one, retrying with backoff while the controller cannot be reached. A definite
-refusal (PERMISSION_DENIED, INVALID_ARGUMENT) stops the start with the controller's message.
+waits for one, retrying with backoff while the controller cannot be reached or is over its
+rate limit (RESOURCE_EXHAUSTED: never sooner than the controller said). A definite refusal
+(PERMISSION_DENIED, INVALID_ARGUMENT) stops the start with the controller's message.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-import random
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +31,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from fastshare.k8s.ratelimit import RETRY_AFTER_KEY
 from fastshare.security import certs
-from fastshare.security.rotation import FIRST_BACKOFF_S, MAX_BACKOFF_S, remaining, renew_at, renew_forever
+from fastshare.security.rotation import (
+    FIRST_BACKOFF_S,
+    MAX_BACKOFF_S,
+    backoff,
+    remaining,
+    renew_at,
+    renew_forever,
+)
 from fastshare.security.tls import secure_channel
 from fastshare.v1 import bootstrap_pb2 as pb
 from fastshare.v1 import bootstrap_pb2_grpc as pb_grpc
@@ -68,6 +76,19 @@ class BootstrapConfig:
 
 def _explain(exc: BaseException) -> str:
     return f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+
+
+def _retry_after(exc: BaseException) -> float:
+    """The controller's "retry in" of a RESOURCE_EXHAUSTED refusal (0 if none)."""
+    if not isinstance(exc, grpc.RpcError) or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return 0.0
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return min(max(float(value), 0.0), MAX_BACKOFF_S)
+            except ValueError:
+                return 0.0
+    return 0.0
 
 
 class Bootstrapper:
@@ -176,10 +197,11 @@ class Bootstrapper:
                     raise BootstrapError(f"the controller at {self.config.controller} refused a certificate "
                                          f"for node {self.config.node_name}: {exc.code().name}: "
                                          f"{exc.details()}") from None
+                wait = backoff(delay, _retry_after(exc))
                 log.warning("waiting for a node certificate from the controller at %s (%s: %s); "
-                            "retrying in %.0f s", self.config.controller, exc.code().name, exc.details(),
-                            delay)
-            stop.wait(delay * random.uniform(0.8, 1.2))
+                            "retrying in %.1f s", self.config.controller, exc.code().name, exc.details(),
+                            wait)
+            stop.wait(wait)
             delay = min(delay * 2, MAX_BACKOFF_S)
         return None
 
@@ -195,7 +217,7 @@ class Bootstrapper:
         renewal is retried with backoff (the old certificate keeps serving until it expires)."""
         renew_forever(cert, self._request_logged, stop, what="the node certificate", log=log,
                       min_interval=self.min_renew_interval, errors=(grpc.RpcError, BootstrapError),
-                      explain=_explain)
+                      explain=_explain, retry_after=_retry_after)
 
     def start_renewals(self, cert: x509.Certificate, stop: threading.Event) -> threading.Thread:
         self._thread = threading.Thread(target=self.renew_forever, args=(cert, stop),

@@ -32,13 +32,22 @@ def renew_at(cert: x509.Certificate) -> dt.datetime:
     return start + (end - start) * RENEW_FRACTION
 
 
+def backoff(delay: float, hint: float = 0.0) -> float:
+    """How long to wait before the next try: ``delay`` jittered by 20 %, but never less than the
+    signer's ``hint`` (stretched by up to half, so that callers refused together do not all come
+    back together)."""
+    return max(delay * random.uniform(0.8, 1.2), hint * random.uniform(1.0, 1.5))
+
+
 def renew_forever(cert: x509.Certificate, renew: Callable[[], x509.Certificate], stop: threading.Event, *,
                   what: str, log: logging.Logger, min_interval: float,
                   errors: tuple[type[BaseException], ...],
-                  explain: Callable[[BaseException], str] = str) -> None:
+                  explain: Callable[[BaseException], str] = str,
+                  retry_after: Callable[[BaseException], float] = lambda exc: 0.0) -> None:
     """Replace ``cert`` (by calling ``renew``, which returns the new one) at 2/3 of its life,
     and each new one likewise, until ``stop``. ``renew`` raising one of ``errors`` is logged
-    (``what`` names the certificate, ``explain`` the error) and retried with backoff; the old
+    (``what`` names the certificate, ``explain`` the error) and retried with backoff, never
+    sooner than ``retry_after`` of the error (the signer's own hint, 0 if none); the old
     certificate keeps serving until it expires. At least ``min_interval`` seconds pass between
     two renewals, even when a certificate is due at once (a very short lifetime, a clock ahead
     of the signer's): never a tight loop."""
@@ -52,9 +61,9 @@ def renew_forever(cert: x509.Certificate, renew: Callable[[], x509.Certificate],
             cert = renew()
         except errors as exc:
             left = remaining(cert, dt.datetime.now(dt.UTC))
+            floor = backoff(delay, retry_after(exc))
             log.error("renewing %s failed (%s); the current one expires in %s; retrying in %.0f s",
-                      what, explain(exc), str(left).split(".")[0], delay)
-            floor = delay * random.uniform(0.8, 1.2)
+                      what, explain(exc), str(left).split(".")[0], floor)
             delay = min(delay * 2, MAX_BACKOFF_S)
         else:
             floor, delay = min_interval, FIRST_BACKOFF_S

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -37,6 +38,7 @@ from fastshare.controller.agent_client import AgentClient, AgentError, AgentTarg
 from fastshare.device import simnvml
 from fastshare.k8s import bootstrap, manifests
 from fastshare.k8s.controller import ENDPOINT_ANNOTATION
+from fastshare.k8s.ratelimit import RETRY_AFTER_KEY, Limits, RequestLimiter
 from fastshare.security import certs
 from fastshare.security.tls import TlsPaths
 from fastshare.v1 import bootstrap_pb2 as pb
@@ -100,9 +102,15 @@ class Cluster:
         self.controller_api = control_plane.api_client({"token": token})
         self.issuer = bootstrap.NodeCertIssuer(self.controller_api, root / "ctl", bootstrap.IssuerSettings(
             namespace=NS, service_account=self.agent_sa, daemonset=self.values["agent"]["name"],
-            gpu_node_label=self.values["gpuNodeLabel"]))
+            gpu_node_label=self.values["gpuNodeLabel"]), limiter=self.unlimited())
         self.server, port = bootstrap.serve("127.0.0.1:0", self.tls, self.issuer)
         self.address = f"127.0.0.1:{port}"
+
+    @staticmethod
+    def unlimited() -> RequestLimiter:
+        """Every test here calls from 127.0.0.1, many times within seconds: no rate limit gets in
+        the way but where a test asks for one."""
+        return RequestLimiter(Limits(peer_burst=10_000, global_burst=10_000))
 
     def close(self) -> None:
         self.server.stop(None)
@@ -280,7 +288,8 @@ def test_the_agent_waits_for_an_unreachable_controller_then_renews(cluster, tmp_
         settings = bootstrap.IssuerSettings(
             namespace=NS, service_account=cluster.agent_sa, daemonset=cluster.values["agent"]["name"],
             lifetime=dt.timedelta(minutes=2))
-        short = bootstrap.NodeCertIssuer(cluster.controller_api, cluster.tls.cert.parent, settings)
+        short = bootstrap.NodeCertIssuer(cluster.controller_api, cluster.tls.cert.parent, settings,
+                                         limiter=cluster.unlimited())
         server, _ = bootstrap.serve(f"127.0.0.1:{port}", cluster.tls, short)
         waiting.join(60)
         assert not waiting.is_alive() and isinstance(got[0], x509.Certificate)
@@ -300,6 +309,78 @@ def test_the_agent_waits_for_an_unreachable_controller_then_renews(cluster, tmp_
         stop.set()
         if server is not None:
             server.stop(None)
+
+
+def test_a_burst_over_the_rate_limit_is_refused_before_any_token_review_and_the_agent_waits(
+        cluster, tmp_path, caplog):
+    """Ten calls at once from one address against a limit of two: two TokenReviews, eight
+    RESOURCE_EXHAUSTED saying when to retry; a garbage CSR is still refused for what it is (the
+    cheap checks come first). An agent that is refused waits as long as it was told, once, then
+    gets its certificate."""
+    from fastshare.node.bootstrap import BootstrapConfig, Bootstrapper
+
+    node = GPU_NODES[0]
+    settings = bootstrap.IssuerSettings(namespace=NS, service_account=cluster.agent_sa,
+                                        daemonset=cluster.values["agent"]["name"])
+    limiter = RequestLimiter(Limits(peer_burst=2, peer_rate=1 / 4, global_burst=50, global_rate=10))
+    issuer = bootstrap.NodeCertIssuer(cluster.controller_api, cluster.tls.cert.parent, settings,
+                                      limiter=limiter)
+    reviews: list[str] = []
+    review = issuer._auth.create_token_review   # the real one, counted
+
+    def counted(body, **kwargs):
+        reviews.append(body.spec.token[:8])
+        return review(body, **kwargs)
+    issuer._auth.create_token_review = counted
+    server, port = bootstrap.serve("127.0.0.1:0", cluster.tls, issuer)
+    try:
+        pod = cluster.agent_pod(node, host_ip="10.9.8.7")
+        token = cluster.token(pod)
+        channel = grpc.secure_channel(f"127.0.0.1:{port}",
+                                      grpc.ssl_channel_credentials(cluster.ca_file.read_bytes()))
+        stub = pb_grpc.NodeBootstrapStub(channel)
+
+        def call(csr_pem: bytes):
+            try:
+                stub.IssueNodeCertificate(pb.IssueNodeCertificateRequest(csr_pem=csr_pem, token=token),
+                                          timeout=30)
+                return grpc.StatusCode.OK, "", {}
+            except grpc.RpcError as exc:
+                return exc.code(), exc.details(), dict(exc.trailing_metadata() or ())
+
+        barrier = threading.Barrier(10)
+
+        def at_once(_):
+            barrier.wait()
+            return call(_csr(node))
+        with ThreadPoolExecutor(10) as pool:
+            answers = list(pool.map(at_once, range(10)))
+        codes = [code for code, _, _ in answers]
+        assert codes.count(grpc.StatusCode.OK) == 2, answers
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 8, answers
+        assert len(reviews) == 2
+        for code, details, trailer in answers:
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                assert "too many node-certificate requests from 127.0.0.1" in details
+                assert "retry in" in details
+                assert 0 < float(trailer[RETRY_AFTER_KEY]) <= 4
+        code, details, _ = call(b"not a csr")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "csr_pem" in details
+        assert len(reviews) == 2
+        channel.close()
+
+        (tmp_path / "token").write_text(token)
+        config = BootstrapConfig(controller=f"127.0.0.1:{port}", token_file=tmp_path / "token",
+                                 ca_file=cluster.ca_file, node_name=node, cert=tmp_path / "tls" / "node.crt",
+                                 key=tmp_path / "tls" / "node.key", ca=tmp_path / "tls" / "ca.crt")
+        caplog.set_level("WARNING", logger="fastshare.node.bootstrap")
+        cert = Bootstrapper(config, timeout=5).obtain(threading.Event())
+        assert isinstance(cert, x509.Certificate) and _sans(cert) == {node, "10.9.8.7"}
+        waits = [r.getMessage() for r in caplog.records if "waiting for a node certificate" in r.getMessage()]
+        assert len(waits) == 1 and "RESOURCE_EXHAUSTED" in waits[0], waits   # told when, waited that long
+        assert len(reviews) == 3
+    finally:
+        server.stop(None)
 
 
 def test_the_agents_token_is_no_credential_for_the_api_server(control_plane, cluster):

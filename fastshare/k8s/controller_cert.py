@@ -10,6 +10,12 @@ emptyDir; the root filesystem and the Secret stay read-only) and replaces them a
 certificate's life (:mod:`fastshare.security.rotation`, the same loop as the agents'). The
 NodeBootstrap server's credentials and the agent pool re-read the files when they change.
 
+When the operator replaces the CA in the Secret (the kubelet swaps the mounted files in
+place), the loop sees ``ca.crt``/``ca.key`` change within :data:`CHECK_INTERVAL_S` and signs a
+new certificate with the new CA at once, instead of serving the old CA's until its renewal
+(up to 16 h) to agents that may trust only the new one. ``ca.crt`` may be a bundle (the new CA
+and the old): the controller signs with the one of ``ca.key`` and trusts all of them.
+
 An operator-issued certificate in the Secret would expire after its ``--days`` (30 by default)
 with nothing renewing it, after which every agent refuses the controller.
 """
@@ -26,7 +32,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from fastshare.security import certs
-from fastshare.security.rotation import renew_at, renew_forever
+from fastshare.security.rotation import CHECK_INTERVAL_S, renew_at, renew_forever
 from fastshare.security.tls import TlsPaths
 
 log = logging.getLogger("fastshare.k8s.controller_cert")
@@ -49,7 +55,8 @@ class ControllerCert:
     ``ca_dir`` (``ca.crt``, ``ca.key``); :attr:`tls` is where the controller finds them."""
 
     def __init__(self, ca_dir: Path, out_dir: Path, sans: list[str],
-                 lifetime: dt.timedelta = DEFAULT_LIFETIME, min_renew_interval: float | None = None) -> None:
+                 lifetime: dt.timedelta = DEFAULT_LIFETIME, min_renew_interval: float | None = None,
+                 check_interval: float = CHECK_INTERVAL_S) -> None:
         self.ca_dir = Path(ca_dir)
         self.out_dir = Path(out_dir)
         self.sans = certs.san_entries(sans)
@@ -59,10 +66,24 @@ class ControllerCert:
         self.tls = TlsPaths(self.out_dir / f"{NAME}.crt", self.out_dir / f"{NAME}.key",
                             self.ca_dir / certs.CA_CERT)
         self._names = ", ".join(sans)
+        self.check_interval = check_interval
+        self._ca_signed_with: str | None = None   # fingerprint of the CA files of the last issue
+
+    def _ca_fingerprint(self) -> str | None:
+        return certs.files_fingerprint(self.ca_dir / certs.CA_CERT, self.ca_dir / certs.CA_KEY)
+
+    def ca_changed(self) -> str | None:
+        """Why to re-issue now (the CA files are not those of the last issue), or None."""
+        now = self._ca_fingerprint()
+        if now is None or now == self._ca_signed_with:
+            return None   # unreadable (mid-update): asked again at the next check
+        return f"{certs.CA_CERT} or {certs.CA_KEY} in --tls-dir {self.ca_dir} changed (a rotated CA)"
 
     def issue(self) -> x509.Certificate:
         """Sign a new certificate for a new key and put both in place. Raises CertError naming
         the file or option (the CA in --tls-dir, or --cert-dir) and what to do."""
+        # Before reading: a CA replaced while it is read is then seen changed at the next check.
+        fingerprint = self._ca_fingerprint()
         try:
             ca_cert, ca_key = certs.load_ca(self.ca_dir)
         except certs.CertError as exc:
@@ -81,6 +102,7 @@ class ControllerCert:
             raise certs.CertError(f"--cert-dir {self.out_dir}: cannot write the controller's certificate "
                                   f"there ({exc.strerror or exc}); it must be a writable directory (in "
                                   "the Deployment a memory-backed emptyDir)") from None
+        self._ca_signed_with = fingerprint
         log.info("issued the controller's own certificate (role %s, SANs %s), serial %x, valid until %s, "
                  "renewal due at %s; wrote %s and %s", ROLE, self._names, cert.serial_number,
                  cert.not_valid_after_utc.isoformat(), renew_at(cert).isoformat(), self.tls.cert,
@@ -89,7 +111,8 @@ class ControllerCert:
 
     def renew_forever(self, cert: x509.Certificate, stop: threading.Event) -> None:
         renew_forever(cert, self.issue, stop, what="the controller's own certificate", log=log,
-                      min_interval=self.min_renew_interval, errors=(certs.CertError, OSError))
+                      min_interval=self.min_renew_interval, errors=(certs.CertError, OSError),
+                      changed=self.ca_changed, check_interval=self.check_interval)
 
     def start_renewals(self, cert: x509.Certificate, stop: threading.Event) -> threading.Thread:
         thread = threading.Thread(target=self.renew_forever, args=(cert, stop),

@@ -9,6 +9,13 @@ atomically. The agent then serves mTLS with them, as with a certificate issued b
 server credentials re-read re-issued files, so renewal (at 2/3 of the certificate's life,
 with a new key each time) needs no restart.
 
+The CA file written to ``--tls-ca`` (what the agent checks the controller's client
+certificate with) holds the CA bundle of ``--bootstrap-ca`` plus the CA that signed the new
+certificate. When that bundle changes (the operator rotates the CA: the ConfigMap, mounted,
+gets the new CA next to the old one, later the new one alone), the agent asks for a new
+certificate at once (within :data:`~fastshare.security.rotation.CHECK_INTERVAL_S`), rather than
+at its next renewal, so that its certificate and its trust follow the rotation.
+
 At start a certificate already in place (a restarted container keeps its emptyDir) that is
 still valid for this node is used at once and renewed in the background; otherwise the agent
 waits for one, retrying with backoff while the controller cannot be reached or is over its
@@ -34,6 +41,7 @@ from cryptography.x509.oid import NameOID
 from fastshare.k8s.ratelimit import RETRY_AFTER_KEY
 from fastshare.security import certs
 from fastshare.security.rotation import (
+    CHECK_INTERVAL_S,
     FIRST_BACKOFF_S,
     MAX_BACKOFF_S,
     backoff,
@@ -41,7 +49,6 @@ from fastshare.security.rotation import (
     renew_at,
     renew_forever,
 )
-from fastshare.security.tls import secure_channel
 from fastshare.v1 import bootstrap_pb2 as pb
 from fastshare.v1 import bootstrap_pb2_grpc as pb_grpc
 
@@ -74,6 +81,14 @@ class BootstrapConfig:
     server_name: str | None = None
 
 
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+        return True
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+
+
 def _explain(exc: BaseException) -> str:
     return f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
 
@@ -93,11 +108,14 @@ def _retry_after(exc: BaseException) -> float:
 
 class Bootstrapper:
     def __init__(self, config: BootstrapConfig, timeout: float = RPC_TIMEOUT_S,
-                 min_renew_interval: float = MIN_RENEW_INTERVAL_S) -> None:
+                 min_renew_interval: float = MIN_RENEW_INTERVAL_S,
+                 check_interval: float = CHECK_INTERVAL_S) -> None:
         self.config = config
         self.timeout = timeout
         self.min_renew_interval = min_renew_interval
+        self.check_interval = check_interval
         self._thread: threading.Thread | None = None
+        self._bundle_seen: str | None = None   # fingerprint of --bootstrap-ca at the last request
 
     # --- one request --------------------------------------------------------------------
 
@@ -122,23 +140,40 @@ class Bootstrapper:
         request = pb.IssueNodeCertificateRequest(csr_pem=csr.public_bytes(serialization.Encoding.PEM),
                                                  token=self._token())
         try:
-            channel = secure_channel(c.controller, c.ca_file, server_name=c.server_name)
+            bundle = c.ca_file.read_bytes()
+            trusted = x509.load_pem_x509_certificates(bundle)
         except OSError as exc:
             raise BootstrapError(f"--bootstrap-ca {c.ca_file}: cannot read it ({exc.strerror or exc})"
                                  ) from None
+        except ValueError as exc:
+            raise BootstrapError(f"--bootstrap-ca {c.ca_file}: not PEM CA certificates ({exc})") from None
+        channel = grpc.secure_channel(c.controller, grpc.ssl_channel_credentials(bundle),
+                                      options=[("grpc.ssl_target_name_override", c.server_name)]
+                                      if c.server_name else [])
         try:
             reply = pb_grpc.NodeBootstrapStub(channel).IssueNodeCertificate(request, timeout=self.timeout)
         finally:
             channel.close()
-        cert = self._check_reply(reply, key)
+        cert, signer = self._check_reply(reply, key)
         # Key first: a reader that sees the new certificate must also find the matching key.
         certs.write_atomic(c.key, certs.key_pem(key), 0o600)
         certs.write_atomic(c.cert, reply.certificate_pem, 0o644)
-        certs.write_atomic(c.ca, reply.ca_pem, 0o644)
+        trust = bundle if signer in trusted else bundle.rstrip(b"\n") + b"\n" + reply.ca_pem
+        certs.write_atomic(c.ca, trust, 0o644)
+        self._bundle_seen = certs.fingerprint(bundle)
         return cert
 
+    def bundle_changed(self) -> str | None:
+        """Why to ask for a new certificate now (the CA bundle of --bootstrap-ca is not the one
+        of the last request), or None."""
+        now = certs.files_fingerprint(self.config.ca_file)
+        if now is None or self._bundle_seen is None or now == self._bundle_seen:
+            return None
+        return f"the CA bundle --bootstrap-ca {self.config.ca_file} changed (a rotated CA)"
+
     def _check_reply(self, reply: pb.IssueNodeCertificateReply, key: ec.EllipticCurvePrivateKey
-                     ) -> x509.Certificate:
+                     ) -> tuple[x509.Certificate, x509.Certificate]:
+        """The certificate and the CA that signed it, once both are what was asked for."""
         try:
             cert = x509.load_pem_x509_certificate(reply.certificate_pem)
             ca = x509.load_pem_x509_certificate(reply.ca_pem)
@@ -149,7 +184,7 @@ class Bootstrapper:
         problem = self.problem(cert, key.public_key())
         if problem:
             raise BootstrapError(f"the controller at {self.config.controller} sent a certificate {problem}")
-        return cert
+        return cert, ca
 
     def problem(self, cert: x509.Certificate,
                 public_key: ec.EllipticCurvePublicKey | None = None) -> str | None:
@@ -173,11 +208,16 @@ class Bootstrapper:
             cert = x509.load_pem_x509_certificate(c.cert.read_bytes())
             key = serialization.load_pem_private_key(c.key.read_bytes(), password=None)
             x509.load_pem_x509_certificate(c.ca.read_bytes())
+            bundle = c.ca_file.read_bytes()
+            trusted = x509.load_pem_x509_certificates(bundle)
         except (OSError, ValueError, TypeError):
             return None
         now = dt.datetime.now(dt.UTC)
         if self.problem(cert, key.public_key()) or remaining(cert, now) < dt.timedelta(minutes=1):
             return None
+        if not any(_issued_by(cert, ca) for ca in trusted):
+            return None   # signed by a CA the bundle no longer holds (rotated while the agent was away)
+        self._bundle_seen = certs.fingerprint(bundle)
         return cert
 
     def obtain(self, stop: threading.Event) -> x509.Certificate | None:
@@ -217,7 +257,8 @@ class Bootstrapper:
         renewal is retried with backoff (the old certificate keeps serving until it expires)."""
         renew_forever(cert, self._request_logged, stop, what="the node certificate", log=log,
                       min_interval=self.min_renew_interval, errors=(grpc.RpcError, BootstrapError),
-                      explain=_explain, retry_after=_retry_after)
+                      explain=_explain, retry_after=_retry_after, changed=self.bundle_changed,
+                      check_interval=self.check_interval)
 
     def start_renewals(self, cert: x509.Certificate, stop: threading.Event) -> threading.Thread:
         self._thread = threading.Thread(target=self.renew_forever, args=(cert, stop),

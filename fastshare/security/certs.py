@@ -142,9 +142,12 @@ def init_ca(ca_dir: Path, name: str = "fastshare-ca", days: int = DEFAULT_CA_DAY
 
 
 def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The CA certificate and key that sign. ``ca.crt`` may be a bundle of several CA
+    certificates (during a CA rotation: the new one and the old one, every peer trusting both);
+    the one of ``ca.key`` signs, in whatever order they are."""
     ca_dir = Path(ca_dir)
     try:
-        cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT).read_bytes())
+        bundle = x509.load_pem_x509_certificates((ca_dir / CA_CERT).read_bytes())
         key = serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), password=None)
     except FileNotFoundError as exc:
         raise CertError(f"--ca {ca_dir}: {exc.filename} not found; create a CA with"
@@ -153,7 +156,30 @@ def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
         raise CertError(f"--ca {ca_dir}: cannot parse the CA files: {exc}") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise CertError(f"--ca {ca_dir}: {CA_KEY} is not an ECDSA key")
-    return cert, key
+    for cert in bundle:
+        if cert.public_key() == key.public_key():
+            return cert, key
+    raise CertError(f"--ca {ca_dir}: {CA_KEY} is the key of none of the {len(bundle)} certificate(s) in "
+                    f"{CA_CERT} (half-way through a replacement of the two? both must come from the same "
+                    "`fastshare certs init`)")
+
+
+def files_fingerprint(*paths: Path) -> str | None:
+    """A SHA-256 over the files' contents, or None while one cannot be read (e.g. a mounted
+    Secret in the middle of its update): what tells a replaced CA or CA bundle."""
+    try:
+        return fingerprint(*(Path(path).read_bytes() for path in paths))
+    except OSError:
+        return None
+
+
+def fingerprint(*contents: bytes) -> str:
+    """A SHA-256 over ``contents``, each length-prefixed."""
+    digest = hashes.Hash(hashes.SHA256())
+    for data in contents:
+        digest.update(len(data).to_bytes(8, "big"))
+        digest.update(data)
+    return digest.finalize().hex()
 
 
 def leaf_subject(name: str, role: str) -> x509.Name:

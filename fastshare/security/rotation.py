@@ -13,6 +13,7 @@ import datetime as dt
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 
 from cryptography import x509
@@ -20,6 +21,9 @@ from cryptography import x509
 RENEW_FRACTION = 2 / 3
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
+# How often the loop asks whether to renew at once (the CA it was signed with, or the CA bundle
+# it is checked with, was replaced): a rotated CA takes effect within about this long.
+CHECK_INTERVAL_S = 30.0
 
 
 def remaining(cert: x509.Certificate, now: dt.datetime) -> dt.timedelta:
@@ -43,20 +47,34 @@ def renew_forever(cert: x509.Certificate, renew: Callable[[], x509.Certificate],
                   what: str, log: logging.Logger, min_interval: float,
                   errors: tuple[type[BaseException], ...],
                   explain: Callable[[BaseException], str] = str,
-                  retry_after: Callable[[BaseException], float] = lambda exc: 0.0) -> None:
+                  retry_after: Callable[[BaseException], float] = lambda exc: 0.0,
+                  changed: Callable[[], str | None] | None = None,
+                  check_interval: float = CHECK_INTERVAL_S) -> None:
     """Replace ``cert`` (by calling ``renew``, which returns the new one) at 2/3 of its life,
     and each new one likewise, until ``stop``. ``renew`` raising one of ``errors`` is logged
     (``what`` names the certificate, ``explain`` the error) and retried with backoff, never
     sooner than ``retry_after`` of the error (the signer's own hint, 0 if none); the old
-    certificate keeps serving until it expires. At least ``min_interval`` seconds pass between
-    two renewals, even when a certificate is due at once (a very short lifetime, a clock ahead
-    of the signer's): never a tight loop."""
+    certificate keeps serving until it expires. ``changed`` (asked every ``check_interval``
+    seconds) says why to renew at once (a new CA), or None. At least ``min_interval`` seconds
+    pass between two renewals, even when a certificate is due at once (a very short lifetime,
+    a clock ahead of the signer's): never a tight loop."""
     delay = FIRST_BACKOFF_S
-    floor = 0.0   # the least wait: after a renewal, the minimum interval; after a failure, the backoff
+    earliest = 0.0   # (monotonic) no renewal before: the minimum interval, or the backoff after a failure
+    reason: str | None = None
     while True:
-        wait = (renew_at(cert) - dt.datetime.now(dt.UTC)).total_seconds()
-        if stop.wait(max(wait, floor)):
+        due = (renew_at(cert) - dt.datetime.now(dt.UTC)).total_seconds()
+        if due > 0 and reason is None and changed is not None:
+            reason = changed()
+        if due > 0 and reason is None:
+            wait = min(due, check_interval) if changed is not None else due
+        else:
+            wait = earliest - time.monotonic()   # renew now, once the floor allows
+        if stop.wait(max(wait, 0.0)):
             return
+        if wait > 0:
+            continue
+        if reason:
+            log.info("renewing %s now: %s", what, reason)
         try:
             cert = renew()
         except errors as exc:
@@ -64,6 +82,7 @@ def renew_forever(cert: x509.Certificate, renew: Callable[[], x509.Certificate],
             floor = backoff(delay, retry_after(exc))
             log.error("renewing %s failed (%s); the current one expires in %s; retrying in %.0f s",
                       what, explain(exc), str(left).split(".")[0], floor)
+            earliest = time.monotonic() + floor
             delay = min(delay * 2, MAX_BACKOFF_S)
         else:
-            floor, delay = min_interval, FIRST_BACKOFF_S
+            earliest, delay, reason = time.monotonic() + min_interval, FIRST_BACKOFF_S, None

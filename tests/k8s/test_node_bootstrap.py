@@ -383,6 +383,48 @@ def test_a_burst_over_the_rate_limit_is_refused_before_any_token_review_and_the_
         server.stop(None)
 
 
+def test_the_agent_asks_again_at_once_when_its_ca_bundle_changes(cluster, tmp_path, caplog):
+    """Step 1 of a CA rotation (README): the ConfigMap (--bootstrap-ca) gets the new CA next to the old
+    one. The agent, whose certificate is good for hours yet, asks for a new one within seconds
+    (over a channel trusting the two-CA bundle, the controller's CA second) and then trusts
+    both for the controller's client certificate; an idle check changes nothing. A certificate
+    in place that no CA of the bundle signed is not used at start."""
+    from fastshare.node.bootstrap import BootstrapConfig, Bootstrapper
+
+    node = GPU_NODES[1]
+    pod = cluster.agent_pod(node, host_ip="10.1.2.4")
+    (tmp_path / "token").write_text(cluster.token(pod))
+    bundle = tmp_path / "configmap-ca.crt"
+    bundle.write_bytes(cluster.ca_file.read_bytes())
+    config = BootstrapConfig(controller=cluster.address, token_file=tmp_path / "token", ca_file=bundle,
+                             node_name=node, cert=tmp_path / "tls" / "node.crt",
+                             key=tmp_path / "tls" / "node.key", ca=tmp_path / "tls" / "ca.crt")
+    agent = Bootstrapper(config, timeout=5, min_renew_interval=0.2, check_interval=0.2)
+    stop = threading.Event()
+    first = agent.obtain(stop)
+    caplog.set_level("INFO", logger="fastshare.node.bootstrap")
+    agent.start_renewals(first, stop)
+    try:
+        def serial():
+            return x509.load_pem_x509_certificate(config.cert.read_bytes()).serial_number
+        time.sleep(1)
+        assert serial() == first.serial_number           # nothing changed: no new request
+        certs.init_ca(tmp_path / "new")
+        new_ca = (tmp_path / "new" / "ca.crt").read_bytes()
+        certs.write_atomic(bundle, new_ca + cluster.ca_file.read_bytes(), 0o644)
+        wait_for(lambda: serial() != first.serial_number, "a new certificate after the bundle changed",
+                 timeout=10)
+        assert "CA bundle --bootstrap-ca" in caplog.text and "changed" in caplog.text
+        trusted = x509.load_pem_x509_certificates(config.ca.read_bytes())
+        assert [c.subject for c in trusted] == [x509.load_pem_x509_certificate(new_ca).subject,
+                                                x509.load_pem_x509_certificate(cluster.ca_file.read_bytes()).subject]
+        assert agent.existing() is not None
+    finally:
+        stop.set()
+    certs.write_atomic(bundle, new_ca, 0o644)       # the old CA gone: its certificate is not kept
+    assert agent.existing() is None
+
+
 def test_the_agents_token_is_no_credential_for_the_api_server(control_plane, cluster):
     """Audience fastshare: the API server itself refuses it (401), unlike the automounted token
     the DaemonSet does not get."""

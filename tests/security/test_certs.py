@@ -197,3 +197,19 @@ def test_cli_issue_role_defaults_to_client_and_show_displays_roles(tmp_path):
     gone = subprocess.run(["fastshare", "certs", "issue", "--ca", str(ca), "--name", "x", "--usage", "both",
                            "--out", str(out)], capture_output=True, text=True)
     assert gone.returncode == 2 and "--usage" in gone.stderr, "the role replaced --usage"
+
+
+def test_a_ca_bundle_signs_with_the_certificate_of_the_key_in_any_order(tmp_path):
+    """A CA rotation puts the new CA next to the old one in ca.crt: the one of ca.key signs."""
+    pki.init_ca(tmp_path / "old")
+    pki.init_ca(tmp_path / "new")
+    old, new = ((tmp_path / d / "ca.crt").read_bytes() for d in ("old", "new"))
+    for bundle in (new + old, old + new):
+        (tmp_path / "new" / "ca.crt").write_bytes(bundle)
+        cert, key = pki.load_ca(tmp_path / "new")
+        assert cert == x509.load_pem_x509_certificate(new) and cert.public_key() == key.public_key()
+        issued = pki.issue(tmp_path / "new", "n1", tmp_path / "out", role="node")
+        x509.load_pem_x509_certificate(issued.cert_path.read_bytes()).verify_directly_issued_by(cert)
+    (tmp_path / "new" / "ca.crt").write_bytes(old)
+    with pytest.raises(pki.CertError, match=r"ca\.key is the key of none of the 1 certificate"):
+        pki.load_ca(tmp_path / "new")

@@ -75,7 +75,7 @@ def _ca_task(plane, namespace: str, **extra) -> dict:
 
 
 def _run_role(plane, collections_path: Path, tmp_path: Path, namespace: str, *, check: bool = False,
-              **extra) -> tuple[list[dict], str]:
+              fails: bool = False, **extra) -> tuple[list[dict], str]:
     """The role in its own playbook run; its per-task results and the whole JSON output.
 
     TMPDIR is tmp_path/tmp, where the role makes the new CA's temporary directory.
@@ -92,7 +92,7 @@ def _run_role(plane, collections_path: Path, tmp_path: Path, namespace: str, *, 
                     "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json",
                     "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0"})
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-6000:]
+    assert (proc.returncode != 0) == fails, output[-6000:]
     tasks = json.loads(proc.stdout)["plays"][0]["tasks"]
     return [t["hosts"]["localhost"] | {"task": t["task"]["name"].split(" : ")[-1]} for t in tasks], output
 
@@ -202,3 +202,56 @@ def test_check_mode_on_a_fresh_namespace_creates_nothing(plane, collections_path
     assert missing.value.status == 404
     assert _secret(plane, namespace) is None and _configmap(plane, namespace) is None
     assert KEY_HEADER not in output
+
+
+def _limited_kubeconfig(plane, tmp_path: Path, namespace: str, secret_verbs: list[str]) -> Path:
+    """A kubeconfig of a ServiceAccount that may get and patch Namespaces and do only
+    ``secret_verbs`` on Secrets in ``namespace`` (an operator's credentials missing a right)."""
+    api = plane.api_client()
+    core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    who = f"deployer-{namespace}"
+    core.create_namespaced_service_account("default", client.V1ServiceAccount(
+        metadata=client.V1ObjectMeta(name=who)))
+    subject = [client.RbacV1Subject(kind="ServiceAccount", name=who, namespace="default")]
+    rbac.create_cluster_role(client.V1ClusterRole(metadata=client.V1ObjectMeta(name=who), rules=[
+        client.V1PolicyRule(api_groups=[""], resources=["namespaces"], verbs=["get", "list", "patch"])]))
+    rbac.create_cluster_role_binding(client.V1ClusterRoleBinding(
+        metadata=client.V1ObjectMeta(name=who), subjects=subject,
+        role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole", name=who)))
+    if secret_verbs:
+        rbac.create_namespaced_role(namespace, client.V1Role(metadata=client.V1ObjectMeta(name=who), rules=[
+            client.V1PolicyRule(api_groups=[""], resources=["secrets"], verbs=secret_verbs)]))
+        rbac.create_namespaced_role_binding(namespace, client.V1RoleBinding(
+            metadata=client.V1ObjectMeta(name=who), subjects=subject,
+            role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="Role", name=who)))
+    token = core.create_namespaced_service_account_token(who, "default", client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps(plane.kubeconfig_dict({"token": token}, name=who)))
+    return path
+
+
+@pytest.mark.parametrize(("namespace", "secret_verbs", "says"), [
+    ("ca-no-get", [], "cannot look up Secret ca-no-get/fastshare-controller-tls: "),
+    ("ca-no-create", ["get"], "cannot create Secret ca-no-create/fastshare-controller-tls: ")])
+def test_a_failing_ca_task_says_what_failed_and_still_shows_no_key(plane, collections_path: Path,
+                                                                   tmp_path: Path, namespace: str,
+                                                                   secret_verbs: list[str], says: str):
+    """Not "censored": the task that stops names the Secret, the API server's reason and its
+    status; the key (made, in the second case, and read before the Secret was refused) is in no
+    output, and its temporary directory is gone."""
+    kubeconfig = _limited_kubeconfig(plane, tmp_path, namespace, secret_verbs)
+    results, output = _run_role(plane, collections_path, tmp_path / "run", namespace, fails=True,
+                                controller_k8s_kubeconfig=str(kubeconfig))
+    failed = [r for r in results if r.get("failed")]
+    assert len(failed) == 1, failed
+    message = failed[0]["msg"]
+    assert message.startswith(says), message
+    assert "is forbidden: User" in message and "(Forbidden, HTTP 403)" in message, message
+    assert "HTTP response headers" not in message and "traceback" not in message
+    assert "censored" not in message and "no_log" not in message
+    assert KEY_HEADER not in output
+    assert base64.b64encode(b"-----BEGIN PRIVATE KEY-----").decode()[:32] not in output
+    assert not list((tmp_path / "run" / "tmp").glob("fastshare-ca.*")), "the CA's temporary directory is left"
+    assert _secret(plane, namespace) is None

@@ -1,0 +1,331 @@
+"""Inter-pod affinity, anti-affinity and topology spread as fastshare applies them to the Pods it
+binds itself (the kube-scheduler's InterPodAffinity and PodTopologySpread filters): reading the
+template's fields, and which nodes each rule leaves."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastshare.k8s.peers import PodPeers
+from fastshare.k8s.podaffinity import (
+    HOSTNAME,
+    Incoming,
+    Peer,
+    peer,
+    pod_rules,
+    raw_node,
+    replica_incoming,
+    ruled_out,
+)
+from fastshare.k8s.scheduling import NodeFacts, Taint, TemplateError, constraints
+
+ANTI = "spec.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+AFF = "spec.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+SPREAD = "spec.topologySpreadConstraints"
+
+
+def _node(name, zone=None, taints=(), **labels):
+    if zone is not None:
+        labels["zone"] = zone
+    return NodeFacts(name, tuple(sorted({HOSTNAME: name, **labels}.items())), tuple(taints))
+
+
+def _nodes(*nodes):
+    return {n.name: n for n in nodes}
+
+
+def _term(key=HOSTNAME, **selector):
+    return {"labelSelector": {"matchLabels": selector}, "topologyKey": key}
+
+
+def _incoming(spec, labels=None, namespace="ns"):
+    labels = {"app": "web"} if labels is None else labels
+    return Incoming(namespace, labels, pod_rules(spec, namespace, labels), constraints(spec),
+                    spec.get("nodeSelector") or {})
+
+
+def _pod(node, labels=None, namespace="ns", name=None, spec=None, terminating=False):
+    meta = {"name": name or f"p-{node}-{id(labels)}", "namespace": namespace, "labels": labels or {}}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return peer({"metadata": meta, "spec": {"nodeName": node, **(spec or {})},
+                 "status": {"phase": "Running"}})
+
+
+def _ts(**constraint):
+    return {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone",
+                                           "whenUnsatisfiable": "DoNotSchedule", **constraint}]}
+
+
+def _anti(*terms):
+    return {"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": list(terms)}}}
+
+
+def _aff(*terms):
+    return {"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": list(terms)}}}
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("spec", "field"), [
+    (_anti({"labelSelector": {}, "topologyKey": ""}), f"{ANTI}[0].topologyKey"),
+    (_anti(_term(), {"labelSelector": {}}), f"{ANTI}[1].topologyKey"),
+    (_anti("x"), f"{ANTI}[0]"),
+    (_aff({"topologyKey": "zone", "labelSelector": {"matchExpressions": [{"key": "a", "operator": "Gt",
+                                                                          "values": ["1"]}]}}),
+     f"{AFF}[0].labelSelector.matchExpressions[0].operator"),
+    (_aff({"topologyKey": "zone", "labelSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}),
+     f"{AFF}[0].labelSelector.matchExpressions[0].values"),
+    (_aff({"topologyKey": "zone", "labelSelector": {"matchLabels": {"a": 1}}}),
+     f"{AFF}[0].labelSelector.matchLabels"),
+    (_aff({"topologyKey": "zone", "matchLabelKeys": ["app"]}), f"{AFF}[0].matchLabelKeys"),
+    (_aff({"topologyKey": "zone", "labelSelector": {}, "matchLabelKeys": ["a"], "mismatchLabelKeys": ["a"]}),
+     f"{AFF}[0].mismatchLabelKeys"),
+    (_aff({"topologyKey": "zone", "labelSelector": {}, "namespaces": "ns"}), f"{AFF}[0].namespaces"),
+    (_aff({"topologyKey": "zone", "labelSelector": {}, "namespaceSelector": []}),
+     f"{AFF}[0].namespaceSelector"),
+    ({"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}}, AFF),
+    ({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 0, "podAffinityTerm": _term()}]}}},
+     "spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight"),
+    ({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 5, "podAffinityTerm": {"labelSelector": {}}}]}}},
+     "spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].podAffinityTerm"
+     ".topologyKey"),
+    ({"topologySpreadConstraints": {}}, SPREAD),
+    (_ts(maxSkew=0), f"{SPREAD}[0].maxSkew"),
+    (_ts(topologyKey=None), f"{SPREAD}[0].topologyKey"),
+    (_ts(whenUnsatisfiable="Never"), f"{SPREAD}[0].whenUnsatisfiable"),
+    (_ts(whenUnsatisfiable="ScheduleAnyway", minDomains=2), f"{SPREAD}[0].minDomains"),
+    (_ts(minDomains=0), f"{SPREAD}[0].minDomains"),
+    (_ts(nodeAffinityPolicy="Sometimes"), f"{SPREAD}[0].nodeAffinityPolicy"),
+    (_ts(nodeTaintsPolicy="honor"), f"{SPREAD}[0].nodeTaintsPolicy"),
+    (_ts(matchLabelKeys=["app"]), f"{SPREAD}[0].matchLabelKeys"),
+    ({"topologySpreadConstraints": _ts()["topologySpreadConstraints"] * 2}, f"{SPREAD}[1]"),
+])
+def test_unreadable_rules_are_refused_naming_the_field(spec, field):
+    with pytest.raises(TemplateError) as caught:
+        pod_rules(spec, "ns", {"app": "web"})
+    assert caught.value.field == field, caught.value
+
+
+def test_preferences_and_schedule_anyway_are_read_but_forbid_nothing():
+    spec = {"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 10, "podAffinityTerm": _term(app="web")}]}},
+        **_ts(whenUnsatisfiable="ScheduleAnyway", labelSelector={})}
+    assert not pod_rules(spec, "ns", {"app": "web"})
+
+
+def test_a_term_selects_its_own_pods_namespace_unless_told_otherwise():
+    own = pod_rules(_anti(_term(app="web")), "ns", {}).anti_affinity[0]
+    assert own.selects("ns", {"app": "web"}, {}) and not own.selects("other", {"app": "web"}, {})
+    listed = pod_rules(_anti({**_term(app="web"), "namespaces": ["a", "b"]}), "ns", {}).anti_affinity[0]
+    assert listed.selects("b", {"app": "web"}, {}) and not listed.selects("ns", {"app": "web"}, {})
+    every = pod_rules(_anti({**_term(app="web"), "namespaceSelector": {}}), "ns", {}).anti_affinity[0]
+    assert every.selects("anything", {"app": "web"}, {})
+    labelled = pod_rules(_anti({**_term(app="web"), "namespaceSelector": {"matchLabels": {"team": "x"}}}),
+                         "ns", {}).anti_affinity[0]
+    teams = {"a": {"team": "x"}, "b": {"team": "y"}}
+    assert labelled.selects("a", {"app": "web"}, teams) and not labelled.selects("b", {"app": "web"}, teams)
+    assert not labelled.selects("ns", {"app": "web"}, teams)   # a selector given: not its own by default
+
+
+def test_no_label_selector_selects_no_pod_and_an_empty_one_every_pod():
+    none = pod_rules(_anti({"topologyKey": HOSTNAME}), "ns", {}).anti_affinity[0]
+    assert not none.selects("ns", {}, {}) and not none.selects("ns", {"app": "web"}, {})
+    empty = pod_rules(_anti({"topologyKey": HOSTNAME, "labelSelector": {}}), "ns", {}).anti_affinity[0]
+    assert empty.selects("ns", {}, {}) and empty.selects("ns", {"x": "y"}, {})
+
+
+def test_match_and_mismatch_label_keys_take_the_pods_own_values():
+    term = {"topologyKey": HOSTNAME, "labelSelector": {"matchLabels": {"app": "web"}},
+            "matchLabelKeys": ["version"], "mismatchLabelKeys": ["team"]}
+    rules = pod_rules(_anti(term), "ns", {"app": "web", "version": "v2", "team": "a"}).anti_affinity[0]
+    assert rules.selects("ns", {"app": "web", "version": "v2", "team": "b"}, {})
+    assert not rules.selects("ns", {"app": "web", "version": "v1", "team": "b"}, {})
+    assert not rules.selects("ns", {"app": "web", "version": "v2", "team": "a"}, {})
+
+
+# -- anti-affinity -----------------------------------------------------------------------------------------
+def test_hostname_anti_affinity_rules_out_nodes_running_a_selected_pod_and_names_the_term():
+    nodes = _nodes(_node("a"), _node("b"), _node("c"))
+    web = _incoming(_anti(_term(app="web")))
+    peers = [_pod("a", {"app": "web"}), _pod("b", {"app": "db"}),
+             _pod("c", {"app": "web"}, namespace="other")]
+    out = ruled_out(web, nodes, nodes, peers, {})
+    assert out == {"a": f"run a Pod in their {HOSTNAME} that {ANTI}[0] of podAntiAffinity selects"}
+
+
+def test_zone_anti_affinity_rules_out_the_whole_zone_and_nodes_without_the_key_are_free():
+    nodes = _nodes(_node("a", "z1"), _node("b", "z1"), _node("c", "z2"), _node("d"))
+    web = _incoming(_anti(_term("zone", app="web")))
+    assert set(ruled_out(web, nodes, nodes, [_pod("a", {"app": "web"})], {})) == {"a", "b"}
+
+
+def test_an_existing_pods_anti_affinity_keeps_a_pod_it_selects_out_of_its_domain():
+    nodes = _nodes(_node("a", "z1"), _node("b", "z1"), _node("c", "z2"))
+    lonely = _pod("a", {"app": "lonely"}, namespace="other", name="lonely",
+                  spec=_anti({**_term("zone", app="web"), "namespaceSelector": {}}))
+    out = ruled_out(_incoming({}), nodes, nodes, [lonely], {})
+    assert set(out) == {"a", "b"}
+    assert out["b"] == ("are in the zone z1 of Pod other/lonely, whose required podAntiAffinity "
+                        "selects this Pod")
+    assert ruled_out(_incoming({}, {"app": "db"}), nodes, nodes, [lonely], {}) == {}
+    # its term without namespaces: only its own namespace's Pods
+    shy = _pod("a", {}, namespace="other", spec=_anti(_term("zone", app="web")))
+    assert ruled_out(_incoming({}), nodes, nodes, [shy], {}) == {}
+
+
+# -- affinity ----------------------------------------------------------------------------------------------
+def test_affinity_needs_a_selected_pod_in_the_nodes_zone():
+    nodes = _nodes(_node("a", "z1"), _node("b", "z2"), _node("c", "z2"), _node("d"), _node("cpu", "z2"))
+    web = _incoming(_aff({**_term("zone", role="cache"), "namespaces": ["infra"]}))
+    cache = _pod("cpu", {"role": "cache"}, namespace="infra")
+    out = ruled_out(web, ["a", "b", "c", "d"], nodes, [cache], {})
+    assert out == {"a": f"run no Pod in their zone that {AFF}[0] selects", "d": f"lack label zone ({AFF}[0])"}
+
+
+def test_the_first_pod_of_a_series_with_affinity_to_itself_goes_anywhere_with_the_key():
+    nodes = _nodes(_node("a", "z1"), _node("b", "z2"), _node("d"))
+    web = _incoming(_aff(_term("zone", app="web")))
+    assert ruled_out(web, nodes, nodes, [], {}) == {"d": f"lack label zone ({AFF}[0])"}
+    # the next one follows the first
+    assert set(ruled_out(web, nodes, nodes, [_pod("b", {"app": "web"})], {})) == {"a", "d"}
+    # a Pod that does not match its own terms is no first of a series
+    other = _incoming(_aff(_term("zone", app="web")), {"app": "db"})
+    assert set(ruled_out(other, nodes, nodes, [], {})) == {"a", "b", "d"}
+
+
+def test_an_existing_pod_must_match_every_affinity_term_to_count():
+    nodes = _nodes(_node("a", "z1"), _node("b", "z2"))
+    web = _incoming(_aff(_term("zone", role="cache"), _term("zone", tier="hot")))
+    peers = [_pod("a", {"role": "cache"}), _pod("b", {"role": "cache", "tier": "hot"})]
+    assert set(ruled_out(web, nodes, nodes, peers, {})) == {"a"}
+
+
+# -- topology spread ---------------------------------------------------------------------------------------
+def _spread(skew=1, key="zone", **extra):
+    return {"topologySpreadConstraints": [{"maxSkew": skew, "topologyKey": key,
+                                           "whenUnsatisfiable": "DoNotSchedule",
+                                           "labelSelector": {"matchLabels": {"app": "web"}}, **extra}]}
+
+
+def test_spread_allows_a_domain_up_to_max_skew_above_the_least_filled():
+    nodes = _nodes(_node("a", "z1"), _node("b", "z1"), _node("c", "z2"), _node("d"))
+    web = _incoming(_spread())
+    one_in_z1 = [_pod("a", {"app": "web"})]
+    out = ruled_out(web, nodes, nodes, one_in_z1, {})
+    assert set(out) == {"a", "b", "d"}
+    assert out["a"] == f"would make the skew of {SPREAD}[0] 2 (maxSkew 1, zone z1)"
+    assert out["d"] == f"lack label zone ({SPREAD}[0])"
+    assert set(ruled_out(_incoming(_spread(2)), nodes, nodes, one_in_z1, {})) == {"d"}
+    # other namespaces, other labels, terminating Pods do not count
+    ignored = [_pod("a", {"app": "web"}, namespace="x"), _pod("a", {"app": "db"}),
+               _pod("a", {"app": "web"}, terminating=True)]
+    assert set(ruled_out(web, nodes, nodes, ignored, {})) == {"d"}
+
+
+def test_spread_counts_domains_only_among_eligible_nodes():
+    nodes = _nodes(_node("a", "z1"), _node("c", "z2", gpu="no"),
+                   _node("e", "z3", taints=[Taint("k", "", "NoSchedule")]))
+    one_in_z1 = [_pod("a", {"app": "web"})]
+    # z2 fails the node selector (nodeAffinityPolicy Honor): not a domain, so z1 is not above it
+    selective = _incoming({**_spread(), "nodeSelector": {"zone": "z1"}})
+    assert set(ruled_out(selective, ["a"], nodes, one_in_z1, {})) == set()
+    # Ignore: z2 and z3 count, both empty
+    ignoring = _incoming({**_spread(nodeAffinityPolicy="Ignore"), "nodeSelector": {"zone": "z1"}})
+    assert set(ruled_out(ignoring, ["a"], nodes, one_in_z1, {})) == {"a"}
+    # the tainted z3 counts by default (nodeTaintsPolicy Ignore), not under Honor
+    only_taint = _nodes(_node("a", "z1"), _node("e", "z3", taints=[Taint("k", "", "NoSchedule")]))
+    assert set(ruled_out(_incoming(_spread()), ["a"], only_taint, one_in_z1, {})) == {"a"}
+    honoring = _incoming(_spread(nodeTaintsPolicy="Honor"))
+    assert set(ruled_out(honoring, ["a"], only_taint, one_in_z1, {})) == set()
+
+
+def test_fewer_domains_than_min_domains_make_the_minimum_zero():
+    nodes = _nodes(_node("a", "z1"), _node("c", "z2"))
+    peers = [_pod("a", {"app": "web"}), _pod("c", {"app": "web"})]
+    assert ruled_out(_incoming(_spread()), nodes, nodes, peers, {}) == {}
+    assert set(ruled_out(_incoming(_spread(minDomains=3)), nodes, nodes, peers, {})) == {"a", "c"}
+
+
+def test_spread_match_label_keys_count_only_the_same_revision():
+    nodes = _nodes(_node("a", "z1"), _node("c", "z2"))
+    web = _incoming(_spread(matchLabelKeys=["rev"]), {"app": "web", "rev": "2"})
+    assert ruled_out(web, nodes, nodes, [_pod("a", {"app": "web", "rev": "1"})] * 3, {}) == {}
+    assert set(ruled_out(web, nodes, nodes, [_pod("a", {"app": "web", "rev": "2"})], {})) == {"a"}
+
+
+# -- never violated ---------------------------------------------------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(zones=st.lists(st.sampled_from(["z1", "z2", "z3", None]), min_size=1, max_size=6),
+       placements=st.lists(st.tuples(st.sampled_from(["web", "db"]),
+                                     st.sampled_from([HOSTNAME, "zone", None]), st.integers(0, 5)),
+                           max_size=14))
+def test_anti_affinity_is_never_violated_in_either_direction(zones, placements):
+    """Pods of two apps, some with anti-affinity (by hostname or zone) to their own app, are
+    placed one by one on any node not ruled out: no two Pods end up in one domain where either
+    Pod's term selects the other."""
+    nodes = _nodes(*(_node(f"n{i}", z) for i, z in enumerate(zones)))
+    placed: list[Peer] = []
+    for i, (app, key, pick) in enumerate(placements):
+        spec = _anti(_term(key, app=app)) if key else {}
+        out = ruled_out(_incoming(spec, {"app": app}), nodes, nodes, placed, {})
+        free = [n for n in nodes if n not in out]
+        if free:
+            placed.append(_pod(free[pick % len(free)], {"app": app}, name=f"p{i}", spec=spec))
+    for x in placed:
+        for y in placed:
+            for t in x.anti_affinity:
+                if x is not y and t.selects(y.namespace, y.labels, {}):
+                    value = dict(nodes[x.node].labels).get(t.topology_key)
+                    assert value is None or dict(nodes[y.node].labels).get(t.topology_key) != value
+
+
+@settings(max_examples=100, deadline=None)
+@given(zones=st.lists(st.sampled_from(["z1", "z2", "z3"]), min_size=1, max_size=6),
+       skew=st.integers(1, 2), picks=st.lists(st.integers(0, 5), max_size=12))
+def test_spread_never_exceeds_max_skew(zones, skew, picks):
+    nodes = _nodes(*(_node(f"n{i}", z) for i, z in enumerate(zones)))
+    web = _incoming(_spread(skew))
+    placed: list[Peer] = []
+    for i, pick in enumerate(picks):
+        free = [n for n in nodes if n not in ruled_out(web, nodes, nodes, placed, {})]
+        assert free   # some domain is always at the minimum
+        placed.append(_pod(free[pick % len(free)], {"app": "web"}, name=f"p{i}"))
+        per_zone = {z: sum(1 for p in placed if dict(nodes[p.node].labels)["zone"] == z) for z in set(zones)}
+        assert max(per_zone.values()) - min(per_zone.values()) <= skew
+
+
+# -- the rest --------------------------------------------------------------------------------------------
+def test_a_replica_has_the_templates_labels_and_its_fastpods():
+    fastpod = {"metadata": {"name": "fp", "namespace": "ns"}, "spec": {"template": {
+        "metadata": {"labels": {"app": "web"}}, "spec": {"containers": [], **_anti(_term(app="web"))}}}}
+    incoming = replica_incoming(fastpod, "fastshare.io/gpu")
+    assert incoming.labels == {"app": "web", "fastshare.io/fastpod": "fp"}
+    assert incoming.rules.anti_affinity[0].field == f"spec.template.{ANTI}[0]"
+    assert incoming.node_rules.tolerates(Taint("fastshare.io/gpu", "true", "NoSchedule"))
+
+
+def test_a_node_from_its_json():
+    node = raw_node({"metadata": {"name": "n", "labels": {"zone": "z"}},
+                     "spec": {"taints": [{"key": "k", "effect": "NoSchedule"}]}})
+    assert node == NodeFacts("n", (("zone", "z"),), (Taint("k", "", "NoSchedule"),))
+
+
+def test_the_peer_cache_keeps_bound_pods_and_passes_a_listing_on():
+    cache = PodPeers()
+    pods = [{"metadata": {"name": "a", "namespace": "ns", "labels": {"app": "web"}},
+             "spec": {"nodeName": "n1", **_anti(_term(app="web"))}, "status": {}},
+            {"metadata": {"name": "b", "namespace": "ns"}, "spec": {}, "status": {}},
+            {"metadata": {"name": "c", "namespace": "ns"}, "spec": {"nodeName": "n2"},
+             "status": {"phase": "Failed"}}]
+    assert not cache.synced
+    assert list(cache.replacing(pods)) == pods
+    assert cache.synced and list(cache.all()) == [("ns", "a")]
+    assert [p.name for p in cache.forbidding()] == ["a"]
+    cache.put({"metadata": {"name": "a", "namespace": "ns"}, "spec": {"nodeName": "n1"}, "status": {}})
+    assert cache.forbidding() == [] and list(cache.all()) == [("ns", "a")]
+    cache.remove({"metadata": {"name": "a", "namespace": "ns"}})
+    assert cache.all() == {}

@@ -15,7 +15,9 @@ replica) before any agent is asked to prepare it. What is Kubernetes-specific li
 - replicas go only where their Pod fits as the kubelet and the kube-scheduler would check it
   (fastshare binds them itself): the nodes' allocatable CPU/memory minus what every bound Pod
   requests (a cluster-wide watch, see nodeusage), required node affinity, taints, cordons
-  (see scheduling);
+  (see scheduling), required inter-pod (anti-)affinity, also an existing Pod's against the
+  replica, and topology spread (see podaffinity; replicas with such rules are placed one at a
+  time, each seeing the ones before);
 - a finalizer keeps a deleted FastPod until every share is released;
 - on start (and on every leadership change) it rebuilds its view from FastPods, their Pods
   and the agents; it never deletes and re-creates a running Pod to change it.
@@ -45,7 +47,9 @@ from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, host_left
-from fastshare.k8s.podcache import PodCache
+from fastshare.k8s.peers import PodPeers
+from fastshare.k8s.podaffinity import Incoming, needs_namespaces, peer, raw_node, replica_incoming, ruled_out
+from fastshare.k8s.podcache import PodCache, pod_key
 from fastshare.k8s.pods import (
     FASTPOD_LABEL,
     MPS_PATH_ENV,
@@ -157,6 +161,10 @@ class KubeController:
         self._ended: dict[str, tuple[int, float, str]] = {}
         self.podcache = PodCache()
         self.usage = NodeUsage()                   # what bound Pods request, per node
+        self.peers = PodPeers()                    # the same Pods' labels, for inter-pod rules
+        # held while a replica with inter-pod rules is placed and created: two FastPods whose
+        # rules concern each other are not placed at once, each blind to the other's new Pod
+        self._inter_pod = threading.Lock()
         self._nodes: dict[str, NodeFacts] = {}     # GPU nodes as their Node objects say
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
                                                            thread_name_prefix="replica")
@@ -175,7 +183,8 @@ class KubeController:
                              ("watch-node-pods", self._watch_node_pods)):
             threading.Thread(target=target, name=name, daemon=True).start()
         # passes wait for them anyway (reconcile requeues)
-        if not (self.podcache.wait_synced(60.0) and self.usage.wait_synced(60.0)):
+        if not (self.podcache.wait_synced(60.0) and self.usage.wait_synced(60.0)
+                and self.peers.wait_synced(1.0)):
             log.warning("no Pod listing after 60 s; FastPods wait until it arrives")
         self.refresh_host()
         self._spawn("housekeeping", self._housekeeping)
@@ -343,13 +352,15 @@ class KubeController:
     def _watch_node_pods(self) -> None:
         """Every namespace's bound Pods (the kubelet counts them all), for node usage."""
         def on_list(listing: dict[str, Any]) -> None:
-            self.usage.replace(listing["items"])
+            self.usage.replace(self.peers.replacing(listing["items"]))   # one read of the pages
 
         def on_pod(kind: str, pod: dict[str, Any]) -> None:
             if kind == "DELETED":
                 self.usage.remove(pod)
+                self.peers.remove(pod)
             elif kind in ("ADDED", "MODIFIED"):
                 self.usage.put(pod)
+                self.peers.put(pod)
 
         self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, page=self.settings.list_page,
                      field_selector=FIELD_SELECTOR)
@@ -408,7 +419,7 @@ class KubeController:
             fastpod = self._patch_finalizers(fastpod, [*(meta.get("finalizers") or []), FINALIZER])
             meta = fastpod["metadata"]
         self.store.remember_owner(fastpod)
-        if not (self.podcache.synced and self.usage.synced):
+        if not (self.podcache.synced and self.usage.synced and self.peers.synced):
             return 1.0
         # Pods (from the watch's cache, see podcache) before records: a record made after this
         # cannot be mistaken for one whose Pod is gone (this FastPod's replicas are only made by
@@ -534,6 +545,7 @@ class KubeController:
         try:   # what the controller itself reads of the template: resources, affinity, tolerations
             spec = spec_of(fastpod)
             replica_constraints(fastpod, self.settings.gpu_node_label)
+            replica_incoming(fastpod, self.settings.gpu_node_label)
         except TemplateError as exc:
             return {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
         probe = Allocation(id="dry-run", spec=spec, owner="", state=State.PENDING, node="dry-run",
@@ -569,15 +581,21 @@ class KubeController:
         flight per success (so 1, 2, 4, ... per round trip, ``create_parallelism`` at most), and no
         new one after the first problem, so that a FastPod that cannot be placed costs one attempt
         per pass, not ``count`` (as ReplicaSets do). A window, not batches: nothing waits for the
-        slowest of a batch."""
+        slowest of a batch. Replicas with inter-pod rules go one at a time instead, each placed
+        with the ones created before it counted (see podaffinity)."""
         try:
             rules = replica_constraints(fastpod, self.settings.gpu_node_label)
+            incoming = replica_incoming(fastpod, self.settings.gpu_node_label)
         except TemplateError as exc:
             return [], {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
         excluded = {name: why for name, facts in self._nodes.items()
                     if (why := rules.problem(facts, TEMPLATE_SPEC)
                         or facts.pods_problem(self.usage.count(name)))}
         self.refresh_host()   # Pods bound since the last node sync
+        around = self._pod_rules(incoming)
+        serial = bool(incoming.rules)
+        if around is not None and not serial:   # only existing Pods' anti-affinity: fixed this pass
+            excluded = {**around([]), **excluded}
         names: list[str] = []
         prefix = fastpod["metadata"]["name"]
         while len(names) < count:
@@ -591,7 +609,11 @@ class KubeController:
         window, running = 1, set()
         while running or (names and problem is None and error is None):
             while names and problem is None and error is None and len(running) < window:
-                running.add(self._pool.submit(self._create_replica, fastpod, names.pop(), excluded))
+                if serial and around is not None:
+                    running.add(self._pool.submit(self._create_ruled_replica, fastpod, names.pop(), excluded,
+                                                  around, [pod for pod, _ in created]))
+                else:
+                    running.add(self._pool.submit(self._create_replica, fastpod, names.pop(), excluded))
             done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
                 try:
@@ -601,11 +623,60 @@ class KubeController:
                     continue
                 if pod is not None:
                     created.append((pod, allocation))
-                    window = min(window + 1, self.settings.create_parallelism)
+                    window = 1 if serial else min(window + 1, self.settings.create_parallelism)
                 problem = problem or trouble
         if error is not None:
             raise error
         return created, problem
+
+    def _pod_rules(self, incoming: Incoming) -> Callable[[list[dict[str, Any]]], dict[str, str]] | None:
+        """What rules the GPU nodes out for ``incoming`` by the Pods around it: a function of
+        the Pods created since (None: no inter-pod rule concerns it). Every Node (domains and
+        the nodes of other Pods) and, if a term selects them by label, every Namespace are read
+        once here, only when some rule is in play."""
+        forbidding = self.peers.forbidding()
+        if not incoming.rules and not forbidding:
+            return None
+        namespaces = self._namespace_labels() if needs_namespaces(incoming, forbidding) else {}
+        if not incoming.rules and not any(t.selects(incoming.namespace, incoming.labels, namespaces)
+                                          for p in forbidding for t in p.anti_affinity):
+            return None
+        nodes = {n.name: n for n in map(raw_node, self._listed(self.pods.list_node))}
+
+        def check(created: list[dict[str, Any]]) -> dict[str, str]:
+            if not incoming.rules:
+                return ruled_out(incoming, self._nodes, nodes, forbidding, namespaces)
+            peers = self.peers.all()
+            for pod in created:   # this pass's, whether or not the watch has them yet
+                if (entry := peer(pod)) is not None:
+                    peers[pod_key(pod)] = entry
+            return ruled_out(incoming, self._nodes, nodes, peers.values(), namespaces)
+
+        return check
+
+    def _listed(self, list_fn: Callable[..., Any]) -> Any:
+        """Every object of a cluster-wide listing, read a page at a time."""
+        token = None
+        while True:
+            page = _raw(list_fn(limit=self.settings.list_page, _continue=token, _preload_content=False))
+            yield from page["items"]
+            token = page["metadata"].get("continue")
+            if not token:
+                return
+
+    def _namespace_labels(self) -> dict[str, dict[str, str]]:
+        """Every Namespace's labels (only when a term selects namespaces by them)."""
+        return {ns["metadata"]["name"]: ns["metadata"].get("labels") or {}
+                for ns in self._listed(self.pods.list_namespace)}
+
+    def _create_ruled_replica(self, fastpod: dict[str, Any], pod_name: str, excluded: dict[str, str],
+                              around: Callable[[list[dict[str, Any]]], dict[str, str]],
+                              created: list[dict[str, Any]]
+                              ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
+        """One replica with inter-pod rules: the nodes they rule out, with the Pods of this pass
+        (``created``) and of other FastPods' passes counted, then the create, under one lock."""
+        with self._inter_pod:
+            return self._create_replica(fastpod, pod_name, {**around(created), **excluded})
 
     def _create_replica(self, fastpod: dict[str, Any], pod_name: str, excluded: dict[str, str]
                         ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
@@ -637,6 +708,7 @@ class KubeController:
             pod = _raw(self.pods.create_namespaced_pod(namespace, replica_pod(
                 fastpod, pod_name, allocation, self.settings.gpu_node_label), _preload_content=False))
             self.podcache.put(pod)
+            self.peers.put(pod)
         except client.ApiException as exc:
             message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}: {api_message(exc)}"
             self._release(allocation, message)

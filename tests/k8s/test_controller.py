@@ -197,7 +197,7 @@ def test_an_unplaceable_fastpod_costs_one_attempt_per_pass_not_one_per_replica(a
     """Replicas are created through a slow-start window: the first failure stops the pass."""
     controller = make_controller(namespace)
     controller.podcache.replace([], "0")  # not started: no watch fills them
-    controller.usage.replace([])
+    controller.usage.replace(controller.peers.replacing([]))
     attempts = []
     allocate = controller.core.allocate
     controller.core.allocate = lambda *a, **k: (attempts.append(a), allocate(*a, **k))[1]
@@ -238,7 +238,7 @@ def test_a_template_field_of_the_wrong_type_is_refused_by_name_not_a_controller_
     field, spoil = ODD_TEMPLATES[case]
     controller = make_controller(namespace)
     controller.podcache.replace([], "0")  # not started: no watch fills them
-    controller.usage.replace([])
+    controller.usage.replace(controller.peers.replacing([]))
     objects = client.CustomObjectsApi(api_client)
     manifest = fastpod_manifest("odd", MPS)
     spoil(manifest["spec"]["template"]["spec"])

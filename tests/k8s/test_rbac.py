@@ -77,6 +77,7 @@ ALLOWED = [
     ("watch", "pods", "", "", "", ""),
     ("list", "pods", "", "", "", ""),   # every namespace's bound Pods: what a node has left
     ("list", "nodes", "", "", "", ""),
+    ("list", "namespaces", "", "", "", ""),   # a podAffinity term's namespaceSelector
     # the node-certificate service: an agent's token is reviewed, its Pod read afresh
     ("create", "tokenreviews", "authentication.k8s.io", "", "", ""),
     ("get", "pods", "", NAMESPACE, "fastshare-node-agent-x1", ""),
@@ -110,6 +111,9 @@ DENIED = [
     ("create", "certificatesigningrequests", "certificates.k8s.io", "", "", ""),
     ("create", "subjectaccessreviews", "authorization.k8s.io", "", "", ""),
     ("watch", "nodes", "", "", "", ""),
+    ("watch", "namespaces", "", "", "", ""),
+    ("get", "namespaces", "", "", "team-a", ""),
+    ("update", "namespaces", "", "", "team-a", ""),
     ("create", "events", "", "team-a", "", ""),
 ]
 

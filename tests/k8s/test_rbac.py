@@ -160,8 +160,9 @@ def test_the_node_agent_service_account_has_no_permissions(control_plane, api_cl
 
 def test_the_controller_does_its_whole_job_with_exactly_that_role(controller_api, api_client, namespace,
                                                                    rbac_installed, tmp_path):
-    """Leader Lease, node watch, finalizer, replica Pod with nodeName, status, Pod deletion and
-    finalizer removal, all with the service account's token; the admin plays only user and kubelet."""
+    """Leader Lease, node watch, finalizer, replica Pod with nodeName (placed by an inter-pod
+    rule: Nodes and Namespaces listed), status, Pod deletion and finalizer removal, all with the
+    service account's token; the admin plays only user and kubelet."""
     certs.init_ca(tmp_path / "ca")
     certs.issue(tmp_path / "ca", "controller", tmp_path / "controller", role="controller", days=1)
     tls = TlsPaths.in_dir(tmp_path / "controller", "controller")
@@ -179,8 +180,14 @@ def test_the_controller_does_its_whole_job_with_exactly_that_role(controller_api
         assert elector.step() and elector.is_leader  # create + get/update of its own Lease
         controller.start()
         assert controller.usage.synced   # every namespace's Pods, for the nodes' CPU and memory
+        # a term that selects namespaces by label: every Node and every Namespace are listed
+        apart = {"labelSelector": {"matchLabels": {"app": "r"}}, "topologyKey": "kubernetes.io/hostname",
+                 "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}
+        template = {"spec": {"containers": [{"name": "main", "image": "busybox"}], "affinity": {
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [apart]}}}}
         objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                fastpod_manifest("r", {"kind": "mps", "memory": "2Gi"}, 1))
+                                                fastpod_manifest("r", {"kind": "mps", "memory": "2Gi"}, 1,
+                                                                 template))
 
         def running():
             kubelet_step(admin, namespace)

@@ -352,7 +352,8 @@ class KubeController:
     def _watch_node_pods(self) -> None:
         """Every namespace's bound Pods (the kubelet counts them all), for node usage."""
         def on_list(listing: dict[str, Any]) -> None:
-            self.usage.replace(self.peers.replacing(listing["items"]))   # one read of the pages
+            # one read of the pages for both
+            self.usage.replace(self.peers.replacing(listing["items"], listing["metadata"]["resourceVersion"]))
 
         def on_pod(kind: str, pod: dict[str, Any]) -> None:
             if kind == "DELETED":

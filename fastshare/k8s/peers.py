@@ -1,7 +1,11 @@
 """The Pods bound to each node as inter-pod affinity and topology spread read them, kept from
 the same watch of every namespace's bound, unfinished Pods as the node usage (see nodeusage):
 each Pod's node, namespace, name, labels, its own required anti-affinity terms (the symmetric
-rule) and whether it is terminating, not the Pod."""
+rule) and whether it is terminating, not the Pod.
+
+A relist must not drop a Pod put in after its snapshot was taken (our own create's reply, or a
+watch event): such a Pod is kept until the watch reports it, as in podcache; it is what the
+next replica of another FastPod's pass is checked against."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from fastshare.k8s.podaffinity import Peer, peer
-from fastshare.k8s.podcache import Key, WatchCache, pod_key
+from fastshare.k8s.podcache import Key, WatchCache, _version, pod_key
 
 
 class PodPeers(WatchCache):
@@ -17,16 +21,28 @@ class PodPeers(WatchCache):
         super().__init__()
         self._pods: dict[Key, Peer] = {}
         self._forbidding: dict[Key, Peer] = {}   # those with required anti-affinity terms
+        self._since: dict[Key, tuple[int, Peer | None]] = {}   # put or removed since the last relist
 
-    def replacing(self, pods: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        """Pass a fresh listing on (to another cache reading it page by page, so that it is read
-        once); read to its end, it replaces what is held."""
+    def replacing(self, pods: Iterable[dict[str, Any]], list_version: str = "0") -> Iterator[dict[str, Any]]:
+        """Pass a fresh listing (as of ``list_version``) on, to another cache reading it page by
+        page, so that it is read once; read to its end, it replaces what is held, but for what
+        was put or removed after it was taken."""
+        try:
+            as_of = int(list_version)
+        except ValueError:
+            as_of = 0
         fresh: dict[Key, Peer] = {}
         for pod in pods:
             if (entry := peer(pod)) is not None:
                 fresh[pod_key(pod)] = entry
             yield pod
         with self._lock:
+            for key, (version, entry) in self._since.items():
+                if version > as_of:
+                    fresh.pop(key, None)
+                    if entry is not None:
+                        fresh[key] = entry
+            self._since = {}
             self._pods = fresh
             self._forbidding = {k: p for k, p in fresh.items() if p.anti_affinity}
         self._synced.set()
@@ -35,6 +51,7 @@ class PodPeers(WatchCache):
         """An added or changed Pod (a watch event, or the reply to our own create)."""
         entry, key = peer(pod), pod_key(pod)
         with self._lock:
+            self._since[key] = (_version(pod), entry)
             self._pods.pop(key, None)
             self._forbidding.pop(key, None)
             if entry is not None:
@@ -45,6 +62,7 @@ class PodPeers(WatchCache):
     def remove(self, pod: dict[str, Any]) -> None:
         key = pod_key(pod)
         with self._lock:
+            self._since[key] = (_version(pod), None)
             self._pods.pop(key, None)
             self._forbidding.pop(key, None)
 

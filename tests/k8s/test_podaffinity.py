@@ -329,3 +329,21 @@ def test_the_peer_cache_keeps_bound_pods_and_passes_a_listing_on():
     assert cache.forbidding() == [] and list(cache.all()) == [("ns", "a")]
     cache.remove({"metadata": {"name": "a", "namespace": "ns"}})
     assert cache.all() == {}
+
+
+def test_a_relist_keeps_what_was_put_or_removed_after_its_snapshot():
+    """Our own create's reply goes in before the watch reports it: a listing taken earlier (the
+    watch relists every few tens of seconds) must not drop it, or the next replica placed with
+    an anti-affinity to it would not see it."""
+    def pod(name, version, node="n1"):
+        return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": str(version)},
+                "spec": {"nodeName": node}, "status": {}}
+
+    cache = PodPeers()
+    list(cache.replacing([pod("old", 3), pod("gone", 4)], "5"))
+    cache.put(pod("created", 10))
+    cache.remove(pod("gone", 11))
+    list(cache.replacing([pod("old", 3), pod("gone", 4)], "8"))   # taken before both
+    assert sorted(cache.all()) == [("ns", "created"), ("ns", "old")]
+    list(cache.replacing([pod("old", 3)], "12"))   # newer: it is the truth
+    assert sorted(cache.all()) == [("ns", "old")]

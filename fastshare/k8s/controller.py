@@ -17,7 +17,7 @@ replica) before any agent is asked to prepare it. What is Kubernetes-specific li
   requests (a cluster-wide watch, see nodeusage), required node affinity, taints, cordons
   (see scheduling), required inter-pod (anti-)affinity, also an existing Pod's against the
   replica, and topology spread (see podaffinity; replicas with such rules are placed one at a
-  time, each seeing the ones before);
+  time and alone, each seeing the ones before, see PlacementLock);
 - a finalizer keeps a deleted FastPod until every share is released;
 - on start (and on every leadership change) it rebuilds its view from FastPods, their Pods
   and the agents; it never deletes and re-creates a running Pod to change it.
@@ -26,6 +26,7 @@ replica) before any agent is asked to prepare it. What is Kubernetes-specific li
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import datetime
 import json
@@ -33,7 +34,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -48,7 +49,15 @@ from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, host_left
 from fastshare.k8s.peers import PodPeers
-from fastshare.k8s.podaffinity import Incoming, needs_namespaces, peer, raw_node, replica_incoming, ruled_out
+from fastshare.k8s.podaffinity import (
+    Incoming,
+    Peer,
+    needs_namespaces,
+    peer,
+    raw_node,
+    replica_incoming,
+    ruled_out,
+)
 from fastshare.k8s.podcache import PodCache, pod_key
 from fastshare.k8s.pods import (
     FASTPOD_LABEL,
@@ -125,6 +134,45 @@ def selector_string(selector: dict[str, Any]) -> str:
     return ",".join(parts)
 
 
+class PlacementLock:
+    """Replicas without inter-pod rules of their own are placed under it shared (many at once),
+    replicas with such rules alone (exclusive, and a waiting exclusive goes before new shared
+    ones): a placement never runs beside one whose new Pod its rules, or an existing Pod's
+    anti-affinity, would have to see. Each holder reads the Pods around it after it got the lock."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._alone = False
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._alone and not self._waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: not self._alone and not self._shared)
+            self._waiting -= 1
+            self._alone = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._alone = False
+                self._cond.notify_all()
+
+
 def _pooled(api: client.ApiClient, connections: int) -> client.ApiClient:
     """``api``, or a client with its configuration and a pool of ``connections``: when more
     threads talk at once than the pool holds (default 5 per CPU), connections are thrown away and
@@ -162,9 +210,8 @@ class KubeController:
         self.podcache = PodCache()
         self.usage = NodeUsage()                   # what bound Pods request, per node
         self.peers = PodPeers()                    # the same Pods' labels, for inter-pod rules
-        # held while a replica with inter-pod rules is placed and created: two FastPods whose
-        # rules concern each other are not placed at once, each blind to the other's new Pod
-        self._inter_pod = threading.Lock()
+        # every replica is placed and created under it: one with inter-pod rules alone
+        self._placing = PlacementLock()
         self._nodes: dict[str, NodeFacts] = {}     # GPU nodes as their Node objects say
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
                                                            thread_name_prefix="replica")
@@ -583,7 +630,7 @@ class KubeController:
         new one after the first problem, so that a FastPod that cannot be placed costs one attempt
         per pass, not ``count`` (as ReplicaSets do). A window, not batches: nothing waits for the
         slowest of a batch. Replicas with inter-pod rules go one at a time instead, each placed
-        with the ones created before it counted (see podaffinity)."""
+        alone with the ones created before it counted (see podaffinity, PlacementLock)."""
         try:
             rules = replica_constraints(fastpod, self.settings.gpu_node_label)
             incoming = replica_incoming(fastpod, self.settings.gpu_node_label)
@@ -593,10 +640,9 @@ class KubeController:
                     if (why := rules.problem(facts, TEMPLATE_SPEC)
                         or facts.pods_problem(self.usage.count(name)))}
         self.refresh_host()   # Pods bound since the last node sync
-        around = self._pod_rules(incoming)
         serial = bool(incoming.rules)
-        if around is not None and not serial:   # only existing Pods' anti-affinity: fixed this pass
-            excluded = {**around([]), **excluded}
+        around = self._pod_rules(incoming, self.peers.forbidding()) if serial else None
+        seen: dict[frozenset[tuple[str, str]], dict[str, str]] = {}   # by the Pods that forbid
         names: list[str] = []
         prefix = fastpod["metadata"]["name"]
         while len(names) < count:
@@ -610,11 +656,13 @@ class KubeController:
         window, running = 1, set()
         while running or (names and problem is None and error is None):
             while names and problem is None and error is None and len(running) < window:
-                if serial and around is not None:
-                    running.add(self._pool.submit(self._create_ruled_replica, fastpod, names.pop(), excluded,
-                                                  around, [pod for pod, _ in created]))
+                if around is not None:
+                    job = self._pool.submit(self._create_ruled_replica, fastpod, names.pop(), excluded,
+                                            around, [pod for pod, _ in created])
                 else:
-                    running.add(self._pool.submit(self._create_replica, fastpod, names.pop(), excluded))
+                    job = self._pool.submit(self._create_unruled_replica, fastpod, names.pop(), excluded,
+                                            incoming, seen)
+                running.add(job)
             done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
                 try:
@@ -630,12 +678,13 @@ class KubeController:
             raise error
         return created, problem
 
-    def _pod_rules(self, incoming: Incoming) -> Callable[[list[dict[str, Any]]], dict[str, str]] | None:
-        """What rules the GPU nodes out for ``incoming`` by the Pods around it: a function of
-        the Pods created since (None: no inter-pod rule concerns it). Every Node (domains and
-        the nodes of other Pods) and, if a term selects them by label, every Namespace are read
-        once here, only when some rule is in play."""
-        forbidding = self.peers.forbidding()
+    def _pod_rules(self, incoming: Incoming, forbidding: list[Peer]
+                   ) -> Callable[[list[dict[str, Any]]], dict[str, str]] | None:
+        """What rules the GPU nodes out for ``incoming`` by the Pods around it (``forbidding``:
+        those with required anti-affinity): a function of the Pods created since (None: no
+        inter-pod rule concerns it). Every Node (domains and the nodes of other Pods) and, if a
+        term selects them by label, every Namespace are read once here, only when some rule is
+        in play."""
         if not incoming.rules and not forbidding:
             return None
         namespaces = self._namespace_labels() if needs_namespaces(incoming, forbidding) else {}
@@ -675,9 +724,23 @@ class KubeController:
                               created: list[dict[str, Any]]
                               ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
         """One replica with inter-pod rules: the nodes they rule out, with the Pods of this pass
-        (``created``) and of other FastPods' passes counted, then the create, under one lock."""
-        with self._inter_pod:
+        (``created``) and of other FastPods' passes counted, then the create, alone."""
+        with self._placing.exclusive():
             return self._create_replica(fastpod, pod_name, {**around(created), **excluded})
+
+    def _create_unruled_replica(self, fastpod: dict[str, Any], pod_name: str, excluded: dict[str, str],
+                                incoming: Incoming, seen: dict[frozenset[tuple[str, str]], dict[str, str]]
+                                ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
+        """One replica without rules of its own, beside others (shared): the nodes that bound
+        Pods' anti-affinity keeps it from, as they are once it holds the lock (``seen``: this
+        pass's answers, by the set of such Pods, so that most replicas read no Node)."""
+        with self._placing.shared():
+            forbidding = self.peers.forbidding()
+            key = frozenset((p.namespace, p.name) for p in forbidding)
+            if key not in seen:
+                around = self._pod_rules(incoming, forbidding)
+                seen[key] = around([]) if around is not None else {}
+            return self._create_replica(fastpod, pod_name, {**seen[key], **excluded})
 
     def _create_replica(self, fastpod: dict[str, Any], pod_name: str, excluded: dict[str, str]
                         ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:

@@ -4,10 +4,14 @@ template's fields, and which nodes each rule leaves."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastshare.k8s.controller import PlacementLock
 from fastshare.k8s.peers import PodPeers
 from fastshare.k8s.podaffinity import (
     HOSTNAME,
@@ -347,3 +351,41 @@ def test_a_relist_keeps_what_was_put_or_removed_after_its_snapshot():
     assert sorted(cache.all()) == [("ns", "created"), ("ns", "old")]
     list(cache.replacing([pod("old", 3)], "12"))   # newer: it is the truth
     assert sorted(cache.all()) == [("ns", "old")]
+
+
+def test_the_placement_lock_runs_shared_holders_together_and_an_exclusive_one_alone():
+    lock = PlacementLock()
+    events: list[str] = []
+    first_in, release_first = threading.Event(), threading.Event()
+
+    def shared(name, hold=None):
+        with lock.shared():
+            events.append(f"{name} in")
+            if hold is not None:
+                first_in.set()
+                hold.wait(10)
+            events.append(f"{name} out")
+
+    def exclusive():
+        with lock.exclusive():
+            events.append("x in")
+            events.append("x out")
+
+    one = threading.Thread(target=shared, args=("s1", release_first))
+    one.start()
+    assert first_in.wait(10)
+    with lock.shared():   # shared beside shared
+        events.append("s2 in")
+    alone = threading.Thread(target=exclusive)
+    alone.start()
+    deadline = time.monotonic() + 10
+    while not lock._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    late = threading.Thread(target=shared, args=("s3",))   # behind the waiting exclusive one
+    late.start()
+    time.sleep(0.2)
+    assert "x in" not in events and "s3 in" not in events
+    release_first.set()
+    for thread in (one, alone, late):
+        thread.join(10)
+    assert events.index("s1 out") < events.index("x in") < events.index("x out") < events.index("s3 in")

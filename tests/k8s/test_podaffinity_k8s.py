@@ -5,6 +5,8 @@ catch a replica placed against its template's rules (or against an existing Pod'
 from __future__ import annotations
 
 import collections
+import threading
+import time
 import uuid
 
 import pytest
@@ -171,3 +173,41 @@ def test_an_unreadable_rule_is_refused_naming_the_field(api_client, namespace, c
     message = _refused(view, "keyless", "Invalid")
     assert message.startswith(f"{ANTI}[0].topologyKey: "), message
     assert _on(view, "keyless") == []
+
+
+def _slow_allocation(controller, owner: str, seconds: float) -> threading.Event:
+    """Hold each allocation of FastPod ``owner`` for ``seconds`` after the engine chose its node
+    (as a slow agent does); the event is set when the first one got there."""
+    entered = threading.Event()
+    allocate = controller.core.allocate
+
+    def slow(request, *args, **kwargs):
+        allocation = allocate(request, *args, **kwargs)
+        if request.owner.endswith(f"/{owner}"):
+            entered.set()
+            time.sleep(seconds)
+        return allocation
+
+    controller.core.allocate = slow
+    return entered
+
+
+APART_FROM_PLAIN = _required("podAntiAffinity", {"labelSelector": {"matchLabels": {"app": "plain"}},
+                                                 "topologyKey": HOSTNAME})
+
+
+@pytest.mark.parametrize("first", ["plain", "picky"])
+def test_two_fastpods_placed_at_once_do_not_break_an_anti_affinity(api_client, namespace, controller, agents,
+                                                                   pki, nodes, first):
+    """``picky`` may not share a node with a Pod of ``plain`` (which has no rule). Whichever is
+    placed first, its replica's allocation is slow, and the other FastPod's pass (another
+    worker) runs meanwhile: it must not be placed blind to the replica on its way."""
+    view = View(api_client, namespace, "", agents, pki[1])
+    entered = _slow_allocation(controller, first, 3.0)
+    templates = {"plain": {}, "picky": APART_FROM_PLAIN}
+    second = "picky" if first == "plain" else "plain"
+    _create(view, first, **templates[first])
+    assert entered.wait(30)
+    _create(view, second, **templates[second])
+    wait_for(lambda: len(_on(view, "plain")) == 1 and len(_on(view, "picky")) == 1, "both placed", timeout=60)
+    assert _on(view, "plain") != _on(view, "picky")

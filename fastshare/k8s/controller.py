@@ -14,10 +14,11 @@ replica) before any agent is asked to prepare it. What is Kubernetes-specific li
   deleted; the share of a deleted Pod is released only once the Pod is really gone;
 - replicas go only where their Pod fits as the kubelet and the kube-scheduler would check it
   (fastshare binds them itself): the nodes' allocatable CPU/memory minus what every bound Pod
-  requests (a cluster-wide watch, see nodeusage), required node affinity, taints, cordons
-  (see scheduling), required inter-pod (anti-)affinity, also an existing Pod's against the
-  replica, and topology spread (see podaffinity; replicas with such rules are placed one at a
-  time and alone, each seeing the ones before, see PlacementLock);
+  requests (a cluster-wide watch, see nodeusage), the same for extended resources, hugepages
+  and ephemeral storage, required node affinity, taints, cordons (see scheduling), required
+  inter-pod (anti-)affinity, also an existing Pod's against the replica, and topology spread
+  (see podaffinity; replicas with such rules are placed one at a time and alone, each seeing
+  the ones before, see PlacementLock);
 - a finalizer keeps a deleted FastPod until every share is released;
 - on start (and on every leadership change) it rebuilds its view from FastPods, their Pods
   and the agents; it never deletes and re-creates a running Pod to change it.
@@ -47,7 +48,7 @@ from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, Spec
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
-from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, host_left
+from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, extended_used, host_left
 from fastshare.k8s.peers import PodPeers
 from fastshare.k8s.podaffinity import (
     Incoming,
@@ -71,7 +72,15 @@ from fastshare.k8s.pods import (
     spec_of,
 )
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
-from fastshare.k8s.scheduling import Demand, MiB, NodeFacts, TemplateError, node_facts, pod_running_demand
+from fastshare.k8s.scheduling import (
+    Demand,
+    MiB,
+    NodeFacts,
+    TemplateError,
+    node_facts,
+    pod_demand,
+    pod_running_demand,
+)
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
 
@@ -212,6 +221,10 @@ class KubeController:
         self.peers = PodPeers()                    # the same Pods' labels, for inter-pod rules
         # every replica is placed and created under it: one with inter-pod rules alone
         self._placing = PlacementLock()
+        # replicas placed that ask what the engine does not count (extended resources, hugepages,
+        # ephemeral storage): allocation id -> (node, request) until the node watch shows the Pod
+        self._unseen_extended: dict[str, tuple[str, Demand]] = {}
+        self._extended_lock = threading.Lock()
         self._nodes: dict[str, NodeFacts] = {}     # GPU nodes as their Node objects say
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
                                                            thread_name_prefix="replica")
@@ -751,8 +764,7 @@ class KubeController:
         try:
             request = Request(spec=self._replica_spec(fastpod), owner=f"{namespace}/{name}",
                               idempotency_key=replica_key(namespace, name, pod_name))
-            # a fresh name: creating is the check
-            allocation = self.core.allocate(request, lookup=False, excluded=excluded)
+            allocation = self._allocate(fastpod, request, excluded)
         except TemplateError as exc:
             return None, None, {"type": "Scheduled", "status": "False", "reason": "Invalid",
                                 "message": str(exc)}
@@ -781,6 +793,38 @@ class KubeController:
         log.info("FastPod %s/%s: pod %s on %s holds %s", namespace, name, pod_name, allocation.node,
                  allocation.id)
         return pod, allocation, None
+
+    def _replica_demand(self, fastpod: dict[str, Any]) -> Demand:
+        """One replica Pod's request as the dry run's Pod was admitted (else as the template says)."""
+        generation, admitted = self._templates_ok.get(fastpod["metadata"]["uid"], (None, None))
+        if admitted is not None and generation == fastpod["metadata"].get("generation", 0):
+            return admitted
+        return pod_demand(fastpod["spec"]["template"].get("spec") or {}, TEMPLATE_SPEC)
+
+    def _allocate(self, fastpod: dict[str, Any], request: Request, excluded: dict[str, str]) -> Allocation:
+        """The core's allocation (a fresh name: creating is the check); a replica that asks
+        resources the engine does not count (extended resources, hugepages, ephemeral storage)
+        goes only where they are free: allocatable less bound Pods' requests and the replicas
+        placed whose Pod the watch has not shown yet. Those placements go one at a time, so that
+        two do not take the same last device."""
+        asked = self._replica_demand(fastpod)
+        if not asked.extended:
+            return self.core.allocate(request, lookup=False, excluded=excluded)
+        with self._extended_lock:
+            held = self.core.ledger.host_requests()
+            usage = self.usage.on(self._nodes)
+            seen = {allocation for pods in usage.values() for _, allocation in pods}
+            self._unseen_extended = {a: (node, demand) for a, (node, demand) in self._unseen_extended.items()
+                             if a in held.get(node, {}) and a not in seen}
+            ruled_out = dict(excluded)
+            for name, facts in self._nodes.items():
+                placing = {a: demand for a, (node, demand) in self._unseen_extended.items() if node == name}
+                why = facts.extended_problem(asked, extended_used(usage.get(name, []), placing))
+                if why and name not in ruled_out:
+                    ruled_out[name] = why
+            allocation = self.core.allocate(request, lookup=False, excluded=ruled_out)
+            self._unseen_extended[allocation.id] = (allocation.node, asked)
+            return allocation
 
     def _release(self, allocation: Allocation, reason: str) -> Allocation:
         try:

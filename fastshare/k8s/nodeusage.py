@@ -1,11 +1,12 @@
 """What the Pods bound to each node request, kept from a watch of every namespace's bound,
-non-terminated Pods (an informer), so that placement sees the CPU and memory that Pods
-fastshare did not create take, without listing Pods per pass. Only each Pod's node, effective
-request and allocation id are kept, not the Pod."""
+non-terminated Pods (an informer), so that placement sees the CPU, memory and other resources
+(extended resources, hugepages, ephemeral storage) that Pods fastshare did not create take,
+without listing Pods per pass. Only each Pod's node, effective request and allocation id are
+kept, not the Pod."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastshare.k8s.podcache import Key, WatchCache, pod_key
@@ -90,3 +91,20 @@ def host_left(allocatable: Demand, pods: Iterable[tuple[Demand, str]],
         cpu -= max(0, demand.cpu_milli - counted_cpu)
         memory -= max(0, demand.memory_bytes - counted_mib * 1024**2)
     return Demand(cpu, memory)
+
+
+def extended_used(pods: Iterable[tuple[Demand, str]], placing: Mapping[str, Demand]) -> dict[str, int]:
+    """What a node's bound Pods request of each resource besides CPU and memory (the engine
+    counts none of them), plus what replicas placed there ask whose Pod the watch has not shown
+    yet (``placing``: allocation id -> request; one whose Pod is seen counts by its Pod)."""
+    used: dict[str, int] = {}
+    seen = set()
+    for demand, allocation in pods:
+        seen.add(allocation)
+        for name, amount in demand.extended:
+            used[name] = used.get(name, 0) + amount
+    for allocation, demand in placing.items():
+        if allocation not in seen:
+            for name, amount in demand.extended:
+                used[name] = used.get(name, 0) + amount
+    return used

@@ -17,7 +17,7 @@ from kubernetes.utils import parse_quantity
 
 from fastshare.controller.model import Allocation, Kind, Spec
 from fastshare.k8s.resources import API_VERSION, KIND
-from fastshare.k8s.scheduling import Constraints, constraints, pod_demand
+from fastshare.k8s.scheduling import Constraints, constraints, pod_demand, refuse_gpu_resources
 
 FASTPOD_LABEL = "fastshare.io/fastpod"
 ALLOCATION_ANNOTATION = "fastshare.io/allocation"
@@ -52,10 +52,12 @@ TEMPLATE_SPEC = "spec.template.spec"   # where a FastPod's Pod spec is, for mess
 
 def spec_of(fastpod: dict[str, Any]) -> Spec:
     """The controller's request for one replica of ``fastpod`` (already schema-validated); the
-    host CPU/memory is the replica Pod's effective request (TemplateError if unreadable)."""
+    host CPU/memory is the replica Pod's effective request (TemplateError if unreadable, or if
+    it asks the device plugin for a GPU)."""
     gpu = fastpod["spec"]["gpu"]
     pod_spec = fastpod["spec"]["template"].get("spec") or {}
     demand = pod_demand(pod_spec, TEMPLATE_SPEC)
+    refuse_gpu_resources(pod_spec, TEMPLATE_SPEC)
     memory = gpu.get("memory")
     return Spec(
         kind=Kind(gpu["kind"]),

@@ -1,6 +1,7 @@
 """What the kube-scheduler and the kubelet check before a Pod may run on a node, for the Pods
 the controller binds itself (``nodeName``, so no scheduler looks at them): the Pod's effective
-CPU/memory request against the node's allocatable minus what bound Pods request, its required
+request (pod-level ``spec.resources`` where set) of CPU, memory, ephemeral storage, hugepages and
+extended resources against the node's allocatable minus what bound Pods request, its required
 node affinity, and the node's taints (and cordon) against its tolerations.
 
 Pure functions over plain dicts (the API's JSON); a template that cannot be read raises
@@ -10,8 +11,9 @@ Pure functions over plain dicts (the API's JSON); a template that cannot be read
 from __future__ import annotations
 
 import math
+import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -60,49 +62,117 @@ def whole(value: object, field: str) -> int:
     return math.ceil(quantity(value, field))
 
 
+def _merged(a: tuple[tuple[str, int], ...], b: tuple[tuple[str, int], ...],
+            how: Callable[[int, int], int]) -> tuple[tuple[str, int], ...]:
+    names = {n for n, _ in a} | {n for n, _ in b}
+    left, right = dict(a), dict(b)
+    return tuple((n, v) for n in sorted(names) if (v := how(left.get(n, 0), right.get(n, 0))))
+
+
 @dataclass(frozen=True)
 class Demand:
     """A Pod's effective request: what the scheduler and the kubelet count on a node."""
 
     cpu_milli: int = 0
     memory_bytes: int = 0
+    # every other resource, by name, sorted, none of zero: ephemeral-storage and hugepages-<size>
+    # in bytes, extended resources (example.com/foo) as counts
+    extended: tuple[tuple[str, int], ...] = ()
 
     def __add__(self, other: Demand) -> Demand:
-        return Demand(self.cpu_milli + other.cpu_milli, self.memory_bytes + other.memory_bytes)
+        return Demand(self.cpu_milli + other.cpu_milli, self.memory_bytes + other.memory_bytes,
+                      _merged(self.extended, other.extended, operator.add))
 
     def most(self, other: Demand) -> Demand:
-        return Demand(max(self.cpu_milli, other.cpu_milli), max(self.memory_bytes, other.memory_bytes))
+        return Demand(max(self.cpu_milli, other.cpu_milli), max(self.memory_bytes, other.memory_bytes),
+                      _merged(self.extended, other.extended, max))
 
     @property
     def memory_mib(self) -> int:
         return -(-self.memory_bytes // MiB)
 
 
-def _resources(amounts: object, field: str) -> Demand:
+_STANDARD = ("cpu", "memory", "ephemeral-storage")
+HUGEPAGES = "hugepages-"
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9-]+")
+
+
+def key_field(field: str, name: str) -> str:
+    """``field.cpu``, or ``field[example.com/foo]`` for a name a dot would not delimit."""
+    return f"{field}.{name}" if _PLAIN_KEY.fullmatch(name) else f"{field}[{name}]"
+
+
+def is_extended(name: str) -> bool:
+    """A resource counted as a whole number of devices (not a quantity of bytes or CPU): a
+    fully qualified name outside kubernetes.io (what a device plugin advertises)."""
+    return "/" in name and "kubernetes.io/" not in name
+
+
+def _amount(name: str, value: object, field: str) -> int:
+    if name == "cpu":
+        return milli(value, field)
+    if is_extended(name):
+        exact = quantity(value, field)
+        if exact != exact.to_integral_value():
+            raise TemplateError(field, f"{name} counts whole devices: must be an integer (got {value!r})")
+        return int(exact)
+    if name in _STANDARD or name.startswith(HUGEPAGES) or "kubernetes.io/" in name:
+        return whole(value, field)
+    raise TemplateError(field, "must be cpu, memory, ephemeral-storage, hugepages-<size> or a fully "
+                               f"qualified extended resource such as example.com/device (got {name!r})")
+
+
+def _amounts(amounts: object, field: str) -> dict[str, int]:
     if amounts is None:
-        return Demand()
+        return {}
     if not isinstance(amounts, Mapping):
         raise TemplateError(field, f"must be a map of resource quantities (got {type(amounts).__name__})")
-    cpu, memory = amounts.get("cpu"), amounts.get("memory")
-    return Demand(milli(cpu, f"{field}.cpu") if cpu is not None else 0,
-                  whole(memory, f"{field}.memory") if memory is not None else 0)
+    out = {}
+    for name, value in amounts.items():
+        if not isinstance(name, str) or not name:
+            raise TemplateError(field, f"resource names must be non-empty strings (got {name!r})")
+        if value is not None:
+            out[name] = _amount(name, value, key_field(field, name))
+    return out
 
 
-def _container(container: object, field: str) -> Demand:
-    """requests, each resource defaulting to its limit (the API server's defaulting)."""
-    if not isinstance(container, Mapping):
-        raise TemplateError(field, "must be an object")
-    resources = container.get("resources") or {}
+def _demand(amounts: Mapping[str, int]) -> Demand:
+    return Demand(amounts.get("cpu", 0), amounts.get("memory", 0),
+                  tuple(sorted((n, v) for n, v in amounts.items() if n not in ("cpu", "memory") and v)))
+
+
+def _resources(amounts: object, field: str) -> Demand:
+    return _demand(_amounts(amounts, field))
+
+
+def _requirements_of(holder: Mapping[str, Any], field: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(requests, limits) of a ``resources`` object, each request defaulting to its limit (the
+    API server's defaulting); a device (extended resource) must ask exactly its limit."""
+    resources = holder.get("resources") or {}
     if not isinstance(resources, Mapping):
-        raise TemplateError(f"{field}.resources", "must be an object")
+        raise TemplateError(field, "must be an object")
     requests = resources.get("requests") or {}
     limits = resources.get("limits") or {}
     if not isinstance(requests, Mapping) or not isinstance(limits, Mapping):
-        raise TemplateError(f"{field}.resources", "requests and limits must be maps of quantities")
-    asked = _resources({k: requests.get(k, limits.get(k)) for k in ("cpu", "memory")
-                        if requests.get(k, limits.get(k)) is not None}, f"{field}.resources.requests")
-    _resources(limits, f"{field}.resources.limits")   # refused here too, not only by the kubelet
-    return asked
+        raise TemplateError(field, "requests and limits must be maps of quantities")
+    asked, capped = _amounts(requests, f"{field}.requests"), _amounts(limits, f"{field}.limits")
+    for name, limit in capped.items():
+        if name not in asked:
+            asked[name] = limit
+        elif (is_extended(name) or name.startswith(HUGEPAGES)) and asked[name] != limit:
+            raise TemplateError(key_field(f"{field}.requests", name),
+                                f"must equal its limit ({limits[name]}): {name} cannot be overcommitted")
+    for name in asked:
+        if (is_extended(name) or name.startswith(HUGEPAGES)) and name not in capped:
+            raise TemplateError(key_field(f"{field}.limits", name),
+                                f"must be set: {name} cannot be overcommitted, its request is its limit")
+    return asked, capped
+
+
+def _container(container: object, field: str) -> Demand:
+    if not isinstance(container, Mapping):
+        raise TemplateError(field, "must be an object")
+    return _demand(_requirements_of(container, f"{field}.resources")[0])
 
 
 def _list(spec: Mapping[str, Any], key: str, prefix: str) -> list[Any]:
@@ -112,9 +182,43 @@ def _list(spec: Mapping[str, Any], key: str, prefix: str) -> list[Any]:
     return items
 
 
+def _pod_level(spec: Mapping[str, Any], prefix: str) -> dict[str, int] | None:
+    """The Pod-level requests (``spec.resources``, PodLevelResources) that replace the
+    containers' sum, with the API server's defaulting (KEP 2837): a resource with a pod-level
+    limit but no pod-level request asks the containers' sum if a container asks it (CPU and
+    memory), else the limit. None: no pod-level resources."""
+    if spec.get("resources") is None:
+        return None
+    field = f"{prefix}.resources"
+    if not isinstance(spec["resources"], Mapping):
+        raise TemplateError(field, "must be an object")
+    requests = _amounts(spec["resources"].get("requests"), f"{field}.requests")
+    limits = _amounts(spec["resources"].get("limits"), f"{field}.limits")
+    for name, kind in (*((n, "requests") for n in requests), *((n, "limits") for n in limits)):
+        if name not in ("cpu", "memory") and not name.startswith(HUGEPAGES):
+            raise TemplateError(key_field(f"{field}.{kind}", name),
+                                "pod-level resources take only cpu, memory and hugepages-<size>")
+    asked = dict(requests)
+    for name, limit in limits.items():
+        if name not in asked and not (name in ("cpu", "memory") and _containers_ask(spec, name)):
+            asked[name] = limit
+    return asked
+
+
+def _containers_ask(spec: Mapping[str, Any], name: str) -> bool:
+    """Whether any container, init container or sidecar requests ``name`` (or limits it)."""
+    for key in ("containers", "initContainers"):
+        for c in spec.get(key) or []:
+            resources = (c.get("resources") or {}) if isinstance(c, Mapping) else {}
+            if any(name in (resources.get(kind) or {}) for kind in ("requests", "limits")):
+                return True
+    return False
+
+
 def pod_demand(spec: Mapping[str, Any], prefix: str = "spec") -> Demand:
     """The Kubernetes rule: max(sum of the containers, the largest init step) + overhead, where
-    sidecars (init containers with restartPolicy Always) run on beside what starts after them."""
+    sidecars (init containers with restartPolicy Always) run on beside what starts after them;
+    pod-level requests (``spec.resources``), where set, replace that for CPU, memory and hugepages."""
     containers = Demand()
     for i, c in enumerate(_list(spec, "containers", prefix)):
         containers = containers + _container(c, f"{prefix}.containers[{i}]")
@@ -126,7 +230,33 @@ def pod_demand(spec: Mapping[str, Any], prefix: str = "spec") -> Demand:
             init = init.most(sidecars)
         else:
             init = init.most(own + sidecars)
-    return (containers + sidecars).most(init) + _resources(spec.get("overhead"), f"{prefix}.overhead")
+    total = (containers + sidecars).most(init)
+    pod_level = _pod_level(spec, prefix)
+    if pod_level:
+        summed = {"cpu": total.cpu_milli, "memory": total.memory_bytes, **dict(total.extended)}
+        total = _demand({**summed, **pod_level})
+    return total + _resources(spec.get("overhead"), f"{prefix}.overhead")
+
+
+GPU_DOMAIN = "nvidia.com/"
+
+
+def refuse_gpu_resources(spec: Mapping[str, Any], prefix: str = "spec") -> None:
+    """TemplateError for a template that asks the NVIDIA device plugin for a GPU (nvidia.com/gpu,
+    nvidia.com/mig-*): fastshare owns the GPUs of its nodes (no device plugin runs there) and
+    gives them out by the FastPod's ``spec.gpu``; the Pod would find none there, or take a GPU
+    beside its share."""
+    for key in ("containers", "initContainers"):
+        for i, c in enumerate(_list(spec, key, prefix)):
+            resources = c.get("resources") if isinstance(c, Mapping) else None
+            for kind in ("limits", "requests"):
+                amounts = resources.get(kind) if isinstance(resources, Mapping) else None
+                for name in amounts if isinstance(amounts, Mapping) else ():
+                    if isinstance(name, str) and name.startswith(GPU_DOMAIN):
+                        raise TemplateError(key_field(f"{prefix}.{key}[{i}].resources.{kind}", name),
+                                             "fastshare gives out the GPUs of its nodes: ask for a GPU "
+                                             "share in the FastPod's spec.gpu (kind, count, memory, ...) "
+                                             "instead of the device plugin's resource")
 
 
 def pod_running_demand(pod: Mapping[str, Any]) -> Demand:
@@ -159,12 +289,37 @@ class NodeFacts:
     unschedulable: bool = False
     allocatable: Demand = Demand()
     max_pods: int = 0   # status.allocatable.pods; 0: not reported, no limit known
+    # status.allocatable's other resources (see Demand.extended), zeros kept: "have 0" is not "have no"
+    extended: tuple[tuple[str, int], ...] = ()
 
     def pods_problem(self, bound: int) -> str | None:
         """Why a node running ``bound`` Pods takes no other (the kubelet refuses: OutOfpods)."""
         if self.max_pods and bound >= self.max_pods:
             return "run as many Pods as they allow (status.allocatable.pods)"
         return None
+
+    def extended_problem(self, asked: Demand, used: Mapping[str, int]) -> str | None:
+        """Why a Pod asking ``asked`` does not fit beside bound Pods that request ``used`` of the
+        resources besides CPU and memory (the kubelet refuses: OutOf<resource>)."""
+        have = dict(self.extended)
+        for name, amount in asked.extended:
+            if name not in have:
+                return f"have no {name} (status.allocatable)"
+            free = have[name] - used.get(name, 0)
+            if amount > free:
+                return f"have {_amount_text(name, max(0, free))} {name} free, the replica asks " \
+                       f"{_amount_text(name, amount)}"
+        return None
+
+
+def _amount_text(name: str, amount: int) -> str:
+    """A count as it is, bytes in the largest binary unit that divides them (1Gi, 512Mi)."""
+    if is_extended(name):
+        return str(amount)
+    for power, unit in ((60, "Ei"), (50, "Pi"), (40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki")):
+        if amount and amount % 2**power == 0:
+            return f"{amount >> power}{unit}"
+    return str(amount)
 
 
 def node_facts(node: Any) -> NodeFacts:
@@ -180,11 +335,18 @@ def node_facts(node: Any) -> NodeFacts:
         max_pods = whole(allocatable.get("pods", 0), "pods")
     except TemplateError:
         max_pods = 0
+    extended = []
+    for name, value in sorted(allocatable.items()):
+        if name not in ("cpu", "memory", "pods"):
+            try:
+                extended.append((name, _amount(name, value, name)))
+            except TemplateError:
+                continue   # not a resource a Pod can ask for: nothing to count
     taints = tuple(Taint(t.key or "", t.value or "", t.effect or "")
                    for t in (spec.taints if spec else None) or [])
     return NodeFacts(name=meta.name, labels=tuple(sorted((meta.labels or {}).items())), taints=taints,
                      unschedulable=bool(spec and spec.unschedulable), allocatable=capacity,
-                     max_pods=max_pods)
+                     max_pods=max_pods, extended=tuple(extended))
 
 
 # -- a Pod's constraints on nodes -----------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """The kube-scheduler's rules as fastshare applies them to the Pods it binds itself: quantities,
-a Pod's effective request, required node affinity, taints and tolerations, node usage."""
+a Pod's effective request (extended resources, Pod-level resources), required node affinity,
+taints and tolerations, node usage."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kubernetes import client
 
-from fastshare.k8s.nodeusage import NodeUsage, host_left
-from fastshare.k8s.pods import ALLOCATION_ANNOTATION
+from fastshare.k8s.nodeusage import NodeUsage, extended_used, host_left
+from fastshare.k8s.pods import ALLOCATION_ANNOTATION, spec_of
+from fastshare.k8s.resources import fastpod_manifest
 from fastshare.k8s.scheduling import (
     Demand,
     NodeFacts,
@@ -17,6 +21,8 @@ from fastshare.k8s.scheduling import (
     milli,
     node_facts,
     pod_demand,
+    pod_running_demand,
+    refuse_gpu_resources,
     whole,
 )
 
@@ -277,3 +283,151 @@ def test_gt_compares_integers_as_kubernetes_reads_them(label, fits):
     assert (constraints(spec).problem(node) is None) == fits
     with pytest.raises(TemplateError, match="needs an integer"):
         constraints(_affinity({"matchExpressions": [_expr("cores", "Gt", "3_2")]}))
+
+
+# -- extended resources, hugepages, ephemeral storage ------------------------------------------------
+FOO = "example.com/foo"
+
+
+def _x(amount, name=FOO, **extra):
+    """A container asking ``amount`` of ``name`` (request = limit, as the API server wants it)."""
+    return _c({name: amount}, {name: amount}, **extra)
+
+
+def test_extended_resources_follow_the_same_rule_as_cpu():
+    spec = {"containers": [_x("1"), _x(2), _c(limits={FOO: "1", "hugepages-2Mi": "4Mi"})],
+            "initContainers": [_x("2", restartPolicy="Always"), _x("5", name="rdma/hca"), _x("3")],
+            "overhead": {"rdma/hca": "1"}}
+    # running: 1 + 2 + 1 + the sidecar's 2; init steps: sidecar 2 + 3 = 5 foo, rdma/hca 5
+    assert pod_demand(spec).extended == ((FOO, 6), ("hugepages-2Mi", 4 * Mi), ("rdma/hca", 5 + 1))
+    disk = {"containers": [_c({"ephemeral-storage": "1Gi"})]}
+    assert pod_demand(disk).extended == (("ephemeral-storage", Gi),)
+    assert pod_demand({"containers": [_c({"cpu": "1"})]}) == Demand(1000, 0)   # none asked: none counted
+
+
+@pytest.mark.parametrize(("container", "field", "words"), [
+    (_x("1.5"), "requests[example.com/foo]", "must be an integer"),
+    (_x("500m"), "requests[example.com/foo]", "must be an integer"),
+    (_x("lots"), "requests[example.com/foo]", "is not a quantity"),
+    (_c({FOO: "1"}, {FOO: "2"}), "requests[example.com/foo]", "must equal its limit"),
+    (_c({FOO: "1"}), "limits[example.com/foo]", "must be set"),
+    (_c({"hugepages-2Mi": "2Mi"}, {"hugepages-2Mi": "4Mi"}), "requests.hugepages-2Mi", "equal"),
+    (_c({"gpus": "1"}), "requests.gpus", "fully qualified extended resource"),
+])
+def test_a_malformed_extended_request_is_refused_naming_the_field(container, field, words):
+    with pytest.raises(TemplateError) as caught:
+        pod_demand({"containers": [_c(), container]}, "spec.template.spec")
+    assert caught.value.field == f"spec.template.spec.containers[1].resources.{field}"
+    assert words in caught.value.detail
+
+
+def test_a_node_s_other_resources_and_what_they_leave():
+    node = node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="n"), status=client.V1NodeStatus(
+        allocatable={"cpu": "4", "memory": "8Gi", "pods": "110", FOO: "2", "hugepages-2Mi": "0",
+                     "ephemeral-storage": "100Gi", "example.com/odd": "x"})))
+    assert node.extended == (("ephemeral-storage", 100 * Gi), (FOO, 2), ("hugepages-2Mi", 0))
+    one = Demand(extended=((FOO, 1),))
+    assert node.extended_problem(one, {}) is None
+    assert node.extended_problem(one, {FOO: 1}) is None
+    assert node.extended_problem(one, {FOO: 2}) == "have 0 example.com/foo free, the replica asks 1"
+    assert node.extended_problem(Demand(extended=((FOO, 2),)), {FOO: 1}) == \
+        "have 1 example.com/foo free, the replica asks 2"
+    assert node.extended_problem(Demand(extended=(("rdma/hca", 1),)), {}) == \
+        "have no rdma/hca (status.allocatable)"
+    assert node.extended_problem(Demand(extended=(("hugepages-2Mi", 4 * Mi),)), {}) == \
+        "have 0 hugepages-2Mi free, the replica asks 4Mi"
+    assert node.extended_problem(Demand(extended=(("ephemeral-storage", 60 * Gi),)),
+                                 {"ephemeral-storage": 50 * Gi}) == \
+        "have 50Gi ephemeral-storage free, the replica asks 60Gi"
+    assert node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="bare"))).extended_problem(one, {}) == \
+        "have no example.com/foo (status.allocatable)"
+
+
+def test_bound_pods_and_replicas_not_yet_seen_use_a_node_s_devices():
+    usage = NodeUsage()
+    foreign = {"metadata": {"namespace": "o", "name": "f"},
+               "spec": {"nodeName": "n1", "containers": [_x("1"), _x("2", name="rdma/hca")]},
+               "status": {"phase": "Running"}}
+    mine = {"metadata": {"namespace": "ns", "name": "r", "annotations": {ALLOCATION_ANNOTATION: "fs-1"}},
+            "spec": {"nodeName": "n1", "containers": [_x("1")]}, "status": {"phase": "Pending"}}
+    usage.replace([foreign, mine])
+    pods = usage.on(["n1"])["n1"]
+    asked = Demand(extended=((FOO, 1),))
+    # fs-1's Pod is seen: counted once, by its Pod; fs-2's is not yet: counted by its request
+    assert extended_used(pods, {"fs-1": asked, "fs-2": asked}) == {FOO: 3, "rdma/hca": 2}
+    assert extended_used([], {}) == {}
+
+
+# -- Pod-level resources (spec.resources, KEP 2837) ---------------------------------------------------
+def test_pod_level_requests_replace_the_containers_sum_and_overhead_adds():
+    spec = {"resources": {"requests": {"cpu": "2", "memory": "1Gi"}},
+            "containers": [_c({"cpu": "500m", "memory": "256Mi"}), _x("1")],
+            "overhead": {"cpu": "100m", "memory": "10Mi"}}
+    assert pod_demand(spec) == Demand(2100, Gi + 10 * Mi, ((FOO, 1),))
+    only_cpu = {"resources": {"requests": {"cpu": "2"}}, "containers": [_c({"cpu": "1", "memory": "1Gi"})]}
+    assert pod_demand(only_cpu) == Demand(2000, Gi)      # memory: the containers' sum
+
+
+def test_pod_level_limits_default_the_request_as_the_api_server_does():
+    # no container asks: the pod-level limit
+    assert pod_demand({"resources": {"limits": {"cpu": "3", "memory": "2Gi"}},
+                       "containers": [_c()]}) == Demand(3000, 2 * Gi)
+    # a container asks CPU: the containers' sum; none asks memory: the limit
+    spec = {"resources": {"limits": {"cpu": "3", "memory": "2Gi"}},
+            "containers": [_c({"cpu": "1"}), _c({"cpu": "500m"})]}
+    assert pod_demand(spec) == Demand(1500, 2 * Gi)
+    # an explicit pod-level request wins over both
+    spec["resources"]["requests"] = {"cpu": "2"}
+    assert pod_demand(spec) == Demand(2000, 2 * Gi)
+    hugepages = {"resources": {"limits": {"memory": "1Gi", "hugepages-2Mi": "8Mi"}}, "containers": [_c()]}
+    assert pod_demand(hugepages) == Demand(0, Gi, (("hugepages-2Mi", 8 * Mi),))
+
+
+@pytest.mark.parametrize(("resources", "field"), [
+    ({"requests": {"cpu": "a lot"}}, "spec.resources.requests.cpu"),
+    ({"limits": {"memory": "-1"}}, "spec.resources.limits.memory"),
+    ({"requests": {FOO: "1"}}, "spec.resources.requests[example.com/foo]"),
+    ({"limits": {"ephemeral-storage": "1Gi"}}, "spec.resources.limits.ephemeral-storage"),
+    ("2", "spec.resources"),
+])
+def test_malformed_pod_level_resources_are_refused_naming_the_field(resources, field):
+    with pytest.raises(TemplateError) as caught:
+        pod_demand({"resources": resources, "containers": [_c()]})
+    assert caught.value.field == field
+
+
+def test_a_bound_pod_with_pod_level_resources_counts_by_them():
+    usage = NodeUsage()
+    usage.replace([{"metadata": {"namespace": "o", "name": "p"}, "status": {"phase": "Running"},
+                    "spec": {"nodeName": "n1", "resources": {"requests": {"cpu": "2", "memory": "1Gi"}},
+                             "containers": [_c()]}}])
+    assert usage.on(["n1"])["n1"] == [(Demand(2000, Gi), "")]
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=4), st.lists(st.integers(0, 4), max_size=3),
+       st.integers(0, 8000), st.integers(0, 2000))
+def test_pod_level_cpu_is_the_pod_s_whatever_its_containers_ask(containers, inits, pod_cpu, overhead):
+    """The containers' devices add as CPU does; the pod-level CPU request replaces their sum."""
+    spec = {"containers": [_c({"cpu": f"{n}00m", FOO: n}, {FOO: n}) for n in containers],
+            "initContainers": [_x(n) for n in inits], "overhead": {"cpu": f"{overhead}m"}}
+    plain = pod_demand(spec)
+    expected_foo = max(sum(containers), max(inits, default=0))
+    assert plain.cpu_milli == 100 * sum(containers) + overhead
+    assert dict(plain.extended).get(FOO, 0) == expected_foo
+    pod_level = pod_demand({**spec, "resources": {"requests": {"cpu": f"{pod_cpu}m"}}})
+    assert pod_level == Demand(pod_cpu + overhead, 0, plain.extended)
+    bound = {"spec": {**spec, "resources": {"requests": {"cpu": f"{pod_cpu}m"}}}}
+    assert pod_running_demand(bound) == pod_level
+
+
+# -- GPUs are fastshare's --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["nvidia.com/gpu", "nvidia.com/mig-1g.10gb"])
+def test_a_template_asking_the_device_plugin_for_a_gpu_is_refused(name):
+    template = {"spec": {"containers": [_c(), _c(limits={name: "1"})]}}
+    with pytest.raises(TemplateError) as caught:
+        spec_of(fastpod_manifest("g", {"kind": "mps", "memory": "1Gi"}, template=template))
+    assert caught.value.field == f"spec.template.spec.containers[1].resources.limits[{name}]"
+    assert "spec.gpu" in caught.value.detail
+    refuse_gpu_resources({"containers": [_x("1")]})    # other devices are the template's to ask
+    # a foreign Pod using the device plugin elsewhere is counted as any other
+    assert pod_demand({"containers": [_x("1", name="nvidia.com/gpu")]}).extended == (("nvidia.com/gpu", 1),)

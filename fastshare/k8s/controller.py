@@ -815,14 +815,14 @@ class KubeController:
             usage = self.usage.on(self._nodes)
             seen = {allocation for pods in usage.values() for _, allocation in pods}
             self._unseen_extended = {a: (node, demand) for a, (node, demand) in self._unseen_extended.items()
-                             if a in held.get(node, {}) and a not in seen}
-            ruled_out = dict(excluded)
+                                     if a in held.get(node, {}) and a not in seen}
+            without = dict(excluded)
             for name, facts in self._nodes.items():
                 placing = {a: demand for a, (node, demand) in self._unseen_extended.items() if node == name}
                 why = facts.extended_problem(asked, extended_used(usage.get(name, []), placing))
-                if why and name not in ruled_out:
-                    ruled_out[name] = why
-            allocation = self.core.allocate(request, lookup=False, excluded=ruled_out)
+                if why and name not in without:
+                    without[name] = why
+            allocation = self.core.allocate(request, lookup=False, excluded=without)
             self._unseen_extended[allocation.id] = (allocation.node, asked)
             return allocation
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from fastshare.k8s.podaffinity import Peer, peer
-from fastshare.k8s.podcache import Key, WatchCache, _version, pod_key
+from fastshare.k8s.podcache import Key, WatchCache, pod_key, resource_version
 
 
 class PodPeers(WatchCache):
@@ -51,7 +51,7 @@ class PodPeers(WatchCache):
         """An added or changed Pod (a watch event, or the reply to our own create)."""
         entry, key = peer(pod), pod_key(pod)
         with self._lock:
-            self._since[key] = (_version(pod), entry)
+            self._since[key] = (resource_version(pod), entry)
             self._pods.pop(key, None)
             self._forbidding.pop(key, None)
             if entry is not None:
@@ -62,7 +62,7 @@ class PodPeers(WatchCache):
     def remove(self, pod: dict[str, Any]) -> None:
         key = pod_key(pod)
         with self._lock:
-            self._since[key] = (_version(pod), None)
+            self._since[key] = (resource_version(pod), None)
             self._pods.pop(key, None)
             self._forbidding.pop(key, None)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastshare.k8s.pods import FASTPOD_LABEL, TEMPLATE_SPEC, replica_constraints
-from fastshare.k8s.scheduling import Constraints, NodeFacts, Taint, TemplateError, _Requirement
+from fastshare.k8s.scheduling import Constraints, NodeFacts, Requirement, Taint, TemplateError
 
 HOSTNAME = "kubernetes.io/hostname"
 _SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -45,12 +45,12 @@ Labels = Mapping[str, str]
 class Selector:
     """A ``metav1.LabelSelector``: every requirement holds (none: every set of labels)."""
 
-    requirements: tuple[_Requirement, ...] = ()
+    requirements: tuple[Requirement, ...] = ()
 
     def matches(self, labels: Labels) -> bool:
         return all(r.matches(labels.get(r.key)) for r in self.requirements)
 
-    def plus(self, more: Iterable[_Requirement]) -> Selector:
+    def plus(self, more: Iterable[Requirement]) -> Selector:
         return Selector(self.requirements + tuple(more))
 
 
@@ -65,7 +65,7 @@ def selector(raw: object, field: str) -> Selector | None:
     if not isinstance(labels, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in labels.items()):
         raise TemplateError(f"{field}.matchLabels", "must be a map of strings")
-    out += [_Requirement(k, "In", (v,)) for k, v in sorted(labels.items())]
+    out += [Requirement(k, "In", (v,)) for k, v in sorted(labels.items())]
     expressions = raw.get("matchExpressions") or []
     if not isinstance(expressions, list):
         raise TemplateError(f"{field}.matchExpressions", "must be a list")
@@ -83,7 +83,7 @@ def selector(raw: object, field: str) -> Selector | None:
             raise TemplateError(f"{at}.values", f"operator {op} needs at least one value")
         if op in ("Exists", "DoesNotExist") and values:
             raise TemplateError(f"{at}.values", f"operator {op} takes no values")
-        out.append(_Requirement(item["key"], op, tuple(values)))
+        out.append(Requirement(item["key"], op, tuple(values)))
     return Selector(tuple(out))
 
 
@@ -142,8 +142,8 @@ def _term(raw: object, field: str, namespace: str, labels: Labels) -> PodTerm:
     if both := set(match) & set(mismatch):
         raise TemplateError(f"{field}.mismatchLabelKeys", f"{sorted(both)[0]!r} is in matchLabelKeys too")
     if chosen is not None:   # the API server's merge: this Pod's own values of those keys
-        chosen = chosen.plus([_Requirement(k, "In", (labels[k],)) for k in match if k in labels]
-                             + [_Requirement(k, "NotIn", (labels[k],)) for k in mismatch if k in labels])
+        chosen = chosen.plus([Requirement(k, "In", (labels[k],)) for k in match if k in labels]
+                             + [Requirement(k, "NotIn", (labels[k],)) for k in mismatch if k in labels])
     namespaces = _or_empty(raw.get("namespaces"))
     if not isinstance(namespaces, list) or not all(isinstance(n, str) and n for n in namespaces):
         raise TemplateError(f"{field}.namespaces", "must be a list of namespace names")
@@ -226,7 +226,7 @@ def _spread(raw: object, field: str, labels: Labels) -> Spread | None:
     if match and chosen is None:
         raise TemplateError(f"{field}.matchLabelKeys", "needs a labelSelector")
     if chosen is not None:
-        chosen = chosen.plus(_Requirement(k, "In", (labels[k],)) for k in match if k in labels)
+        chosen = chosen.plus(Requirement(k, "In", (labels[k],)) for k in match if k in labels)
     honor_affinity = _policy(raw, "nodeAffinityPolicy", field, "Honor")
     honor_taints = _policy(raw, "nodeTaintsPolicy", field, "Ignore")
     if when != "DoNotSchedule":

@@ -23,7 +23,7 @@ from fastshare.k8s.pods import FASTPOD_LABEL
 Key = tuple[str, str]
 
 
-def _version(pod: dict[str, Any]) -> int:
+def resource_version(pod: dict[str, Any]) -> int:
     """resourceVersions are etcd revisions; compared only between versions of one Pod."""
     try:
         return int(pod["metadata"].get("resourceVersion") or 0)
@@ -65,7 +65,7 @@ class PodCache(WatchCache):
         fresh = {pod_key(p): p for p in pods}
         with self._lock:
             for key, pod in self._pods.items():
-                if key not in fresh and _version(pod) > as_of:
+                if key not in fresh and resource_version(pod) > as_of:
                     fresh[key] = pod  # created after the list was taken
             self._gone = {k: v for k, v in self._gone.items() if v > as_of}
             for key in self._gone:
@@ -75,19 +75,19 @@ class PodCache(WatchCache):
 
     def put(self, pod: dict[str, Any]) -> None:
         """An added or changed Pod (watch event or our own create/delete reply)."""
-        key, version = pod_key(pod), _version(pod)
+        key, version = pod_key(pod), resource_version(pod)
         with self._lock:
             held = self._pods.get(key)
-            if (held is not None and _version(held) > version) or self._gone.get(key, -1) >= version:
+            if (held is not None and resource_version(held) > version) or self._gone.get(key, -1) >= version:
                 return
             self._pods[key] = pod
 
     def remove(self, pod: dict[str, Any]) -> None:
         """A Pod that no longer exists."""
-        key, version = pod_key(pod), _version(pod)
+        key, version = pod_key(pod), resource_version(pod)
         with self._lock:
             held = self._pods.get(key)
-            if held is not None and _version(held) > version:
+            if held is not None and resource_version(held) > version:
                 return
             self._pods.pop(key, None)
             self._gone[key] = max(version, self._gone.get(key, 0))
@@ -97,7 +97,8 @@ class PodCache(WatchCache):
         with self._lock:
             held = self._pods.pop((namespace, name), None)
             if held is not None:
-                self._gone[(namespace, name)] = max(_version(held), self._gone.get((namespace, name), 0))
+                key = (namespace, name)
+                self._gone[key] = max(resource_version(held), self._gone.get(key, 0))
 
     def of(self, namespace: str, fastpod: str) -> list[dict[str, Any]]:
         """The Pods labelled as ``fastpod``'s (owner not checked here)."""

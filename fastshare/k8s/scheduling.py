@@ -354,7 +354,7 @@ _OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt")
 
 
 @dataclass(frozen=True)
-class _Requirement:
+class Requirement:
     key: str
     operator: str
     values: tuple[str, ...]
@@ -386,7 +386,7 @@ def _integer(text: str | None) -> int | None:
     return value
 
 
-def _requirements(items: object, field: str, fields: bool) -> tuple[_Requirement, ...]:
+def _requirements(items: object, field: str, fields: bool) -> tuple[Requirement, ...]:
     if items is None:
         return ()
     if not isinstance(items, list):
@@ -413,14 +413,14 @@ def _requirements(items: object, field: str, fields: bool) -> tuple[_Requirement
                 raise TemplateError(f"{at}.values", f"operator {op} needs an integer (got {values[0]!r})")
         if fields and item["key"] != "metadata.name":
             raise TemplateError(f"{at}.key", f"only metadata.name is supported (got {item['key']!r})")
-        out.append(_Requirement(item["key"], op, tuple(values)))
+        out.append(Requirement(item["key"], op, tuple(values)))
     return tuple(out)
 
 
 @dataclass(frozen=True)
 class _Term:
-    expressions: tuple[_Requirement, ...]
-    fields: tuple[_Requirement, ...]
+    expressions: tuple[Requirement, ...]
+    fields: tuple[Requirement, ...]
 
     def matches(self, node: NodeFacts) -> bool:
         if not self.expressions and not self.fields:

@@ -1,8 +1,8 @@
 """What the Pods bound to each node request, kept from a watch of every namespace's bound,
 non-terminated Pods (an informer), so that placement sees the CPU, memory and other resources
-(extended resources, hugepages, ephemeral storage) that Pods fastshare did not create take,
-without listing Pods per pass. Only each Pod's node, effective request and allocation id are
-kept, not the Pod."""
+(extended resources, hugepages, ephemeral storage) and the host ports that Pods fastshare did
+not create take, without listing Pods per pass. Only each Pod's node, effective request,
+allocation id and host ports are kept, not the Pod."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from typing import Any
 
 from fastshare.k8s.podcache import Key, WatchCache, pod_key
 from fastshare.k8s.pods import ALLOCATION_ANNOTATION
-from fastshare.k8s.scheduling import Demand, pod_running_demand
+from fastshare.k8s.scheduling import Demand, HostPort, pod_running_demand, running_host_ports
 
 # The Pods a kubelet counts: bound, not ended (a Pod that ends leaves the watch as DELETED).
 FIELD_SELECTOR = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
 
-Entry = tuple[str, Demand, str]   # node, request, allocation id ("" for Pods not ours)
+# node, request, allocation id ("" for Pods not ours), host ports
+Entry = tuple[str, Demand, str, tuple[HostPort, ...]]
 
 
 def _entry(pod: dict[str, Any]) -> Entry | None:
@@ -24,7 +25,7 @@ def _entry(pod: dict[str, Any]) -> Entry | None:
     if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         return None
     allocation = (pod["metadata"].get("annotations") or {}).get(ALLOCATION_ANNOTATION, "")
-    return node, pod_running_demand(pod), allocation
+    return node, pod_running_demand(pod), allocation, running_host_ports(pod)
 
 
 class NodeUsage(WatchCache):
@@ -33,31 +34,40 @@ class NodeUsage(WatchCache):
         self._pods: dict[Key, Entry] = {}
         # the same entries by node: a node's Pods without a walk over every Pod of the cluster
         self._by_node: dict[str, dict[Key, tuple[Demand, str]]] = {}
+        # the host ports of the Pods that take some, by node (most Pods take none)
+        self._ports: dict[str, dict[Key, tuple[HostPort, ...]]] = {}
 
     def replace(self, pods: Iterable[dict[str, Any]]) -> None:
         fresh = {pod_key(p): e for p in pods if (e := _entry(p)) is not None}
         by_node: dict[str, dict[Key, tuple[Demand, str]]] = {}
-        for key, (node, demand, allocation) in fresh.items():
+        ports: dict[str, dict[Key, tuple[HostPort, ...]]] = {}
+        for key, (node, demand, allocation, taken) in fresh.items():
             by_node.setdefault(node, {})[key] = (demand, allocation)
+            if taken:
+                ports.setdefault(node, {})[key] = taken
         with self._lock:
-            self._pods, self._by_node = fresh, by_node
+            self._pods, self._by_node, self._ports = fresh, by_node, ports
         self._synced.set()
 
     def _drop(self, key: Key) -> None:
         old = self._pods.pop(key, None)
         if old is not None:
-            on_node = self._by_node[old[0]]
-            del on_node[key]
-            if not on_node:
-                del self._by_node[old[0]]
+            for index in (self._by_node, self._ports):
+                on_node = index.get(old[0], {})
+                on_node.pop(key, None)
+                if not on_node:
+                    index.pop(old[0], None)
 
     def put(self, pod: dict[str, Any]) -> None:
         entry, key = _entry(pod), pod_key(pod)
         with self._lock:
             self._drop(key)
             if entry is not None:
+                node, demand, allocation, taken = entry
                 self._pods[key] = entry
-                self._by_node.setdefault(entry[0], {})[key] = entry[1:]
+                self._by_node.setdefault(node, {})[key] = (demand, allocation)
+                if taken:
+                    self._ports.setdefault(node, {})[key] = taken
 
     def remove(self, pod: dict[str, Any]) -> None:
         with self._lock:
@@ -72,6 +82,12 @@ class NodeUsage(WatchCache):
         """Per node of ``nodes``: each bound Pod's request and allocation id."""
         with self._lock:
             return {n: list(self._by_node.get(n, {}).values()) for n in nodes}
+
+
+    def ports(self, nodes: Iterable[str]) -> dict[str, list[HostPort]]:
+        """Per node of ``nodes``: the host ports its bound Pods take."""
+        with self._lock:
+            return {n: [p for taken in self._ports.get(n, {}).values() for p in taken] for n in nodes}
 
 
 def host_left(allocatable: Demand, pods: Iterable[tuple[Demand, str]],

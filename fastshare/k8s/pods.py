@@ -17,7 +17,15 @@ from kubernetes.utils import parse_quantity
 
 from fastshare.controller.model import Allocation, Kind, Spec
 from fastshare.k8s.resources import API_VERSION, KIND
-from fastshare.k8s.scheduling import Constraints, constraints, pod_demand, refuse_gpu_resources
+from fastshare.k8s.scheduling import (
+    Constraints,
+    HostPort,
+    constraints,
+    host_ports,
+    pod_demand,
+    refuse_gpu_resources,
+    refuse_resource_claims,
+)
 
 FASTPOD_LABEL = "fastshare.io/fastpod"
 ALLOCATION_ANNOTATION = "fastshare.io/allocation"
@@ -53,11 +61,12 @@ TEMPLATE_SPEC = "spec.template.spec"   # where a FastPod's Pod spec is, for mess
 def spec_of(fastpod: dict[str, Any]) -> Spec:
     """The controller's request for one replica of ``fastpod`` (already schema-validated); the
     host CPU/memory is the replica Pod's effective request (TemplateError if unreadable, or if
-    it asks the device plugin for a GPU)."""
+    it asks the device plugin for a GPU or has ResourceClaims)."""
     gpu = fastpod["spec"]["gpu"]
     pod_spec = fastpod["spec"]["template"].get("spec") or {}
     demand = pod_demand(pod_spec, TEMPLATE_SPEC)
     refuse_gpu_resources(pod_spec, TEMPLATE_SPEC)
+    refuse_resource_claims(pod_spec, TEMPLATE_SPEC)
     memory = gpu.get("memory")
     return Spec(
         kind=Kind(gpu["kind"]),
@@ -91,6 +100,11 @@ def replica_constraints(fastpod: dict[str, Any], gpu_node_label: str) -> Constra
     if isinstance(tolerations, list):
         pod_spec["tolerations"] = [*tolerations, gpu_toleration(gpu_node_label)]
     return constraints(pod_spec, TEMPLATE_SPEC)
+
+
+def replica_host_ports(fastpod: dict[str, Any]) -> tuple[HostPort, ...]:
+    """The host ports each replica Pod takes on its node (TemplateError if unreadable)."""
+    return host_ports(fastpod["spec"]["template"].get("spec") or {}, TEMPLATE_SPEC)
 
 
 def _with_env(container: dict[str, Any], env: dict[str, str]) -> None:

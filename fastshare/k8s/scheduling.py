@@ -1,8 +1,9 @@
 """What the kube-scheduler and the kubelet check before a Pod may run on a node, for the Pods
 the controller binds itself (``nodeName``, so no scheduler looks at them): the Pod's effective
 request (pod-level ``spec.resources`` where set) of CPU, memory, ephemeral storage, hugepages and
-extended resources against the node's allocatable minus what bound Pods request, its required
-node affinity, and the node's taints (and cordon) against its tolerations.
+extended resources against the node's allocatable minus what bound Pods request, its host ports
+against theirs, its required node affinity, and the node's taints (and cordon) against its
+tolerations; a template with ResourceClaims is refused (nothing would allocate them).
 
 Pure functions over plain dicts (the API's JSON); a template that cannot be read raises
 :class:`TemplateError` naming the field, so that the FastPod gets a condition, not a crashed pass.
@@ -13,10 +14,10 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubernetes.utils import parse_quantity
 
@@ -259,6 +260,26 @@ def refuse_gpu_resources(spec: Mapping[str, Any], prefix: str = "spec") -> None:
                                              "instead of the device plugin's resource")
 
 
+def refuse_resource_claims(spec: Mapping[str, Any], prefix: str = "spec") -> None:
+    """TemplateError for a template with ResourceClaims (dynamic resource allocation: the Pod's
+    ``resourceClaims``, a container's ``resources.claims``): the scheduler allocates a claim
+    while it places the Pod, and fastshare binds its Pods itself, so the claim would stay
+    unallocated and the Pod would never start."""
+    claims = spec.get("resourceClaims")
+    if claims:
+        raise TemplateError(f"{prefix}.resourceClaims", _CLAIMS)
+    for key in ("containers", "initContainers"):
+        for i, c in enumerate(_list(spec, key, prefix)):
+            resources = c.get("resources") if isinstance(c, Mapping) else None
+            if isinstance(resources, Mapping) and resources.get("claims"):
+                raise TemplateError(f"{prefix}.{key}[{i}].resources.claims", _CLAIMS)
+
+
+_CLAIMS = ("fastshare places its Pods itself and cannot allocate ResourceClaims (dynamic resource "
+           "allocation), so the Pod would never start: remove the claims (ask for GPU shares in the "
+           "FastPod's spec.gpu)")
+
+
 def pod_running_demand(pod: Mapping[str, Any]) -> Demand:
     """A bound Pod's request as a node counts it; a Pod the API server accepted is readable, so
     a field that is not counts as nothing rather than stopping the count of a whole node."""
@@ -266,6 +287,82 @@ def pod_running_demand(pod: Mapping[str, Any]) -> Demand:
         return pod_demand(pod.get("spec") or {})
     except TemplateError:
         return Demand()
+
+
+# -- host ports -------------------------------------------------------------------------------------
+ANY_IP = "0.0.0.0"
+PROTOCOLS = ("TCP", "UDP", "SCTP")
+
+
+class HostPort(NamedTuple):
+    """A port a Pod takes on its node (the NodePorts filter's triple); ``ip`` ANY_IP: every address."""
+
+    ip: str
+    protocol: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.port}/{self.protocol}" + ("" if self.ip == ANY_IP else f" on {self.ip}")
+
+    def conflicts(self, other: HostPort) -> bool:
+        """Same port and protocol, and an address in common (ANY_IP has every one)."""
+        return (self.port, self.protocol) == (other.port, other.protocol) and (
+            self.ip == other.ip or ANY_IP in (self.ip, other.ip))
+
+
+def _port_containers(spec: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    """The containers whose ports a node holds while the Pod runs: init containers only as
+    sidecars (restartPolicy Always), as the scheduler's GetHostPorts."""
+    out = [(f"{prefix}.initContainers[{i}]", c) for i, c in enumerate(_list(spec, "initContainers", prefix))
+           if isinstance(c, Mapping) and c.get("restartPolicy") == "Always"]
+    return out + [(f"{prefix}.containers[{i}]", c) for i, c in enumerate(_list(spec, "containers", prefix))]
+
+
+def host_ports(spec: Mapping[str, Any], prefix: str = "spec") -> tuple[HostPort, ...]:
+    """The host ports a Pod spec takes (TemplateError naming the field if one cannot be read),
+    with the API server's defaults: protocol TCP, every address, and under ``hostNetwork`` the
+    container port as the host port."""
+    out = []
+    host_network = spec.get("hostNetwork") is True
+    for at, container in _port_containers(spec, prefix):
+        if not isinstance(container, Mapping):
+            raise TemplateError(at, "must be an object")
+        for j, item in enumerate(_list(container, "ports", at)):
+            field = f"{at}.ports[{j}]"
+            if not isinstance(item, Mapping):
+                raise TemplateError(field, "must be an object")
+            port = item.get("hostPort")
+            if port is None and host_network:
+                port = item.get("containerPort")
+            if port is None or (type(port) is int and port == 0):   # 0: no host port
+                continue
+            if type(port) is not int or not 1 <= port <= 65535:
+                key = "hostPort" if item.get("hostPort") is not None else "containerPort"
+                raise TemplateError(f"{field}.{key}", f"must be an integer from 1 to 65535 (got {port!r})")
+            protocol = item.get("protocol") or "TCP"
+            if protocol not in PROTOCOLS:
+                raise TemplateError(f"{field}.protocol",
+                                    f"must be one of {', '.join(PROTOCOLS)} (got {protocol!r})")
+            ip = item.get("hostIP") or ANY_IP
+            if not isinstance(ip, str):
+                raise TemplateError(f"{field}.hostIP", f"must be an IP address (got {ip!r})")
+            out.append(HostPort(ip, protocol, port))
+    return tuple(out)
+
+
+def running_host_ports(pod: Mapping[str, Any]) -> tuple[HostPort, ...]:
+    """A bound Pod's host ports; one the API server accepted is readable, so an entry that is
+    not counts as none rather than stopping the count of a whole node."""
+    try:
+        return host_ports(pod.get("spec") or {})
+    except TemplateError:
+        return ()
+
+
+def port_taken(wanted: Iterable[HostPort], used: Iterable[HostPort]) -> HostPort | None:
+    """The first of ``wanted`` that one of ``used`` (a node's bound Pods') conflicts with."""
+    held = list(used)
+    return next((p for p in wanted if any(p.conflicts(u) for u in held)), None)
 
 
 # -- nodes -----------------------------------------------------------------------------------------

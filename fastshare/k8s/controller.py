@@ -17,8 +17,9 @@ replica) before any agent is asked to prepare it. What is Kubernetes-specific li
   requests (a cluster-wide watch, see nodeusage), the same for extended resources, hugepages
   and ephemeral storage, required node affinity, taints, cordons (see scheduling), required
   inter-pod (anti-)affinity, also an existing Pod's against the replica, and topology spread
-  (see podaffinity; replicas with such rules are placed one at a time and alone, each seeing
-  the ones before, see PlacementLock);
+  (see podaffinity), and host ports against those bound Pods take (replicas with inter-pod
+  rules or host ports are placed one at a time and alone, each seeing the ones before, see
+  PlacementLock); a template with ResourceClaims is refused (nothing would allocate them);
 - a finalizer keeps a deleted FastPod until every share is released;
 - on start (and on every leadership change) it rebuilds its view from FastPods, their Pods
   and the agents; it never deletes and re-creates a running Pod to change it.
@@ -68,18 +69,22 @@ from fastshare.k8s.pods import (
     is_ready,
     is_terminated,
     replica_constraints,
+    replica_host_ports,
     replica_pod,
     spec_of,
 )
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
 from fastshare.k8s.scheduling import (
     Demand,
+    HostPort,
     MiB,
     NodeFacts,
     TemplateError,
     node_facts,
     pod_demand,
     pod_running_demand,
+    port_taken,
+    running_host_ports,
 )
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
@@ -144,10 +149,11 @@ def selector_string(selector: dict[str, Any]) -> str:
 
 
 class PlacementLock:
-    """Replicas without inter-pod rules of their own are placed under it shared (many at once),
-    replicas with such rules alone (exclusive, and a waiting exclusive goes before new shared
-    ones): a placement never runs beside one whose new Pod its rules, or an existing Pod's
-    anti-affinity, would have to see. Each holder reads the Pods around it after it got the lock."""
+    """Replicas without inter-pod rules or host ports of their own are placed under it shared
+    (many at once), replicas with such rules or ports alone (exclusive, and a waiting exclusive
+    goes before new shared ones): a placement never runs beside one whose new Pod its rules or
+    ports, or an existing Pod's anti-affinity, would have to see. Each holder reads the Pods
+    around it after it got the lock."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -219,7 +225,7 @@ class KubeController:
         self.podcache = PodCache()
         self.usage = NodeUsage()                   # what bound Pods request, per node
         self.peers = PodPeers()                    # the same Pods' labels, for inter-pod rules
-        # every replica is placed and created under it: one with inter-pod rules alone
+        # every replica is placed and created under it: one with inter-pod rules or host ports alone
         self._placing = PlacementLock()
         # replicas placed that ask what the engine does not count (extended resources, hugepages,
         # ephemeral storage): allocation id -> (node, request) until the node watch shows the Pod
@@ -603,10 +609,11 @@ class KubeController:
         generation = meta.get("generation", 0)
         if self._templates_ok.get(meta["uid"], (None,))[0] == generation:
             return None
-        try:   # what the controller itself reads of the template: resources, affinity, tolerations
+        try:   # what the controller itself reads of the template: resources, affinity, tolerations, ports
             spec = spec_of(fastpod)
             replica_constraints(fastpod, self.settings.gpu_node_label)
             replica_incoming(fastpod, self.settings.gpu_node_label)
+            replica_host_ports(fastpod)
         except TemplateError as exc:
             return {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
         probe = Allocation(id="dry-run", spec=spec, owner="", state=State.PENDING, node="dry-run",
@@ -642,19 +649,21 @@ class KubeController:
         flight per success (so 1, 2, 4, ... per round trip, ``create_parallelism`` at most), and no
         new one after the first problem, so that a FastPod that cannot be placed costs one attempt
         per pass, not ``count`` (as ReplicaSets do). A window, not batches: nothing waits for the
-        slowest of a batch. Replicas with inter-pod rules go one at a time instead, each placed
-        alone with the ones created before it counted (see podaffinity, PlacementLock)."""
+        slowest of a batch. Replicas with inter-pod rules or host ports go one at a time instead,
+        each placed alone with the ones created before it counted (see podaffinity, PlacementLock):
+        two replicas taking the same host port never land on one node."""
         try:
             rules = replica_constraints(fastpod, self.settings.gpu_node_label)
             incoming = replica_incoming(fastpod, self.settings.gpu_node_label)
+            ports = replica_host_ports(fastpod)
         except TemplateError as exc:
             return [], {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
         excluded = {name: why for name, facts in self._nodes.items()
                     if (why := rules.problem(facts, TEMPLATE_SPEC)
                         or facts.pods_problem(self.usage.count(name)))}
         self.refresh_host()   # Pods bound since the last node sync
-        serial = bool(incoming.rules)
-        around = self._pod_rules(incoming, self.peers.forbidding()) if serial else None
+        serial = bool(incoming.rules or ports)
+        around = self._serial_check(incoming, ports) if serial else None
         seen: dict[frozenset[tuple[str, str]], dict[str, str]] = {}   # by the Pods that forbid
         names: list[str] = []
         prefix = fastpod["metadata"]["name"]
@@ -717,6 +726,31 @@ class KubeController:
 
         return check
 
+    def _serial_check(self, incoming: Incoming, ports: tuple[HostPort, ...]
+                      ) -> Callable[[list[dict[str, Any]]], dict[str, str]]:
+        """What rules the GPU nodes out for a replica placed alone, as a function of this pass's
+        Pods (``created``): its inter-pod rules (or, without, bound Pods' anti-affinity as they
+        are when it holds the lock) and the host ports bound Pods already take."""
+        rules = self._pod_rules(incoming, self.peers.forbidding()) if incoming.rules else None
+
+        def check(created: list[dict[str, Any]]) -> dict[str, str]:
+            around = rules or self._pod_rules(incoming, self.peers.forbidding())
+            return {**self._ports_taken(ports, created), **(around(created) if around is not None else {})}
+
+        return check
+
+    def _ports_taken(self, ports: tuple[HostPort, ...], created: list[dict[str, Any]]) -> dict[str, str]:
+        """The GPU nodes where a Pod (bound, or of this pass whether or not the watch has it yet)
+        takes one of ``ports``, each with the port named."""
+        if not ports:
+            return {}
+        used = self.usage.ports(self._nodes)
+        for pod in created:
+            if (node := (pod.get("spec") or {}).get("nodeName")) in used:
+                used[node].extend(running_host_ports(pod))
+        return {node: f"have host port {port} in use" for node, taken in used.items()
+                if (port := port_taken(ports, taken)) is not None}
+
     def _listed(self, list_fn: Callable[..., Any]) -> Any:
         """Every object of a cluster-wide listing, read a page at a time."""
         token = None
@@ -736,8 +770,8 @@ class KubeController:
                               around: Callable[[list[dict[str, Any]]], dict[str, str]],
                               created: list[dict[str, Any]]
                               ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
-        """One replica with inter-pod rules: the nodes they rule out, with the Pods of this pass
-        (``created``) and of other FastPods' passes counted, then the create, alone."""
+        """One replica with inter-pod rules or host ports: the nodes they rule out, with the Pods
+        of this pass (``created``) and of other FastPods' passes counted, then the create, alone."""
         with self._placing.exclusive():
             return self._create_replica(fastpod, pod_name, {**around(created), **excluded})
 
@@ -785,6 +819,7 @@ class KubeController:
                 fastpod, pod_name, allocation, self.settings.gpu_node_label), _preload_content=False))
             self.podcache.put(pod)
             self.peers.put(pod)
+            self.usage.put(pod)   # its host ports taken for the next placement, seen or not
         except client.ApiException as exc:
             message = f"creating pod {pod_name} failed: {exc.status} {exc.reason}: {api_message(exc)}"
             self._release(allocation, message)

@@ -70,3 +70,19 @@ def test_a_template_with_resource_claims_is_invalid(api_client, namespace, contr
     assert message.startswith("spec.template.spec.resourceClaims: "), message
     assert "spec.gpu" in message
     assert _on(view, "claims") == []
+
+
+def test_two_fastpods_taking_one_port_do_not_share_a_node(api_client, namespace, controller, agents, pki,
+                                                          nodes):
+    """Two FastPods whose replicas take 8080/TCP on 127.0.0.1 and on every address, both held to
+    node a, created at once (reconciled by different workers): one goes there, the other is
+    Unschedulable naming the port, whichever comes first."""
+    on_a = _by_name(nodes["a"])
+    local = View(api_client, namespace, "local", agents, pki[1])
+    _create(local, "local", 1, {"containers": [_container(ports=[{**PORT, "hostIP": "127.0.0.1"}])], **on_a})
+    _create(local, "every", 1, {"containers": [_container(ports=[PORT])], **on_a})
+    wait_for(lambda: len(_on(local, "local") + _on(local, "every")) == 1, "one of them placed", timeout=60)
+    refused = "every" if _on(local, "local") else "local"
+    message = _refused(local, refused)
+    assert "have host port 8080/TCP" in message, message
+    assert len(_on(local, "local") + _on(local, "every")) == 1

@@ -419,7 +419,8 @@ class KubeController:
         """Every namespace's bound Pods (the kubelet counts them all), for node usage."""
         def on_list(listing: dict[str, Any]) -> None:
             # one read of the pages for both
-            self.usage.replace(self.peers.replacing(listing["items"], listing["metadata"]["resourceVersion"]))
+            version = listing["metadata"]["resourceVersion"]
+            self.usage.replace(self.peers.replacing(listing["items"], version), version)
 
         def on_pod(kind: str, pod: dict[str, Any]) -> None:
             if kind == "DELETED":

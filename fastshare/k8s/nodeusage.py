@@ -37,17 +37,23 @@ class NodeUsage(WatchCache):
         # the host ports of the Pods that take some, by node (most Pods take none)
         self._ports: dict[str, dict[Key, tuple[HostPort, ...]]] = {}
 
-    def replace(self, pods: Iterable[dict[str, Any]]) -> None:
+    def replace(self, pods: Iterable[dict[str, Any]], list_version: str = "0") -> None:
+        """A fresh listing (as of ``list_version``) replaces what is held, but for what was put
+        or removed after it was taken (a replica's Pod just created keeps its host ports and
+        devices counted until the watch reports it)."""
         fresh = {pod_key(p): e for p in pods if (e := _entry(p)) is not None}
-        by_node: dict[str, dict[Key, tuple[Demand, str]]] = {}
-        ports: dict[str, dict[Key, tuple[HostPort, ...]]] = {}
-        for key, (node, demand, allocation, taken) in fresh.items():
-            by_node.setdefault(node, {})[key] = (demand, allocation)
-            if taken:
-                ports.setdefault(node, {})[key] = taken
         with self._lock:
-            self._pods, self._by_node, self._ports = fresh, by_node, ports
+            self._pods = self._newer_kept(fresh, list_version)
+            self._by_node, self._ports = {}, {}
+            for key, entry in self._pods.items():
+                self._index(key, entry)
         self._synced.set()
+
+    def _index(self, key: Key, entry: Entry) -> None:
+        node, demand, allocation, taken = entry
+        self._by_node.setdefault(node, {})[key] = (demand, allocation)
+        if taken:
+            self._ports.setdefault(node, {})[key] = taken
 
     def _drop(self, key: Key) -> None:
         old = self._pods.pop(key, None)
@@ -61,16 +67,15 @@ class NodeUsage(WatchCache):
     def put(self, pod: dict[str, Any]) -> None:
         entry, key = _entry(pod), pod_key(pod)
         with self._lock:
+            self._note(pod, entry)
             self._drop(key)
             if entry is not None:
-                node, demand, allocation, taken = entry
                 self._pods[key] = entry
-                self._by_node.setdefault(node, {})[key] = (demand, allocation)
-                if taken:
-                    self._ports.setdefault(node, {})[key] = taken
+                self._index(key, entry)
 
     def remove(self, pod: dict[str, Any]) -> None:
         with self._lock:
+            self._note(pod, None)
             self._drop(pod_key(pod))
 
     def count(self, node: str) -> int:
@@ -82,7 +87,6 @@ class NodeUsage(WatchCache):
         """Per node of ``nodes``: each bound Pod's request and allocation id."""
         with self._lock:
             return {n: list(self._by_node.get(n, {}).values()) for n in nodes}
-
 
     def ports(self, nodes: Iterable[str]) -> dict[str, list[HostPort]]:
         """Per node of ``nodes``: the host ports its bound Pods take."""

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from fastshare.k8s.podaffinity import Peer, peer
-from fastshare.k8s.podcache import Key, WatchCache, pod_key, resource_version
+from fastshare.k8s.podcache import Key, WatchCache, pod_key
 
 
 class PodPeers(WatchCache):
@@ -21,37 +21,26 @@ class PodPeers(WatchCache):
         super().__init__()
         self._pods: dict[Key, Peer] = {}
         self._forbidding: dict[Key, Peer] = {}   # those with required anti-affinity terms
-        self._since: dict[Key, tuple[int, Peer | None]] = {}   # put or removed since the last relist
 
     def replacing(self, pods: Iterable[dict[str, Any]], list_version: str = "0") -> Iterator[dict[str, Any]]:
         """Pass a fresh listing (as of ``list_version``) on, to another cache reading it page by
         page, so that it is read once; read to its end, it replaces what is held, but for what
         was put or removed after it was taken."""
-        try:
-            as_of = int(list_version)
-        except ValueError:
-            as_of = 0
         fresh: dict[Key, Peer] = {}
         for pod in pods:
             if (entry := peer(pod)) is not None:
                 fresh[pod_key(pod)] = entry
             yield pod
         with self._lock:
-            for key, (version, entry) in self._since.items():
-                if version > as_of:
-                    fresh.pop(key, None)
-                    if entry is not None:
-                        fresh[key] = entry
-            self._since = {}
-            self._pods = fresh
-            self._forbidding = {k: p for k, p in fresh.items() if p.anti_affinity}
+            self._pods = self._newer_kept(fresh, list_version)
+            self._forbidding = {k: p for k, p in self._pods.items() if p.anti_affinity}
         self._synced.set()
 
     def put(self, pod: dict[str, Any]) -> None:
         """An added or changed Pod (a watch event, or the reply to our own create)."""
         entry, key = peer(pod), pod_key(pod)
         with self._lock:
-            self._since[key] = (resource_version(pod), entry)
+            self._note(pod, entry)
             self._pods.pop(key, None)
             self._forbidding.pop(key, None)
             if entry is not None:
@@ -62,7 +51,7 @@ class PodPeers(WatchCache):
     def remove(self, pod: dict[str, Any]) -> None:
         key = pod_key(pod)
         with self._lock:
-            self._since[key] = (resource_version(pod), None)
+            self._note(pod, None)
             self._pods.pop(key, None)
             self._forbidding.pop(key, None)
 

@@ -36,11 +36,35 @@ def pod_key(pod: dict[str, Any]) -> Key:
 
 
 class WatchCache:
-    """Something a watch fills: not ``synced`` until its first full listing arrived."""
+    """Something a watch fills: not ``synced`` until its first full listing arrived.
+
+    A relist must not drop what was put or removed after its snapshot was taken (our own
+    create's reply, or a watch event): subclasses note each change (:meth:`_note`) and merge
+    those newer than the listing into it (:meth:`_newer_kept`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._synced = threading.Event()
+        self._since: dict[Key, tuple[int, Any]] = {}   # put (entry) or removed (None) since the last relist
+
+    def _note(self, pod: dict[str, Any], entry: Any) -> None:
+        """Under the lock: ``pod`` was put (as ``entry``) or removed (None)."""
+        self._since[pod_key(pod)] = (resource_version(pod), entry)
+
+    def _newer_kept(self, fresh: dict[Key, Any], list_version: str) -> dict[Key, Any]:
+        """Under the lock: ``fresh`` (a listing as of ``list_version``) with the changes noted
+        after it applied; the notes are then forgotten."""
+        try:
+            as_of = int(list_version)
+        except ValueError:
+            as_of = 0
+        for key, (version, entry) in self._since.items():
+            if version > as_of:
+                fresh.pop(key, None)
+                if entry is not None:
+                    fresh[key] = entry
+        self._since = {}
+        return fresh
 
     @property
     def synced(self) -> bool:

@@ -227,6 +227,24 @@ def test_node_usage_counts_bound_running_pods_per_node():
     assert usage.on(["n1", "n9"]) == {"n1": [], "n9": []}
 
 
+def test_a_node_usage_relist_keeps_what_was_put_or_removed_after_its_snapshot():
+    """The controller puts a replica's Pod in from its create's reply, before the watch reports
+    it; a listing taken earlier must not drop it (its host ports and devices would look free to
+    the next replica), nor bring back a Pod removed after it."""
+    def versioned(pod, version):
+        pod["metadata"]["resourceVersion"] = str(version)
+        return pod
+
+    usage = NodeUsage()
+    usage.replace([versioned(_pod("old", "n1", "1"), 3), versioned(_pod("gone", "n1", "2"), 4)], "5")
+    usage.put(versioned(_pod("created", "n2", "500m", allocation="fs-1"), 10))
+    usage.remove(versioned(_pod("gone", "n1", "2"), 11))
+    usage.replace([versioned(_pod("old", "n1", "1"), 3), versioned(_pod("gone", "n1", "2"), 4)], "8")
+    assert usage.on(["n1", "n2"]) == {"n1": [(Demand(1000, 0), "")], "n2": [(Demand(500, 0), "fs-1")]}
+    usage.replace([versioned(_pod("old", "n1", "1"), 3)], "12")   # newer than both: it is the truth
+    assert usage.on(["n1", "n2"]) == {"n1": [(Demand(1000, 0), "")], "n2": []}
+
+
 def test_a_pod_whose_share_the_engine_holds_is_not_counted_twice():
     allocatable = Demand(4000, 8 * Gi)
     pods = [(Demand(1000, Gi), ""), (Demand(500, 512 * Mi), "fs-1"), (Demand(700, 0), "fs-gone")]

@@ -424,7 +424,8 @@ def ruled_out(incoming: Incoming, candidates: Iterable[str], nodes: Mapping[str,
 def _spread_counts(incoming: Incoming, c: Spread, nodes: Mapping[str, NodeFacts],
                    labels_of: Mapping[str, dict[str, str]], peers: list[Peer]) -> tuple[dict[str, int], int]:
     """Per domain of ``c``, the selected Pods (same namespace, not terminating) on its eligible
-    nodes; and the global minimum (0 with fewer domains than minDomains)."""
+    nodes; and the global minimum (0 with fewer domains than minDomains). An empty selector
+    (``labelSelector: {}``) counts no Pod, as the scheduler's countPodsMatchSelector."""
     keys = {s.topology_key for s in incoming.rules.spread}
     counts: dict[str, int] = {}
     eligible = set()
@@ -440,7 +441,7 @@ def _spread_counts(incoming: Incoming, c: Spread, nodes: Mapping[str, NodeFacts]
         counts.setdefault(labels[c.topology_key], 0)
     for p in peers:
         if (p.node in eligible and not p.terminating and p.namespace == incoming.namespace
-                and c.selector is not None and c.selector.matches(p.labels)):
+                and c.selector is not None and c.selector.requirements and c.selector.matches(p.labels)):
             counts[labels_of[p.node][c.topology_key]] += 1
     minimum = min(counts.values()) if len(counts) >= c.min_domains and counts else 0
     return counts, minimum

@@ -261,6 +261,17 @@ def test_spread_match_label_keys_count_only_the_same_revision():
     assert set(ruled_out(web, nodes, nodes, [_pod("a", {"app": "web", "rev": "2"})], {})) == {"a"}
 
 
+def test_spread_with_an_empty_label_selector_counts_no_existing_pod():
+    """As the scheduler's countPodsMatchSelector: an empty selector counts 0 Pods (the incoming
+    one still matches it, so the skew is 1 at most and the constraint never refuses a node)."""
+    nodes = _nodes(_node("a", "z1"), _node("c", "z2"))
+    crowded = [_pod("a", {"app": "web"})] * 3
+    assert ruled_out(_incoming(_spread(labelSelector={})), nodes, nodes, crowded, {}) == {}
+    # with matchLabelKeys merged in it is not empty any more: those Pods count
+    keyed = _incoming(_spread(labelSelector={}, matchLabelKeys=["app"]))
+    assert set(ruled_out(keyed, nodes, nodes, crowded, {})) == {"a"}
+
+
 # -- never violated ---------------------------------------------------------------------------------------
 @settings(max_examples=150, deadline=None)
 @given(zones=st.lists(st.sampled_from(["z1", "z2", "z3", None]), min_size=1, max_size=6),

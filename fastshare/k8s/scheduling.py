@@ -331,13 +331,12 @@ def host_ports(spec: Mapping[str, Any], prefix: str = "spec") -> tuple[HostPort,
             field = f"{at}.ports[{j}]"
             if not isinstance(item, Mapping):
                 raise TemplateError(field, "must be an object")
-            port = item.get("hostPort")
-            if port is None and host_network:
-                port = item.get("containerPort")
+            key, port = "hostPort", item.get("hostPort")
+            if host_network and (port is None or (type(port) is int and port == 0)):   # 0 is unset too
+                key, port = "containerPort", item.get("containerPort")
             if port is None or (type(port) is int and port == 0):   # 0: no host port
                 continue
             if type(port) is not int or not 1 <= port <= 65535:
-                key = "hostPort" if item.get("hostPort") is not None else "containerPort"
                 raise TemplateError(f"{field}.{key}", f"must be an integer from 1 to 65535 (got {port!r})")
             protocol = item.get("protocol") or "TCP"
             if protocol not in PROTOCOLS:

@@ -48,6 +48,12 @@ def test_under_host_network_the_container_port_is_the_host_port():
     spec = {"hostNetwork": True,
             "containers": [_c({"containerPort": 8080}, {"containerPort": 9, "hostPort": 9})]}
     assert [p.port for p in host_ports(spec)] == [8080, 9]
+    # hostPort 0 is unset to the API server: defaulted to the container port as well
+    assert host_ports({"hostNetwork": True, "containers": [_c({"containerPort": 7, "hostPort": 0})]}) == (
+        HostPort(ANY_IP, "TCP", 7),)
+    with pytest.raises(TemplateError) as caught:
+        host_ports({"hostNetwork": True, "containers": [_c({"containerPort": "x", "hostPort": 0})]})
+    assert caught.value.field == "spec.containers[0].ports[0].containerPort"
 
 
 @pytest.mark.parametrize(("port", "field", "words"), [

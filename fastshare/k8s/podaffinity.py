@@ -128,6 +128,11 @@ class PodTerm:
         return self.namespace_selector is not None and self.namespace_selector.matches(
             namespace_labels.get(namespace, {}))
 
+    @property
+    def reads_namespaces(self) -> bool:
+        """Whether it selects namespaces by their labels (an empty selector takes every one unread)."""
+        return self.namespace_selector is not None and bool(self.namespace_selector.requirements)
+
 
 def _term(raw: object, field: str, namespace: str, labels: Labels) -> PodTerm:
     if not isinstance(raw, Mapping):
@@ -448,10 +453,13 @@ def _spread_counts(incoming: Incoming, c: Spread, nodes: Mapping[str, NodeFacts]
 
 
 def needs_namespaces(incoming: Incoming, peers: Iterable[Peer]) -> bool:
-    """Whether any term in play selects namespaces by their labels (then they must be read)."""
-    terms = [*incoming.rules.affinity, *incoming.rules.anti_affinity,
-             *(t for p in peers for t in p.anti_affinity)]
-    return any(t.namespace_selector is not None for t in terms)
+    """Whether a term in play selects namespaces by their labels (then they must be read): one
+    of ``incoming``'s own, or a bound Pod's anti-affinity term whose labelSelector matches it
+    (no other can select it)."""
+    own = (*incoming.rules.affinity, *incoming.rules.anti_affinity)
+    return any(t.reads_namespaces for t in own) or any(
+        t.reads_namespaces and t.selector is not None and t.selector.matches(incoming.labels)
+        for p in peers for t in p.anti_affinity)
 
 
 def replica_incoming(fastpod: Mapping[str, Any], gpu_node_label: str) -> Incoming:

@@ -17,6 +17,7 @@ from fastshare.k8s.podaffinity import (
     HOSTNAME,
     Incoming,
     Peer,
+    needs_namespaces,
     peer,
     pod_rules,
     raw_node,
@@ -179,6 +180,20 @@ def test_an_existing_pods_anti_affinity_keeps_a_pod_it_selects_out_of_its_domain
     # its term without namespaces: only its own namespace's Pods
     shy = _pod("a", {}, namespace="other", spec=_anti(_term("zone", app="web")))
     assert ruled_out(_incoming({}), nodes, nodes, [shy], {}) == {}
+
+
+def test_namespaces_are_read_only_when_a_term_that_can_select_the_pod_selects_them_by_label():
+    """Listing every Namespace is a cluster-wide read per pass: not for a term that cannot
+    select the replica, nor for an empty namespaceSelector (every namespace, whatever its labels)."""
+    teams = {"namespaceSelector": {"matchLabels": {"team": "x"}}}
+    web = _incoming({})
+    for_web = _pod("a", {}, namespace="other", spec=_anti({**_term(app="web"), **teams}))
+    for_db = _pod("a", {}, namespace="other", spec=_anti({**_term(app="db"), **teams}))
+    everywhere = _pod("a", {}, namespace="other", spec=_anti({**_term(app="web"), "namespaceSelector": {}}))
+    assert needs_namespaces(web, [for_web])
+    assert not needs_namespaces(web, [for_db, everywhere])
+    assert needs_namespaces(_incoming(_anti({**_term(app="db"), **teams})), [])
+    assert not needs_namespaces(_incoming(_aff({**_term(app="db"), "namespaceSelector": {}})), [for_db])
 
 
 # -- affinity ----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import yaml
 from click.testing import CliRunner
 
 from fastshare.cli import main
-from fastshare.k8s import manifests
+from fastshare.k8s import manifests, scheduling
 from fastshare.k8s.resources import TOKEN_AUDIENCE
 
 
@@ -143,6 +143,20 @@ def test_no_key_is_in_a_secret_a_gpu_node_pod_names():
     tls = next(v for v in controller["volumes"] if v["name"] == "tls")["secret"]
     assert tls["secretName"] == "fastshare-controller-tls"
     assert {i["key"]: i["path"] for i in tls["items"]} == {"ca.crt": "ca.crt", "ca.key": "ca.key"}
+
+
+def test_the_controller_pod_holding_the_ca_key_never_runs_on_a_gpu_node():
+    """The controller mounts ca.key, which signs every node's certificate and its own. A GPU
+    node's kubelet may read every Secret a Pod on that node names, so the controller must not
+    land on one: not only when the operator added the GPU taint (nothing fails without it, the
+    agents need only the label), but by the label itself."""
+    docs = manifests.render({"gpuNodeLabel": "example.com/gpu"})
+    _, controller = _pod_specs(docs)
+    rules = scheduling.constraints(controller)
+    gpu = scheduling.NodeFacts("gpu-1", labels=(("example.com/gpu", "true"),))
+    assert rules.problem(gpu) is not None
+    for labels in ((), (("example.com/gpu", "false"),), (("fastshare.io/gpu", "true"),)):
+        assert rules.problem(scheduling.NodeFacts("cpu-1", labels=labels)) is None
 
 
 def test_the_controller_signs_its_own_certificate_into_a_memory_emptydir_of_a_read_only_pod():

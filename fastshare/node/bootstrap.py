@@ -202,12 +202,14 @@ class Bootstrapper:
     # --- at start, and later ----------------------------------------------------------------
 
     def existing(self) -> x509.Certificate | None:
-        """A certificate already in place for this node, with its key, unexpired; else None."""
+        """A certificate already in place for this node, with its key, unexpired, of a CA in the
+        bundle; else None. The CA file the agent checks callers with becomes that bundle."""
         c = self.config
         try:
             cert = x509.load_pem_x509_certificate(c.cert.read_bytes())
             key = serialization.load_pem_private_key(c.key.read_bytes(), password=None)
-            x509.load_pem_x509_certificate(c.ca.read_bytes())
+            trust = c.ca.read_bytes()
+            x509.load_pem_x509_certificate(trust)
             bundle = c.ca_file.read_bytes()
             trusted = x509.load_pem_x509_certificates(bundle)
         except (OSError, ValueError, TypeError):
@@ -217,6 +219,13 @@ class Bootstrapper:
             return None
         if not any(_issued_by(cert, ca) for ca in trusted):
             return None   # signed by a CA the bundle no longer holds (rotated while the agent was away)
+        if trust != bundle:
+            # The trust written at the last request may hold a CA the bundle has dropped since
+            # (rotated while the agent was away): the bundle holds the CA of this certificate.
+            try:
+                certs.write_atomic(c.ca, bundle, 0o644)
+            except OSError:
+                return None
         self._bundle_seen = certs.fingerprint(bundle)
         return cert
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from fastshare.k8s.controller_cert import ControllerCert
 from fastshare.security import certs
@@ -116,3 +117,29 @@ def test_a_half_replaced_ca_is_not_signed_with_and_is_picked_up_once_whole(tmp_p
     finally:
         stop.set()
         thread.join(5)
+
+
+def test_an_agent_restarted_after_the_old_ca_left_its_bundle_no_longer_trusts_the_old_ca(tmp_path):
+    """An agent whose certificate came from the new CA while its bundle held both (steps 2 and 3
+    of the README's rotation), restarted after the old CA left the ConfigMap: it keeps the
+    certificate in its emptyDir, and the CA file it checks the controller's client certificate
+    with is the bundle now, without the old CA (whose key may be why the CA was rotated)."""
+    from fastshare.node.bootstrap import BootstrapConfig, Bootstrapper
+
+    old_crt, _ = _ca(tmp_path / "old")
+    new_crt, _ = _ca(tmp_path / "new")
+    tls = tmp_path / "tls"
+    certs.issue(tmp_path / "new", "gpu-1", tls, role="node", days=1)
+    (tls / "ca.crt").write_bytes(old_crt + new_crt)   # what the last request wrote, at step 2
+    bundle = tmp_path / "configmap-ca.crt"
+    bundle.write_bytes(new_crt)                       # step 3, while the agent was not running
+    (tmp_path / "token").write_text("unused")
+    agent = Bootstrapper(BootstrapConfig(
+        controller="127.0.0.1:1", token_file=tmp_path / "token", ca_file=bundle, node_name="gpu-1",
+        cert=tls / "gpu-1.crt", key=tls / "gpu-1.key", ca=tls / "ca.crt"))
+    kept = agent.existing()
+    assert kept is not None
+    assert kept.public_bytes(serialization.Encoding.PEM) == (tls / "gpu-1.crt").read_bytes()
+    assert x509.load_pem_x509_certificates((tls / "ca.crt").read_bytes()) == \
+        x509.load_pem_x509_certificates(new_crt)
+    assert agent.bundle_changed() is None

@@ -9,8 +9,10 @@ no manual issuing: it sends a CSR and its projected ServiceAccount token (audien
    signature, expiry, audience and that the Pod it is bound to still exists with that uid;
 2. the user is ``system:serviceaccount:<agent namespace>:<agent service account>`` and the
    token carries the Pod's name and uid (only a Pod-bound token has them);
-3. that Pod (read now, not from a cache) has that uid, is controlled by the DaemonSet
-   ``<agent.name>`` and runs on the node the CSR names (``spec.nodeName``);
+3. that Pod (read now, not from a cache) has that uid, is neither being deleted nor ended
+   (phase Succeeded or Failed: an evicted Pod stays, and its token still authenticates), is
+   controlled by the DaemonSet ``<agent.name>`` and runs on the node the CSR names
+   (``spec.nodeName``);
 4. that Node carries the GPU label (``<gpu label>=true``).
 
 The certificate: role node, CN = the node, SANs = the node's name and the Pod's
@@ -231,6 +233,11 @@ class NodeCertIssuer:
         where = f"Pod {s.namespace}/{pod.metadata.name}"
         if pod.metadata.deletion_timestamp:
             raise _denied(f"{where} is being deleted: its replacement gets a certificate")
+        phase = pod.status.phase if pod.status else None
+        if phase in ("Succeeded", "Failed"):
+            # An evicted Pod stays until something deletes it, and its token still authenticates.
+            raise _denied(f"{where} has ended (phase {phase}): only a running node-agent Pod gets a "
+                          "certificate; its replacement does")
         owners = [o for o in pod.metadata.owner_references or [] if o.controller]
         if not any(o.kind == "DaemonSet" and o.api_version == "apps/v1" and o.name == s.daemonset
                    for o in owners):

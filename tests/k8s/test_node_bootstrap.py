@@ -666,6 +666,20 @@ def test_refused_once_the_pod_is_deleted_or_recreated(cluster):
     assert f"pod UID ({again.metadata.uid}) does not match" in error.details()
 
 
+@pytest.mark.parametrize("phase", ["Failed", "Succeeded"])
+def test_refused_for_a_pod_that_has_terminated(cluster, phase):
+    """An evicted (or otherwise ended) Pod stays in the API until something deletes it, and the
+    API server still accepts its token: it is no running agent and gets no certificate."""
+    node = GPU_NODES[0]
+    pod = cluster.agent_pod(node)
+    token = cluster.token(pod)
+    cluster.admin.patch_namespaced_pod_status(pod.metadata.name, NS, {"status": {
+        "phase": phase, "reason": "Evicted" if phase == "Failed" else None}})
+    error = _refused(cluster, _csr(node), token)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert f"Pod {NS}/{pod.metadata.name} has ended (phase {phase})" in error.details()
+
+
 def test_the_issuer_itself_refuses_a_uid_mismatch(cluster):
     """Should the API server vouch for a Pod uid that is no longer the Pod's (a review served
     before a re-creation), the controller's own read of the Pod refuses it."""

@@ -220,7 +220,7 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
         try:
             issuer = bootstrap.NodeCertIssuer(api, tls_dir, bootstrap.IssuerSettings(
                 namespace=agent_namespace, service_account=agent_service_account, daemonset=agent_daemonset,
-                gpu_node_label=gpu_node_label))
+                gpu_node_label=gpu_node_label, controller_names=tuple(sans)))
             # Every replica serves it (the Service picks any): signing needs no leadership.
             bootstrap_server, _ = bootstrap.serve(f"[::]:{api_port}", tls, issuer)
         except (CertError, OSError, RuntimeError) as exc:

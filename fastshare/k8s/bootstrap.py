@@ -15,6 +15,10 @@ no manual issuing: it sends a CSR and its projected ServiceAccount token (audien
    (``spec.nodeName``);
 4. that Node carries the GPU label (``<gpu label>=true``).
 
+A node named like one of the controller's own certificate's names (its Service's DNS names)
+is refused before all that: gRPC clients check a server's name, not its role, so that node's
+certificate would pass every agent's check of the controller.
+
 The certificate: role node, CN = the node, SANs = the node's name and the Pod's
 ``status.hostIP`` (from the Pod, never from the CSR), valid for :data:`DEFAULT_LIFETIME`
 (the agent renews it at 2/3 of that). Signed by :func:`fastshare.security.certs.sign_leaf`,
@@ -45,6 +49,7 @@ from cryptography.x509.oid import NameOID
 from kubernetes import client
 
 from fastshare.k8s import names
+from fastshare.k8s.controller_cert import service_names
 from fastshare.k8s.ratelimit import RETRY_AFTER_KEY, Refusal, RequestLimiter, peer_address
 from fastshare.k8s.resources import TOKEN_AUDIENCE
 from fastshare.security import certs
@@ -90,6 +95,9 @@ class IssuerSettings:
     daemonset: str = "fastshare-node-agent"         # the DaemonSet that owns their Pods
     gpu_node_label: str = "fastshare.io/gpu"
     lifetime: dt.timedelta = DEFAULT_LIFETIME
+    # The controller's own certificate's names (what the agents dial and check): no node
+    # certificate may carry one, or its holder could pose as the controller to the agents.
+    controller_names: tuple[str, ...] = tuple(service_names("fastshare-controller", "fastshare-system"))
 
     @property
     def username(self) -> str:
@@ -161,6 +169,7 @@ class NodeCertIssuer:
         """Check and sign; ``caller`` is the caller's address (its rate limit). Everything that
         needs no API server is checked before the limit, and the limit before the TokenReview."""
         node, public_key = parse_csr(csr_pem)
+        self._check_not_controller(node)
         if not token:
             raise _invalid("token is empty: send the agent's projected ServiceAccount token "
                            f"(audience {TOKEN_AUDIENCE!r}, see --bootstrap-token)")
@@ -183,6 +192,15 @@ class NodeCertIssuer:
         log.info("issued a node certificate for node %s (SANs %s, %s) to Pod %s, serial %x, valid until %s",
                  node, node, host_ip, issued.pod, cert.serial_number, issued.not_after.isoformat())
         return issued
+
+    def _check_not_controller(self, node: str) -> None:
+        """The certificate's SANs list the node's name, and gRPC clients check only the name, not
+        the role: a node named like the controller's Service would pass the agents' check of the
+        controller they dial."""
+        if node.lower() in {name.lower() for name in self.settings.controller_names}:
+            raise _denied(f"node name {node!r} is a name of the controller's own certificate (what the "
+                          "agents dial and check): a node certificate for it could pose as the controller "
+                          "to every agent; give the node another name")
 
     def _review(self, token: str) -> tuple[str, str]:
         """TokenReview: the Pod's name and uid the token is bound to."""

@@ -167,7 +167,13 @@ def _csr(node: str, key=None) -> bytes:
 
 
 def _ask(cluster: Cluster, csr_pem: bytes, token: str) -> pb.IssueNodeCertificateReply:
-    channel = grpc.secure_channel(cluster.address, grpc.ssl_channel_credentials(cluster.ca_file.read_bytes()))
+    return _ask_at(cluster.address, cluster, csr_pem, token)
+
+
+def _ask_at(address: str, cluster: Cluster, csr_pem: bytes, token: str) -> pb.IssueNodeCertificateReply:
+    """Over loopback, checking the server's certificate for the Service's DNS name."""
+    channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(cluster.ca_file.read_bytes()),
+                                  options=[("grpc.ssl_target_name_override", cluster.service_dns)])
     try:
         return pb_grpc.NodeBootstrapStub(channel).IssueNodeCertificate(
             pb.IssueNodeCertificateRequest(csr_pem=csr_pem, token=token), timeout=30)
@@ -602,6 +608,45 @@ def test_the_controllers_own_certificate_is_renewed_and_the_old_one_is_not_neede
         _point_node_at(cluster, node, None)
         agent.stop()
         _stop(proc)
+
+
+def test_no_node_certificate_carries_the_name_the_agents_check_the_controller_for(
+        control_plane, fastpod_crd, cluster, tmp_path):
+    """A node named like the controller's Service (a kubelet may register a Node of any name it
+    holds credentials for, and label it) would get a node certificate whose SAN passes every
+    agent's check of the controller it dials: a man in the middle of the bootstrap port would
+    collect the agents' tokens (each one good for that agent's own certificate). The controller
+    process refuses to sign one, for either of its own certificate's names."""
+    port = free_port()
+    log = tmp_path / "ctl.log"
+    proc = _start_own_cert_controller(control_plane, cluster, _ca_only_secret(cluster, tmp_path / "secret"),
+                                      tmp_path / "run-tls", port, log)
+    address = f"127.0.0.1:{port}"
+    made = []
+    try:
+        for name in (cluster.service_dns, f"{cluster.service_dns}.cluster.local"):
+            cluster.admin.create_node(client.V1Node(metadata=client.V1ObjectMeta(
+                name=name, labels={"fastshare.io/gpu": "true"})))
+            made.append(name)
+            pod = cluster.agent_pod(name)
+            csr, token = _csr(name), cluster.token(pod)
+
+            def answer(name=name, csr=csr, token=token) -> grpc.RpcError | None:
+                try:
+                    _ask_at(address, cluster, csr, token)
+                except grpc.RpcError as exc:
+                    return None if exc.code() == grpc.StatusCode.UNAVAILABLE else exc
+                raise AssertionError(f"a node certificate for {name} was issued")
+
+            error = wait_for(answer, "the controller's answer", timeout=60)
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
+            assert (f"node name {name!r} is a name of the controller's own certificate"
+                    in error.details())
+        assert proc.poll() is None, log.read_text()
+    finally:
+        _stop(proc)
+        for name in made:
+            cluster.admin.delete_node(name)
 
 
 # --- refusals: each names what did not match ------------------------------------------------

@@ -407,7 +407,7 @@ def ruled_out(incoming: Incoming, candidates: Iterable[str], nodes: Mapping[str,
         for key, value in labels.items() if why is None else ():
             if forbidden[(key, value)]:
                 p = forbidder[(key, value)]
-                why = (f"are in the {key} {value} of Pod {p.namespace}/{p.name}, whose required "
+                why = (f'are in the {key} "{value}" of Pod {p.namespace}/{p.name}, whose required '
                        "podAntiAffinity selects this Pod")
                 break
         for c, (counts, minimum) in zip(rules.spread, spread, strict=True):
@@ -420,7 +420,7 @@ def ruled_out(incoming: Incoming, candidates: Iterable[str], nodes: Mapping[str,
             skew = counts.get(labels[c.topology_key], 0) + own - minimum
             if skew > c.max_skew:
                 why = (f"would make the skew of {c.field} {skew} (maxSkew {c.max_skew}, "
-                       f"{c.topology_key} {labels[c.topology_key]})")
+                       f'{c.topology_key} "{labels[c.topology_key]}")')
         if why is not None:
             out[name] = why
     return out

@@ -174,7 +174,7 @@ def test_an_existing_pods_anti_affinity_keeps_a_pod_it_selects_out_of_its_domain
                   spec=_anti({**_term("zone", app="web"), "namespaceSelector": {}}))
     out = ruled_out(_incoming({}), nodes, nodes, [lonely], {})
     assert set(out) == {"a", "b"}
-    assert out["b"] == ("are in the zone z1 of Pod other/lonely, whose required podAntiAffinity "
+    assert out["b"] == ('are in the zone "z1" of Pod other/lonely, whose required podAntiAffinity '
                         "selects this Pod")
     assert ruled_out(_incoming({}, {"app": "db"}), nodes, nodes, [lonely], {}) == {}
     # its term without namespaces: only its own namespace's Pods
@@ -194,6 +194,18 @@ def test_namespaces_are_read_only_when_a_term_that_can_select_the_pod_selects_th
     assert not needs_namespaces(web, [for_db, everywhere])
     assert needs_namespaces(_incoming(_anti({**_term(app="db"), **teams})), [])
     assert not needs_namespaces(_incoming(_aff({**_term(app="db"), "namespaceSelector": {}})), [for_db])
+
+
+def test_an_empty_topology_value_is_named_quoted():
+    """A node may carry the topology key with an empty value: the messages show it as ""."""
+    nodes = _nodes(_node("a", ""), _node("b", "z2"))
+    lonely = _pod("a", {}, name="lonely", spec=_anti(_term("zone", app="web")))
+    out = ruled_out(_incoming({}), nodes, nodes, [lonely], {})
+    assert out == {"a": 'are in the zone "" of Pod ns/lonely, whose required podAntiAffinity '
+                        "selects this Pod"}
+    spread = _incoming(_ts(labelSelector={"matchLabels": {"app": "web"}}))
+    out = ruled_out(spread, nodes, nodes, [_pod("a", {"app": "web"})], {})
+    assert out == {"a": f'would make the skew of {SPREAD}[0] 2 (maxSkew 1, zone "")'}
 
 
 # -- affinity ----------------------------------------------------------------------------------------------
@@ -236,7 +248,7 @@ def test_spread_allows_a_domain_up_to_max_skew_above_the_least_filled():
     one_in_z1 = [_pod("a", {"app": "web"})]
     out = ruled_out(web, nodes, nodes, one_in_z1, {})
     assert set(out) == {"a", "b", "d"}
-    assert out["a"] == f"would make the skew of {SPREAD}[0] 2 (maxSkew 1, zone z1)"
+    assert out["a"] == f'would make the skew of {SPREAD}[0] 2 (maxSkew 1, zone "z1")'
     assert out["d"] == f"lack label zone ({SPREAD}[0])"
     assert set(ruled_out(_incoming(_spread(2)), nodes, nodes, one_in_z1, {})) == {"d"}
     # other namespaces, other labels, terminating Pods do not count

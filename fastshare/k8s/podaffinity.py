@@ -359,7 +359,8 @@ def _first_of_series(incoming: Incoming, namespace_labels: Mapping[str, Labels])
 def ruled_out(incoming: Incoming, candidates: Iterable[str], nodes: Mapping[str, NodeFacts],
               peers: Iterable[Peer], namespace_labels: Mapping[str, Labels]) -> dict[str, str]:
     """The ``candidates`` (node names) where ``incoming`` may not run, each with why, worded to
-    follow "N node(s)". ``nodes``: every Node of the cluster (domains come from all of them);
+    follow "N node(s)"; a candidate missing from ``nodes`` is ruled out (unchecked). ``nodes``:
+    every Node of the cluster (domains come from all of them);
     ``peers``: every bound, unfinished Pod; ``namespace_labels``: each namespace's labels (only
     read by namespace selectors)."""
     rules = incoming.rules
@@ -390,7 +391,8 @@ def ruled_out(incoming: Incoming, candidates: Iterable[str], nodes: Mapping[str,
     out: dict[str, str] = {}
     for name in candidates:
         node = nodes.get(name)
-        if node is None:
+        if node is None:   # its domains are unknown: no rule can be checked there
+            out[name] = "are missing from the Node listing this placement read (joined since)"
             continue
         labels = labels_of[name]
         why = None   # in the scheduler's order: affinity, anti-affinity, existing Pods' anti-affinity

@@ -196,6 +196,15 @@ def test_namespaces_are_read_only_when_a_term_that_can_select_the_pod_selects_th
     assert not needs_namespaces(_incoming(_aff({**_term(app="db"), "namespaceSelector": {}})), [for_db])
 
 
+def test_a_candidate_missing_from_the_node_listing_is_ruled_out():
+    """A GPU node that joined after the Node listing was read: its labels (domains) are unknown,
+    so no rule can be checked there; it waits for the next placement rather than escaping them."""
+    listed = _nodes(_node("a", "z1"))
+    web = _incoming(_anti(_term("zone", app="web")))
+    out = ruled_out(web, ["a", "new"], listed, [], {})
+    assert out == {"new": "are missing from the Node listing this placement read (joined since)"}
+
+
 def test_an_empty_topology_value_is_named_quoted():
     """A node may carry the topology key with an empty value: the messages show it as ""."""
     nodes = _nodes(_node("a", ""), _node("b", "z2"))

@@ -36,7 +36,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -705,25 +705,35 @@ class KubeController:
                    ) -> Callable[[list[dict[str, Any]]], dict[str, str]] | None:
         """What rules the GPU nodes out for ``incoming`` by the Pods around it (``forbidding``:
         those with required anti-affinity): a function of the Pods created since (None: no
-        inter-pod rule concerns it). Every Node (domains and the nodes of other Pods) and, if a
-        term selects them by label, every Namespace are read once here, only when some rule is
-        in play."""
+        inter-pod rule concerns it). Every Node (domains and the nodes of other Pods) is read
+        once here, only when some rule is in play; every Namespace once, when a term in play
+        selects them by label: for a replica with rules of its own, decided from the Pods as
+        they are at each check (under the placement lock), so that a Pod bound after this
+        read with such a term is not checked against no labels."""
         if not incoming.rules and not forbidding:
             return None
-        namespaces = self._namespace_labels() if needs_namespaces(incoming, forbidding) else {}
-        if not incoming.rules and not any(t.selects(incoming.namespace, incoming.labels, namespaces)
+        read: dict[str, dict[str, str]] | None = None
+
+        def namespaces(peers: Iterable[Peer]) -> dict[str, dict[str, str]]:
+            nonlocal read
+            if read is None and needs_namespaces(incoming, peers):
+                read = self._namespace_labels()
+            return read or {}
+
+        if not incoming.rules and not any(t.selects(incoming.namespace, incoming.labels, labels)
+                                          for labels in [namespaces(forbidding)]
                                           for p in forbidding for t in p.anti_affinity):
             return None
         nodes = {n.name: n for n in map(raw_node, self._listed(self.pods.list_node))}
 
         def check(created: list[dict[str, Any]]) -> dict[str, str]:
             if not incoming.rules:
-                return ruled_out(incoming, self._nodes, nodes, forbidding, namespaces)
+                return ruled_out(incoming, self._nodes, nodes, forbidding, namespaces(forbidding))
             peers = self.peers.all()
             for pod in created:   # this pass's, whether or not the watch has them yet
                 if (entry := peer(pod)) is not None:
                     peers[pod_key(pod)] = entry
-            return ruled_out(incoming, self._nodes, nodes, peers.values(), namespaces)
+            return ruled_out(incoming, self._nodes, nodes, peers.values(), namespaces(peers.values()))
 
         return check
 

@@ -67,7 +67,8 @@ class NodeUsage(WatchCache):
     def put(self, pod: dict[str, Any]) -> None:
         entry, key = _entry(pod), pod_key(pod)
         with self._lock:
-            self._note(pod, entry)
+            if not self._note(pod, entry):
+                return
             self._drop(key)
             if entry is not None:
                 self._pods[key] = entry
@@ -75,8 +76,8 @@ class NodeUsage(WatchCache):
 
     def remove(self, pod: dict[str, Any]) -> None:
         with self._lock:
-            self._note(pod, None)
-            self._drop(pod_key(pod))
+            if self._note(pod, None):
+                self._drop(pod_key(pod))
 
     def count(self, node: str) -> int:
         """How many bound, unfinished Pods the node runs."""

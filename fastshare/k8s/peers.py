@@ -5,7 +5,8 @@ rule) and whether it is terminating, not the Pod.
 
 A relist must not drop a Pod put in after its snapshot was taken (our own create's reply, or a
 watch event): such a Pod is kept until the watch reports it, as in podcache; it is what the
-next replica of another FastPod's pass is checked against."""
+next replica of another FastPod's pass is checked against. Nor may an older change undo a
+newer one (a create's reply applied after the watch saw the Pod end): see WatchCache."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class PodPeers(WatchCache):
         """An added or changed Pod (a watch event, or the reply to our own create)."""
         entry, key = peer(pod), pod_key(pod)
         with self._lock:
-            self._note(pod, entry)
+            if not self._note(pod, entry):
+                return
             self._pods.pop(key, None)
             self._forbidding.pop(key, None)
             if entry is not None:
@@ -51,9 +53,9 @@ class PodPeers(WatchCache):
     def remove(self, pod: dict[str, Any]) -> None:
         key = pod_key(pod)
         with self._lock:
-            self._note(pod, None)
-            self._pods.pop(key, None)
-            self._forbidding.pop(key, None)
+            if self._note(pod, None):
+                self._pods.pop(key, None)
+                self._forbidding.pop(key, None)
 
     def all(self) -> dict[Key, Peer]:
         with self._lock:

@@ -38,22 +38,34 @@ def pod_key(pod: dict[str, Any]) -> Key:
 class WatchCache:
     """Something a watch fills: not ``synced`` until its first full listing arrived.
 
-    A relist must not drop what was put or removed after its snapshot was taken (our own
-    create's reply, or a watch event): subclasses note each change (:meth:`_note`) and merge
-    those newer than the listing into it (:meth:`_newer_kept`)."""
+    What is held changes only forward (resourceVersion): a change older than the last one
+    applied to its Pod, or than the last listing, is ignored, so that a create's reply applied
+    after the watch reported the Pod ended or deleted does not count it again. A relist must
+    not drop what was put or removed after its snapshot was taken (our own create's reply, or
+    a watch event): subclasses note each change (:meth:`_note`, which also says whether it is
+    stale) and merge those newer than the listing into it (:meth:`_newer_kept`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._synced = threading.Event()
-        self._since: dict[Key, tuple[int, Any]] = {}   # put (entry) or removed (None) since the last relist
+        # put (entry) or removed (None) since the listing it is newer than, by version
+        self._since: dict[Key, tuple[int, Any]] = {}
+        self._as_of = 0   # the last listing's resourceVersion
 
-    def _note(self, pod: dict[str, Any], entry: Any) -> None:
-        """Under the lock: ``pod`` was put (as ``entry``) or removed (None)."""
-        self._since[pod_key(pod)] = (resource_version(pod), entry)
+    def _note(self, pod: dict[str, Any], entry: Any) -> bool:
+        """Under the lock: ``pod`` is to be put (as ``entry``) or removed (None); False, and
+        nothing noted, if that is older than what is known of it (apply nothing)."""
+        key, version = pod_key(pod), resource_version(pod)
+        noted = self._since.get(key)
+        if version < max(self._as_of, noted[0] if noted is not None else 0):
+            return False
+        self._since[key] = (version, entry)
+        return True
 
     def _newer_kept(self, fresh: dict[Key, Any], list_version: str) -> dict[Key, Any]:
         """Under the lock: ``fresh`` (a listing as of ``list_version``) with the changes noted
-        after it applied; the notes are then forgotten."""
+        after it applied; the notes it covers are then forgotten (the newer ones still guard
+        against older changes arriving late)."""
         try:
             as_of = int(list_version)
         except ValueError:
@@ -63,7 +75,8 @@ class WatchCache:
                 fresh.pop(key, None)
                 if entry is not None:
                     fresh[key] = entry
-        self._since = {}
+        self._since = {k: noted for k, noted in self._since.items() if noted[0] > as_of}
+        self._as_of = as_of
         return fresh
 
     @property

@@ -3,7 +3,11 @@ replicas while watch events, its own create/delete replies and relists arrive in
 
 from __future__ import annotations
 
-from fastshare.k8s.podcache import PodCache
+import pytest
+
+from fastshare.k8s.nodeusage import NodeUsage
+from fastshare.k8s.peers import PodPeers
+from fastshare.k8s.podcache import PodCache, WatchCache
 from fastshare.k8s.pods import FASTPOD_LABEL
 
 
@@ -59,3 +63,42 @@ def test_pods_are_told_apart_by_fastpod_and_namespace():
     cache.replace([_pod("a", 1), _pod("b", 2, fastpod="other"), _pod("c", 3, namespace="ns2")], "3")
     assert _names(cache) == ["a"] and _names(cache, "other") == ["b"]
     assert _names(cache, namespace="ns2") == ["c"]
+
+
+def _bound(name: str, version: int, phase: str = "Running") -> dict:
+    return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": str(version)},
+            "spec": {"nodeName": "n1", "containers": []}, "status": {"phase": phase}}
+
+
+def _relist(cache: WatchCache, pods: list[dict], version: str) -> None:
+    if isinstance(cache, NodeUsage):
+        cache.replace(pods, version)
+    else:
+        list(cache.replacing(pods, version))
+
+
+def _held(cache: WatchCache) -> list[str]:
+    if isinstance(cache, NodeUsage):
+        return ["?"] * cache.count("n1")
+    return sorted(name for _, name in cache.all())
+
+
+@pytest.mark.parametrize("kind", [NodeUsage, PodPeers])
+def test_a_late_create_reply_does_not_bring_back_a_pod_the_watch_saw_end(kind):
+    """The create's reply is put after the call returns; the watch may have reported the Pod
+    Failed or deleted before that: the older reply must not count it again until the next relist."""
+    cache = kind()
+    _relist(cache, [], "5")
+    cache.remove(_bound("a", 12))                 # DELETED
+    cache.put(_bound("a", 10))                    # the create's reply, late
+    cache.put(_bound("b", 12, phase="Failed"))   # MODIFIED: it ended
+    cache.put(_bound("b", 11))                    # its create's reply, late
+    assert _held(cache) == []
+    _relist(cache, [], "9")                       # taken before the deletion: its note is kept
+    cache.put(_bound("a", 10))
+    assert _held(cache) == []
+    _relist(cache, [], "20")                      # nothing older than a listing applies after it
+    cache.put(_bound("b", 11))
+    assert _held(cache) == []
+    cache.put(_bound("a", 30))                    # a new Pod of the same name
+    assert len(_held(cache)) == 1

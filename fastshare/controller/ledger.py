@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import threading
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from fastshare.controller.model import Kind, Spec
@@ -52,6 +53,9 @@ class Ledger:
         # node -> host (cpu milli, memory MiB) left for the engine's assignments, where a caller
         # knows it (in-cluster: allocatable minus other Pods); else the view's own figures
         self._host: dict[str, tuple[int, int]] = {}
+        # node -> how many assignments it takes (held ones included), where a caller knows a
+        # limit (in-cluster: status.allocatable.pods less the Pods that hold no share there)
+        self._room: dict[str, int] = {}
 
     # -- cluster view -------------------------------------------------------------------------
     def _view(self, view: NodeView) -> NodeView:
@@ -113,6 +117,16 @@ class Ledger:
             if name in self._views:
                 self._engine.set_capacity(name, *self._host[name])
 
+    def set_room(self, name: str, assignments: int | None) -> None:
+        """How many assignments a node takes, held ones included (None: no limit). Checked
+        where the node is chosen, under the lock, so that concurrent placements cannot
+        together pass it, however many run at once. Unknown names are remembered."""
+        with self._lock:
+            if assignments is None:
+                self._room.pop(name, None)
+            else:
+                self._room[name] = assignments
+
     def host_requests(self) -> dict[str, dict[str, tuple[int, int]]]:
         """Node -> allocation id -> the host (cpu milli, memory MiB) the engine counts for it there."""
         out: dict[str, dict[str, tuple[int, int]]] = {}
@@ -167,7 +181,7 @@ class Ledger:
     def place(self, request: Request, excluded: dict[str, str] | None = None) -> Assignment | Rejection:
         """``excluded``: nodes ruled out for this request, with why (see ``Engine.place``)."""
         with self._lock:
-            result = self._engine.place(request, {**self._no_new_work(), **(excluded or {})})
+            result = self._engine.place(request, {**self._no_new_work(), **self._full(), **(excluded or {})})
             if isinstance(result, Assignment) and request.kind == "fastpod":
                 problem = self._quota_problem(result)
                 if problem:
@@ -182,6 +196,14 @@ class Ledger:
         down = "are unavailable (their agent does not answer)"
         out.update({n: down for n, ok in self._available.items() if not ok})
         return out
+
+    def _full(self) -> dict[str, str]:
+        """Nodes holding as many assignments as they take (see ``set_room``), with why."""
+        if not self._room:
+            return {}
+        held = Counter(a.node for a in self._engine.assignments.values())
+        return {n: "run as many Pods as they allow (status.allocatable.pods)"
+                for n, room in self._room.items() if held[n] >= room}
 
     def _quota_problem(self, placed: Assignment) -> str | None:
         """The engine does not count guaranteed time quotas; the node agent admits fastpod shares

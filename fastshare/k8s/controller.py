@@ -49,7 +49,7 @@ from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, Spec
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
-from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, extended_used, host_left
+from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, extended_used, host_left, pods_left
 from fastshare.k8s.peers import PodPeers
 from fastshare.k8s.podaffinity import (
     Incoming,
@@ -311,14 +311,24 @@ class KubeController:
 
     def refresh_host(self) -> None:
         """Tell the engine each GPU node's CPU/memory: allocatable minus what bound Pods request
-        that the engine does not count itself (see nodeusage.host_left)."""
+        that the engine does not count itself (see nodeusage.host_left); and how many of its
+        assignments the node takes: status.allocatable.pods less the bound Pods holding none
+        (pods_left). The engine counts its own assignments when it chooses a node, so replicas
+        placed at once, in one pass or several, never pass the limit together; what remains
+        is Pods that others bind after this refresh (each pass and node sync makes one),
+        counted from the next, as for CPU/memory."""
         if not self.usage.synced:
             return
         nodes = self._nodes
+        # the Pods before the engine's assignments: a share released in between then counts
+        # by its Pod, not by neither
+        usage = self.usage.on(nodes)
         held = self.core.ledger.host_requests()
-        for name, pods in self.usage.on(nodes).items():
-            left = host_left(nodes[name].allocatable, pods, held.get(name, {}))
+        for name, pods in usage.items():
+            facts, mine = nodes[name], held.get(name, {})
+            left = host_left(facts.allocatable, pods, mine)
             self.core.ledger.set_host(name, left.cpu_milli, left.memory_bytes // MiB)
+            self.core.ledger.set_room(name, pods_left(facts.max_pods, pods, mine) if facts.max_pods else None)
 
     # -- event sources ---------------------------------------------------------------------------------
     def queue_all(self) -> None:
@@ -660,9 +670,8 @@ class KubeController:
         except TemplateError as exc:
             return [], {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
         excluded = {name: why for name, facts in self._nodes.items()
-                    if (why := rules.problem(facts, TEMPLATE_SPEC)
-                        or facts.pods_problem(self.usage.count(name)))}
-        self.refresh_host()   # Pods bound since the last node sync
+                    if (why := rules.problem(facts, TEMPLATE_SPEC))}
+        self.refresh_host()   # Pods bound since the last node sync (CPU, memory, Pod count)
         serial = bool(incoming.rules or ports)
         around = self._serial_check(incoming, ports) if serial else None
         seen: dict[frozenset[tuple[str, str]], dict[str, str]] = {}   # by the Pods that forbid

@@ -6,7 +6,7 @@ allocation id and host ports are kept, not the Pod."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 from fastshare.k8s.podcache import Key, WatchCache, pod_key
@@ -112,6 +112,20 @@ def host_left(allocatable: Demand, pods: Iterable[tuple[Demand, str]],
         cpu -= max(0, demand.cpu_milli - counted_cpu)
         memory -= max(0, demand.memory_bytes - counted_mib * 1024**2)
     return Demand(cpu, memory)
+
+
+def pods_left(max_pods: int, pods: Iterable[tuple[Demand, str]], held: Container[str]) -> int:
+    """How many of the engine's assignments a node that allows ``max_pods`` Pods takes (held
+    ones included): its bound Pods count, but for one per allocation the engine holds there
+    (``held``), which the engine counts itself. May be negative."""
+    covered: set[str] = set()
+    others = 0
+    for _, allocation in pods:
+        if allocation and allocation not in covered and allocation in held:
+            covered.add(allocation)
+        else:
+            others += 1
+    return max_pods - others
 
 
 def extended_used(pods: Iterable[tuple[Demand, str]], placing: Mapping[str, Demand]) -> dict[str, int]:

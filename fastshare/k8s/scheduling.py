@@ -388,12 +388,6 @@ class NodeFacts:
     # status.allocatable's other resources (see Demand.extended), zeros kept: "have 0" is not "have no"
     extended: tuple[tuple[str, int], ...] = ()
 
-    def pods_problem(self, bound: int) -> str | None:
-        """Why a node running ``bound`` Pods takes no other (the kubelet refuses: OutOfpods)."""
-        if self.max_pods and bound >= self.max_pods:
-            return "run as many Pods as they allow (status.allocatable.pods)"
-        return None
-
     def extended_problem(self, asked: Demand, used: Mapping[str, int]) -> str | None:
         """Why a Pod asking ``asked`` does not fit beside bound Pods that request ``used`` of the
         resources besides CPU and memory (the kubelet refuses: OutOf<resource>)."""

@@ -1,6 +1,8 @@
 """The controller's ledger over the real placement engine: spec translation, unavailable nodes,
 rebuild from persisted assignments."""
 
+import threading
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,3 +134,31 @@ def test_host_cpu_and_memory_from_the_caller_count_and_survive_a_rebuild():
     assert not _place(ledger, "fs-3", spec)
     ledger.set_host("b", 4000, 8192)
     assert _place(ledger, "fs-4", spec).node == "b"
+
+
+def test_a_node_takes_no_more_assignments_than_its_room_whoever_places_them():
+    """In-cluster a node's room (set_room: its Pod limit less the Pods holding no share there)
+    is checked where the node is chosen: placements running at once cannot together pass it,
+    and a released assignment frees its place."""
+    ledger = _ledger()
+    ledger.set_host("a", 64000, 64 * 1024)
+    ledger.set_host("b", 64000, 64 * 1024)
+    ledger.set_room("a", 0)
+    ledger.set_room("b", 3)
+    spec = Spec(kind=Kind.MPS, memory_bytes=GiB)
+    results: list = []
+    threads = [threading.Thread(target=lambda i=i: results.append(_place(ledger, f"fs-{i}", spec)))
+               for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    placed = [r for r in results if isinstance(r, Assignment)]
+    assert [r.node for r in placed] == ["b"] * 3
+    refused = next(r for r in results if isinstance(r, Rejection))
+    assert "2 node(s) run as many Pods as they allow" in refused.reason, refused.reason
+    ledger.release(placed[0].request.id)
+    assert _place(ledger, "fs-9", spec).node == "b"
+    assert not _place(ledger, "fs-10", spec)
+    ledger.set_room("b", None)                       # no limit known
+    assert _place(ledger, "fs-10", spec).node == "b"

@@ -180,6 +180,30 @@ def test_a_node_running_as_many_pods_as_it_allows_is_avoided(api_client, namespa
     assert "2 node(s) run as many Pods as they allow" in message, message
 
 
+def test_replicas_placed_in_one_pass_count_against_the_pod_limit(api_client, namespace, other_namespace,
+                                                                   controller, agents, pki, nodes):
+    """Node b allows 3 Pods and runs 1 that fastshare did not create; a is full. Of 3 replicas
+    created in one pass (in parallel) only 2 fit b: each placement counts the replicas placed
+    before it, not only the Pods bound when the pass began (the kubelet would refuse the third)."""
+    core = client.CoreV1Api(api_client)
+    for node, allowed, foreign in ((nodes["a"], "2", 2), (nodes["b"], "3", 1)):
+        limited = {**ALLOCATABLE, "pods": allowed}
+        core.patch_node_status(node, {"status": {"allocatable": limited, "capacity": limited}})
+        for i in range(foreign):
+            core.create_namespaced_pod(other_namespace, {
+                "metadata": {"name": f"foreign-{node[-6:]}-{i}"},
+                "spec": {"nodeName": node, "automountServiceAccountToken": False,
+                         "containers": [{"name": "c", "image": "busybox"}]}})
+    wait_for(lambda: controller._nodes[nodes["b"]].max_pods == 3 and controller.usage.count(nodes["a"]) == 2
+             and controller.usage.count(nodes["b"]) == 1, "the Pod limits and Pods seen", timeout=30)
+    view = View(api_client, namespace, "few", agents, pki[1])
+    _create(view, "few", 3)
+    condition = wait_for(lambda: _scheduled(view, "few"), "the first pass's status", timeout=60)
+    assert condition["status"] == "False", condition
+    assert "2 node(s) run as many Pods as they allow" in condition["message"], condition
+    assert _on(view, "few") == [nodes["b"]] * 2
+
+
 def test_the_namespace_limit_range_default_request_counts(api_client, namespace, other_namespace, controller,
                                                           agents, pki, nodes):
     """A template without requests in a namespace whose LimitRange gives every container 3 CPUs:

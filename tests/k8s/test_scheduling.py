@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kubernetes import client
 
-from fastshare.k8s.nodeusage import NodeUsage, extended_used, host_left
+from fastshare.k8s.nodeusage import NodeUsage, extended_used, host_left, pods_left
 from fastshare.k8s.pods import ALLOCATION_ANNOTATION, spec_of
 from fastshare.k8s.resources import fastpod_manifest
 from fastshare.k8s.scheduling import (
@@ -201,11 +201,10 @@ def test_node_facts_from_a_node_object():
                                          Demand(7800, 31 * Gi))
     bare = node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="new")))  # no kubelet report yet
     assert bare.allocatable == Demand() and not bare.taints and not bare.unschedulable
-    assert bare.max_pods == 0 and bare.pods_problem(500) is None      # no limit known: none applied
+    assert bare.max_pods == 0                                          # no limit known
     full = node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="full"),
                                     status=client.V1NodeStatus(allocatable={"pods": "110"})))
-    assert full.max_pods == 110 and full.pods_problem(109) is None
-    assert "status.allocatable.pods" in full.pods_problem(110)
+    assert full.max_pods == 110
 
 
 def _pod(name, node, cpu, memory="0", phase="Running", allocation=None):
@@ -253,6 +252,15 @@ def test_a_pod_whose_share_the_engine_holds_is_not_counted_twice():
     # an allocation recorded before requests were counted (0): its Pod still counts in full
     assert host_left(allocatable, pods, {"fs-1": (0, 0)}) == Demand(4000 - 2200, 8 * Gi - Gi - 512 * Mi)
     assert host_left(Demand(1000, 0), [(Demand(3000, 0), "")], {}).cpu_milli == -2000   # over-committed
+
+
+def test_a_nodes_room_for_shares_counts_every_pod_but_those_the_engine_holds():
+    """The engine counts its own assignments against the room (set_room): a Pod of one it holds
+    there counts once (a copy with the same annotation counts as any Pod), every other Pod
+    (another's, or of a released share) takes a place."""
+    pods = [(Demand(), ""), (Demand(), "fs-1"), (Demand(), "fs-1"), (Demand(), "fs-gone")]
+    assert pods_left(110, pods, {"fs-1": (0, 0)}) == 110 - 3
+    assert pods_left(3, pods, {}) == -1   # over-committed
 
 
 class _CountedName(str):

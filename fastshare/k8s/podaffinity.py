@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastshare.k8s.pods import FASTPOD_LABEL, TEMPLATE_SPEC, replica_constraints
-from fastshare.k8s.scheduling import Constraints, NodeFacts, Requirement, Taint, TemplateError
+from fastshare.k8s.scheduling import Constraints, NodeFacts, Requirement, Taint, TemplateError, requirement
 
 HOSTNAME = "kubernetes.io/hostname"
 _SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -69,21 +69,8 @@ def selector(raw: object, field: str) -> Selector | None:
     expressions = raw.get("matchExpressions") or []
     if not isinstance(expressions, list):
         raise TemplateError(f"{field}.matchExpressions", "must be a list")
-    for i, item in enumerate(expressions):
-        at = f"{field}.matchExpressions[{i}]"
-        if not isinstance(item, Mapping) or not isinstance(item.get("key"), str) or not item["key"]:
-            raise TemplateError(at, "needs a key (non-empty string) and an operator")
-        op, values = item.get("operator"), item.get("values") or []
-        if op not in _SELECTOR_OPERATORS:
-            raise TemplateError(f"{at}.operator",
-                                f"must be one of {', '.join(_SELECTOR_OPERATORS)} (got {op!r})")
-        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-            raise TemplateError(f"{at}.values", "must be a list of strings")
-        if op in ("In", "NotIn") and not values:
-            raise TemplateError(f"{at}.values", f"operator {op} needs at least one value")
-        if op in ("Exists", "DoesNotExist") and values:
-            raise TemplateError(f"{at}.values", f"operator {op} takes no values")
-        out.append(Requirement(item["key"], op, tuple(values)))
+    out += [requirement(item, f"{field}.matchExpressions[{i}]", _SELECTOR_OPERATORS)
+            for i, item in enumerate(expressions)]
     return Selector(tuple(out))
 
 

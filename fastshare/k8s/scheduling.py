@@ -476,6 +476,28 @@ def _integer(text: str | None) -> int | None:
     return value
 
 
+def requirement(item: object, at: str, allowed: tuple[str, ...]) -> Requirement:
+    """One ``{key, operator, values}`` of a node or label selector, checked as the API server
+    does (``allowed``: the operators of that kind of selector); the error names ``at``."""
+    if not isinstance(item, Mapping) or not isinstance(item.get("key"), str) or not item["key"]:
+        raise TemplateError(at, "needs a key (non-empty string) and an operator")
+    op, values = item.get("operator"), item.get("values") or []
+    if op not in allowed:
+        raise TemplateError(f"{at}.operator", f"must be one of {', '.join(allowed)} (got {op!r})")
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise TemplateError(f"{at}.values", "must be a list of strings")
+    if op in ("In", "NotIn") and not values:
+        raise TemplateError(f"{at}.values", f"operator {op} needs at least one value")
+    if op in ("Exists", "DoesNotExist") and values:
+        raise TemplateError(f"{at}.values", f"operator {op} takes no values")
+    if op in ("Gt", "Lt"):
+        if len(values) != 1:
+            raise TemplateError(f"{at}.values", f"operator {op} needs exactly one value")
+        if _integer(values[0]) is None:
+            raise TemplateError(f"{at}.values", f"operator {op} needs an integer (got {values[0]!r})")
+    return Requirement(item["key"], op, tuple(values))
+
+
 def _requirements(items: object, field: str, fields: bool) -> tuple[Requirement, ...]:
     if items is None:
         return ()
@@ -484,26 +506,9 @@ def _requirements(items: object, field: str, fields: bool) -> tuple[Requirement,
     out = []
     for i, item in enumerate(items):
         at = f"{field}[{i}]"
-        if not isinstance(item, Mapping) or not isinstance(item.get("key"), str):
-            raise TemplateError(at, "needs a key (string) and an operator")
-        op, values = item.get("operator"), item.get("values") or []
-        allowed = ("In", "NotIn") if fields else _OPERATORS
-        if op not in allowed:
-            raise TemplateError(f"{at}.operator", f"must be one of {', '.join(allowed)} (got {op!r})")
-        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-            raise TemplateError(f"{at}.values", "must be a list of strings")
-        if op in ("In", "NotIn") and not values:
-            raise TemplateError(f"{at}.values", f"operator {op} needs at least one value")
-        if op in ("Exists", "DoesNotExist") and values:
-            raise TemplateError(f"{at}.values", f"operator {op} takes no values")
-        if op in ("Gt", "Lt"):
-            if len(values) != 1:
-                raise TemplateError(f"{at}.values", f"operator {op} needs exactly one value")
-            if _integer(values[0]) is None:
-                raise TemplateError(f"{at}.values", f"operator {op} needs an integer (got {values[0]!r})")
-        if fields and item["key"] != "metadata.name":
-            raise TemplateError(f"{at}.key", f"only metadata.name is supported (got {item['key']!r})")
-        out.append(Requirement(item["key"], op, tuple(values)))
+        out.append(requirement(item, at, ("In", "NotIn") if fields else _OPERATORS))
+        if fields and out[-1].key != "metadata.name":
+            raise TemplateError(f"{at}.key", f"only metadata.name is supported (got {out[-1].key!r})")
     return tuple(out)
 
 

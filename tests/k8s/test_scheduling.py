@@ -141,6 +141,7 @@ def test_required_node_affinity(terms, fits):
     (_affinity({"matchExpressions": [_expr("zone", "In")]}), "matchExpressions[0].values"),
     (_affinity({"matchExpressions": [_expr("cores", "Gt", "many")]}), "matchExpressions[0].values"),
     (_affinity({"matchExpressions": [_expr("zone", "Exists", "z1")]}), "matchExpressions[0].values"),
+    (_affinity({"matchExpressions": [_expr("", "Exists")]}), "matchExpressions[0]"),   # no key
     (_affinity({"matchFields": [_expr("metadata.labels", "In", "x")]}), "matchFields[0].key"),
     (_affinity({"matchFields": [_expr("metadata.name", "Exists")]}), "matchFields[0].operator"),
     (_affinity(), "nodeSelectorTerms"),

@@ -12,14 +12,11 @@ import uuid
 import pytest
 from kubernetes import client
 
-from fastshare.controller.agent_client import AgentPool
-from fastshare.controller.core import Settings as CoreSettings
-from fastshare.k8s.controller import KubeController, KubeSettings
 from fastshare.k8s.podaffinity import HOSTNAME
-from fastshare.k8s.resources import GROUP, PLURAL, VERSION
 
-from .agents import Agent, kubelet_step, register_node
-from .conftest import new_namespace, wait_for
+from . import test_placement_k8s as placement
+from .agents import Agent, register_node
+from .conftest import wait_for
 from .test_controller_agents import View
 from .test_placement_k8s import _create, _on, _refused
 
@@ -51,32 +48,9 @@ def nodes(agents):
     return {key: agent.name for key, agent in agents.items()}
 
 
-@pytest.fixture
-def controller(api_client, fastpod_crd, namespace, pki, nodes, agents):
-    """The controller with its default window of 16 parallel creations."""
-    c = KubeController(api_client, AgentPool(pki[1], deadline=10.0),
-                       KubeSettings(namespace=namespace, workers=3, node_interval=0.5, resync_interval=3,
-                                    watch_timeout=10),
-                       CoreSettings(heartbeat_timeout=3.0, reconcile_interval=2.0, busy_wait=10.0))
-    c.start()
-    yield c
-    objects, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
-    for fp in objects.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]:
-        objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fp["metadata"]["name"])
-    view = View(api_client, namespace, "", agents, pki[1])
-    wait_for(lambda: (kubelet_step(core, namespace), view.shares() == [] and not
-                      core.list_namespaced_pod(namespace).items)[1], "released", timeout=120)
-    c.stop()
-    c.core.agents.close()
-
-
-@pytest.fixture
-def other_namespace(api_client):
-    name = new_namespace(api_client, "o")
-    core = client.CoreV1Api(api_client)
-    yield name
-    for pod in core.list_namespaced_pod(name).items:
-        core.delete_namespaced_pod(pod.metadata.name, name, grace_period_seconds=0)
+# the placement tests' controller (default window of 16 parallel creations) and second namespace,
+# over this module's agents and nodes (fixtures, used by name)
+controller, other_namespace = placement.controller, placement.other_namespace
 
 
 def _foreign(api_client, controller, namespace, node, labels, **spec):

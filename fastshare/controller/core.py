@@ -21,7 +21,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, replace
 
 from fastshare.controller import faults
@@ -206,8 +206,8 @@ class ControllerCore:
             return node in self._registered and node in self._last_seen
 
     # -- allocate --------------------------------------------------------------------------------
-    def allocate(self, request: Request, lookup: bool = True,
-                 excluded: dict[str, str] | None = None) -> Allocation:
+    def allocate(self, request: Request, lookup: bool = True, excluded: dict[str, str] | None = None,
+                 checked: Collection[str] | None = None) -> Allocation:
         """Place, record, prepare, activate; returns once the answer survives a power loss.
 
         What must be on disk before the answer is the ``pending`` record (the intent), not the
@@ -222,13 +222,14 @@ class ControllerCore:
 
         ``lookup=False``: the caller made the key just now, so looking it up first is a wasted
         read; a duplicate is still caught, by the store's create (DuplicateKey). ``excluded``:
-        nodes the caller rules out, with why (in-cluster: the Pod's node affinity and taints)."""
-        allocation, intent = self._allocate(request, lookup, excluded)
+        nodes the caller rules out, with why (in-cluster: the Pod's node affinity and taints);
+        ``checked``: the nodes it judged them on, no other is offered (see ``Ledger.place``)."""
+        allocation, intent = self._allocate(request, lookup, excluded, checked)
         self.store.sync(intent)
         return allocation
 
-    def _allocate(self, request: Request, lookup: bool,
-                  excluded: dict[str, str] | None = None) -> tuple[Allocation, object | None]:
+    def _allocate(self, request: Request, lookup: bool, excluded: dict[str, str] | None = None,
+                  checked: Collection[str] | None = None) -> tuple[Allocation, object | None]:
         """The allocation, and the durability ticket that covers it (None: everything so far)."""
         gpus, most = self.known_gpus()
         validate(request, gpus, most)
@@ -242,7 +243,7 @@ class ControllerCore:
         if isinstance(engine_request, Rejection):
             raise Rejected(engine_request.reason)
         with self.claim(allocation_id):
-            placed = self.ledger.place(engine_request, excluded)
+            placed = self.ledger.place(engine_request, excluded, checked)
             if isinstance(placed, Rejection):
                 raise Rejected(placed.reason)
             try:   # until the record is stored, the reservation lives in memory only: undo it on failure

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from fastshare.controller.model import Kind, Spec
 from fastshare.device import catalog
@@ -20,6 +20,8 @@ from fastshare.placement.engine import Engine
 from fastshare.placement.model import Assignment, GpuView, NodeView, Rejection, Request
 
 MiB = 1024**2
+# why a node the caller did not check is ruled out (worded after "N node(s)")
+UNCHECKED = "joined after this placement began (checked on the next pass)"
 
 
 def _names(model: str) -> set[str]:
@@ -178,10 +180,16 @@ class Ledger:
             node_selector=selector, affinity=spec.affinity or None,
             anti_affinity=spec.anti_affinity or None, exclusion=spec.exclusion or None)
 
-    def place(self, request: Request, excluded: dict[str, str] | None = None) -> Assignment | Rejection:
-        """``excluded``: nodes ruled out for this request, with why (see ``Engine.place``)."""
+    def place(self, request: Request, excluded: dict[str, str] | None = None,
+              checked: Collection[str] | None = None) -> Assignment | Rejection:
+        """``excluded``: nodes ruled out for this request, with why (see ``Engine.place``).
+        ``checked``: the nodes the caller judged ``excluded`` on (None: all). Any other node of
+        the ledger (registered since) is ruled out here, under the lock, for the caller could
+        not say whether the request may go there; ``excluded`` may give a better reason."""
         with self._lock:
-            result = self._engine.place(request, {**self._no_new_work(), **self._full(), **(excluded or {})})
+            unchecked = {} if checked is None else {n: UNCHECKED for n in self._views if n not in checked}
+            result = self._engine.place(request, {**self._no_new_work(), **self._full(), **unchecked,
+                                                  **(excluded or {})})
             if isinstance(result, Assignment) and request.kind == "fastpod":
                 problem = self._quota_problem(result)
                 if problem:

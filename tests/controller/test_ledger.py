@@ -162,3 +162,25 @@ def test_a_node_takes_no_more_assignments_than_its_room_whoever_places_them():
     assert not _place(ledger, "fs-10", spec)
     ledger.set_room("b", None)                       # no limit known
     assert _place(ledger, "fs-10", spec).node == "b"
+
+
+def test_a_node_the_caller_did_not_check_is_not_offered():
+    """In-cluster the caller rules nodes out from their Node objects, read before it places: a
+    node registered since was never judged, so it is not offered, with why (the caller's reason
+    first, where it has one); the reasons stay one line per reason, however many nodes."""
+    ledger = _ledger()
+    for name in "cdefg":
+        ledger.set_node(_node(name, ["L4"]), True)
+    request = ledger.to_request("f", Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB, models=("L4",)))
+    assert not isinstance(request, Rejection)
+    refused = ledger.place(request, {"g": "have no Node object"}, checked={"a"})
+    assert isinstance(refused, Rejection)
+    assert ("5 node(s) joined after this placement began (checked on the next pass) (b, c, d and 2 more)"
+            in refused.reason), refused.reason
+    assert "1 node(s) have no Node object (g)" in refused.reason, refused.reason
+    assert not ledger.holds("f")
+    placed = ledger.place(request, {}, checked={"a", "c"})
+    assert isinstance(placed, Assignment) and placed.node == "c"
+    assert ledger.release("f")
+    assert ledger.place(request, {}).node == "b"   # the standalone controller: every node
+

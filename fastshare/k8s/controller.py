@@ -36,7 +36,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -669,11 +669,12 @@ class KubeController:
             ports = replica_host_ports(fastpod)
         except TemplateError as exc:
             return [], {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
-        excluded = {name: why for name, facts in self._nodes.items()
+        nodes = self._nodes   # the GPU nodes this pass checks: a replica goes to none other
+        excluded = {name: why for name, facts in nodes.items()
                     if (why := rules.problem(facts, TEMPLATE_SPEC))}
         self.refresh_host()   # Pods bound since the last node sync (CPU, memory, Pod count)
         serial = bool(incoming.rules or ports)
-        around = self._serial_check(incoming, ports) if serial else None
+        around = self._serial_check(incoming, ports, nodes) if serial else None
         seen: dict[frozenset[tuple[str, str]], dict[str, str]] = {}   # by the Pods that forbid
         names: list[str] = []
         prefix = fastpod["metadata"]["name"]
@@ -690,10 +691,10 @@ class KubeController:
             while names and problem is None and error is None and len(running) < window:
                 if around is not None:
                     job = self._pool.submit(self._create_ruled_replica, fastpod, names.pop(), excluded,
-                                            around, [pod for pod, _ in created])
+                                            nodes, around, [pod for pod, _ in created])
                 else:
                     job = self._pool.submit(self._create_unruled_replica, fastpod, names.pop(), excluded,
-                                            incoming, seen)
+                                            nodes, incoming, seen)
                 running.add(job)
             done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
@@ -710,11 +711,11 @@ class KubeController:
             raise error
         return created, problem
 
-    def _pod_rules(self, incoming: Incoming, forbidding: list[Peer]
+    def _pod_rules(self, incoming: Incoming, forbidding: list[Peer], gpu_nodes: Mapping[str, NodeFacts]
                    ) -> Callable[[list[dict[str, Any]]], dict[str, str]] | None:
-        """What rules the GPU nodes out for ``incoming`` by the Pods around it (``forbidding``:
-        those with required anti-affinity): a function of the Pods created since (None: no
-        inter-pod rule concerns it). Every Node (domains and the nodes of other Pods) is read
+        """What rules the pass's GPU nodes (``gpu_nodes``) out for ``incoming`` by the Pods around
+        it (``forbidding``: those with required anti-affinity): a function of the Pods created
+        since (None: no inter-pod rule concerns it). Every Node (domains and the nodes of other Pods) is read
         once here, only when some rule is in play; every Namespace once, when a term in play
         selects them by label: for a replica with rules of its own, decided from the Pods as
         they are at each check (under the placement lock), so that a Pod bound after this
@@ -737,34 +738,36 @@ class KubeController:
 
         def check(created: list[dict[str, Any]]) -> dict[str, str]:
             if not incoming.rules:
-                return ruled_out(incoming, self._nodes, nodes, forbidding, namespaces(forbidding))
+                return ruled_out(incoming, gpu_nodes, nodes, forbidding, namespaces(forbidding))
             peers = self.peers.all()
             for pod in created:   # this pass's, whether or not the watch has them yet
                 if (entry := peer(pod)) is not None:
                     peers[pod_key(pod)] = entry
-            return ruled_out(incoming, self._nodes, nodes, peers.values(), namespaces(peers.values()))
+            return ruled_out(incoming, gpu_nodes, nodes, peers.values(), namespaces(peers.values()))
 
         return check
 
-    def _serial_check(self, incoming: Incoming, ports: tuple[HostPort, ...]
-                      ) -> Callable[[list[dict[str, Any]]], dict[str, str]]:
+    def _serial_check(self, incoming: Incoming, ports: tuple[HostPort, ...],
+                      gpu_nodes: Mapping[str, NodeFacts]) -> Callable[[list[dict[str, Any]]], dict[str, str]]:
         """What rules the GPU nodes out for a replica placed alone, as a function of this pass's
         Pods (``created``): its inter-pod rules (or, without, bound Pods' anti-affinity as they
         are when it holds the lock) and the host ports bound Pods already take."""
-        rules = self._pod_rules(incoming, self.peers.forbidding()) if incoming.rules else None
+        rules = self._pod_rules(incoming, self.peers.forbidding(), gpu_nodes) if incoming.rules else None
 
         def check(created: list[dict[str, Any]]) -> dict[str, str]:
-            around = rules or self._pod_rules(incoming, self.peers.forbidding())
-            return {**self._ports_taken(ports, created), **(around(created) if around is not None else {})}
+            around = rules or self._pod_rules(incoming, self.peers.forbidding(), gpu_nodes)
+            return {**self._ports_taken(ports, created, gpu_nodes),
+                    **(around(created) if around is not None else {})}
 
         return check
 
-    def _ports_taken(self, ports: tuple[HostPort, ...], created: list[dict[str, Any]]) -> dict[str, str]:
-        """The GPU nodes where a Pod (bound, or of this pass whether or not the watch has it yet)
-        takes one of ``ports``, each with the port named."""
+    def _ports_taken(self, ports: tuple[HostPort, ...], created: list[dict[str, Any]],
+                     gpu_nodes: Iterable[str]) -> dict[str, str]:
+        """The GPU nodes (of ``gpu_nodes``) where a Pod (bound, or of this pass whether or not
+        the watch has it yet) takes one of ``ports``, each with the port named."""
         if not ports:
             return {}
-        used = self.usage.ports(self._nodes)
+        used = self.usage.ports(gpu_nodes)
         for pod in created:
             if (node := (pod.get("spec") or {}).get("nodeName")) in used:
                 used[node].extend(running_host_ports(pod))
@@ -787,16 +790,18 @@ class KubeController:
                 for ns in self._listed(self.pods.list_namespace)}
 
     def _create_ruled_replica(self, fastpod: dict[str, Any], pod_name: str, excluded: dict[str, str],
+                              gpu_nodes: Mapping[str, NodeFacts],
                               around: Callable[[list[dict[str, Any]]], dict[str, str]],
                               created: list[dict[str, Any]]
                               ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
         """One replica with inter-pod rules or host ports: the nodes they rule out, with the Pods
         of this pass (``created``) and of other FastPods' passes counted, then the create, alone."""
         with self._placing.exclusive():
-            return self._create_replica(fastpod, pod_name, {**around(created), **excluded})
+            return self._create_replica(fastpod, pod_name, {**around(created), **excluded}, gpu_nodes)
 
     def _create_unruled_replica(self, fastpod: dict[str, Any], pod_name: str, excluded: dict[str, str],
-                                incoming: Incoming, seen: dict[frozenset[tuple[str, str]], dict[str, str]]
+                                gpu_nodes: Mapping[str, NodeFacts], incoming: Incoming,
+                                seen: dict[frozenset[tuple[str, str]], dict[str, str]]
                                 ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
         """One replica without rules of its own, beside others (shared): the nodes that bound
         Pods' anti-affinity keeps it from, as they are once it holds the lock (``seen``: this
@@ -805,20 +810,21 @@ class KubeController:
             forbidding = self.peers.forbidding()
             key = frozenset((p.namespace, p.name) for p in forbidding)
             if key not in seen:
-                around = self._pod_rules(incoming, forbidding)
+                around = self._pod_rules(incoming, forbidding, gpu_nodes)
                 seen[key] = around([]) if around is not None else {}
-            return self._create_replica(fastpod, pod_name, {**seen[key], **excluded})
+            return self._create_replica(fastpod, pod_name, {**seen[key], **excluded}, gpu_nodes)
 
-    def _create_replica(self, fastpod: dict[str, Any], pod_name: str, excluded: dict[str, str]
+    def _create_replica(self, fastpod: dict[str, Any], pod_name: str, excluded: dict[str, str],
+                        gpu_nodes: Mapping[str, NodeFacts]
                         ) -> tuple[dict[str, Any] | None, Allocation | None, dict[str, str] | None]:
-        """Allocate (record first, then the agent) on a node not ``excluded``, then create the
-        Pod; a failed create releases."""
+        """Allocate (record first, then the agent) on one of the pass's ``gpu_nodes`` not
+        ``excluded``, then create the Pod; a failed create releases."""
         meta = fastpod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         try:
             request = Request(spec=self._replica_spec(fastpod), owner=f"{namespace}/{name}",
                               idempotency_key=replica_key(namespace, name, pod_name))
-            allocation = self._allocate(fastpod, request, excluded)
+            allocation = self._allocate(fastpod, request, excluded, gpu_nodes)
         except TemplateError as exc:
             return None, None, {"type": "Scheduled", "status": "False", "reason": "Invalid",
                                 "message": str(exc)}
@@ -856,28 +862,30 @@ class KubeController:
             return admitted
         return pod_demand(fastpod["spec"]["template"].get("spec") or {}, TEMPLATE_SPEC)
 
-    def _allocate(self, fastpod: dict[str, Any], request: Request, excluded: dict[str, str]) -> Allocation:
-        """The core's allocation (a fresh name: creating is the check); a replica that asks
+    def _allocate(self, fastpod: dict[str, Any], request: Request, excluded: dict[str, str],
+                  gpu_nodes: Mapping[str, NodeFacts]) -> Allocation:
+        """The core's allocation (a fresh name: creating is the check) on one of ``gpu_nodes``,
+        those the pass checked (a node registered since is not offered); a replica that asks
         resources the engine does not count (extended resources, hugepages, ephemeral storage)
         goes only where they are free: allocatable less bound Pods' requests and the replicas
         placed whose Pod the watch has not shown yet. Those placements go one at a time, so that
         two do not take the same last device."""
         asked = self._replica_demand(fastpod)
         if not asked.extended:
-            return self.core.allocate(request, lookup=False, excluded=excluded)
+            return self.core.allocate(request, lookup=False, excluded=excluded, checked=gpu_nodes)
         with self._extended_lock:
             held = self.core.ledger.host_requests()
-            usage = self.usage.on(self._nodes)
+            usage = self.usage.on(gpu_nodes)
             seen = {allocation for pods in usage.values() for _, allocation in pods}
             self._unseen_extended = {a: (node, demand) for a, (node, demand) in self._unseen_extended.items()
                                      if a in held.get(node, {}) and a not in seen}
             without = dict(excluded)
-            for name, facts in self._nodes.items():
+            for name, facts in gpu_nodes.items():
                 placing = {a: demand for a, (node, demand) in self._unseen_extended.items() if node == name}
                 why = facts.extended_problem(asked, extended_used(usage.get(name, []), placing))
                 if why and name not in without:
                     without[name] = why
-            allocation = self.core.allocate(request, lookup=False, excluded=without)
+            allocation = self.core.allocate(request, lookup=False, excluded=without, checked=gpu_nodes)
             self._unseen_extended[allocation.id] = (allocation.node, asked)
             return allocation
 

@@ -68,7 +68,7 @@ def test_a_ruled_replica_reads_namespaces_a_pod_bound_after_its_pass_began_needs
     own = {"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
         {"labelSelector": {"matchLabels": {"app": "db"}}, "topologyKey": HOSTNAME}]}}}
     incoming = Incoming("ns", labels, pod_rules(own, "ns", labels))
-    check = controller._serial_check(incoming, ())
+    check = controller._serial_check(incoming, (), controller._nodes)
     assert check([]) == {}
     controller.peers.put(_bound("lonely", "a", {"affinity": {"podAntiAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": [

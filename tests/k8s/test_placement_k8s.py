@@ -5,10 +5,12 @@ taints against tolerations, cordons; and a template fastshare cannot read is ref
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 
 import pytest
 from kubernetes import client
@@ -62,14 +64,23 @@ def nodes(api_client, agents):
     reset()
 
 
-@pytest.fixture
-def controller(api_client, fastpod_crd, namespace, pki, nodes, agents):
+@contextlib.contextmanager
+def _running(api_client, namespace, pki, agents, node_interval: float = 0.5,
+             heartbeat_timeout: float = 3.0) -> Iterator[KubeController]:
+    """A started controller; on the way out its FastPods are deleted and their shares released."""
     c = KubeController(api_client, AgentPool(pki[1], deadline=10.0),
-                       KubeSettings(namespace=namespace, workers=3, node_interval=0.5, resync_interval=3,
-                                    watch_timeout=10),
-                       CoreSettings(heartbeat_timeout=3.0, reconcile_interval=2.0, busy_wait=10.0))
+                       KubeSettings(namespace=namespace, workers=3, node_interval=node_interval,
+                                    resync_interval=3, watch_timeout=10),
+                       CoreSettings(heartbeat_timeout=heartbeat_timeout, reconcile_interval=2.0,
+                                    busy_wait=10.0))
     c.start()
-    yield c
+    try:
+        yield c
+    finally:
+        _clean_up(c, api_client, namespace, pki, agents)
+
+
+def _clean_up(c: KubeController, api_client, namespace, pki, agents) -> None:
     # leave the module's agents without shares and its nodes without Pods
     objects, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     for fp in objects.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]:
@@ -79,6 +90,12 @@ def controller(api_client, fastpod_crd, namespace, pki, nodes, agents):
                       core.list_namespaced_pod(namespace).items)[1], "released", timeout=120)
     c.stop()
     c.core.agents.close()
+
+
+@pytest.fixture
+def controller(api_client, fastpod_crd, namespace, pki, nodes, agents):
+    with _running(api_client, namespace, pki, agents) as c:
+        yield c
 
 
 @pytest.fixture
@@ -325,3 +342,60 @@ def test_every_bound_pod_is_listed_a_page_at_a_time(api_client, other_namespace,
     finally:
         c._stop.set()
         watcher.join(15)
+
+
+TAINT = {"key": "dedicated", "value": "infer", "effect": "NoSchedule"}
+
+
+def _first_condition(controller: KubeController) -> Callable[[], dict | None]:
+    """Records the Scheduled condition of each pass (a later pass may overwrite the status
+    before a poll reads it); returns what the first pass said, once there is one."""
+    seen: list[dict] = []
+    write = controller._write_status
+
+    def recording(fastpod, live, allocations, scheduled):
+        seen.append(scheduled)
+        return write(fastpod, live, allocations, scheduled)
+
+    controller._write_status = recording   # type: ignore[method-assign]
+    return lambda: seen[0] if seen else None
+
+
+def test_a_gpu_node_that_joins_during_a_pass_is_left_to_the_next(api_client, namespace, fastpod_crd,
+                                                                  agents, pki, nodes):
+    """Node b becomes a GPU node (labelled; tainted, which the replica does not tolerate) while a
+    pass is under way: after it worked out which nodes the replica's taints and affinity rule
+    out, before it placed. The node sync registers b's agent in between. The pass must not bind
+    the replica to b, which it never checked (a is tainted: b was the only node the ledger could
+    offer); it is refused naming b, and the next pass checks b (its taint)."""
+    core = client.CoreV1Api(api_client)
+    label = "fastshare.io/gpu"
+    core.patch_node(nodes["a"], {"spec": {"taints": [TAINT]}})
+    core.patch_node(nodes["b"], {"metadata": {"labels": {label: "false"}}, "spec": {"taints": [TAINT]}})
+    try:
+        # node syncs only where this test makes them
+        with _running(api_client, namespace, pki, agents, node_interval=3600) as controller:
+            assert nodes["b"] not in controller._nodes and controller.core.store.get_node(nodes["b"]) is None
+            refresh = controller.refresh_host
+
+            def joined() -> None:   # the pass calls it right after its checks, before placing
+                controller.refresh_host = refresh   # type: ignore[method-assign]
+                core.patch_node(nodes["b"], {"metadata": {"labels": {label: "true"}}})
+                controller.sync_nodes()
+                refresh()
+
+            controller.refresh_host = joined   # type: ignore[method-assign]
+            first = _first_condition(controller)
+            view = View(api_client, namespace, "", agents, pki[1])
+            _create(view, "late")
+            condition = wait_for(first, "the first pass's status", timeout=60)
+            assert controller.refresh_host == refresh, "the pass did not go through the node sync"
+            assert condition["status"] == "False", (condition, _on(view, "late"))
+            assert f"1 node(s) joined after this placement began (checked on the next pass) ({nodes['b']})" \
+                in condition["message"], condition
+            wait_for(lambda: "2 node(s) have taint dedicated=infer:NoSchedule" in _refused(view, "late"),
+                     "the next pass checks b", timeout=30)
+            assert _on(view, "late") == []
+    finally:
+        core.patch_node(nodes["b"], {"metadata": {"labels": {label: "true"}}})
+

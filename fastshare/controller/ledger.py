@@ -137,6 +137,10 @@ class Ledger:
                 out.setdefault(a.node, {})[rid] = (a.request.cpu_milli, a.request.memory_mib)
         return out
 
+    def node_names(self) -> set[str]:
+        with self._lock:
+            return set(self._views)
+
     def models(self) -> set[str]:
         with self._lock:
             return {g.model for v in self._views.values() for g in v.gpus}

@@ -669,9 +669,15 @@ class KubeController:
             ports = replica_host_ports(fastpod)
         except TemplateError as exc:
             return [], {"type": "Scheduled", "status": "False", "reason": "Invalid", "message": str(exc)}
-        nodes = self._nodes   # the GPU nodes this pass checks: a replica goes to none other
-        excluded = {name: why for name, facts in nodes.items()
-                    if (why := rules.problem(facts, TEMPLATE_SPEC))}
+        # The GPU nodes this pass checks: a replica goes to none other (see Ledger.place). The
+        # ledger's nodes are read first: the node sync lists Nodes before it registers their
+        # agents, so one missing from the later snapshot has no labelled Node now.
+        registered = self.core.ledger.node_names()
+        nodes = self._nodes
+        gone = f"have no Node object labelled {self.settings.gpu_node_label}=true"
+        excluded = {name: gone for name in registered if name not in nodes}
+        excluded.update({name: why for name, facts in nodes.items()
+                         if (why := rules.problem(facts, TEMPLATE_SPEC))})
         self.refresh_host()   # Pods bound since the last node sync (CPU, memory, Pod count)
         serial = bool(incoming.rules or ports)
         around = self._serial_check(incoming, ports, nodes) if serial else None

@@ -399,3 +399,28 @@ def test_a_gpu_node_that_joins_during_a_pass_is_left_to_the_next(api_client, nam
     finally:
         core.patch_node(nodes["b"], {"metadata": {"labels": {label: "true"}}})
 
+
+def test_a_gpu_node_deleted_from_the_cluster_takes_no_replica(api_client, namespace, fastpod_crd, agents,
+                                                               pki, nodes):
+    """Node b's Node object is deleted while its agent still answers: the ledger keeps b (it is
+    marked unavailable only once its heartbeats are missed, here not for long). A replica bound
+    to b would never run (the Pod GC deletes it); a is tainted, so b is the only node the ledger
+    could offer. The replica is refused, naming b and why."""
+    core = client.CoreV1Api(api_client)
+    core.patch_node(nodes["a"], {"spec": {"taints": [TAINT]}})
+    with _running(api_client, namespace, pki, agents, heartbeat_timeout=600) as controller:
+        core.delete_node(nodes["b"])
+        try:
+            wait_for(lambda: nodes["b"] not in controller._nodes, "b gone from the node sync", timeout=30)
+            assert controller.core.is_available(nodes["b"])
+            first = _first_condition(controller)
+            view = View(api_client, namespace, "", agents, pki[1])
+            _create(view, "homeless")
+            condition = wait_for(first, "the first pass's status", timeout=60)
+            assert condition["status"] == "False", (condition, _on(view, "homeless"))
+            assert (f"1 node(s) have no Node object labelled fastshare.io/gpu=true ({nodes['b']})"
+                    in condition["message"]), condition
+            assert _on(view, "homeless") == []
+        finally:
+            register_node(core, agents["b"])
+            core.patch_node(nodes["b"], {"metadata": {"labels": {"zone": "zb"}}})

@@ -35,7 +35,7 @@ from fastshare.k8s.pods import FASTPOD_LABEL
 from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.security import certs
 from fastshare.security.tls import TlsPaths
-from tests.k8s.agents import Agent, register_node
+from tests.k8s.agents import NODE_ALLOCATABLE, Agent, register_node
 
 CONTAINER = {"name": "main", "image": "busybox", "command": ["sleep", "inf"]}
 
@@ -146,13 +146,19 @@ def main() -> None:
         certs.init_ca(root / "ca")
         certs.issue(root / "ca", "controller", root / "controller", role="controller", days=1)
         tls = TlsPaths.in_dir(root / "controller", "controller")
-        # 2 nodes x 8 GPUs x 48 MPS clients each = 768 shares >= 500
+        # 2 nodes x 8 GPUs x 48 MPS clients each = 768 shares >= 500; each node allows as many
+        # Pods (kubelet --max-pods 1000: the controller counts status.allocatable.pods)
         agents = [Agent(root, root / "ca", f"node-{i}", ["V100-SXM2-32GB"] * 8, mig=False) for i in range(2)]
+        core = client.CoreV1Api(api)
         try:
             for agent in agents:
                 agent.start(tls)
-                register_node(client.CoreV1Api(api), agent)
-            plain = baseline(api, total, args.workers, agents[0].name)
+                register_node(core, agent)
+                allocatable = {**NODE_ALLOCATABLE, "pods": "1000"}
+                core.patch_node_status(agent.name, {"status": {"allocatable": allocatable,
+                                                               "capacity": allocatable}})
+            # bound to a node that is not a GPU node: the baseline's Pods take none of their room
+            plain = baseline(api, total, args.workers, "baseline-node")
             rate, created, ready = fastshare_run(api, args.fastpods, args.replicas, args.workers, tls,
                                                  args.parallelism)
         finally:

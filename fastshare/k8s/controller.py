@@ -736,10 +736,11 @@ class KubeController:
                 read = self._namespace_labels()
             return read or {}
 
-        if not incoming.rules and not any(t.selects(incoming.namespace, incoming.labels, labels)
-                                          for labels in [namespaces(forbidding)]
-                                          for p in forbidding for t in p.anti_affinity):
-            return None
+        if not incoming.rules:   # only bound Pods' anti-affinity: none of it may select the replica
+            labels = namespaces(forbidding)
+            if not any(t.selects(incoming.namespace, incoming.labels, labels)
+                       for p in forbidding for t in p.anti_affinity):
+                return None
         nodes = {n.name: n for n in map(raw_node, self._listed(self.pods.list_node))}
 
         def check(created: list[dict[str, Any]]) -> dict[str, str]:

@@ -6,7 +6,7 @@ allocation id and host ports are kept, not the Pod."""
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from typing import Any
 
 from fastshare.k8s.podcache import Key, WatchCache, pod_key
@@ -95,20 +95,29 @@ class NodeUsage(WatchCache):
             return {n: [p for taken in self._ports.get(n, {}).values() for p in taken] for n in nodes}
 
 
+def _engine_counted(pods: Iterable[tuple[Demand, str]], held: Container[str]
+                    ) -> Iterator[tuple[Demand, str | None]]:
+    """Each bound Pod with the allocation the engine counts for it on this node (``held``), or
+    None: one Pod per allocation only (a copy of a replica Pod keeps its annotation, and the
+    kubelet counts both)."""
+    covered: set[str] = set()
+    for demand, allocation in pods:
+        if allocation and allocation not in covered and allocation in held:
+            covered.add(allocation)
+            yield demand, allocation
+        else:
+            yield demand, None
+
+
 def host_left(allocatable: Demand, pods: Iterable[tuple[Demand, str]],
               held: dict[str, tuple[int, int]]) -> Demand:
     """What a node has left for the engine's assignments: its allocatable minus what bound Pods
     request, where a Pod whose allocation the engine holds on this node (``held``: id -> cpu
     milli, memory MiB) counts only beyond what the engine already counts for it, so it is not
-    counted twice; that for one Pod per allocation only (a copy of a replica Pod keeps its
-    annotation, and the kubelet counts both). May be negative (over-committed)."""
+    counted twice. May be negative (over-committed)."""
     cpu, memory = allocatable.cpu_milli, allocatable.memory_bytes
-    covered: set[str] = set()
-    for demand, allocation in pods:
-        counted_cpu, counted_mib = (0, 0)
-        if allocation and allocation not in covered and allocation in held:
-            covered.add(allocation)
-            counted_cpu, counted_mib = held[allocation]
+    for demand, mine in _engine_counted(pods, held):
+        counted_cpu, counted_mib = held[mine] if mine else (0, 0)
         cpu -= max(0, demand.cpu_milli - counted_cpu)
         memory -= max(0, demand.memory_bytes - counted_mib * 1024**2)
     return Demand(cpu, memory)
@@ -116,16 +125,9 @@ def host_left(allocatable: Demand, pods: Iterable[tuple[Demand, str]],
 
 def pods_left(max_pods: int, pods: Iterable[tuple[Demand, str]], held: Container[str]) -> int:
     """How many of the engine's assignments a node that allows ``max_pods`` Pods takes (held
-    ones included): its bound Pods count, but for one per allocation the engine holds there
-    (``held``), which the engine counts itself. May be negative."""
-    covered: set[str] = set()
-    others = 0
-    for _, allocation in pods:
-        if allocation and allocation not in covered and allocation in held:
-            covered.add(allocation)
-        else:
-            others += 1
-    return max_pods - others
+    ones included): its bound Pods count, but for those the engine counts itself. May be
+    negative."""
+    return max_pods - sum(1 for _, mine in _engine_counted(pods, held) if mine is None)
 
 
 def extended_used(pods: Iterable[tuple[Demand, str]], placing: Mapping[str, Demand]) -> dict[str, int]:

@@ -11,8 +11,9 @@ no manual issuing: it sends a CSR and its projected ServiceAccount token (audien
    token carries the Pod's name and uid (only a Pod-bound token has them);
 3. that Pod (read now, not from a cache) has that uid, is neither being deleted nor ended
    (phase Succeeded or Failed: an evicted Pod stays, and its token still authenticates), is
-   controlled by the DaemonSet ``<agent.name>`` and runs on the node the CSR names
-   (``spec.nodeName``);
+   controlled by the DaemonSet ``<agent.name>`` (its ownerReference names that DaemonSet's
+   current uid: whoever may create Pods there can write any ownerReference, but a name alone
+   is not the DaemonSet) and runs on the node the CSR names (``spec.nodeName``);
 4. that Node carries the GPU label (``<gpu label>=true``).
 
 A node named like one of the controller's own certificate's names (its Service's DNS names)
@@ -164,6 +165,7 @@ class NodeCertIssuer:
         certs.load_ca(self.ca_dir)   # fail at start, not at the first agent
         self._auth = client.AuthenticationV1Api(api)
         self._core = client.CoreV1Api(api)
+        self._apps = client.AppsV1Api(api)
 
     def issue(self, csr_pem: bytes, token: str, caller: str = "") -> Issued:
         """Check and sign; ``caller`` is the caller's address (its rate limit). Everything that
@@ -257,11 +259,18 @@ class NodeCertIssuer:
             raise _denied(f"{where} has ended (phase {phase}): only a running node-agent Pod gets a "
                           "certificate; its replacement does")
         owners = [o for o in pod.metadata.owner_references or [] if o.controller]
-        if not any(o.kind == "DaemonSet" and o.api_version == "apps/v1" and o.name == s.daemonset
-                   for o in owners):
+        owner = next((o for o in owners if o.kind == "DaemonSet" and o.api_version == "apps/v1"
+                      and o.name == s.daemonset), None)
+        if owner is None:
             owned = ", ".join(f"{o.kind} {o.name}" for o in owners) or "nothing"
             raise _denied(f"{where} is controlled by {owned}, not by the DaemonSet {s.daemonset}: only the "
                           "node-agent DaemonSet's Pods get node certificates")
+        daemonset_uid = self._daemonset_uid()
+        if owner.uid != daemonset_uid:
+            raise _denied(f"{where} names the DaemonSet {s.daemonset} with uid {owner.uid}, but "
+                          f"that DaemonSet has uid {daemonset_uid}: the Pod was not made by it (a Pod of "
+                          "a deleted DaemonSet of that name, or an ownerReference written by hand); only "
+                          "its own Pods get node certificates")
         if pod.spec.node_name != node:
             raise _denied(f"the CSR asks for node {node!r} but {where} runs on "
                           f"{pod.spec.node_name or 'no node yet'!r}: the CSR's common name must be the "
@@ -274,6 +283,17 @@ class NodeCertIssuer:
                           f"{where} has no status.hostIP yet ({host_ip!r}); retry once the kubelet "
                           "reported it") from None
         return host_ip
+
+    def _daemonset_uid(self) -> str:
+        """The agent DaemonSet's uid, read now (its Role allows `get` on that name only)."""
+        s = self.settings
+        try:
+            return self._apps.read_namespaced_daemon_set(s.daemonset, s.namespace).metadata.uid
+        except client.ApiException as exc:
+            if exc.status == 404:
+                raise _denied(f"the node-agent DaemonSet {s.namespace}/{s.daemonset} does not exist: "
+                              "only its Pods get node certificates (check --agent-daemonset)") from None
+            raise _api_failure(f"read DaemonSet {s.namespace}/{s.daemonset}", exc) from None
 
     def _check_node(self, node: str) -> None:
         label = self.settings.gpu_node_label

@@ -10,6 +10,7 @@ fastshare), as the kubelet would for the projected volume."""
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import os
 import shutil
@@ -686,6 +687,20 @@ def test_refused_for_a_pod_the_agent_daemonset_does_not_own(cluster):
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     assert (f"is controlled by DaemonSet impostor, not by the DaemonSet {cluster.daemonset.metadata.name}"
             in error.details())
+
+
+def test_refused_for_a_pod_whose_owner_reference_names_the_daemonset_but_not_its_uid(cluster):
+    """Whoever may create Pods in the namespace can write any ownerReference; the DaemonSet's
+    name with another uid (a hand-written reference, or one to a deleted DaemonSet of that
+    name) is not the DaemonSet."""
+    node = GPU_NODES[0]
+    forged = copy.deepcopy(cluster.daemonset)
+    forged.metadata.uid = "00000000-0000-4000-8000-000000000000"
+    pod = cluster.agent_pod(node, owner=forged)
+    error = _refused(cluster, _csr(node), cluster.token(pod))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (f"names the DaemonSet {cluster.daemonset.metadata.name} with uid {forged.metadata.uid}, "
+            f"but that DaemonSet has uid {cluster.daemonset.metadata.uid}") in error.details()
 
 
 def test_refused_once_the_pod_is_deleted_or_recreated(cluster):

@@ -81,6 +81,7 @@ ALLOWED = [
     # the node-certificate service: an agent's token is reviewed, its Pod read afresh
     ("create", "tokenreviews", "authentication.k8s.io", "", "", ""),
     ("get", "pods", "", NAMESPACE, "fastshare-node-agent-x1", ""),
+    ("get", "daemonsets", "apps", NAMESPACE, "fastshare-node-agent", ""),   # its uid, against the Pod's owner
     ("create", "leases", "coordination.k8s.io", NAMESPACE, "", ""),
     ("update", "leases", "coordination.k8s.io", NAMESPACE, "fastshare-controller", ""),
 ]
@@ -97,6 +98,10 @@ DENIED = [
     ("update", "leases", "coordination.k8s.io", NAMESPACE, "someone-else", ""),
     ("update", "leases", "coordination.k8s.io", "kube-system", "fastshare-controller", ""),
     ("create", "deployments", "apps", "team-a", "", ""),
+    ("get", "daemonsets", "apps", NAMESPACE, "another", ""),
+    ("get", "daemonsets", "apps", "team-a", "fastshare-node-agent", ""),
+    ("list", "daemonsets", "apps", NAMESPACE, "", ""),
+    ("update", "daemonsets", "apps", NAMESPACE, "fastshare-node-agent", ""),
     ("escalate", "clusterroles", "rbac.authorization.k8s.io", "", "", ""),
     ("patch", "fastpods", "fastshare.io", "team-a", "job", "scale"),
     ("patch", "fastshareallocations", "fastshare.io", "team-a", "job-0", ""),

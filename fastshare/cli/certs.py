@@ -66,19 +66,30 @@ def issue(ca_dir: Path, name: str, sans: tuple[str, ...], out_dir: Path, role: s
 
 @certs.command("show")
 @click.argument("cert", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--ca", "ca_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Also say whether the CA in this directory (the one of its ca.key) signed it.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def show(cert: Path, as_json: bool) -> None:
+def show(cert: Path, ca_dir: Path | None, as_json: bool) -> None:
     """Subject, role, names and validity of a certificate."""
     try:
         info = pki.describe(cert)
     except ValueError as exc:
         fail(f"{cert}: not a PEM certificate ({exc})")
+    if ca_dir is not None:
+        try:
+            info["signed_by_ca"] = pki.signed_by(cert, ca_dir)
+        except pki.CertError as exc:
+            fail(str(exc))
     if as_json:
         print_json(info)
     else:
-        print_table(None, ["common name", "role", "names", "not before", "not after", "issuer"],
-                    [[info["common_name"], info["role"] or "none (re-issue it with --role)",
-                      ", ".join(info["sans"]), info["not_before"], info["not_after"], info["issuer"]]])
+        columns = ["common name", "role", "names", "not before", "not after", "issuer"]
+        row = [info["common_name"], info["role"] or "none (re-issue it with --role)",
+               ", ".join(info["sans"]), info["not_before"], info["not_after"], info["issuer"]]
+        if ca_dir is not None:
+            columns.append("signed by --ca")
+            row.append("yes" if info["signed_by_ca"] else "no: issue again")
+        print_table(None, columns, [row])
 
 
 COMMANDS = [certs]

@@ -5,7 +5,8 @@ servers reload them from disk when they change (see ``tls``), so re-issuing is e
 
 Directory layout (stable, the Ansible roles and the CLI rely on it):
   CA dir:   ca.crt, ca.key (0600)
-  out dir:  NAME.crt, NAME.key (0600), ca.crt (copy of the CA certificate, for peers)
+  out dir:  NAME.crt, NAME.key (0600), ca.crt (copy of the CA dir's ca.crt, for peers: during
+            a CA rotation a bundle of the old and the new CA, so peers trust both)
 
 Roles. Every leaf certificate carries exactly one role, and the servers decide on it, not on
 the names a certificate lists:
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -284,8 +286,27 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
     # Key first: a reader that sees the new certificate must also find the matching key.
     write_atomic(key_path, key_pem(key), 0o600)
     write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    write_atomic(ca_path, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomic(ca_path, trust_bundle(ca_dir), 0o644)
     return IssuedCert(cert_path, key_path, ca_path, not_after)
+
+
+def trust_bundle(ca_dir: Path) -> bytes:
+    """What peers of the CA's certificates trust: every CA certificate in ``ca.crt`` (one,
+    or during a rotation the old and the new), as PEM."""
+    bundle = x509.load_pem_x509_certificates((Path(ca_dir) / CA_CERT).read_bytes())
+    return b"".join(cert.public_bytes(serialization.Encoding.PEM) for cert in bundle)
+
+
+def signed_by(cert_path: Path, ca_dir: Path) -> bool:
+    """Whether the certificate was signed by the CA that signs now (the one of ``ca.key``):
+    after a rotation's switch of signer, certificates of the old CA are issued again."""
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    ca_cert, _ = load_ca(ca_dir)
+    try:
+        cert.verify_directly_issued_by(ca_cert)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def describe(cert_path: Path) -> dict[str, object]:

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cryptography import x509
 from fs_collection import COLLECTION, REPO, run_module, run_tasks
 
 from fastshare.device import mig_parted
 from fastshare.k8s import manifests
-from fastshare.security.certs import describe
+from fastshare.security.certs import describe, init_ca
 from tests.security.handmade import issue_roleless_cert
 
 
@@ -452,6 +453,55 @@ def test_pki_gives_a_certificate_from_before_roles_its_role_once(collections_pat
     assert converge() is True, "a certificate without the role must be issued again"
     assert describe(tls / "gpu9.crt")["role"] == "node"
     assert converge() is False, "once it has the role, a second run changes nothing"
+
+
+def test_pki_carries_a_ca_rotation_to_the_host_in_three_runs(collections_path: Path, tmp_path: Path):
+    """The bare-metal CA rotation of the README: the bundle in the CA directory's ca.crt reaches
+    the host before the signer changes; after the switch the certificate is issued again by the
+    new CA; the old CA is dropped last. At every step the host trusts its own certificate's CA."""
+    tls, ca = tmp_path / "tls", tmp_path / "ca"
+
+    def converge() -> bool:
+        return _converge_pki(collections_path, tmp_path, pki_role="node")
+
+    def trusted() -> list[x509.Certificate]:
+        return x509.load_pem_x509_certificates((tls / "ca.crt").read_bytes())
+
+    def signer_trusted() -> None:
+        cert = x509.load_pem_x509_certificate((tls / "gpu9.crt").read_bytes())
+        assert any(cert.issuer == c.subject and _verifies(cert, c) for c in trusted())
+
+    assert converge() is True
+    old = x509.load_pem_x509_certificate((ca / "ca.crt").read_bytes())
+    first = (tls / "gpu9.crt").read_bytes()
+    init_ca(tmp_path / "new")
+    new = x509.load_pem_x509_certificate((tmp_path / "new" / "ca.crt").read_bytes())
+
+    # 1. trust both; the old CA still signs, so the certificate stays
+    (ca / "ca.crt").write_bytes((ca / "ca.crt").read_bytes() + (tmp_path / "new" / "ca.crt").read_bytes())
+    assert converge() is True
+    assert trusted() == [old, new] and (tls / "gpu9.crt").read_bytes() == first
+    signer_trusted()
+    # 2. the new CA's key signs: the certificate is issued again, by the new CA
+    shutil.copy(tmp_path / "new" / "ca.key", ca / "ca.key")
+    assert converge() is True
+    assert _verifies(x509.load_pem_x509_certificate((tls / "gpu9.crt").read_bytes()), new)
+    assert trusted() == [old, new]
+    signer_trusted()
+    # 3. drop the old CA
+    shutil.copy(tmp_path / "new" / "ca.crt", ca / "ca.crt")
+    assert converge() is True
+    assert trusted() == [new]
+    signer_trusted()
+    assert converge() is False, "after the rotation a run changes nothing"
+
+
+def _verifies(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except Exception:
+        return False
+    return True
 
 
 def test_controller_and_node_agent_keep_their_certificates_apart():

@@ -213,3 +213,37 @@ def test_a_ca_bundle_signs_with_the_certificate_of_the_key_in_any_order(tmp_path
     (tmp_path / "new" / "ca.crt").write_bytes(old)
     with pytest.raises(pki.CertError, match=r"ca\.key is the key of none of the 1 certificate"):
         pki.load_ca(tmp_path / "new")
+
+
+def test_issue_hands_out_the_whole_bundle_and_show_tells_whether_the_signer_signed(tmp_path):
+    """Mid-rotation the CA directory's ca.crt holds the old and the new CA: an issued
+    certificate's peers get both, and `certs show --ca` tells a certificate of the old signer
+    (to be issued again) from one of the current."""
+    pki.init_ca(tmp_path / "ca")
+    pki.init_ca(tmp_path / "new")
+    old_issued = pki.issue(tmp_path / "ca", "n1", tmp_path / "before", role="node")
+    old, new = ((tmp_path / d / "ca.crt").read_bytes() for d in ("ca", "new"))
+    (tmp_path / "ca" / "ca.crt").write_bytes(old + new)
+    issued = pki.issue(tmp_path / "ca", "n2", tmp_path / "out", role="node")
+    handed = x509.load_pem_x509_certificates(issued.ca_path.read_bytes())
+    assert handed == [_load(tmp_path / "ca" / "ca.crt"), x509.load_pem_x509_certificate(new)]
+    assert pki.signed_by(old_issued.cert_path, tmp_path / "ca")   # the old key still signs
+
+    # the switch: the new CA's key signs; the bundle still trusts both
+    (tmp_path / "ca" / "ca.key").write_bytes((tmp_path / "new" / "ca.key").read_bytes())
+    assert not pki.signed_by(old_issued.cert_path, tmp_path / "ca")
+
+    def show(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["fastshare", "certs", "show", *extra, str(old_issued.cert_path)],
+                              capture_output=True, text=True, env={**os.environ, "COLUMNS": "250"})
+
+    shown = show("--json", "--ca", str(tmp_path / "ca"))
+    assert shown.returncode == 0 and json.loads(shown.stdout)["signed_by_ca"] is False
+    assert "no: issue again" in show("--ca", str(tmp_path / "ca")).stdout
+    assert "signed_by_ca" not in json.loads(show("--json").stdout)
+    renewed = pki.issue(tmp_path / "ca", "n1", tmp_path / "before", role="node")
+    assert json.loads(show("--json", "--ca", str(tmp_path / "ca")).stdout)["signed_by_ca"] is True
+    assert renewed.cert_path == old_issued.cert_path
+    (tmp_path / "empty").mkdir()
+    missing = show("--ca", str(tmp_path / "empty"))
+    assert missing.returncode != 0 and "ca.crt not found" in missing.stderr

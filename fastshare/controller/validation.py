@@ -26,6 +26,8 @@ MAX_MODEL_LENGTH = 128
 MAX_LABEL_KEY_LENGTH = 253 + 1 + 63   # a Kubernetes label key: DNS prefix, '/', name
 MAX_LABEL_VALUE_LENGTH = 63
 TAG_PATTERN = r"^[A-Za-z0-9._/-]{1,63}$"
+# fullmatch, not match: '$' also matches before a final newline, which neither set allows
+# (the API server's RE2 refuses it too)
 _KEY_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
 _TAG_RE = re.compile(TAG_PATTERN)
 
@@ -193,12 +195,12 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
                                   f"{len(value)}")
     for name in ("affinity", "anti_affinity", "exclusion"):
         tag = getattr(spec, name)
-        if tag and not _TAG_RE.match(tag):
+        if tag and not _TAG_RE.fullmatch(tag):
             raise ValidationError(f"spec.{name}", f"tag {tag!r} is invalid: 1-63 characters of letters, "
                                                   "digits, '.', '_', '/', '-'")
     if len(request.owner) > 253:
         raise ValidationError("owner", f"at most 253 characters, got {len(request.owner)}")
-    if request.idempotency_key and not _KEY_RE.match(request.idempotency_key):
+    if request.idempotency_key and not _KEY_RE.fullmatch(request.idempotency_key):
         raise ValidationError("idempotency_key",
                               "must be 1-128 characters of letters, digits, '.', '_', ':', '/', '-'")
     if request.lease_ttl and not MIN_LEASE_TTL <= request.lease_ttl <= MAX_LEASE_TTL:

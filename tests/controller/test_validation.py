@@ -94,3 +94,15 @@ def test_fastpod_sm_percent_range_is_exact(sm, mem_gib):
     except ValidationError:
         accepted = False
     assert accepted == ok
+
+
+@pytest.mark.parametrize(("field", "kw"), [
+    ("idempotency_key", {"idempotency_key": "job-1\n"}),
+    ("spec.affinity", {"spec": Spec(Kind.MPS, memory_bytes=GiB, affinity="team\n")}),
+    ("spec.anti_affinity", {"spec": Spec(Kind.MPS, memory_bytes=GiB, anti_affinity="team\n")}),
+])
+def test_a_trailing_newline_is_not_an_allowed_character(field, kw):
+    """'$' also matches before a final newline: the whole value must match the pattern."""
+    spec = kw.pop("spec", Spec(Kind.MPS, memory_bytes=GiB))
+    _check(spec, field, "characters|invalid", **kw)
+

@@ -23,6 +23,7 @@ MAX_GPUS_PER_NODE = 16
 MAX_SM_COUNT = 1024
 MAX_LIST_ENTRIES = 64
 MAX_MODEL_LENGTH = 128
+MAX_MIG_PROFILE_LENGTH = 32           # a name ("1g.10gb+me") or a profile id
 MAX_LABEL_KEY_LENGTH = 253 + 1 + 63   # a Kubernetes label key: DNS prefix, '/', name
 MAX_LABEL_VALUE_LENGTH = 63
 TAG_PATTERN = r"^[A-Za-z0-9._/-]{1,63}$"
@@ -96,6 +97,9 @@ def _mig_models(gpus: Sequence[Gpu]) -> list[catalog.GpuModel]:
 
 
 def _exclusive(spec: Spec, gpus: Sequence[Gpu]) -> None:
+    if len(spec.mig_profile) > MAX_MIG_PROFILE_LENGTH:   # refusals below quote the name
+        raise ValidationError("spec.mig_profile", f"at most {MAX_MIG_PROFILE_LENGTH} characters (a profile "
+                                                  f"name such as 3g.20gb), got {len(spec.mig_profile)}")
     shapes = [n for n in ("mig_profile", "sm_count", "sm_percent") if getattr(spec, n)]
     if len(shapes) != 1:
         raise ValidationError("spec.mig_profile", "kind exclusive needs exactly one of mig_profile, "

@@ -106,3 +106,12 @@ def test_a_trailing_newline_is_not_an_allowed_character(field, kw):
     spec = kw.pop("spec", Spec(Kind.MPS, memory_bytes=GiB))
     _check(spec, field, "characters|invalid", **kw)
 
+
+
+@pytest.mark.parametrize("gpus", [GPUS, []], ids=["gpus", "no-gpus-yet"])
+def test_an_overlong_mig_profile_is_refused_by_its_length(gpus):
+    """Without a bound the name came back in the error, too big for gRPC's trailers: the
+    client saw only 'Stream removed (received metadata size exceeds hard limit)'."""
+    _check(Spec(Kind.EXCLUSIVE, mig_profile="3g.20gb" * 10_000), "spec.mig_profile",
+           r"at most 32 characters .*, got 70000", gpus=gpus)
+

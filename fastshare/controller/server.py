@@ -43,7 +43,7 @@ from fastshare.controller.model import FINISHED, HOLDING
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.store import Conflict
-from fastshare.controller.validation import Request, ValidationError
+from fastshare.controller.validation import Request, ValidationError, check_allocation_id, check_node_name
 from fastshare.heap import freeze_startup_objects
 from fastshare.security.certs import reissue_command
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
@@ -179,10 +179,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     @functools.partial(_guard, durable_by_core=True)
     def Release(self, request: pb.ReleaseAllocationRequest, context) -> pb.Allocation:
+        check_allocation_id(request.allocation_id)
         return self._pb(self.core.release(request.allocation_id))
 
     @_guard
     def Get(self, request: pb.GetAllocationRequest, context) -> pb.Allocation:
+        check_allocation_id(request.allocation_id)
         return self._pb(self.core.get(request.allocation_id))
 
     @_guard
@@ -193,6 +195,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     def Watch(self, request: pb.WatchAllocationsRequest, context) -> Iterator[pb.AllocationEvent]:
         self.auth.check(context, "Watch", request)
+        if request.allocation_id:   # none: every allocation's events
+            try:
+                check_allocation_id(request.allocation_id)
+            except ValidationError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         sub = self.core.events.subscribe(request.allocation_id)
         try:
             if request.allocation_id:
@@ -218,6 +225,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     @_guard
     def RenewLease(self, request: pb.RenewLeaseRequest, context) -> pb.Allocation:
+        check_allocation_id(request.allocation_id)
         return self._pb(self.core.renew(request.allocation_id, request.ttl_seconds))
 
     @_guard
@@ -232,6 +240,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def SetSchedulable(self, request: pb.SetSchedulableRequest, context) -> pb.NodeStatus:
         if not request.node:
             raise ValidationError("node", "name the node to cordon or uncordon")
+        check_node_name(request.node)
         if len(request.reason) > 256:
             raise ValidationError("reason", f"at most 256 characters, got {len(request.reason)}")
         node = self.core.set_schedulable(request.node, request.schedulable, request.reason)

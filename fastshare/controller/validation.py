@@ -23,6 +23,8 @@ MAX_GPUS_PER_NODE = 16
 MAX_SM_COUNT = 1024
 MAX_LIST_ENTRIES = 64
 MAX_MODEL_LENGTH = 128
+MAX_ID_LENGTH = 128                   # ids are "fs-" and 16 hex digits
+MAX_NODE_NAME_LENGTH = 253            # a host name
 MAX_MIG_PROFILE_LENGTH = 32           # a name ("1g.10gb+me") or a profile id
 MAX_LABEL_KEY_LENGTH = 253 + 1 + 63   # a Kubernetes label key: DNS prefix, '/', name
 MAX_LABEL_VALUE_LENGTH = 63
@@ -210,6 +212,21 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
     if request.lease_ttl and not MIN_LEASE_TTL <= request.lease_ttl <= MAX_LEASE_TTL:
         raise ValidationError("lease_ttl_seconds", f"must be 0 (no lease) or in {MIN_LEASE_TTL}.."
                                                    f"{MAX_LEASE_TTL}, got {request.lease_ttl}")
+
+
+def check_allocation_id(value: str) -> None:
+    """Get, Release, RenewLease, Watch: the id is required (except for Watch) and is quoted in
+    a NOT_FOUND answer, which must fit gRPC's trailers."""
+    if not value:
+        raise ValidationError("allocation_id", "required: the id Allocate returned (fs-...)")
+    if len(value) > MAX_ID_LENGTH:
+        raise ValidationError("allocation_id", f"at most {MAX_ID_LENGTH} characters, got {len(value)}")
+
+
+def check_node_name(value: str) -> None:
+    if len(value) > MAX_NODE_NAME_LENGTH:
+        raise ValidationError("node", f"at most {MAX_NODE_NAME_LENGTH} characters (a host name), "
+                                      f"got {len(value)}")
 
 
 def normalise(spec: Spec) -> Spec:

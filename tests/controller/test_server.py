@@ -254,3 +254,29 @@ def test_port_in_use_is_a_clear_error(cluster):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "cannot start the controller" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_allocation_ids_and_node_names_are_checked_by_field(cluster):
+    """An empty id was 'allocation  does not exist' (NOT_FOUND, no field named); a long one came
+    back in the error, too big for gRPC's trailers ('Stream removed (received metadata size
+    exceeds hard limit)')."""
+    cluster.start_controller()
+    client = cluster.client()
+    calls = {"Get": lambda i: pb.GetAllocationRequest(allocation_id=i),
+             "Release": lambda i: pb.ReleaseAllocationRequest(allocation_id=i),
+             "RenewLease": lambda i: pb.RenewLeaseRequest(allocation_id=i)}
+    for method, request in calls.items():
+        for value, says in (("", "required"), ("x" * 100_000, "at most 128 characters, got 100000")):
+            with pytest.raises(grpc.RpcError) as exc:
+                client.call(method, request(value))
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, exc.value.details())
+            assert exc.value.details().startswith("allocation_id: ") and says in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        watch = pb.WatchAllocationsRequest(allocation_id="x" * 100_000)
+        next(iter(client.stream("Watch", watch, timeout=30)))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "allocation_id: at most 128 characters" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        client.call("SetSchedulable", pb.SetSchedulableRequest(node="n" * 100_000))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details() == "node: at most 253 characters (a host name), got 100000"

@@ -115,3 +115,15 @@ def test_an_overlong_mig_profile_is_refused_by_its_length(gpus):
     _check(Spec(Kind.EXCLUSIVE, mig_profile="3g.20gb" * 10_000), "spec.mig_profile",
            r"at most 32 characters .*, got 70000", gpus=gpus)
 
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    ("", "required"), ("fs-" + "0" * 300, "at most 128 characters, got 303"),
+])
+def test_allocation_ids_are_checked(value, match):
+    from fastshare.controller.validation import check_allocation_id
+
+    with pytest.raises(ValidationError, match=match) as exc:
+        check_allocation_id(value)
+    assert exc.value.field == "allocation_id"
+    check_allocation_id("fs-0123456789abcdef")

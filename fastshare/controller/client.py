@@ -17,7 +17,10 @@ from typing import Any
 
 import click
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
+from fastshare.security.certs import reissue_command
 from fastshare.security.tls import secure_channel
 from fastshare.v1 import controller_pb2_grpc as pb_grpc
 
@@ -50,6 +53,7 @@ class ClientConfig:
         if not have_cert and self.token_file is None:
             raise ClientConfigError(f"tls-name: no client certificate {cert} and no token file; give one "
                                     "of them (--tls-name or --token-file)")
+        _check_files(ca, cert, key, have_cert)
         return secure_channel(self.address, ca, cert if have_cert else None, key if have_cert else None,
                               server_name=self.server_name)
 
@@ -61,6 +65,32 @@ class ClientConfig:
         except (OSError, IndexError) as exc:
             raise ClientConfigError(f"token-file: cannot read a token from {self.token_file}: {exc}") from exc
         return (("authorization", f"Bearer {token}"),)
+
+
+def _check_files(ca: Path, cert: Path, key: Path, have_cert: bool) -> None:
+    """gRPC only fails at the handshake on a damaged file, reporting the controller UNAVAILABLE
+    ('Failed to create security handshaker'); name the file instead."""
+    try:
+        try:
+            x509.load_pem_x509_certificates(ca.read_bytes())
+        except ValueError as exc:
+            raise ClientConfigError(f"tls-dir: {ca} is not a PEM certificate ({exc})") from None
+        if not have_cert:
+            return
+        try:
+            certificate = x509.load_pem_x509_certificate(cert.read_bytes())
+        except ValueError as exc:
+            raise ClientConfigError(f"tls-name: {cert} is not a PEM certificate ({exc})") from None
+        try:
+            private_key = serialization.load_pem_private_key(key.read_bytes(), password=None)
+        except (ValueError, TypeError) as exc:   # TypeError: encrypted
+            raise ClientConfigError(f"tls-name: {key} is not a PEM private key without a password "
+                                    f"({exc})") from None
+    except OSError as exc:
+        raise ClientConfigError(f"tls-dir: cannot read {exc.filename}: {exc.strerror}") from None
+    if certificate.public_key() != private_key.public_key():
+        raise ClientConfigError(f"tls-name: {key} is not the key of {cert}; issue the pair again "
+                                f"(`{reissue_command('client', cert.stem)}`)")
 
 
 class Client:

@@ -1,0 +1,42 @@
+"""The client's TLS files are checked before dialling: a damaged or mismatched file is named,
+instead of the controller being reported UNAVAILABLE ('Failed to create security handshaker')."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fastshare.cli import main
+from fastshare.security import certs
+
+from .conftest import free_port
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Path:
+    certs.init_ca(tmp_path / "ca")
+    certs.issue(tmp_path / "ca", "client", tmp_path / "pki", role="client")
+    certs.issue(tmp_path / "ca", "other", tmp_path / "pki", role="client")
+    return tmp_path / "pki"
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    (lambda d: (d / "ca.crt").write_text("garbage"), "ca.crt is not a PEM certificate"),
+    (lambda d: (d / "client.crt").write_text("garbage"), "client.crt is not a PEM certificate"),
+    (lambda d: (d / "client.key").write_text("garbage"), "client.key is not a PEM private key"),
+    (lambda d: shutil.copy(d / "other.key", d / "client.key"), "client.key is not the key of"),
+])
+@pytest.mark.parametrize("command", [["status", "--json"], ["cordon", "n1"],
+                                     ["run", "--mem", "1GiB"]], ids=["status", "cordon", "run"])
+def test_damaged_client_tls_files_are_named(pki, damage, says, command):
+    damage(pki)
+    args = [*command[:1], "--controller", f"127.0.0.1:{free_port()}", "--tls-dir", str(pki), *command[1:]]
+    if command[0] == "run":
+        args += ["--", "true"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert says in result.output and "UNAVAILABLE" not in result.output, result.output
+    assert "Traceback" not in result.output and result.stdout == ""

@@ -148,6 +148,10 @@ def run(client_config, kind, sm_percent, memory, quota, gpu_count, mig_profile, 
         details = exc.details() or ""
         fail(f"{label}: {_with_flag(details) if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else details}")
     if allocation.state != pb.ALLOCATION_STATE_ACTIVE:
+        if allocation.state in (pb.ALLOCATION_STATE_PENDING, pb.ALLOCATION_STATE_PREPARED):
+            # Its node is down; once back it would be made active for nobody (and held for good
+            # without a lease): give it back.
+            _release(client, allocation.id, quiet=True)
         why = f": {allocation.reason}" if allocation.reason else ""
         fail(f"{_describe(allocation)} is not usable{why}",
              "run again without --key for a new allocation" if allocation.reason else None)

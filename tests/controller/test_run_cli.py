@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 
+import grpc
 import pytest
 
 from fastshare.cli.run import NO_LEASE_CHECK_S
@@ -134,3 +135,34 @@ def test_command_is_stopped_when_its_allocation_is_released_elsewhere(cluster, e
     assert "the allocation was released; stopping the command" in stderr
     if lease_ttl == "0":
         assert "failed" not in stderr, stderr
+
+
+def test_an_allocation_run_cannot_use_is_released_not_left_behind(cluster):
+    """Allocate can answer with a pending allocation (its node went down before it was
+    prepared; here: the controller crashed after storing it, and the retry finds it). `run`
+    said it was not usable and exited, leaving it: without a lease nothing ever released it,
+    and once the node was back the reconciler made it active for nobody."""
+    from fastshare.controller import faults
+
+    from .conftest import GiB, allocate
+
+    cluster.add_machine("node-a", ["L4"])
+    cluster.start_controller(env={faults.ENV: "controller.after_commit"})
+    cluster.start_agent("node-a")
+    with pytest.raises(grpc.RpcError):
+        allocate(cluster.client(), "mps", key="job-1", owner="me", memory_bytes=GiB)
+    cluster.controller.popen.wait(timeout=60)
+    cluster.controller.stop()
+    cluster.agents["node-a"].stop()
+    cluster.start_controller()
+    (alloc_id, state), = states(cluster).items()
+    assert state == "pending"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")},
+           "FASTSHARE_CONTROLLER": cluster.address, "FASTSHARE_TLS_DIR": str(cluster.pki.dir)}
+    out = _run(env, "run", "--kind", "mps", "--mem", "1GiB", "--owner", "me", "--key", "job-1",
+               "--lease-ttl", "0", "--", "true")
+    assert out.returncode == 1 and f"allocation {alloc_id} (pending)" in out.stderr, out.stderr
+    assert states(cluster)[alloc_id] == "releasing"
+    cluster.start_agent("node-a")
+    wait_for(lambda: states(cluster)[alloc_id] == "failed", 60, "the release to finish once the node is back")
+    assert_consistent(cluster)

@@ -92,6 +92,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     from fastshare.controller.core import Settings
     from fastshare.controller.lock import LockedError
     from fastshare.controller.server import Config, ControllerServer
+    from fastshare.controller.store import StoreError
     from fastshare.security.certs import CertError, validate_name
     from fastshare.security.tls import TlsPaths
 
@@ -137,7 +138,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         server.start()
     except LockedError as exc:
         fail(str(exc))
-    except (ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, StoreError) as exc:   # StoreError: e.g. a newer schema
         fail(f"cannot start the controller: {exc}")
     click.echo(f"controller listening on {config.listen} (port {server.port}), state in {config.state_dir}",
                err=True)

@@ -166,3 +166,26 @@ def test_cas_follows_only_expected_states(tmp_path_factory, moves):
             assert expected == [State.RELEASED] and current != State.RELEASED
     assert s.get_allocation("a1").state is current
     s.close()
+
+
+def test_serve_refuses_a_newer_state_file_without_a_traceback(tmp_path):
+    """After a downgrade: StoreError is none of the errors `controller serve` turned into a
+    message, so the operator got a traceback."""
+    import sqlite3
+
+    from click.testing import CliRunner
+
+    from fastshare.cli import main
+    from fastshare.security import certs
+
+    certs.init_ca(tmp_path / "ca")
+    certs.issue(tmp_path / "ca", "controller", tmp_path / "pki", role="controller")
+    (tmp_path / "state").mkdir()
+    db = sqlite3.connect(tmp_path / "state" / "state.db")
+    db.execute("PRAGMA user_version = 99")
+    db.close()
+    result = CliRunner().invoke(main, ["controller", "serve", "--state-dir", str(tmp_path / "state"),
+                                       "--tls-dir", str(tmp_path / "pki"), "--listen", "127.0.0.1:0"])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "has schema version 99, this fastshare knows up to" in result.output

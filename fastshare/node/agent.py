@@ -335,9 +335,11 @@ class Agent:
                 raise err from None
             faults.point("agent.after_mig_create")
             self.journal.mig_ready(gpu.uuid, start, mig.uuid)
+            # Still under the GPU's lock: until the share names the new MIG device, an idle
+            # instance no share holds sits there, which another request would bind.
+            prepared = _exclusive_prepared(mig)
+            self.journal.share_ready(spec.id, mig.uuid or gpu.uuid, prepared)
         self.refresh_devices()
-        prepared = _exclusive_prepared(mig)
-        self.journal.share_ready(spec.id, mig.uuid or gpu.uuid, prepared)
         return prepared
 
     def _forget_vanished_mig(self, gpu_uuid: str, start: int) -> None:

@@ -154,3 +154,28 @@ def test_a_daemon_adopted_after_a_crash_is_uncapped_for_a_share_without_a_memory
     limit = agent.mps.command(gpu.uuid, "get_default_device_pinned_mem_limit 0").strip()
     assert limit == f"{gpu.memory_mib}M"
     assert agent.journal.mps(gpu.uuid).mem_ceiling is None
+
+
+def test_a_new_mig_instance_is_not_handed_to_a_second_share_before_the_first_is_ready(agent):
+    """The new instance was recorded 'ready' and the GPU's lock let go while its share still
+    named the GPU (not the MIG device): a second exclusive share asking for that placement found
+    an idle instance no share held and bound it too, two workloads on one MIG device."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    first = ShareSpec("ex-1", "exclusive", (gpu,), mig_profile="1g.10gb", mig_start=3)
+    second = ShareSpec("ex-2", "exclusive", (gpu,), mig_profile="1g.10gb", mig_start=3)
+    refresh = agent.refresh_devices
+    errors = []
+
+    def second_request_meanwhile():
+        agent.refresh_devices = refresh        # once: the second request runs right here
+        try:
+            agent.prepare(second, Deadline(60))
+        except AgentError as exc:
+            errors.append(exc)
+        return refresh()
+
+    agent.refresh_devices = second_request_meanwhile
+    prepared, _ = agent.prepare(first, Deadline(60))
+    assert [e.code for e in errors] == ["RESOURCE_EXHAUSTED"], "the second share got the same MIG device"
+    assert agent.journal.share("ex-2") is None
+    assert agent.journal.share("ex-1").device_uuid == prepared.device_uuids[0]

@@ -503,11 +503,15 @@ class Agent:
             compute_mode_set = row is not None and row.compute_mode_set
             self.journal.begin_mps(dev.uuid, dev.gpu.uuid)
             if not compute_mode_set and dev.mig is None and dev.gpu.compute_mode != "EXCLUSIVE_PROCESS":
+                # Written ahead: after a crash right after the switch the GPU already shows
+                # EXCLUSIVE_PROCESS, and only this row says that switching it back is ours to do.
+                self.journal.update_mps(dev.uuid, compute_mode_set=1)
                 try:
                     self.devices.set_compute_mode(dev.gpu.index, "EXCLUSIVE_PROCESS")
                     compute_mode_set = True
                 except DeviceError as exc:
                     log.warning("cannot set EXCLUSIVE_PROCESS on %s (%s); MPS runs anyway", dev.uuid, exc)
+                faults.point("agent.after_compute_mode")
             self.journal.update_mps(dev.uuid, compute_mode_set=int(compute_mode_set))
             try:
                 pid = self.mps.start(dev.uuid, sm, mem_limit)

@@ -15,6 +15,7 @@ ENV = "FASTSHARE_FAULT"
 POINTS = (
     "agent.after_share_journaled",  # share row 'preparing', nothing created yet
     "agent.after_mig_create",       # MIG instance exists, journal still says 'creating'
+    "agent.after_compute_mode",     # GPU switched to EXCLUSIVE_PROCESS, MPS daemon not started
     "agent.after_mps_start",        # MPS daemon answers, journal still says 'starting'
     "agent.after_share_files",      # share files rewritten, share still 'preparing'
     "agent.after_share_committed",  # fast path: share stored/forgotten in one commit, files not yet

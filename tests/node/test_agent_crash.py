@@ -252,3 +252,18 @@ def test_an_idle_agent_instance_is_not_destroyed_under_the_share_that_took_it(ag
     agent.stop()
     agent.start()  # nothing holds it any more: the idle orphan goes
     assert devices.mig_instances(GPU_MIG) == []
+
+
+def test_kill9_right_after_the_compute_mode_switch_still_switches_it_back(agent, devices):
+    """The agent switched the GPU to EXCLUSIVE_PROCESS before its journal said so: killed in
+    between, the restart saw EXCLUSIVE_PROCESS, took it for the GPU's own mode, and left the GPU
+    (one process at a time) in it once the share was rolled back."""
+    agent.start(env={"FASTSHARE_FAULT": "agent.after_compute_mode"})
+    uuids = [g.uuid for g in _inv(agent).gpus]
+    err = rpc_error(agent.unix().PrepareShare, fastpod("job", uuids[GPU_A]))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert agent.wait_exit() == -9
+    assert devices.gpus()[GPU_A].compute_mode == "EXCLUSIVE_PROCESS"
+    agent.start()
+    _assert_clean(agent, devices, uuids)
+    assert devices.gpus()[GPU_A].compute_mode == "DEFAULT"

@@ -773,9 +773,12 @@ class Agent:
         deadline = Deadline(self.config.mps_timeout_s * 4)
         before = self._gpus
         self.refresh_devices()
+        # MIG rows first: a share is journaled before its instance, so a row read here whose
+        # share is missing from the shares read next is a real orphan, not one just prepared.
+        migs = self.journal.migs()
         live = {r.spec.id for r in self.journal.shares()}
         changed = before != self._gpus
-        for m in self.journal.migs():
+        for m in migs:
             if m.purpose == "share" and m.state == "ready" and m.share_id not in live:
                 changed |= self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
         for row in self.journal.mps_daemons():

@@ -179,3 +179,24 @@ def test_a_new_mig_instance_is_not_handed_to_a_second_share_before_the_first_is_
     assert [e.code for e in errors] == ["RESOURCE_EXHAUSTED"], "the second share got the same MIG device"
     assert agent.journal.share("ex-2") is None
     assert agent.journal.share("ex-1").device_uuid == prepared.device_uuids[0]
+
+
+def test_housekeeping_does_not_take_a_new_exclusive_share_for_an_orphan(agent):
+    """Housekeeping read the live shares before the MIG rows: an exclusive share prepared in
+    between had its instance counted as an orphan, 'kept because in use' and unlinked from the
+    share, so the share's release no longer destroyed it."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    spec = ShareSpec("ex", "exclusive", (gpu,), mig_profile="1g.10gb")
+    migs = agent.journal.migs
+
+    def prepare_meanwhile(gpu_uuid=None):
+        agent.journal.migs = migs              # once: the prepare runs right here
+        agent.prepare(spec, Deadline(60))
+        return migs(gpu_uuid)
+
+    agent.journal.migs = prepare_meanwhile
+    agent.housekeeping()
+    assert [m.share_id for m in agent.journal.migs()] == ["ex"]
+    result = agent.release("ex", Deadline(60))
+    assert len(result.destroyed_mig_devices) == 1
+    assert agent.devices.mig_instances(GPU_MIG) == []

@@ -174,8 +174,12 @@ class Agent:
         """Re-read GPUs and MIG devices (after MIG changes and periodically)."""
         with self._refresh_lock:
             gpus = self.devices.gpus()
+            mode = {g.uuid: g.mig_current for g in self._gpus}
             for gpu in gpus:
-                if gpu.mig_capable and gpu.uuid not in self._profiles:
+                # Read again when the MIG mode changed: with MIG off NVML reports no profiles
+                # (the catalog's stand in, none for a model it lacks); with MIG on, NVML's own.
+                if gpu.mig_capable and (gpu.uuid not in self._profiles
+                                        or mode.get(gpu.uuid, gpu.mig_current) != gpu.mig_current):
                     self._profiles[gpu.uuid] = self.devices.mig_profiles(gpu.index)
             self._gpus = gpus
             return gpus

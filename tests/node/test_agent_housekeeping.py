@@ -200,3 +200,25 @@ def test_housekeeping_does_not_take_a_new_exclusive_share_for_an_orphan(agent):
     result = agent.release("ex", Deadline(60))
     assert len(result.destroyed_mig_devices) == 1
     assert agent.devices.mig_instances(GPU_MIG) == []
+
+
+def test_mig_profiles_are_read_again_once_mig_mode_changes(tmp_path, monkeypatch):
+    """The agent read a GPU's MIG profiles once: with MIG disabled NVML has none and only the
+    catalog knows the model's, so on a GPU the catalog does not know, enabling MIG through the
+    agent left it with no profiles (every exclusive share: "profiles: none") until a restart."""
+    from fastshare.device import nvml_backend
+
+    monkeypatch.setattr(nvml_backend.catalog, "find_model", lambda name: None)  # a model the catalog lacks
+    run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
+    machine = tmp_path / "m.json"
+    simnvml.create_machine(machine, ["H100-SXM5-80GB"], mig_enabled=False)
+    agent = in_process_agent(tmp_path, run, machine)
+    try:
+        gpu = agent.devices.gpus()[0].uuid
+        assert agent.set_mig_mode(gpu, True, Deadline(60)) == (False, True)   # Hopper: at once
+        spec = ShareSpec("ex", "exclusive", (gpu,), mig_profile="1g.10gb")
+        prepared, _ = agent.prepare(spec, Deadline(60))
+        assert prepared.device_uuids[0].startswith("MIG-")
+    finally:
+        agent.journal.close()
+        shutil.rmtree(run, ignore_errors=True)

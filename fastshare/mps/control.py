@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
-_UUID_RE = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,80}$")
+_UUID_RE = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,80}\Z")  # \Z: "$" also matches before a final newline
 
 
 class MpsError(RuntimeError):

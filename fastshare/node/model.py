@@ -8,8 +8,9 @@ import re
 from dataclasses import dataclass, field
 
 KINDS = ("fastpod", "mps", "exclusive", "whole")
-SHARE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-DEVICE_UUID_RE = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,80}$")
+# \Z, not $: "$" also matches before a final newline ("fp\n" passed, then broke the share files)
+SHARE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+DEVICE_UUID_RE = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,80}\Z")
 OWNER_MAX = 256
 
 

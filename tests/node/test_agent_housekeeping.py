@@ -222,3 +222,22 @@ def test_mig_profiles_are_read_again_once_mig_mode_changes(tmp_path, monkeypatch
     finally:
         agent.journal.close()
         shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.mark.parametrize("field", ["id", "device"])
+def test_a_trailing_newline_is_refused_as_invalid(agent, field):
+    """The share id and device patterns ended in '$', which also matches before a final newline:
+    on a GPU whose daemon already ran, a fastpod 'fp\\n' was journaled, then its share files
+    could not be written (a key with whitespace): INTERNAL, and every later fastpod on that GPU
+    was journaled without its files, failing the same way."""
+    gpu = agent.devices.gpus()[GPU_A].uuid
+    spec = _fastpod(agent, "fp\n" if field == "id" else "fp")
+    if field == "device":
+        spec = ShareSpec("fp", "fastpod", (gpu + "\n",), sm_percent=20, memory_bytes=1 << 30,
+                         quota_request=0.2, quota_limit=0.5)
+    with pytest.raises(AgentError) as refused:
+        agent.prepare(spec, Deadline(60))
+    assert refused.value.code == "INVALID_ARGUMENT"
+    assert f"share.{'id' if field == 'id' else 'device_uuids'}" in str(refused.value)
+    assert agent.journal.shares() == []
+    agent.prepare(_fastpod(agent, "fp"), Deadline(60))    # the device still takes shares

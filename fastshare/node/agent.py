@@ -376,7 +376,13 @@ class Agent:
         share): ONE journal commit of the finished share, then the share files, which the
         reconciler rewrites from the journal anyway. Otherwise write-ahead in two phases."""
         dev = self._device(spec.device_uuids[0])
-        with self._device_locks.hold(dev.uuid, deadline):
+        with contextlib.ExitStack() as stack:
+            if dev.mig is not None:
+                # A MIG device is destroyed under its GPU's lock (layouts, idle orphans): look it
+                # up again under that lock, and journal the share before it goes.
+                stack.enter_context(self._device_locks.hold(dev.gpu.uuid, deadline))
+                dev = self._device(dev.uuid)
+            stack.enter_context(self._device_locks.hold(dev.uuid, deadline))
             if dev.mig is None and self._gpu(dev.uuid).mig_current:  # checked under the GPU's lock
                 raise AgentError("FAILED_PRECONDITION", f"GPU {dev.uuid} is in MIG mode: MPS runs per MIG "
                                                         "device; name a MIG device UUID (MIG-…) instead")
@@ -639,7 +645,7 @@ class Agent:
                 raise _device_error(exc, f"destroying MIG at slice {start} of GPU {gpu_uuid}") from None
             faults.point("agent.after_mig_destroy")
             self.journal.delete_mig(gpu_uuid, start)
-        self.refresh_devices()
+            self.refresh_devices()  # before the lock goes: an MPS prepare looks its device up under it
         return True
 
     def _stop_mps_if_unused(self, device_uuid: str, deadline: Deadline, exclude: str | None = None) -> bool:

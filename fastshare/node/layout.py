@@ -42,10 +42,13 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
                                                         and s.action == "destroy"), "")}
                    for s in plan.steps]
         if apply:
-            for step in plan.steps:
-                _run(agent, gpu_uuid, gpu.index, step)
+            try:
+                for step in plan.steps:
+                    _run(agent, gpu_uuid, gpu.index, step)
+            finally:
+                if plan.changed:  # before the lock goes: an MPS prepare looks its device up under it
+                    agent.refresh_devices()
     if apply and plan.changed:
-        agent.refresh_devices()
         agent._changed()
     return actions, plan.changed
 

@@ -241,3 +241,26 @@ def test_a_trailing_newline_is_refused_as_invalid(agent, field):
     assert f"share.{'id' if field == 'id' else 'device_uuids'}" in str(refused.value)
     assert agent.journal.shares() == []
     agent.prepare(_fastpod(agent, "fp"), Deadline(60))    # the device still takes shares
+
+
+def test_an_mps_share_is_not_prepared_on_a_mig_device_destroyed_meanwhile(agent):
+    """An MPS share on a MIG device looked the device up, then locked only the MIG device: a
+    layout change (or the destruction of an idle orphan) under the GPU's lock in between
+    destroyed it, and the share was made ready, with its daemon, on a device that was gone."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    apply_layout(agent, gpu, {"3g.40gb": 1}, False, True, Deadline(60))
+    (mig,) = [m.uuid for m in agent.devices.mig_instances(GPU_MIG)]
+    device = agent._device
+
+    def destroyed_meanwhile(device_uuid):
+        agent._device = device                 # once: the layout change runs right here
+        view = device(device_uuid)
+        apply_layout(agent, gpu, {}, False, True, Deadline(60))
+        return view
+
+    agent._device = destroyed_meanwhile
+    spec = ShareSpec("on-mig", "mps", (mig,), memory_bytes=1 << 30)
+    with pytest.raises(AgentError) as refused:
+        agent.prepare(spec, Deadline(60))
+    assert refused.value.code == "NOT_FOUND" and mig in str(refused.value)
+    assert agent.journal.shares() == [] and agent.mps.running_devices() == []

@@ -711,6 +711,13 @@ class Agent:
                 self._undo(row, deadline)
                 self.journal.delete_share(row.spec.id)
                 return [f"share {row.spec.id}: its MIG device is gone (reboot?); dropped"]
+            if row.device_uuid.startswith("MIG-") and not any(
+                    m.uuid == row.device_uuid for g in self._gpus for m in g.mig_instances):
+                # MIG devices never come back (a reboot or a GPU reset ends them; new ones get
+                # new UUIDs): an MPS share on one that is gone can only be dropped.
+                self._undo(row, deadline)
+                self.journal.delete_share(row.spec.id)
+                return [f"share {row.spec.id}: its MIG device {row.device_uuid} is gone (reboot?); dropped"]
             return []
         if row.state == "preparing" and row.spec.kind == "exclusive" and self._adopt_preparing(row):
             return [f"share {row.spec.id}: MIG device in use, adopted as prepared"]

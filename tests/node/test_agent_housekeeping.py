@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fastshare.device import simnvml
+from fastshare.node import sharefiles
 from fastshare.node.agent import Agent, AgentError, Deadline
 from fastshare.node.layout import apply_layout
 from fastshare.node.model import ShareSpec
@@ -264,3 +265,21 @@ def test_an_mps_share_is_not_prepared_on_a_mig_device_destroyed_meanwhile(agent)
         agent.prepare(spec, Deadline(60))
     assert refused.value.code == "NOT_FOUND" and mig in str(refused.value)
     assert agent.journal.shares() == [] and agent.mps.running_devices() == []
+
+
+def test_an_mps_share_whose_mig_device_is_gone_is_dropped_at_start(agent, tmp_path):
+    """MIG devices do not survive a reboot or a GPU reset. An exclusive share whose device was
+    gone was dropped at start; an MPS or fastpod share on a MIG device stayed 'ready' forever
+    (in the inventory, holding its port, its daemon failing to start at every start)."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    apply_layout(agent, gpu, {"3g.40gb": 1}, False, True, Deadline(60))
+    (mig,) = [m.uuid for m in agent.devices.mig_instances(GPU_MIG)]
+    agent.prepare(ShareSpec("fp", "fastpod", (mig,), sm_percent=50, memory_bytes=1 << 30,
+                            quota_request=0.5, quota_limit=1.0), Deadline(60))
+    agent.journal.close()
+    simnvml.reboot(agent.config.sim_state)
+    restarted = in_process_agent(tmp_path, Path(agent.config.run_dir), Path(agent.config.sim_state))
+    agent.journal = restarted.journal           # the fixture closes this one
+    assert restarted.journal.shares() == [] and restarted.journal.mps_daemons() == []
+    assert restarted.mps.running_devices() == []
+    assert sharefiles.devices(restarted.config.share_root) == []

@@ -81,7 +81,9 @@ def test_check_mode_previews_the_new_mig_layout(collections_path: Path, tmp_path
                          "gpu_node_mig_config_file": str(tmp_path / "mig-config.yaml"),
                          "gpu_node_mig_layout": layout}}
         results = run_tasks(collections_path, [task], tmp_path, extra_args=list(extra_args))
-        return next(r for r in results if r.get("action") == f"{COLLECTION}.mig_config")
+        # the apply task: after the check of the layout, which check mode skips
+        return [r for r in results
+                if r.get("action") == f"{COLLECTION}.mig_config" and not r.get("skipped")][-1]
 
     applied = mig_tasks([{"devices": [0], "mig_devices": {"3g.20gb": 2}}])
     assert applied["changed"] is True and not applied.get("failed"), applied.get("msg")
@@ -92,6 +94,51 @@ def test_check_mode_previews_the_new_mig_layout(collections_path: Path, tmp_path
     assert [(s["action"], s["profile"]) for s in preview["steps"]] == [
         ("destroy", "3g.20gb"), ("destroy", "3g.20gb"), ("create", "7g.40gb")]
     assert machine.read_bytes() == before
+
+
+def _run_mig_yml(collections_path: Path, tmp_path: Path, machine: Path, layout: list[dict],
+                 **extra_vars) -> list[dict]:
+    """gpu_node's mig.yml on a simulated machine, layout file under tmp_path; every task's result."""
+    task = {"ansible.builtin.include_role": {"name": f"{COLLECTION}.gpu_node", "tasks_from": "mig.yml"},
+            "vars": {"gpu_node_gpu_backend": "sim", "gpu_node_sim_state": str(machine),
+                     "gpu_node_venv": str(Path(sys.executable).parents[1]),
+                     "gpu_node_mig_config_file": str(tmp_path / "mig-config.yaml"),
+                     "gpu_node_mig_layout": layout, **extra_vars}}
+    return run_tasks(collections_path, [task], tmp_path)
+
+
+@pytest.mark.parametrize(("bad_entry", "named"), [
+    # "two" was dropped from the file as if it were 0: both 3g.20gb devices destroyed
+    ({"devices": [0], "mig_devices": {"3g.20gb": "two"}}, "'two'"),
+    # 2.9 was written as 2 (the module refuses it in check mode)
+    ({"devices": [0], "mig_devices": {"3g.20gb": 2.9}}, "2.9"),
+    # "x" was written as GPU 0: its MIG devices replaced by a 7g.40gb
+    ({"devices": ["x"], "mig_devices": {"7g.40gb": 1}}, "'x'"),
+    # a profile this GPU does not have: the file held it, the boot unit failed at every boot
+    ({"devices": [0], "mig_devices": {"9g.99gb": 1}}, "9g.99gb"),
+])
+def test_a_bad_mig_layout_changes_neither_the_gpus_nor_the_layout_file(
+        collections_path: Path, tmp_path: Path, bad_entry: dict, named: str):
+    """The role writes the layout file, then applies it. A value mig_config refuses (and so
+    check mode refused) was coerced by the template instead ("two" -> none, "x" -> GPU 0), and
+    a layout the GPUs cannot take was written all the same: the MIG devices were destroyed or
+    the boot unit was left with a file it cannot apply. Now the play fails naming the value,
+    and neither the GPUs nor the file change."""
+    from fastshare.device import simnvml
+
+    machine = tmp_path / "gpus.json"
+    simnvml.create_machine(machine, ["A100-SXM4-40GB"], mig_enabled=True)
+    good = _run_mig_yml(collections_path, tmp_path, machine,
+                        [{"devices": [0], "mig_devices": {"3g.20gb": 2}}])
+    # (enabling the boot unit fails here: this machine does not run systemd)
+    assert [r["action"] for r in good if r.get("failed")] in ([], ["ansible.builtin.systemd_service"]), good
+    gpus, layout_file = machine.read_bytes(), (tmp_path / "mig-config.yaml").read_text()
+
+    results = _run_mig_yml(collections_path, tmp_path, machine, [bad_entry])
+    failed = [r for r in results if r.get("failed")]
+    assert failed and named in failed[0]["msg"], [(r.get("action"), r.get("msg")) for r in results]
+    assert machine.read_bytes() == gpus, "the MIG devices changed"
+    assert (tmp_path / "mig-config.yaml").read_text() == layout_file, "the layout file changed"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")

@@ -141,6 +141,36 @@ def test_a_bad_mig_layout_changes_neither_the_gpus_nor_the_layout_file(
     assert (tmp_path / "mig-config.yaml").read_text() == layout_file, "the layout file changed"
 
 
+def test_mig_layout_keeps_devices_held_by_an_agent_with_another_state_dir(collections_path: Path,
+                                                                          tmp_path: Path):
+    """The agent's journal lives in its state_dir (gpu_node_agent_extra may move it). The role
+    read /var/lib/fastshare/node/journal.db whatever the agent used, found no journal there, and
+    so destroyed a MIG device a share held without gpu_node_mig_force."""
+    from fastshare.device import open_devices, simnvml
+    from fastshare.node.journal import Journal
+    from fastshare.node.model import ShareSpec
+
+    machine, state_dir = tmp_path / "gpus.json", tmp_path / "agent state"
+    simnvml.create_machine(machine, ["A100-SXM4-40GB"], mig_enabled=True)
+    with open_devices("sim", machine) as devices:
+        devices.create_mig_instance(0, 9, 0)                  # 3g.20gb at 0
+        held = next(m.uuid for m in devices.mig_instances(0))
+    state_dir.mkdir()
+    journal = Journal(state_dir / "journal.db")
+    try:
+        journal.begin_share(ShareSpec(id="share-1", kind="exclusive", device_uuids=(held,)), held, None)
+    finally:
+        journal.close()
+    before = machine.read_bytes()
+    results = _run_mig_yml(collections_path, tmp_path, machine,
+                           [{"devices": [0], "mig_devices": {"7g.40gb": 1}}],
+                           gpu_node_agent_extra={"state_dir": str(state_dir)})
+    failed = [r for r in results if r.get("failed")]
+    assert failed and held in failed[0]["msg"] and "force" in failed[0]["msg"], \
+        [(r.get("action"), r.get("msg")) for r in results]
+    assert machine.read_bytes() == before, "a MIG device a share holds was destroyed"
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 @pytest.mark.parametrize("state_dir", ["/var/lib/fastshare/controller", "/srv/fastshare/controller"])
 def test_controller_unit_lets_the_service_write_its_state_dir(collections_path: Path, tmp_path: Path,

@@ -606,3 +606,26 @@ def test_the_controller_role_waits_on_an_address_it_can_reach(collections_path: 
         {"ansible.builtin.debug": {"msg": wait["ansible.builtin.wait_for"]["host"]},
          "vars": {**wait["vars"], "controller_listen": listen}}], tmp_path)
     assert result["msg"] == host
+
+
+@pytest.mark.parametrize(("controller_host", "address"), [
+    ("192.0.2.10", "192.0.2.10:7070"), ("ctl1.example", "ctl1.example:7070"),
+    ("2001:db8::10", "[2001:db8::10]:7070"), ("[2001:db8::10]", "[2001:db8::10]:7070")])
+def test_node_agent_dials_the_controller_at_host_and_port(collections_path: Path, tmp_path: Path,
+                                                        controller_host: str, address: str):
+    """node.yaml's controller_address is the controller's ansible_host and port. An IPv6
+    ansible_host was joined as '2001:db8::10:7070', itself an IPv6 address: the agent dialled
+    that address on gRPC's default port and never registered."""
+    from fastshare.node.config import load
+
+    out = tmp_path / "node.yaml"
+    node_vars = {**yaml.safe_load((REPO / "roles" / "gpu_node" / "defaults" / "main.yml").read_text()),
+                 **yaml.safe_load((REPO / "roles" / "gpu_node" / "vars" / "main.yml").read_text()),
+                 "gpu_node_gpu_backend": "nvml", "gpu_node_agent_name": "gpu1",
+                 "gpu_node_agent_listen": "192.0.2.21:7444", "gpu_node_controller_address": "localhost"}
+    [result] = run_tasks(collections_path, [
+        {"ansible.builtin.template": {"src": str(REPO / "roles" / "gpu_node" / "templates" / "node.yaml.j2"),
+                                      "dest": str(out), "mode": "0640"}, "vars": node_vars}],
+        tmp_path, extra_args=["-e", f"ansible_host={controller_host}"])
+    assert not result.get("failed"), result.get("msg")
+    assert load(out).controller_address == address

@@ -506,10 +506,23 @@ def test_pki_issues_once_then_renews_only_when_due_or_names_change(collections_p
     assert oct(key.stat().st_mode & 0o777) == "0o600"
     first = (tls / "gpu9.crt").read_bytes()
     assert converge() is False, "a valid certificate with the same names must not be issued again"
-    assert converge(pki_renew_days=40) is True, "30-day certificates are due when 40 days are required"
+    assert converge(pki_days=60, pki_renew_days=40) is True, \
+        "30-day certificates are due when 40 days are required"
+    assert converge(pki_days=60, pki_renew_days=40) is False, "the 60-day certificate is not due"
     assert (tls / "gpu9.crt").read_bytes() != first
     assert converge(pki_sans=["gpu9", "10.0.0.9", "gpu9.example"]) is True
     assert "gpu9.example" in describe(tls / "gpu9.crt")["sans"]
+
+
+@pytest.mark.parametrize(("days", "renew_days"), [(7, 10), (10, 10)])
+def test_pki_refuses_a_renewal_window_as_long_as_the_lifetime(collections_path: Path, tmp_path: Path,
+                                                              days: int, renew_days: int):
+    """pki_days 7 with the default pki_renew_days 10: every new certificate was due at once, so
+    each run issued it again (and restarted the agent or controller): never idempotent."""
+    with pytest.raises(AssertionError) as refused:
+        _converge_pki(collections_path, tmp_path, pki_days=days, pki_renew_days=renew_days)
+    assert "pki_renew_days" in str(refused.value) and "pki_days" in str(refused.value)
+    assert not (tmp_path / "ca" / "issued").exists(), "a certificate was issued"
 
 
 def test_pki_gives_a_certificate_from_before_roles_its_role_once(collections_path: Path, tmp_path: Path):

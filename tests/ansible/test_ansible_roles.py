@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cryptography import x509
-from fs_collection import COLLECTION, REPO, run_module, run_tasks
+from fs_collection import COLLECTION, REPO, run, run_module, run_tasks, tool
 
 from fastshare.device import mig_parted
 from fastshare.k8s import manifests
@@ -642,3 +642,49 @@ def test_node_agent_dials_the_controller_at_host_and_port(collections_path: Path
         tmp_path, extra_args=["-e", f"ansible_host={controller_host}"])
     assert not result.get("failed"), result.get("msg")
     assert load(out).controller_address == address
+
+
+def test_mig_reconfigure_waits_only_for_devices_in_use(collections_path: Path, tmp_path: Path):
+    """playbooks/mig_reconfigure.yml drains by retrying the layout's plan until nothing in use
+    stands in its way. A layout that can never apply (a profile the GPU does not have) was
+    retried too: 60 times 10 s with the node cordoned and no reason shown. Now it fails at once;
+    a device a share holds (the agent's journal in its state_dir) is still waited for."""
+    import json
+
+    from fastshare.device import open_devices, simnvml
+    from fastshare.node.journal import Journal
+    from fastshare.node.model import ShareSpec
+
+    machine, state_dir = tmp_path / "gpus.json", tmp_path / "agent"
+    simnvml.create_machine(machine, ["A100-SXM4-40GB"], mig_enabled=True)
+    with open_devices("sim", machine) as devices:
+        devices.create_mig_instance(0, 9, 0)                  # 3g.20gb at 0, held by a share
+        held = next(m.uuid for m in devices.mig_instances(0))
+    state_dir.mkdir()
+    journal = Journal(state_dir / "journal.db")
+    try:
+        journal.begin_share(ShareSpec(id="share-1", kind="exclusive", device_uuids=(held,)), held, None)
+    finally:
+        journal.close()
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(json.dumps({"gpu_nodes": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}))
+
+    def drain(layout: list[dict]) -> dict:
+        extra = {"gpu_node_mig_layout": layout, "gpu_node_gpu_backend": "sim",
+                 "gpu_node_sim_state": str(machine), "gpu_node_venv": str(Path(sys.executable).parents[1]),
+                 "gpu_node_agent_extra": {"state_dir": str(state_dir)}, "ansible_become": False,
+                 "mig_reconfigure_drain_retries": 3, "mig_reconfigure_drain_delay": 1}
+        proc = run([tool("ansible-playbook"), "-i", str(inventory), "-e", json.dumps(extra),
+                    str(REPO / "playbooks" / "mig_reconfigure.yml")], check=False,
+                   env={"ANSIBLE_COLLECTIONS_PATH": str(collections_path),
+                        "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json"})
+        tasks = json.loads(proc.stdout)["plays"][0]["tasks"]
+        return next(t["hosts"]["localhost"] for t in tasks if t["task"]["name"].startswith("Drain - wait"))
+
+    before = machine.read_bytes()
+    bad = drain([{"devices": [0], "mig_devices": {"9g.99gb": 1}}])
+    assert bad["failed"] and "9g.99gb" in bad["msg"] and bad.get("attempts", 1) == 1, bad
+    in_use = drain([{"devices": [0], "mig_devices": {"7g.40gb": 1}}])
+    assert in_use["failed"] and held in in_use["msg"] and in_use["attempts"] == 3, in_use
+    assert machine.read_bytes() == before

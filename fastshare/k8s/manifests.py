@@ -53,7 +53,7 @@ def _scalar(where: str, default: Any, value: Any) -> Any:
     low, high = (1, 65535) if where.lower().endswith("port") else (0, 2**31 - 1)   # a Pod's ports
     if kind is int and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
         raise ValuesError(f"{where}: must be an integer in {low}..{high}, got {value!r}")
-    if kind is str and not (isinstance(value, str) and _SAFE.match(value)):
+    if kind is str and not (isinstance(value, str) and _SAFE.fullmatch(value)):
         raise ValuesError(f"{where}: must be 1-253 characters of letters, digits and . _ / : @ + = - "
                           f"(starting with a letter or digit), got {value!r}")
     return value

@@ -15,14 +15,14 @@ _QUALIFIED = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 def namespace_problem(value: str) -> str | None:
     """Why ``value`` cannot be a namespace (a DNS-1123 label), or None."""
-    if len(value) <= 63 and _DNS_LABEL.match(value):
+    if len(value) <= 63 and _DNS_LABEL.fullmatch(value):
         return None
     return "must be at most 63 lower-case letters, digits and '-', starting and ending with a letter or digit"
 
 
 def name_problem(value: str) -> str | None:
     """Why ``value`` cannot be an object name such as a Lease's (a DNS-1123 subdomain), or None."""
-    if len(value) <= 253 and _DNS_SUBDOMAIN.match(value):
+    if len(value) <= 253 and _DNS_SUBDOMAIN.fullmatch(value):
         return None
     return ("must be at most 253 lower-case letters, digits, '-' and '.', each part starting and ending "
             "with a letter or digit")
@@ -31,7 +31,7 @@ def name_problem(value: str) -> str | None:
 def label_key_problem(value: str) -> str | None:
     """Why ``value`` cannot be a label key (``[prefix/]name``), or None."""
     prefix, slash, name = value.rpartition("/")
-    if (not slash or name_problem(prefix) is None) and len(name) <= 63 and _QUALIFIED.match(name):
+    if (not slash or name_problem(prefix) is None) and len(name) <= 63 and _QUALIFIED.fullmatch(name):
         return None
     return ("must be [PREFIX/]NAME: NAME at most 63 letters, digits, '-', '_' and '.', starting and "
             "ending with a letter or digit; PREFIX a DNS subdomain such as fastshare.io")

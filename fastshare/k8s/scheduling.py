@@ -42,7 +42,7 @@ def quantity(value: object, field: str) -> Decimal:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise TemplateError(field, f"must be a quantity such as 500m, 2 or 1Gi (got {value!r})")
     text = str(value)   # a JSON number as its text, as the API server reads it (0.1 is 100m)
-    if not _QUANTITY.match(text):
+    if not _QUANTITY.fullmatch(text):
         raise TemplateError(field, f"{value!r} is not a quantity (such as 500m, 2 or 1Gi)")
     try:
         parsed = parse_quantity(text)

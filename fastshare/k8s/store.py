@@ -234,7 +234,7 @@ class KubeStateStore(StateStore):
                 self._remember(obj)
                 return obj
             self._drop(allocation_id)
-        if not _LABEL_VALUE.match(allocation_id):
+        if not _LABEL_VALUE.fullmatch(allocation_id):
             return None  # never a stored id: ids are label values
         # Not seen yet (e.g. another controller made it): find it by its id label.
         found = self._list(f"{ALLOCATION_LABEL}={allocation_id}")
@@ -260,7 +260,7 @@ class KubeStateStore(StateStore):
         namespace, name, pod = parse_key(allocation.idempotency_key)
         if allocation.owner != f"{namespace}/{name}":
             raise StoreError(f"owner {allocation.owner!r} does not match key {allocation.idempotency_key!r}")
-        if not _LABEL_VALUE.match(allocation.id):
+        if not _LABEL_VALUE.fullmatch(allocation.id):
             raise StoreError(f"allocation id {allocation.id!r} must be a Kubernetes label value")
         metadata = {
             "name": pod, "namespace": namespace,

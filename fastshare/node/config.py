@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,15 +124,30 @@ class NodeConfig:
         return self
 
 
+_HOST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"{_HOST_LABEL}(\.{_HOST_LABEL})*")
+
+
 def check_hostport(key: str, value: str) -> None:
+    """HOST:PORT with HOST an IPv4 address, a host name or an IPv6 address in brackets. An IPv6
+    address without them is refused: "2001:db8::10:7070" is itself an address, and gRPC would
+    dial it on its default port."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
         raise ConfigError(f"{key} must be HOST:PORT (port 0-65535; [::1]:PORT for IPv6), got {value!r}")
-    host = host.strip("[]")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ConfigError(f"{key}: {host!r} is not an IPv6 address in brackets") from None
+        return
+    if ":" in host:
+        raise ConfigError(f"{key}: {value!r} is ambiguous; write an IPv6 address in brackets, "
+                          f"[ADDRESS]:PORT (e.g. [::1]:{port})")
     try:
-        ipaddress.ip_address(host)
+        ipaddress.IPv4Address(host)
     except ValueError:
-        if not all(part.isalnum() or "-" in part for part in host.split(".")):
+        if len(host) > 253 or not _HOST_NAME.fullmatch(host):
             raise ConfigError(f"{key}: {host!r} is neither an IP address nor a host name") from None
 
 

@@ -100,7 +100,7 @@ def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 def validate_name(field: str, name: str) -> None:
     """A certificate name: also a file name in a TLS directory, so no path separators."""
-    if not _NAME_RE.match(name):
+    if not _NAME_RE.fullmatch(name):
         raise CertError(f"{field} {name!r} is invalid: use 1-63 characters of letters, digits, '.', '_', '-'"
                         " starting with a letter or digit")
 
@@ -211,7 +211,7 @@ def _san_entry(value: str) -> x509.GeneralName:
         return x509.IPAddress(ipaddress.ip_address(value))
     except ValueError:
         pass
-    if not re.match(r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$", value):
+    if not re.fullmatch(r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$", value):
         raise CertError(f"--san {value!r} is neither an IP address nor a DNS name")
     return x509.DNSName(value)
 

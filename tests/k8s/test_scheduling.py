@@ -53,7 +53,8 @@ def test_memory_quantities_in_bytes(value, expected):
     assert whole(value, "memory") == expected
 
 
-@pytest.mark.parametrize("value", ["abc", "1x", "", "-1", "1 Gi", None, True, [], {"a": 1}, "nan", "inf"])
+@pytest.mark.parametrize("value", ["abc", "1x", "", "-1", "1 Gi", "1Gi\n", None, True, [], {"a": 1},
+                                   "nan", "inf"])
 def test_malformed_quantities_are_refused_naming_the_field(value):
     with pytest.raises(TemplateError) as caught:
         milli(value, "spec.containers[0].resources.requests.cpu")

@@ -50,3 +50,26 @@ def test_an_explicit_missing_file_or_bad_yaml_is_an_error(tmp_path):
     (tmp_path / "bad.yaml").write_text("listen: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         config.load(tmp_path / "bad.yaml")
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:7070", "ctl-1.example.com:7070", "localhost:0", "[::1]:7443",
+                                   "[2001:db8::10]:7070", "0.0.0.0:7443", "[::]:7443"])
+def test_host_and_port_forms_that_are_accepted(value):
+    config.check_hostport("controller_address", value)
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    # an IPv6 address without brackets is an address on its own: gRPC would dial its default port
+    ("2001:db8::10:7070", "write an IPv6 address in brackets"),
+    ("::1:7443", "write an IPv6 address in brackets"),
+    ("[ctl]:7070", "not an IPv6 address in brackets"),
+    ("[::1:7070", "write an IPv6 address in brackets"),
+    ("ctl 1:7070", "neither an IP address nor a host name"),
+    ("ctl\n:7070", "neither an IP address nor a host name"),
+    ("-ctl:7070", "neither an IP address nor a host name"),
+    ("ctl..example:7070", "neither an IP address nor a host name"),
+    ("ctl:70700", "must be HOST:PORT"),
+])
+def test_host_and_port_forms_that_are_refused_name_the_key(value, says):
+    with pytest.raises(ConfigError, match=f"controller_address.*{says}"):
+        config.check_hostport("controller_address", value)

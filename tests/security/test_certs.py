@@ -247,3 +247,13 @@ def test_issue_hands_out_the_whole_bundle_and_show_tells_whether_the_signer_sign
     (tmp_path / "empty").mkdir()
     missing = show("--ca", str(tmp_path / "empty"))
     assert missing.returncode != 0 and "ca.crt not found" in missing.stderr
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"name": "agent\n"}, "--name"),
+                                               ({"name": "agent", "sans": ("host.example\n",)}, "--san")])
+def test_a_trailing_newline_is_no_part_of_a_name(tmp_path, kwargs, field):
+    """'$' also matches before a final newline: 'agent\\n' would have become 'agent\\n.crt'."""
+    pki.init_ca(tmp_path / "ca")
+    with pytest.raises(pki.CertError, match=field):
+        pki.issue(tmp_path / "ca", out_dir=tmp_path / "out", **{"name": "agent", **kwargs})
+    assert not (tmp_path / "out").exists()

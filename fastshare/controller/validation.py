@@ -206,6 +206,9 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
                                                   "digits, '.', '_', '/', '-'")
     if len(request.owner) > 253:
         raise ValidationError("owner", f"at most 253 characters, got {len(request.owner)}")
+    if not request.owner.isprintable():   # it is shown in `fastshare status` and in logs
+        raise ValidationError("owner", "printable characters only (no newlines, tabs or control "
+                                       "characters), e.g. a user or job name")
     if request.idempotency_key and not _KEY_RE.fullmatch(request.idempotency_key):
         raise ValidationError("idempotency_key",
                               "must be 1-128 characters of letters, digits, '.', '_', ':', '/', '-'")

@@ -49,6 +49,9 @@ _KINDS = {Kind.FASTPOD: common_pb2.SHARE_KIND_FASTPOD, Kind.MPS: common_pb2.SHAR
           Kind.EXCLUSIVE: common_pb2.SHARE_KIND_EXCLUSIVE, Kind.WHOLE: common_pb2.SHARE_KIND_WHOLE}
 
 
+_RENEWABLE = (State.PENDING, State.PREPARED, State.ACTIVE)
+
+
 class Rejected(Exception):
     """Nothing fits; the message is the engine's reason."""
 
@@ -417,14 +420,22 @@ class ControllerCore:
         if ttl and not MIN_LEASE_TTL <= ttl <= MAX_LEASE_TTL:
             raise ValidationError("ttl_seconds", f"must be 0 (the allocation's own ttl) or in "
                                                  f"{MIN_LEASE_TTL}..{MAX_LEASE_TTL}, got {ttl}")
-        allocation = self.get(allocation_id)
-        ttl = ttl or allocation.lease_ttl
-        if allocation.state in FINISHED or allocation.state is State.RELEASING:
-            raise NotFound(f"allocation {allocation_id} is {allocation.state.value}; its lease cannot "
-                           "be renewed")
-        if not ttl:
-            raise ValidationError("ttl_seconds", "the allocation has no lease; give ttl_seconds > 0")
-        return self.store.update(allocation_id, lease_expires_at=self.clock() + ttl, lease_ttl=ttl)
+        for _ in range(len(_RENEWABLE) + 1):   # each retry follows a forward step of the state
+            allocation = self.get(allocation_id)
+            if allocation.state not in _RENEWABLE:
+                raise NotFound(f"allocation {allocation_id} is {allocation.state.value}; its lease "
+                               "cannot be renewed")
+            lease = ttl or allocation.lease_ttl
+            if not lease:
+                raise ValidationError("ttl_seconds", "the allocation has no lease; give ttl_seconds > 0")
+            # Compare-and-set on the state just checked: a Release that went through meanwhile
+            # must not get a live lease put on its record (and the caller told it was renewed).
+            try:
+                return self.store.transition(allocation_id, [allocation.state], allocation.state,
+                                             lease_expires_at=self.clock() + lease, lease_ttl=lease)
+            except Conflict:
+                continue   # the state moved on: decide again on the fresh record
+        raise Busy(f"allocation {allocation_id} is being changed by another call; retry")
 
     # -- nodes -----------------------------------------------------------------------------------
     def register_node(self, name: str, address: str, labels: dict[str, str]) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -43,7 +43,13 @@ from fastshare.controller.model import FINISHED, HOLDING
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.store import Conflict
-from fastshare.controller.validation import Request, ValidationError, check_allocation_id, check_node_name
+from fastshare.controller.validation import (
+    Request,
+    ValidationError,
+    check_allocation_id,
+    check_node_labels,
+    check_node_name,
+)
 from fastshare.heap import freeze_startup_objects
 from fastshare.security.certs import reissue_command
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
@@ -74,11 +80,15 @@ class Config:
     workers: int = 32
 
 
+class FellBehind(Exception):
+    """A watcher did not take its events as fast as they came."""
+
+
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     codes = [(ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
              (Rejected, grpc.StatusCode.RESOURCE_EXHAUSTED), (NotFound, grpc.StatusCode.NOT_FOUND),
              (KeyConflict, grpc.StatusCode.ALREADY_EXISTS), (Busy, grpc.StatusCode.ABORTED),
-             (Conflict, grpc.StatusCode.ABORTED)]
+             (Conflict, grpc.StatusCode.ABORTED), (FellBehind, grpc.StatusCode.RESOURCE_EXHAUSTED)]
     for kind, code in codes:
         if isinstance(exc, kind):
             context.abort(code, str(exc))
@@ -150,17 +160,51 @@ def _guard(method: Callable[..., Any], *, durable_by_core: bool = False) -> Call
         except grpc.RpcError:
             raise
         except Exception as exc:
-            if reason := write_failure(exc):
-                log.error("%s: %s", method.__name__, reason)
-                context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-            if isinstance(exc, ValidationError | Rejected | NotFound | KeyConflict | Busy | Conflict
-                          | AgentFailed | AgentError):
-                _abort(context, exc)
-            log.exception("internal error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            _fail(context, method.__name__, exc)
 
     wrapper.__name__ = method.__name__
     return wrapper
+
+
+def _guard_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """``_guard`` for a server-streaming method: its errors are raised while it is iterated,
+    after the wrapper returned, so each step is guarded. Replies that follow a change wait
+    for the store's barrier in the method itself."""
+
+    def wrapper(self: ControllerServicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        self.auth.check(context, method.__name__, request)
+        replies = method(self, request, context)
+        try:
+            while True:
+                try:
+                    reply = next(replies)
+                except StopIteration:
+                    return
+                except grpc.RpcError:
+                    raise
+                except Exception as exc:
+                    _fail(context, method.__name__, exc)
+                yield reply
+        finally:
+            replies.close()
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> NoReturn:
+    """Answer a call that raised ``exc`` (called in its ``except`` block): a state file that
+    cannot be written is UNAVAILABLE with the reason, domain errors get their status codes,
+    anything else is INTERNAL, logged with its traceback."""
+    if reason := write_failure(exc):
+        log.error("%s: %s", method, reason)
+        context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+    if isinstance(exc, ValidationError | Rejected | NotFound | KeyConflict | Busy | Conflict
+                  | AgentFailed | AgentError | FellBehind):
+        _abort(context, exc)
+    log.exception("internal error in %s", method)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+    raise AssertionError("context.abort returned")   # it raises; for the type checker
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
@@ -193,20 +237,14 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         found = self.core.store.list_allocations(states, node=request.node or None)
         return pb.ListAllocationsResponse(allocations=[self._pb(a) for a in found])
 
+    @_guard_stream
     def Watch(self, request: pb.WatchAllocationsRequest, context) -> Iterator[pb.AllocationEvent]:
-        self.auth.check(context, "Watch", request)
         if request.allocation_id:   # none: every allocation's events
-            try:
-                check_allocation_id(request.allocation_id)
-            except ValidationError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            check_allocation_id(request.allocation_id)
         sub = self.core.events.subscribe(request.allocation_id)
         try:
             if request.allocation_id:
-                current = self.core.store.get_allocation(request.allocation_id)
-                if current is None:
-                    context.abort(grpc.StatusCode.NOT_FOUND,
-                                  f"allocation {request.allocation_id} does not exist")
+                current = self.core.get(request.allocation_id)
                 self.core.store.sync()
                 yield pb.AllocationEvent(allocation=self._pb(current))
                 if current.state in FINISHED:
@@ -214,7 +252,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             while context.is_active():
                 event = sub.get(timeout=1.0)
                 if sub.overflowed:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "watch fell behind; watch again")
+                    raise FellBehind("watch fell behind; watch again")
                 if event is not None:
                     self.core.store.sync()
                     yield pb.AllocationEvent(allocation=self._pb(event))
@@ -285,21 +323,28 @@ class RegistryServicer(pb_grpc.NodeRegistryServicer):
 
     def RegisterNode(self, request: pb.RegisterNodeRequest, context) -> pb.RegisterNodeResponse:
         self._node_identity(context, request.node)
-        if not request.address:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: the agent's host:port is required")
         try:
-            self.core.register_node(request.node, request.address, dict(request.labels))
+            if not request.address:
+                raise ValidationError("address", "the agent's host:port is required")
+            labels = dict(request.labels)
+            check_node_labels(labels)
+            self.core.register_node(request.node, request.address, labels)
+            self._on_registered(request.node)
+            self.core.store.sync()
         except AgentError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the agent back at {request.address}: "
                                                        f"{exc}")
-        self._on_registered(request.node)
-        self.core.store.sync()
+        except Exception as exc:
+            _fail(context, "RegisterNode", exc)
         return pb.RegisterNodeResponse(
             heartbeat_interval_seconds=max(1, round(self.core.settings.heartbeat_interval)))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         self._node_identity(context, request.node)
-        return pb.HeartbeatResponse(registered=self.core.heartbeat(request.node))
+        try:
+            return pb.HeartbeatResponse(registered=self.core.heartbeat(request.node))
+        except Exception as exc:
+            _fail(context, "Heartbeat", exc)
 
 
 class ControllerServer:

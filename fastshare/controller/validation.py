@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from fastshare.controller.model import Gpu, Kind, Spec
 from fastshare.device import catalog
+from fastshare.k8s.names import label_key_problem
 
 MAX_LEASE_TTL = 7 * 24 * 3600
 MIN_LEASE_TTL = 5
@@ -33,6 +34,7 @@ TAG_PATTERN = r"^[A-Za-z0-9._/-]{1,63}$"
 # (the API server's RE2 refuses it too)
 _KEY_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
 _TAG_RE = re.compile(TAG_PATTERN)
+_LABEL_VALUE_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
 def schema_limits() -> dict[str, int | str]:
@@ -230,6 +232,21 @@ def check_node_name(value: str) -> None:
     if len(value) > MAX_NODE_NAME_LENGTH:
         raise ValidationError("node", f"at most {MAX_NODE_NAME_LENGTH} characters (a host name), "
                                       f"got {len(value)}")
+
+
+def check_node_labels(labels: dict[str, str]) -> None:
+    """RegisterNode's labels, by Kubernetes' rules: they are stored with the node and sent in
+    every status, so a node's certificate must not be able to make them arbitrarily large."""
+    if len(labels) > MAX_LIST_ENTRIES:
+        raise ValidationError("labels", f"at most {MAX_LIST_ENTRIES} labels, got {len(labels)}")
+    for key, value in labels.items():
+        if len(key) > MAX_LABEL_KEY_LENGTH or (problem := label_key_problem(key)):
+            raise ValidationError("labels", f"label key {key[:80]!r}: "
+                                            f"{problem or f'at most {MAX_LABEL_KEY_LENGTH} characters'}")
+        if len(value) > MAX_LABEL_VALUE_LENGTH or (value and not _LABEL_VALUE_RE.fullmatch(value)):
+            raise ValidationError("labels", f"label value {value[:80]!r} of {key!r}: empty or at most "
+                                            f"{MAX_LABEL_VALUE_LENGTH} letters, digits, '-', '_' and '.', "
+                                            "starting and ending with a letter or digit")
 
 
 def normalise(spec: Spec) -> Spec:

@@ -84,11 +84,15 @@ class Reconciler:
         """Clients cannot renew while the controller is down: a lease gets at least one full
         ttl from this start (a client that is really gone still expires after that). Also a
         pending (or prepared) one: it is rolled forward below, and its client, answered before
-        a lost commit or retrying its key, was as unable to renew."""
+        a lost commit or retrying its key, was as unable to renew.
+
+        The record keeps its ``updated_at``: the first pass takes a record changed after the
+        inventories were asked for as too new to judge, and would leave a share its agent lost
+        (e.g. a reboot while the controller was down) unprepared until the next pass."""
         now = self.core.clock()
         for a in holding:
             if a.state is not State.RELEASING and a.lease_ttl and a.lease_expires_at < now + a.lease_ttl:
-                self.core.store.update(a.id, lease_expires_at=now + a.lease_ttl)
+                self.core.store.update(a.id, lease_expires_at=now + a.lease_ttl, updated_at=a.updated_at)
 
     def run_once(self, nodes: list[str] | None = None) -> Report:
         with self._lock:

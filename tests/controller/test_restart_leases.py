@@ -62,3 +62,35 @@ def test_pending_allocation_is_not_expired_by_controller_downtime(tmp_path):
         assert "fs-1" in agent.shares
     finally:
         store.close()
+
+
+def test_first_pass_after_a_restart_prepares_a_lost_share_of_a_leased_allocation(tmp_path):
+    """The agent lost an active allocation's share while the controller was down (say its
+    machine rebooted). Start's grace for the lease used to stamp the record as changed after
+    the inventories were read, so the first pass took it for too new to judge and left it
+    without its share until the next pass; a record without a lease was prepared at once."""
+    agent = _Agent()
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        before = ControllerCore(store, agent)
+        before.register_node("n1", "127.0.0.1:1", {})
+        spec = Spec(Kind.MPS, memory_bytes=GiB)
+        created = time.time() - 120
+        for allocation_id, ttl in (("fs-leased", 30), ("fs-unleased", 0)):
+            placed = before.ledger.place(before.ledger.to_request(allocation_id, spec))
+            store.create_allocation(Allocation(
+                id=allocation_id, spec=spec, owner="me", state=State.PENDING, node="n1",
+                assignment=placed.to_dict(), created_at=created, updated_at=created, lease_ttl=ttl,
+                lease_expires_at=created + 100 if ttl else 0.0))
+            before.complete(store.get_allocation(allocation_id))
+            store.update(allocation_id, updated_at=created)
+        agent.shares.clear()                      # the node lost both shares meanwhile
+
+        restarted = ControllerCore(store, agent)
+        report = Reconciler(restarted).start()
+        assert sorted(report.completed) == ["fs-leased", "fs-unleased"], report
+        assert set(agent.shares) == {"fs-leased", "fs-unleased"}
+        leased = restarted.get("fs-leased")
+        assert leased.state is State.ACTIVE and leased.lease_expires_at >= time.time() + 20
+    finally:
+        store.close()

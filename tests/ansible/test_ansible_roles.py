@@ -7,6 +7,7 @@ role's template, parsed by fastshare's parser), and the Kubernetes manifests mod
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -192,6 +193,37 @@ def test_controller_unit_lets_the_service_write_its_state_dir(collections_path: 
     writable = [f"/var/lib/{value}" for key, value in settings if key == "StateDirectory"]
     writable += [path for key, value in settings if key == "ReadWritePaths" for path in value.split()]
     assert "ProtectSystem=strict" in unit.read_text() and state_dir in writable, writable
+
+
+@pytest.mark.parametrize("state_dir", ["/srv/fast share/controller", "/srv/fastshare/100%", "/srv/a%nb",
+                                       "/var/lib/fastshare/", "/var/lib/", "/var/lib/a/../b", "/var/lib//a",
+                                       "/var/lib/a:b", "/srv/a\\b", "/srv/a\"b", "/srv/x\n", "srv/x"])
+def test_controller_refuses_a_state_dir_systemd_would_split_or_expand(collections_path: Path,
+                                                                      tmp_path: Path, state_dir: str):
+    """The unit writes controller_state_dir into StateDirectory= or ReadWritePaths= as it is:
+    systemd splits those at whitespace, expands % specifiers, reads 'a:b' below /var/lib as a
+    directory and a symlink to it, and refuses a path that is not normalised. The service then
+    could not write its state (ProtectSystem=strict) or wrote elsewhere; the role refuses such
+    a path before it changes anything, naming the variable and the rule."""
+    results = run_tasks(collections_path, [
+        {"ansible.builtin.include_role": {"name": f"{COLLECTION}.controller"},
+         # Should the check not stop the role, the package step fails next (no wheel): nothing
+         # is installed on the test machine either way.
+         "vars": {"controller_state_dir": state_dir, "controller_package_source": "wheel"}}], tmp_path)
+    failed = [r for r in results if r.get("failed")]
+    assert len(failed) == 1 and failed[0] is results[-1], results
+    assert "controller_state_dir" in failed[0]["msg"] and "normalised" in failed[0]["msg"], failed[0]["msg"]
+    assert json.dumps(state_dir) in failed[0]["msg"], failed[0]["msg"]
+
+
+def test_controller_accepts_ordinary_state_dirs(collections_path: Path, tmp_path: Path):
+    tasks = yaml.safe_load((REPO / "roles" / "controller" / "tasks" / "systemd.yml").read_text())
+    check = next(t for t in tasks if "controller_state_dir" in t["name"])
+    results = run_tasks(collections_path, [
+        {**check, "vars": {"controller_state_dir": state_dir}}
+        for state_dir in ("/var/lib/fastshare/controller", "/srv/fastshare/controller-1.0_x+y@z",
+                          "/var/lib/.fastshare", "/var/lib")], tmp_path)
+    assert not any(r.get("failed") for r in results), results
 
 
 def _rpm(name: str, version: str, epoch: int | None = 3) -> dict:

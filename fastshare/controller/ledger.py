@@ -192,14 +192,8 @@ class Ledger:
         not say whether the request may go there; ``excluded`` may give a better reason."""
         with self._lock:
             unchecked = {} if checked is None else {n: UNCHECKED for n in self._views if n not in checked}
-            result = self._engine.place(request, {**self._no_new_work(), **self._full(), **unchecked,
-                                                  **(excluded or {})})
-            if isinstance(result, Assignment) and request.kind == "fastpod":
-                problem = self._quota_problem(result)
-                if problem:
-                    self._engine.release(result)
-                    return Rejection(problem)
-            return result
+            return self._engine.place(request, {**self._no_new_work(), **self._full(), **unchecked,
+                                                **(excluded or {})})
 
     def _no_new_work(self) -> dict[str, str]:
         """Nodes that keep their shares but take nothing new, with why (worded after "N node(s)")."""
@@ -216,20 +210,6 @@ class Ledger:
         held = Counter(a.node for a in self._engine.assignments.values())
         return {n: "run as many Pods as they allow (status.allocatable.pods)"
                 for n, room in self._room.items() if held[n] >= room}
-
-    def _quota_problem(self, placed: Assignment) -> str | None:
-        """The engine does not count guaranteed time quotas; the node agent admits fastpod shares
-        only while their quota requests add up to at most 1 per GPU. Refuse here, with the
-        reason, instead of letting the agent refuse after the allocation was committed."""
-        gpu = placed.gpus[0]
-        held = sum(a.request.quota_request for a in self._engine.assignments.values()
-                   if a.node == placed.node and a.request.kind == "fastpod" and gpu in a.gpus)
-        if held > 1.0 + 1e-9:
-            asked = placed.request.quota_request
-            free = max(0.0, 1.0 - (held - asked))
-            return (f"time quota: {placed.node} GPU {gpu} (chosen for its SMs and memory) has "
-                    f"{free:.2f} of guaranteed GPU time left, the request asks {asked:g}")
-        return None
 
     def release(self, allocation_id: str) -> bool:
         """Give back what an allocation holds; False if the engine did not hold it."""

@@ -12,9 +12,9 @@ API (everything else in the package is internal)::
         engine.release(result)      # gives back exactly what place took
 
 - Kinds: ``fastpod`` (SM % + GPU memory + time quota on one GPU via MPS; the SM shares on a
-  GPU add up to at most 100 %, their memory to at most the GPU's; quotas are recorded for the
-  interception library and do not count against capacity because the SM shares already
-  partition the GPU), ``mps`` (GPU memory only, up to ``mps_oversubscription`` x memory),
+  GPU add up to at most 100 %, their memory to at most the GPU's and their guaranteed time
+  quota requests to at most 1, the node agent's admission rule; a request's default quota is
+  1, the GPU's whole time), ``mps`` (GPU memory only, up to ``mps_oversubscription`` x memory),
   ``exclusive`` (the smallest MIG profile with the SMs/memory asked, at the placement that
   destroys the least future MIG capacity; 100 % of the SMs only where the largest slice has
   them all, e.g. H100, not A100: 98 of 108),

@@ -40,6 +40,11 @@ class _Gpu:
     whole: str | None = None
 
     @property
+    def quota_used(self) -> float:
+        """Guaranteed time quota the fastpod sharers hold (the node agent admits at most 1)."""
+        return sum(s.quota_request for s in self.sharers.values() if s.kind == "fastpod")
+
+    @property
     def mig_mode(self) -> bool:
         return self.view.mig_enabled or bool(self.mig)
 
@@ -71,6 +76,9 @@ class _Node:
     @property
     def mem_left(self) -> int:
         return self.view.memory_mib - self.mem_used
+
+
+QUOTA_SLACK = 1e-9  # float noise in a sum of quota requests (0.1 + 0.2 + 0.7), as the node agent allows
 
 
 def _policy_task(r: Request) -> Task:
@@ -346,6 +354,8 @@ class Engine:
         if r.kind == "fastpod":
             if g.sm_used + r.sm_milli > MILLI:
                 return f"only {(MILLI - g.sm_used) / 10:g} % SMs free"
+            if g.quota_used + r.quota_request > 1 + QUOTA_SLACK:
+                return f"only {max(0.0, 1 - g.quota_used):.2f} of its time quota free"
             if g.mem_used + r.gpu_memory_mib > v.memory_mib:
                 return f"only {_fmt_mib(v.memory_mib - g.mem_used)} free"
         elif r.gpu_memory_mib > v.memory_mib:  # oversubscription is for the sum, not one share
@@ -388,8 +398,8 @@ class Engine:
     _place_mps = _shares
 
     def _share_reason(self, r: Request, nodes: list[_Node]) -> str:
-        what = (f"{r.sm_percent:g} % SMs and {_fmt_mib(r.gpu_memory_mib)}" if r.kind == "fastpod"
-                else _fmt_mib(r.gpu_memory_mib))
+        what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
+                if r.kind == "fastpod" else _fmt_mib(r.gpu_memory_mib))
         usable = []
         for n in nodes:
             for g in n.gpus:
@@ -421,6 +431,9 @@ class Engine:
         if r.kind == "fastpod":
             n2, g2 = min(usable, key=lambda ng: (ng[1].sm_used, ng[1].view.index))
             msg += f", largest free SM share is {(MILLI - g2.sm_used) / 10:g} % on {g2.label(n2.view.name)}"
+            n3, g3 = min(usable, key=lambda ng: (ng[1].quota_used, ng[1].view.index))
+            msg += (f", largest free time quota is {max(0.0, 1 - g3.quota_used):.2f} "
+                    f"on {g3.label(n3.view.name)}")
         if r.affinity and r.affinity in self._affinity:
             node, idx = self._affinity[r.affinity]
             msg += f"; affinity tag {r.affinity!r} binds it to {node} GPU {idx}"

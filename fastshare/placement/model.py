@@ -32,7 +32,8 @@ class Request:
     """What a workload asks for. Which fields matter depends on ``kind``:
 
     - ``fastpod``: ``sm_percent`` (0 < p <= 100, SM share via MPS), ``gpu_memory_mib`` (> 0),
-      ``quota_request`` <= ``quota_limit`` in (0, 1] (time quota for the interception library);
+      ``quota_request`` <= ``quota_limit`` in (0, 1] (time quota for the interception library;
+      the requests on one GPU add up to at most 1);
     - ``mps``: ``gpu_memory_mib`` only (no SM limit);
     - ``exclusive``: a MIG slice with at least ``sm_count`` SMs or ``sm_percent`` of the GPU's
       SMs and/or ``gpu_memory_mib`` of memory;

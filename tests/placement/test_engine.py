@@ -20,6 +20,7 @@ from .conftest import node
 
 
 def fastpod(rid: str, sm: float = 30, mem: int = 4096, **kw) -> Request:
+    kw.setdefault("quota_request", 0.001)  # so that SMs and memory decide (quota: its own test)
     return Request(rid, "fastpod", sm_percent=sm, gpu_memory_mib=mem, **kw)
 
 
@@ -39,7 +40,8 @@ def test_fastpod_memory_must_fit_and_rejection_names_largest_free():
     rej = eng.place(fastpod("c", 10, 20 * 1024))
     assert not rej
     assert rej.reason.startswith(
-        "no GPU with 10 % SMs and 20 GiB free; largest free memory is 12 GiB on node-3 GPU 1")
+        "no GPU with 10 % SMs, 20 GiB and 0.001 time quota free; "
+        "largest free memory is 12 GiB on node-3 GPU 1")
 
 
 def test_quota_fields_are_validated_with_field_names():
@@ -352,3 +354,19 @@ def test_capacity_may_shrink_below_what_assignments_hold_without_dropping_them()
     lenient = Engine([node("a", cpu=1000)])
     lenient.restore(placed, check_host=False)
     assert "p" in lenient.assignments
+
+
+def test_fastpod_time_quota_requests_never_exceed_one_per_gpu():
+    # The node agent admits fastpod shares only while their quota requests add up to at most
+    # 1 per GPU; the engine packed by SMs alone and chose a GPU the agent refuses, while
+    # another GPU was idle (the controller then rejected the request).
+    eng = Engine([node("n", n_gpus=2)], policy=make_policy("bestfit"))
+    a = eng.place(fastpod("a", 60, quota_request=0.6))
+    b = eng.place(fastpod("b", 40, quota_request=0.6))
+    assert a and b and a.gpus != b.gpus
+    assert eng.place(fastpod("c", 40, quota_request=0.4)).gpus == a.gpus
+    rej = eng.place(fastpod("d", 10, quota_request=0.5))
+    assert not rej and rej.reason.startswith("no GPU with 10 % SMs, 4 GiB and 0.5 time quota free")
+    assert "largest free time quota is 0.40 on n GPU 1" in rej.reason
+    eng.release("c")
+    assert eng.place(fastpod("d", 10, quota_request=0.4)).gpus == a.gpus

@@ -22,7 +22,8 @@ def requests(draw, i: int) -> Request:
               "exclusion": draw(st.sampled_from([None, None, "e"]))}
     if kind == "fastpod":
         return Request(f"r{i}", kind, sm_percent=draw(st.integers(1, 100)),
-                       gpu_memory_mib=draw(st.integers(1, 45000)), **common)
+                       gpu_memory_mib=draw(st.integers(1, 45000)),
+                       quota_request=draw(st.sampled_from([0.1, 0.2, 0.3, 0.7, 1.0])), **common)
     if kind == "mps":
         return Request(f"r{i}", kind, gpu_memory_mib=draw(st.integers(1, 45000)), **common)
     if kind == "exclusive":
@@ -51,6 +52,12 @@ def check_capacity(eng: Engine) -> None:
         mem[a.node] += a.request.memory_mib
     for name, n in nodes.items():
         assert cpu[name] <= n.cpu_milli and mem[name] <= n.memory_mib
+    quota: dict[tuple[str, int], float] = {}
+    for a in eng.assignments.values():
+        if a.request.kind == "fastpod":
+            key = (a.node, a.gpus[0])
+            quota[key] = quota.get(key, 0.0) + a.request.quota_request
+    assert all(q <= 1 + 1e-9 for q in quota.values()), quota
     for u in eng.usage():
         g = nodes[u["node"]].gpus[u["gpu"]]
         assert u["sm_used_percent"] <= 100

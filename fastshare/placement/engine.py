@@ -425,9 +425,13 @@ class Engine:
             return (f"{what} is free on {len(tagged)} GPU(s), but the sharing tags rule them out: "
                     f"{', '.join(tagged[:3])}{more}")
         cap = self.mps_oversubscription if r.kind == "mps" else 1.0
-        n, g = max(usable, key=lambda ng: (ng[1].view.memory_mib * cap - ng[1].mem_used, -ng[1].view.index))
+
+        def free(g: _Gpu) -> float:  # the most one share can get: never more than the device has
+            return min(g.view.memory_mib, g.view.memory_mib * cap - g.mem_used)
+
+        n, g = max(usable, key=lambda ng: (free(ng[1]), -ng[1].view.index))
         msg = (f"no GPU with {what} free; largest free memory is "
-               f"{_fmt_mib(g.view.memory_mib * cap - g.mem_used)} on {g.label(n.view.name)}")
+               f"{_fmt_mib(max(0, free(g)))} on {g.label(n.view.name)}")
         if r.kind == "fastpod":
             n2, g2 = min(usable, key=lambda ng: (ng[1].sm_used, ng[1].view.index))
             msg += f", largest free SM share is {(MILLI - g2.sm_used) / 10:g} % on {g2.label(n2.view.name)}"

@@ -370,3 +370,15 @@ def test_fastpod_time_quota_requests_never_exceed_one_per_gpu():
     assert "largest free time quota is 0.40 on n GPU 1" in rej.reason
     eng.release("c")
     assert eng.place(fastpod("d", 10, quota_request=0.4)).gpus == a.gpus
+
+
+def test_mps_rejection_names_the_most_one_share_can_get_under_oversubscription():
+    """With oversubscription a GPU's free promise can exceed its memory, but one share never
+    gets more than the device has: the figure named must be what the request could get."""
+    eng = Engine([node("a100", n_gpus=1), node("h100", n_gpus=1, key="H100-SXM5-80GB")],
+                 mps_oversubscription=2.0)
+    assert eng.place(Request("h1", "mps", gpu_memory_mib=75 * 1024)).node == "h100"
+    assert eng.place(Request("h2", "mps", gpu_memory_mib=75 * 1024)).node == "h100"
+    rej = eng.place(Request("x", "mps", gpu_memory_mib=45 * 1024))   # the A100 has 40 GiB
+    assert not rej
+    assert "largest free memory is 40 GiB on a100 GPU 0" in rej.reason, rej.reason  # not 80

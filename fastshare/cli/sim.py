@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -44,6 +45,10 @@ def sim(pods: str | None, nodes: str | None, policy: str, tune: float, seed: int
         node_list, pod_list, trace = load(pods, nodes)
     except TraceError as e:
         fail(str(e))
+    if not any(n.gpus for n in node_list):
+        fail(f"{nodes}: the node list has no GPUs", "give a node list with GPU nodes (column gpu > 0)")
+    if plot:
+        _check_plot(plot)   # before the replay, which can take minutes
     exp = Experiment(node_list, pod_list, policy.lower(), seed, tune, trace)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -97,14 +102,24 @@ def zoom_window(curves: list[Curve], margin: float = 0.5) -> tuple[float, float,
     return x0, min(ys) - margin, max(ys) + margin
 
 
-def _plot(path: str, summary: dict, published_fgd: list[float] | None, label: str) -> None:
+def _check_plot(path: str) -> None:
+    """Refuse a --plot file that could not be written, and a missing matplotlib."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         fail("--plot needs matplotlib", "pip install 'fastshare[plot]'")
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        fail(f"--plot {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"--plot {path}: directory {parent} is not writable")
+
+
+def _plot(path: str, summary: dict, published_fgd: list[float] | None, label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     curves = [[(x, y) for x, y in summary["curve"]]]
     if published_fgd:
         curves.append(list(enumerate(published_fgd)))
@@ -130,8 +145,12 @@ def _plot(path: str, summary: dict, published_fgd: list[float] | None, label: st
                  f"final {summary['gpu_alloc_ratio']} %")
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120, format="png")   # a PNG, whatever the name ends with
+    except OSError as e:
+        fail(f"--plot {path}: cannot write ({e.strerror or e})")
+    finally:
+        plt.close(fig)
 
 
 COMMANDS = [sim]

@@ -200,3 +200,24 @@ def test_a_learning_policy_is_rescored_when_it_learns():
             for j in chosen:
                 gpus[i][j] -= task.milli if task.sharing else MILLI
     assert pol.generation > 3
+
+
+def test_cli_sim_refuses_what_it_cannot_replay_or_plot_without_a_traceback(tmp_path):
+    """A node list without GPUs, or a --plot path that cannot be written, is a clear error
+    (before the replay, for --plot: a replay can take minutes), not a Python traceback."""
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,65536,2,T4\n")
+    (tmp_path / "cpu.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nc1,32000,65536,0,\n")
+    (tmp_path / "p.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1024,1,500\n")
+    pods = ["--pods", str(tmp_path / "p.csv"), "--tune", "0"]
+    out = CliRunner().invoke(main, ["sim", *pods, "--nodes", str(tmp_path / "cpu.csv")])
+    assert out.exit_code == 1 and out.exception is not None and isinstance(out.exception, SystemExit)
+    assert "the node list has no GPUs" in out.output
+    nodes = ["--nodes", str(tmp_path / "n.csv")]
+    out = CliRunner().invoke(main, ["sim", *pods, *nodes, "--plot", str(tmp_path / "no" / "c.png")])
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output
+    assert "--plot" in out.output and "does not exist" in out.output
+    pytest.importorskip("matplotlib")
+    other = tmp_path / "curve.txt"   # any name: the file is a PNG whatever it ends with
+    out = CliRunner().invoke(main, ["sim", *pods, *nodes, "--plot", str(other)])
+    assert out.exit_code == 0, out.output
+    assert other.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -242,6 +242,13 @@ class Engine:
             raise InvalidRequest(f"node: {assignment.node} is not in the cluster view")
         if check_host and (r.cpu_milli > node.cpu_left or r.memory_mib > node.mem_left):
             raise InvalidRequest(f"assignment {r.id}: node {node.view.name} lacks CPU/memory for it")
+        want = r.gpus if r.kind == "whole" else 1
+        if len(assignment.gpus) != want:
+            raise InvalidRequest(f"gpus: a {r.kind} assignment holds exactly {want} GPU(s) "
+                                 f"(assignment {r.id} lists {list(assignment.gpus)})")
+        twice = [i for i, c in Counter(assignment.gpus).items() if c > 1]
+        if twice:
+            raise InvalidRequest(f"gpus: GPU {twice[0]} appears twice in assignment {r.id}")
         for i in assignment.gpus:
             if not 0 <= i < len(node.gpus):
                 raise InvalidRequest(f"gpus: {node.view.name} has no GPU {i}")

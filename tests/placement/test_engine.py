@@ -382,3 +382,20 @@ def test_mps_rejection_names_the_most_one_share_can_get_under_oversubscription()
     rej = eng.place(Request("x", "mps", gpu_memory_mib=45 * 1024))   # the A100 has 40 GiB
     assert not rej
     assert "largest free memory is 40 GiB on a100 GPU 0" in rej.reason, rej.reason  # not 80
+
+
+@pytest.mark.parametrize("kind, gpus, why", [
+    ("fastpod", (0, 0), r"gpus: a fastpod assignment holds exactly 1 GPU\(s\)"),
+    ("fastpod", (), r"gpus: a fastpod assignment holds exactly 1 GPU\(s\)"),
+    ("whole", (0,), r"gpus: a whole assignment holds exactly 2 GPU\(s\) \(assignment a lists \[0\]\)"),
+    ("whole", (1, 1), "gpus: GPU 1 appears twice"),
+])
+def test_restore_refuses_an_assignment_whose_gpus_do_not_match_its_request(kind, gpus, why):
+    """A persisted assignment is input: one GPU listed twice counted a share twice (and its
+    release then failed half-way), a whole request restored on fewer GPUs than it asked."""
+    eng = Engine([node("n", n_gpus=2)])
+    r = fastpod("a") if kind == "fastpod" else Request("a", "whole", gpus=2)
+    before = eng.usage()
+    with pytest.raises(InvalidRequest, match=why):
+        eng.restore(Assignment(r, "n", gpus))
+    assert eng.usage() == before and not eng.assignments

@@ -208,9 +208,17 @@ class Engine:
         return result
 
     def release(self, assignment: Assignment | str) -> Assignment:
-        """Give back what an assignment holds; returns it. Unknown ids raise KeyError."""
+        """Give back what an assignment holds; returns it. Unknown ids, and an Assignment that is
+        not the one held under its id (released already, the id placed again since), raise
+        KeyError and change nothing."""
         rid = assignment if isinstance(assignment, str) else assignment.request.id
-        a = self._assignments.pop(rid)
+        a = self._assignments.get(rid)
+        if a is None:
+            raise KeyError(f"request {rid} is not placed (unknown, or released already)")
+        if not isinstance(assignment, str) and assignment != a:
+            raise KeyError(f"request {rid}: this assignment was released already; the id now holds "
+                           f"{a.node} GPU(s) {list(a.gpus)}")
+        del self._assignments[rid]
         node = self._nodes[a.node]
         r = a.request
         node.cpu_used -= r.cpu_milli

@@ -399,3 +399,19 @@ def test_restore_refuses_an_assignment_whose_gpus_do_not_match_its_request(kind,
     with pytest.raises(InvalidRequest, match=why):
         eng.restore(Assignment(r, "n", gpus))
     assert eng.usage() == before and not eng.assignments
+
+
+def test_releasing_a_stale_assignment_leaves_the_current_one_alone():
+    """release(assignment) gives back what that placement took: an Assignment already released,
+    whose id was placed again elsewhere since, must not release the new placement."""
+    eng = Engine([node("n", n_gpus=2)])
+    old = eng.place(fastpod("a", 40))
+    eng.release(old)
+    new = eng.place(fastpod("a", 40, mem=8192))
+    assert new and new != old
+    held = eng.usage()
+    with pytest.raises(KeyError, match="released already"):
+        eng.release(old)
+    assert eng.usage() == held and eng.assignments["a"] == new
+    with pytest.raises(KeyError, match="request nope is not placed"):
+        eng.release("nope")

@@ -174,12 +174,17 @@ class NodeView:
         labels = self.labels.items() if isinstance(self.labels, Mapping) else self.labels
         object.__setattr__(self, "labels", tuple(sorted(tuple(p) for p in labels)))  # as from_dict gives
         object.__setattr__(self, "gpus", tuple(self.gpus))
-        if isinstance(self.links, Mapping):
-            object.__setattr__(self, "links", tuple(sorted((i, j, lv) for (i, j), lv in self.links.items())))
+        links = ([(i, j, lv) for (i, j), lv in self.links.items()] if isinstance(self.links, Mapping)
+                 else [tuple(x) for x in self.links])
         _check(self.cpu_milli >= 0, f"node {self.name}: cpu_milli must be >= 0")
         _check(self.memory_mib >= 0, f"node {self.name}: memory_mib must be >= 0")
         idx = [g.index for g in self.gpus]
         _check(idx == list(range(len(idx))), f"node {self.name}: GPU indexes must be 0..n-1 in order")
+        for i, j, _lv in links:
+            _check(i != j and min(i, j) >= 0 and max(i, j) < len(idx),
+                   f"node {self.name}: links: GPU pair ({i}, {j}) must be two GPUs of 0..{len(idx) - 1}")
+        # a pair counts whichever way round it is given (as link_level looks it up: low index first)
+        object.__setattr__(self, "links", tuple(sorted((min(i, j), max(i, j), lv) for i, j, lv in links)))
 
     def link_level(self, i: int, j: int) -> int:
         """Link level between two GPUs; pairs not given count as the farthest level (9)."""

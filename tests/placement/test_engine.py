@@ -125,6 +125,20 @@ def test_whole_prefers_tightest_link_group():
     assert _tightest_group(eng.nodes[0], [0, 1, 2, 3], 2) == (0, 1)
 
 
+def test_links_count_whichever_way_round_the_pair_is_given():
+    """NVML reports a level for (a, b) and (b, a); a pair given high index first was ignored
+    (read as the farthest level), so the tightest group was missed."""
+    links = {(1, 0): 0, (2, 1): 5, (2, 0): 5}
+    view = node("n", n_gpus=3, links=links)
+    assert view.link_level(0, 1) == 0 and view.link_level(1, 0) == 0
+    assert _tightest_group(view, [0, 1, 2], 2) == (0, 1)
+    assert NodeView.from_dict(view.to_dict()) == view
+    with pytest.raises(InvalidRequest, match=r"links: GPU pair \(0, 0\)"):
+        node("m", n_gpus=2, links={(0, 0): 0})
+    with pytest.raises(InvalidRequest, match=r"links: GPU pair \(0, 5\)"):
+        node("m", n_gpus=2, links={(0, 5): 0})
+
+
 def test_whole_rejection_counts_idle_gpus():
     eng = Engine([node("node-1", n_gpus=2)])
     rej = eng.place(Request("w", "whole", gpus=3))

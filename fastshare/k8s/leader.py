@@ -48,7 +48,9 @@ class LeaderElector:
         self.retry_period = retry_period
         self.monotonic = monotonic
         self._observed: _Observed | None = None
-        self._renewed_at: float | None = None  # monotonic time of our last successful write as holder
+        # monotonic time our last successful attempt as holder started: its write landed after it,
+        # so a candidate's wait (from when it saw that write) ends after ours (renew_deadline)
+        self._renewed_at: float | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -56,9 +58,10 @@ class LeaderElector:
 
     def step(self) -> bool:
         """One attempt to acquire or renew; returns whether we lead afterwards."""
+        started = self.monotonic()
         try:
             if self._try():
-                self._renewed_at = self.monotonic()
+                self._renewed_at = started
         except client.ApiException as exc:
             if exc.status not in (404, 409):
                 log.warning("lease %s/%s: %s %s", self.namespace, self.name, exc.status, exc.reason)

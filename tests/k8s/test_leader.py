@@ -116,3 +116,29 @@ def test_an_api_server_blip_is_ridden_out_until_the_renew_deadline(api_client, n
         thread.join(30)
     finally:
         own.close()
+
+
+def test_a_renewal_whose_reply_comes_late_does_not_extend_leadership(api_client, namespace, lease_name):
+    """The renewal's write lands, then its reply is held up longer than the lease: the candidate
+    saw that write and took over a lease duration later. The late reply must not make the old
+    leader lead again (its term counts from when the attempt started, not when it returned)."""
+    a, b = _electors(api_client, namespace, lease_name)
+    assert a.step() and not b.step()
+    real_replace = a.leases.replace_namespaced_lease
+    written = threading.Event()
+
+    def slow_reply(*args, **kwargs):
+        result = real_replace(*args, **kwargs)
+        written.set()
+        time.sleep(4.0)   # longer than the lease duration (3 s)
+        return result
+
+    a.leases.replace_namespaced_lease = slow_reply
+    renewal = threading.Thread(target=a.step)
+    renewal.start()
+    assert written.wait(10)
+    wait_for(b.step, "b to take over", timeout=30)
+    renewal.join(30)
+    assert b.is_leader
+    assert not a.is_leader, "both lead: a late renewal reply counted as a fresh renewal"
+

@@ -51,6 +51,9 @@ class LeaderElector:
         # monotonic time our last successful attempt as holder started: its write landed after it,
         # so a candidate's wait (from when it saw that write) ends after ours (renew_deadline)
         self._renewed_at: float | None = None
+        # each Lease request gives up after this: a hung one must not keep step() (and a deposed
+        # leader's controller) waiting past renew_deadline; an attempt makes two requests
+        self._timeout = renew_deadline / 2
 
     @property
     def is_leader(self) -> bool:
@@ -82,13 +85,15 @@ class LeaderElector:
 
     def _try(self) -> bool:
         try:
-            lease = self.leases.read_namespaced_lease(self.name, self.namespace)
+            lease = self.leases.read_namespaced_lease(self.name, self.namespace,
+                                                      _request_timeout=self._timeout)
         except client.ApiException as exc:
             if exc.status != 404:
                 raise
             body = client.V1Lease(metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace),
                                   spec=self._spec(0, None))
-            self.leases.create_namespaced_lease(self.namespace, body)  # 409 if another won the race
+            # 409 if another won the race
+            self.leases.create_namespaced_lease(self.namespace, body, _request_timeout=self._timeout)
             log.info("%s acquired lease %s/%s", self.identity, self.namespace, self.name)
             return True
         spec = lease.spec or client.V1LeaseSpec()
@@ -103,7 +108,8 @@ class LeaderElector:
             return False
         transitions = (spec.lease_transitions or 0) + (0 if held_by_me else 1)
         lease.spec = self._spec(transitions, spec.acquire_time if held_by_me else None)
-        self.leases.replace_namespaced_lease(self.name, self.namespace, lease)  # CAS on resourceVersion
+        # CAS on resourceVersion
+        self.leases.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=self._timeout)
         if not held_by_me:
             log.info("%s took over lease %s/%s from %r", self.identity, self.namespace, self.name,
                      spec.holder_identity)
@@ -115,11 +121,13 @@ class LeaderElector:
             return
         self._renewed_at = None
         try:
-            lease = self.leases.read_namespaced_lease(self.name, self.namespace)
+            lease = self.leases.read_namespaced_lease(self.name, self.namespace,
+                                                      _request_timeout=self._timeout)
             if lease.spec and lease.spec.holder_identity == self.identity:
                 lease.spec.holder_identity = None
                 lease.spec.lease_duration_seconds = 1
-                self.leases.replace_namespaced_lease(self.name, self.namespace, lease)
+                self.leases.replace_namespaced_lease(self.name, self.namespace, lease,
+                                                     _request_timeout=self._timeout)
         except client.ApiException as exc:
             log.warning("could not release lease %s/%s: %s", self.namespace, self.name, exc.reason)
         except (OSError, urllib3.exceptions.HTTPError) as exc:  # the standby waits the lease out

@@ -142,3 +142,31 @@ def test_a_renewal_whose_reply_comes_late_does_not_extend_leadership(api_client,
     assert b.is_leader
     assert not a.is_leader, "both lead: a late renewal reply counted as a fresh renewal"
 
+
+def test_a_hung_api_server_does_not_keep_the_leader_waiting(namespace, lease_name):
+    """An API server that accepts the connection and never answers: step() gives up within the
+    renew deadline instead of blocking, so run() reports the lost leadership (and the controller
+    stops acting) instead of hanging in a renewal for ever."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    configuration = client.Configuration()
+    configuration.host = f"http://127.0.0.1:{server.getsockname()[1]}"
+    own = client.ApiClient(configuration)
+    try:
+        elector = LeaderElector(own, namespace, lease_name, "hung", lease_duration=3.0, renew_deadline=2.0,
+                                retry_period=0.2)
+        result: list[bool] = []
+        thread = threading.Thread(target=lambda: result.append(elector.step()), daemon=True)
+        started = time.monotonic()
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "step() still blocked on an API server that never answers"
+        assert result == [False]
+        assert time.monotonic() - started < 5
+    finally:
+        own.close()
+        server.close()
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -80,7 +81,7 @@ class LeaderElector:
     def _spec(self, transitions: int, acquired: datetime.datetime | None) -> client.V1LeaseSpec:
         now = _now_micro()
         return client.V1LeaseSpec(
-            holder_identity=self.identity, lease_duration_seconds=int(self.lease_duration),
+            holder_identity=self.identity, lease_duration_seconds=math.ceil(self.lease_duration),
             acquire_time=acquired or now, renew_time=now, lease_transitions=transitions)
 
     def _try(self) -> bool:

@@ -170,3 +170,14 @@ def test_a_hung_api_server_does_not_keep_the_leader_waiting(namespace, lease_nam
         own.close()
         server.close()
 
+
+def test_the_lease_never_says_shorter_than_the_leader_believes(api_client, namespace, lease_name):
+    """Candidates wait the Lease's leaseDurationSeconds (whole seconds); with a fractional
+    --lease-duration it must be rounded up, or a candidate takes over while the leader still
+    believes it leads (renew deadline 1.5 s > 1 s written)."""
+    elector = LeaderElector(api_client, namespace, lease_name, "frac", lease_duration=1.9, renew_deadline=1.5,
+                            retry_period=0.2)
+    assert elector.step()
+    lease = client.CoordinationV1Api(api_client).read_namespaced_lease(lease_name, namespace)
+    assert lease.spec.lease_duration_seconds >= elector.renew_deadline
+    assert lease.spec.lease_duration_seconds >= 1.9

@@ -502,7 +502,8 @@ class KubeController:
         # Pods (from the watch's cache, see podcache) before records: a record made after this
         # cannot be mistaken for one whose Pod is gone (this FastPod's replicas are only made by
         # this pass, and go into the cache from the create's reply).
-        pods = {_meta(p)["name"]: p for p in self.podcache.of(namespace, name)
+        labelled = {_meta(p)["name"]: p for p in self.podcache.of(namespace, name)}
+        pods = {n: p for n, p in labelled.items()
                 if any(o["uid"] == meta["uid"] for o in _meta(p).get("ownerReferences") or [])}
         allocations, marked = self.store.allocations_of(namespace, name)
         wait = None
@@ -515,6 +516,16 @@ class KubeController:
         # Shares whose Pod is gone: deleted behind our back, never created, or scaled down.
         for pod_name, allocation in allocations.items():
             if allocation.state in HOLDING and pod_name not in pods:
+                if (stray := labelled.get(pod_name)) is not None:
+                    # Not (any more) this FastPod's, yet it runs on the share: orphaned (a deletion
+                    # with --cascade=orphan) or of an earlier FastPod of this name. It goes first
+                    # (nothing else would release its share), then its share.
+                    if not _meta(stray).get("deletionTimestamp"):
+                        log.warning("deleting pod %s/%s: it holds a share of FastPod %s but is not its own",
+                                    namespace, pod_name, name)
+                        self._delete_pod(namespace, pod_name)
+                    wait = 1.0
+                    continue
                 allocations[pod_name] = self._release(allocation, f"pod {pod_name} is gone")
                 if allocations[pod_name].state not in FINISHED:
                     wait = 2.0  # agent unreachable: the core's reconciler finishes the release

@@ -27,7 +27,7 @@ from fastshare.controller.store import StoreError
 from fastshare.controller.validation import Request
 from fastshare.k8s.controller import KubeController, KubeSettings
 from fastshare.k8s.pods import FASTPOD_LABEL, spec_of
-from fastshare.k8s.resources import ALLOCATION_PLURAL, GROUP, PLURAL, VERSION, fastpod_manifest
+from fastshare.k8s.resources import ALLOCATION_PLURAL, FINALIZER, GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.k8s.store import replica_key
 
 from .agents import Agent, kubelet_step, register_node
@@ -425,3 +425,35 @@ def test_a_fastpod_whose_finalizer_was_removed_by_hand_leaks_no_share(
     kubelet_step(view.core, namespace)
     wait_for(lambda: (view.shares(), view.records(), view.pods(include_terminating=True)) == ([], {}, []),
              "every share released and record removed", timeout=60)
+
+
+def test_a_share_stays_held_while_its_orphaned_pod_still_exists(
+        api_client, namespace, controller, agents, pki):
+    """``kubectl delete --cascade=orphan``: the garbage collector strips the owner reference from
+    the replica Pods while the FastPod waits on its finalizer. The Pods still run on their GPU
+    shares: a share must not be released (and handed to someone else) before its Pod is gone.
+    The controller deletes such a Pod (nothing else would release its share later), and only
+    then releases the share and drops its finalizer."""
+    first = controller()
+    first.start()
+    view = View(api_client, namespace, "orphaned", agents, pki[1])
+    manifest = fastpod_manifest("orphaned", {"kind": "mps", "memory": "2Gi"}, 1)
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    wait_for(lambda: view.settled(1), "1 replica running", timeout=120)
+    share = view.shares()
+    first.stop()
+    view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "orphaned",
+                                                 propagation_policy="Orphan")
+    (pod,) = view.pods()
+    view.core.patch_namespaced_pod(pod.metadata.name, namespace,   # the garbage collector's part
+                                   {"metadata": {"ownerReferences": None}})
+    controller().start()
+    time.sleep(5)   # several passes
+    assert view.shares() == share, "the share was released while its pod still exists"
+    wait_for(lambda: view.pods(include_terminating=True)[0].metadata.deletion_timestamp is not None,
+             "the orphaned pod deleted", timeout=60)
+    kubelet_step(view.core, namespace)
+    wait_for(lambda: view.shares() == [] and view.records() == {}, "released once the pod is gone",
+             timeout=60)
+    wait_for(lambda: FINALIZER not in (view.fastpod()["metadata"].get("finalizers") or []),
+             "the controller's finalizer removed", timeout=60)

@@ -2,7 +2,8 @@
 
 Like client-go's workqueue: a key added while it is being processed is processed again
 afterwards (so no event is lost), and never by two workers at once (so one FastPod is
-reconciled serially). Delayed adds serve requeue-after.
+reconciled serially). Delayed adds serve requeue-after; a key waits at most once (the earliest
+time asked wins), so requeues do not multiply with every event that adds the key meanwhile.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ class WorkQueue:
         self._queued: set[Hashable] = set()     # keys in _ready
         self._active: set[Hashable] = set()     # keys a worker holds
         self._dirty: set[Hashable] = set()      # added while active: process again after done()
-        self._later: list[tuple[float, int, Hashable]] = []
+        self._later: list[tuple[float, int, Hashable]] = []   # heap; entries superseded in _waiting skipped
+        self._waiting: dict[Hashable, float] = {}  # key -> when its delayed add is due
         self._seq = 0
         self._closed = False
 
@@ -29,8 +31,12 @@ class WorkQueue:
             if self._closed:
                 return
             if delay > 0:
+                due = time.monotonic() + delay
+                if self._waiting.get(key, due + 1) <= due:
+                    return   # already waiting, due sooner
+                self._waiting[key] = due
                 self._seq += 1
-                heapq.heappush(self._later, (time.monotonic() + delay, self._seq, key))
+                heapq.heappush(self._later, (due, self._seq, key))
             elif key in self._active:
                 self._dirty.add(key)
             elif key not in self._queued:
@@ -42,7 +48,10 @@ class WorkQueue:
         """Move due delayed keys to ready; returns seconds until the next one (None: none)."""
         now = time.monotonic()
         while self._later and self._later[0][0] <= now:
-            _, _, key = heapq.heappop(self._later)
+            due, _, key = heapq.heappop(self._later)
+            if self._waiting.get(key) != due:
+                continue   # superseded by an earlier delayed add
+            del self._waiting[key]
             if key in self._active:
                 self._dirty.add(key)
             elif key not in self._queued:
@@ -87,4 +96,4 @@ class WorkQueue:
 
     def __len__(self) -> int:
         with self._cond:
-            return len(self._ready) + len(self._later)
+            return len(self._ready) + len(self._waiting)

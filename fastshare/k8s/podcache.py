@@ -102,8 +102,8 @@ class PodCache(WatchCache):
         fresh = {pod_key(p): p for p in pods}
         with self._lock:
             for key, pod in self._pods.items():
-                if key not in fresh and resource_version(pod) > as_of:
-                    fresh[key] = pod  # created after the list was taken
+                if resource_version(pod) > as_of:
+                    fresh[key] = pod  # created or changed (our delete's reply) after the list was taken
             self._gone = {k: v for k, v in self._gone.items() if v > as_of}
             for key in self._gone:
                 fresh.pop(key, None)

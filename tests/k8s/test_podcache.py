@@ -58,6 +58,18 @@ def test_a_relist_drops_what_it_does_not_show_but_keeps_what_is_newer_than_it():
     assert _names(cache) == ["kept", "mine"]
 
 
+def test_a_relist_taken_before_our_delete_does_not_bring_the_pod_back_to_life():
+    """The list's snapshot was taken, then our delete's reply (newer) went into the cache, then
+    the list arrived: the Pod must stay deleting, or a scale-down pass counts it live and deletes
+    one more replica."""
+    cache = PodCache()
+    cache.replace([_pod("a", 3), _pod("b", 4)], "5")
+    cache.put(_pod("a", 9, deleting=True))         # our delete's reply
+    cache.replace([_pod("a", 3), _pod("b", 4)], "8")   # a relist as of 8, before the delete
+    (a,) = [p for p in cache.of("ns", "fp") if p["metadata"]["name"] == "a"]
+    assert a["metadata"].get("deletionTimestamp"), "the relist made a deleting Pod live again"
+
+
 def test_pods_are_told_apart_by_fastpod_and_namespace():
     cache = PodCache()
     cache.replace([_pod("a", 1), _pod("b", 2, fastpod="other"), _pod("c", 3, namespace="ns2")], "3")

@@ -32,7 +32,10 @@ MAX_LABEL_VALUE_LENGTH = 63
 TAG_PATTERN = r"^[A-Za-z0-9._/-]{1,63}$"
 # fullmatch, not match: '$' also matches before a final newline, which neither set allows
 # (the API server's RE2 refuses it too)
-_KEY_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
+# Keys fit an in-cluster replica's key: namespace/fastpod/pod is up to 63+1+63+1+70 characters
+# (fastshare.k8s.store.replica_key), all of which the FastPod CRD accepts.
+MAX_KEY_LENGTH = 256
+_KEY_RE = re.compile(rf"^[A-Za-z0-9._:/-]{{1,{MAX_KEY_LENGTH}}}$")
 _TAG_RE = re.compile(TAG_PATTERN)
 _LABEL_VALUE_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
@@ -213,7 +216,8 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
                                        "characters), e.g. a user or job name")
     if request.idempotency_key and not _KEY_RE.fullmatch(request.idempotency_key):
         raise ValidationError("idempotency_key",
-                              "must be 1-128 characters of letters, digits, '.', '_', ':', '/', '-'")
+                              f"must be 1-{MAX_KEY_LENGTH} characters of letters, digits, "
+                              "'.', '_', ':', '/', '-'")
     if request.lease_ttl and not MIN_LEASE_TTL <= request.lease_ttl <= MAX_LEASE_TTL:
         raise ValidationError("lease_ttl_seconds", f"must be 0 (no lease) or in {MIN_LEASE_TTL}.."
                                                    f"{MAX_LEASE_TTL}, got {request.lease_ttl}")

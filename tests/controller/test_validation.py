@@ -79,7 +79,7 @@ def test_exclusive_without_mig_capable_gpu():
 def test_request_level_fields():
     ok = Spec(Kind.MPS, memory_bytes=GiB)
     _check(ok, "lease_ttl_seconds", r"5\.\.604800, got 2", lease_ttl=2)
-    _check(ok, "idempotency_key", "1-128 characters", idempotency_key="has space")
+    _check(ok, "idempotency_key", "1-256 characters", idempotency_key="has space")
     _check(ok, "owner", "at most 253", owner="x" * 300)
     for owner in ("alice\nbob", "job\t1", "x\x1b[2J"):   # would break the status table, or a log line
         _check(ok, "owner", "printable characters only", owner=owner)

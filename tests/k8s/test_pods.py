@@ -15,6 +15,7 @@ from fastshare.controller.model import Allocation, Device, Kind, Spec, State
 from fastshare.controller.validation import Request, ValidationError, validate
 from fastshare.k8s.pods import ALLOCATION_ANNOTATION, FASTPOD_LABEL, replica_pod, spec_of
 from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
+from fastshare.k8s.store import replica_key
 
 from .test_crd import FULL_TEMPLATE, VALID_GPU
 
@@ -190,3 +191,15 @@ def test_every_request_field_is_named_as_the_fastpod_spells_it():
     with pytest.raises(ValidationError) as caught:
         validate(Request(spec=spec_of(fastpod_manifest("x", {"kind": "mps", "memory": 0}))), [])
     assert fastpod_field(caught.value.field) == "spec.gpu.memory"
+
+
+def test_the_longest_names_the_crd_accepts_make_a_valid_replica_request():
+    """A FastPod name of up to 63 characters (the CRD's limit) in a namespace of up to 63: its
+    replicas' idempotency key (namespace/fastpod/pod, the pod named fastpod-xxxxxx) must pass the
+    controller's validation, or every replica is refused for good with a message about an
+    internal field the user never wrote."""
+    namespace, name = "n" * 63, "f" * 63
+    fp = fastpod_manifest(name, {"kind": "mps", "memory": "1Gi"}, namespace=namespace)
+    pod = f"{name}-abcdef"
+    validate(Request(spec=spec_of(fp), owner=f"{namespace}/{name}",
+                     idempotency_key=replica_key(namespace, name, pod)), [])

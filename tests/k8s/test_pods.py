@@ -203,3 +203,20 @@ def test_the_longest_names_the_crd_accepts_make_a_valid_replica_request():
     pod = f"{name}-abcdef"
     validate(Request(spec=spec_of(fp), owner=f"{namespace}/{name}",
                      idempotency_key=replica_key(namespace, name, pod)), [])
+
+
+@pytest.mark.parametrize("selector", [
+    {f"k{i}": "v" for i in range(65)},          # more entries than the controller takes
+    {"zone": "v" * 64},                          # a value no node label can have
+], ids=["65-entries", "long-value"])
+def test_a_node_selector_the_controller_refuses_is_refused_at_create_naming_it(
+        api_client, fastpod_crd, namespace, selector):
+    body = fastpod_manifest("selector", {"kind": "mps", "memory": "1Gi"})
+    body["spec"]["template"]["spec"]["nodeSelector"] = selector
+    with pytest.raises(ValidationError, match=r"spec\.node_selector"):
+        validate(Request(spec=spec_of(body)), [])
+    with pytest.raises(client.ApiException) as refused:
+        client.CustomObjectsApi(api_client).create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, body, dry_run="All")
+    assert refused.value.status == 422
+    assert "spec.template.spec.nodeSelector" in refused.value.body

@@ -67,11 +67,16 @@ def open_state_file(path: Path, *, synchronous: str, what: str, recovery: str) -
 
 def write_failure(exc: BaseException) -> str | None:
     """A user-facing reason when ``exc`` is SQLite failing to write (disk full, read-only,
-    I/O error): the caller answers UNAVAILABLE with it, nothing half-written is kept."""
-    if isinstance(exc, sqlite3.OperationalError) and any(
-            text in str(exc) for text in ("disk is full", "readonly", "read-only", "disk I/O error")):
+    I/O error, another process holding the file's lock past the busy timeout): the caller
+    answers UNAVAILABLE with it, nothing half-written is kept."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return None
+    if any(text in str(exc) for text in ("disk is full", "readonly", "read-only", "disk I/O error")):
         return (f"the state file cannot be written ({exc}); free space in the state directory or make "
                 "it writable, then retry")
+    if "database is locked" in str(exc):
+        return (f"the state file cannot be written ({exc}): another process holds its lock (an sqlite3 "
+                "shell or a backup tool with a transaction open?); let it go, then retry")
     return None
 
 

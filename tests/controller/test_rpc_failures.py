@@ -162,3 +162,23 @@ def test_register_node_accepts_kubernetes_style_labels(controller):
     registry = pb_grpc.NodeRegistryStub(channel("n1"))
     registry.RegisterNode(pb.RegisterNodeRequest(node="n1", address="127.0.0.1:1", labels=labels), timeout=10)
     assert store.get_node("n1").labels == labels
+
+
+def test_a_state_file_locked_by_another_process_is_unavailable_with_the_reason(controller):
+    """An operator's sqlite3 shell (or a backup) holding a write transaction past the busy
+    timeout: a real second connection holds the lock."""
+    store, channel, registered = controller.store, controller.channel, controller.registered
+    store._db.execute("PRAGMA busy_timeout=200")   # the store waits 30 s by default
+    other = sqlite3.connect(store.path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    registry = pb_grpc.NodeRegistryStub(channel("n1"))
+    try:
+        with pytest.raises(grpc.RpcError) as exc:
+            registry.RegisterNode(pb.RegisterNodeRequest(node="n1", address="127.0.0.1:1"), timeout=10)
+        _unavailable(exc.value, "another process holds its lock")
+        assert registered == []
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    registry.RegisterNode(pb.RegisterNodeRequest(node="n1", address="127.0.0.1:1"), timeout=10)
+    assert registered == ["n1"]

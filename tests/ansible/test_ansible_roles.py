@@ -142,16 +142,13 @@ def test_a_bad_mig_layout_changes_neither_the_gpus_nor_the_layout_file(
     assert (tmp_path / "mig-config.yaml").read_text() == layout_file, "the layout file changed"
 
 
-def test_mig_layout_keeps_devices_held_by_an_agent_with_another_state_dir(collections_path: Path,
-                                                                          tmp_path: Path):
-    """The agent's journal lives in its state_dir (gpu_node_agent_extra may move it). The role
-    read /var/lib/fastshare/node/journal.db whatever the agent used, found no journal there, and
-    so destroyed a MIG device a share held without gpu_node_mig_force."""
+def _held_mig_device(machine: Path, state_dir: Path) -> str:
+    """A simulated A100 in MIG mode with a 3g.20gb at slice 0, which an exclusive share in the
+    agent journal under ``state_dir`` holds; the MIG device's UUID."""
     from fastshare.device import open_devices, simnvml
     from fastshare.node.journal import Journal
     from fastshare.node.model import ShareSpec
 
-    machine, state_dir = tmp_path / "gpus.json", tmp_path / "agent state"
     simnvml.create_machine(machine, ["A100-SXM4-40GB"], mig_enabled=True)
     with open_devices("sim", machine) as devices:
         devices.create_mig_instance(0, 9, 0)                  # 3g.20gb at 0
@@ -162,6 +159,16 @@ def test_mig_layout_keeps_devices_held_by_an_agent_with_another_state_dir(collec
         journal.begin_share(ShareSpec(id="share-1", kind="exclusive", device_uuids=(held,)), held, None)
     finally:
         journal.close()
+    return held
+
+
+def test_mig_layout_keeps_devices_held_by_an_agent_with_another_state_dir(collections_path: Path,
+                                                                          tmp_path: Path):
+    """The agent's journal lives in its state_dir (gpu_node_agent_extra may move it). The role
+    read /var/lib/fastshare/node/journal.db whatever the agent used, found no journal there, and
+    so destroyed a MIG device a share held without gpu_node_mig_force."""
+    machine, state_dir = tmp_path / "gpus.json", tmp_path / "agent state"
+    held = _held_mig_device(machine, state_dir)
     before = machine.read_bytes()
     results = _run_mig_yml(collections_path, tmp_path, machine,
                            [{"devices": [0], "mig_devices": {"7g.40gb": 1}}],
@@ -683,21 +690,8 @@ def test_mig_reconfigure_waits_only_for_devices_in_use(collections_path: Path, t
     a device a share holds (the agent's journal in its state_dir) is still waited for."""
     import json
 
-    from fastshare.device import open_devices, simnvml
-    from fastshare.node.journal import Journal
-    from fastshare.node.model import ShareSpec
-
     machine, state_dir = tmp_path / "gpus.json", tmp_path / "agent"
-    simnvml.create_machine(machine, ["A100-SXM4-40GB"], mig_enabled=True)
-    with open_devices("sim", machine) as devices:
-        devices.create_mig_instance(0, 9, 0)                  # 3g.20gb at 0, held by a share
-        held = next(m.uuid for m in devices.mig_instances(0))
-    state_dir.mkdir()
-    journal = Journal(state_dir / "journal.db")
-    try:
-        journal.begin_share(ShareSpec(id="share-1", kind="exclusive", device_uuids=(held,)), held, None)
-    finally:
-        journal.close()
+    held = _held_mig_device(machine, state_dir)
     inventory = tmp_path / "hosts.yml"
     inventory.write_text(json.dumps({"gpu_nodes": {"hosts": {"localhost": {
         "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}))

@@ -13,12 +13,17 @@ from fastshare.controller.validation import MAX_LEASE_TTL, MIN_LEASE_TTL, Valida
 from .test_store import _alloc
 
 
-@pytest.fixture
-def core(tmp_path):
-    store = SqliteStore(tmp_path / "state.db")
+def _with_leased_allocation(store: SqliteStore) -> SqliteStore:
+    """``store`` holding allocation fs-1 (pending) with a 30 s lease."""
     allocation = _alloc("fs-1")
     allocation.lease_ttl = 30
     store.create_allocation(allocation)
+    return store
+
+
+@pytest.fixture
+def core(tmp_path):
+    store = _with_leased_allocation(SqliteStore(tmp_path / "state.db"))
     store.transition("fs-1", [State.PENDING], State.ACTIVE)
     yield ControllerCore(store, agents=None)
     store.close()
@@ -42,7 +47,6 @@ def test_renew_accepts_the_allowed_range(core, ttl):
     assert renewed.lease_ttl == (ttl or 30) and renewed.lease_expires_at > 0
 
 
-
 class _ChangedAfterRead(SqliteStore):
     """Runs ``race`` once, right after the renewal has read the allocation: another call's
     change landing between the renewal's check and its write."""
@@ -59,10 +63,7 @@ class _ChangedAfterRead(SqliteStore):
 
 @pytest.fixture
 def racy(tmp_path):
-    store = _ChangedAfterRead(tmp_path / "state.db")
-    allocation = _alloc("fs-1")
-    allocation.lease_ttl = 30
-    store.create_allocation(allocation)
+    store = _with_leased_allocation(_ChangedAfterRead(tmp_path / "state.db"))
     yield store
     store.close()
 

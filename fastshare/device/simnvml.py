@@ -542,10 +542,14 @@ class SimNvml:
 
     def nvmlDeviceGetGpuInstancePossiblePlacements(self, handle: Any, profile_id: int,
                                                    placements_ref: Any, count_ref: Any) -> int:
-        """Every allowed placement of the profile, occupied or not (like the _v2 C call)."""
+        """Every allowed placement of the profile, occupied or not (like the _v2 C call), and
+        "regardless of whether MIG is enabled or not" (NVML documentation): only a GPU without
+        MIG support answers NOT_SUPPORTED."""
         with self._store().read() as st:
             gpu = self._whole_gpu(st, handle)
-            model = _require_mig(gpu)
+            model = _model(gpu)
+            if not model.mig_capable:
+                raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
         spec = _profile_by_id(model, profile_id)
         count = _deref(count_ref)
         if count is None:

@@ -276,3 +276,18 @@ def test_every_field_the_simulator_writes_is_checked_when_a_machine_is_opened(nv
             record[key] = value
     # the walk met every kind of record: machine, GPU, GPU instance, compute instance, process
     assert {"next_pid", "mig_current", "compute_instances", "slices", "used_mib"} <= kinds
+
+
+def test_possible_placements_do_not_need_mig_enabled(nvml):
+    """NVML: the call returns every possible placement of the profile "regardless of whether MIG
+    is enabled or not"; only a GPU without MIG support answers NOT_SUPPORTED."""
+    off = nvml.nvmlDeviceGetHandleByIndex(2)   # A100-40GB, MIG disabled
+    assert nvml.nvmlDeviceGetMigMode(off) == [0, 0]
+    count = ctypes.c_uint(0)
+    nvml.nvmlDeviceGetGpuInstancePossiblePlacements(off, 9, None, ctypes.byref(count))
+    array = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
+    nvml.nvmlDeviceGetGpuInstancePossiblePlacements(off, 9, array, ctypes.byref(count))
+    assert [(p.start, p.size) for p in array] == [(0, 4), (4, 4)]
+    with pytest.raises(pynvml.NVMLError_NotSupported):   # L4: no MIG at all
+        nvml.nvmlDeviceGetGpuInstancePossiblePlacements(
+            nvml.nvmlDeviceGetHandleByIndex(3), 9, None, ctypes.byref(count))

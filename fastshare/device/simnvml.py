@@ -747,12 +747,13 @@ class SimNvml:
 
     # --- MIG devices --------------------------------------------------------------------------
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        """NVML: "Returns zero if MIG is not supported or enabled" (success, not an error)."""
         with self._store().read() as st:
             gpu, gi, _ = self._device(st, handle)
             model = _model(gpu)
-            if gi is not None or not model.mig_capable:
+            if gi is not None:
                 raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
-            return model.compute_slices
+            return model.compute_slices if model.mig_capable and gpu["mig_current"] else 0
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> Any:
         with self._store().read() as st:

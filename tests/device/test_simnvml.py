@@ -291,3 +291,10 @@ def test_possible_placements_do_not_need_mig_enabled(nvml):
     with pytest.raises(pynvml.NVMLError_NotSupported):   # L4: no MIG at all
         nvml.nvmlDeviceGetGpuInstancePossiblePlacements(
             nvml.nvmlDeviceGetHandleByIndex(3), 9, None, ctypes.byref(count))
+
+
+def test_max_mig_device_count_is_zero_without_mig(nvml):
+    """NVML: "Returns zero if MIG is not supported or enabled" (a success, not an error)."""
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(nvml.nvmlDeviceGetHandleByIndex(0)) == 7   # MIG on
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(nvml.nvmlDeviceGetHandleByIndex(2)) == 0   # MIG off
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(nvml.nvmlDeviceGetHandleByIndex(3)) == 0   # L4: no MIG

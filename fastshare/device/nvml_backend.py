@@ -170,8 +170,18 @@ class NvmlDevices(Devices):
         with self._nvml_errors(what):
             h = self._handle(gpu_index)
             try:
-                nvml.nvmlDeviceSetMigMode(
+                _, pending_before = nvml.nvmlDeviceGetMigMode(h)
+                status = nvml.nvmlDeviceSetMigMode(
                     h, nvml.NVML_DEVICE_MIG_ENABLE if enabled else nvml.NVML_DEVICE_MIG_DISABLE)
+                if status == nvml.NVML_ERROR_IN_USE:
+                    # NVML recorded the mode as pending but could not apply it: the GPU is not
+                    # idle. Withdraw it, or the GPU would switch at its next reset unasked.
+                    if bool(pending_before) != enabled:
+                        with contextlib.suppress(nvml.NVMLError):
+                            nvml.nvmlDeviceSetMigMode(h, pending_before)
+                    raise DeviceError(
+                        f"{what} failed: NVML_ERROR_IN_USE (processes run on the GPU; stop them "
+                        "and retry)", "IN_USE")
             except nvml.NVMLError as exc:
                 if self._is(exc, "IN_USE"):
                     raise DeviceError(

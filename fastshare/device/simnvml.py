@@ -490,7 +490,9 @@ class SimNvml:
             return [gpu["mig_current"], gpu["mig_pending"]]
 
     def nvmlDeviceSetMigMode(self, handle: Any, mode: int) -> int:
-        """Returns the activation status: NVML_ERROR_RESET_REQUIRED while pending (Ampere)."""
+        """Returns the activation status, as NVML does: the mode is recorded as pending, and
+        NVML_ERROR_IN_USE says the GPU was not idle (processes run: idle it and retry),
+        NVML_ERROR_RESET_REQUIRED that it waits for a GPU reset (Ampere)."""
         if mode not in (_pynvml.NVML_DEVICE_MIG_DISABLE, _pynvml.NVML_DEVICE_MIG_ENABLE):
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         with self._store().write() as st:
@@ -498,12 +500,14 @@ class SimNvml:
             model = _model(gpu)
             if gi is not None or not model.mig_capable:
                 raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
-            if gpu["processes"]:
-                raise _err(_pynvml.NVML_ERROR_IN_USE)
             if mode == _pynvml.NVML_DEVICE_MIG_DISABLE and gpu["gpu_instances"]:
                 raise _err(_pynvml.NVML_ERROR_IN_USE)
             gpu["mig_pending"] = mode
-            if model.mig_pending_until_reset and gpu["mig_current"] != mode:
+            if gpu["mig_current"] == mode:
+                return _pynvml.NVML_SUCCESS
+            if gpu["processes"]:
+                return _pynvml.NVML_ERROR_IN_USE
+            if model.mig_pending_until_reset:
                 return _pynvml.NVML_ERROR_RESET_REQUIRED
             gpu["mig_current"] = mode
             return _pynvml.NVML_SUCCESS

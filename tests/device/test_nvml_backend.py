@@ -220,3 +220,17 @@ def test_a_mig_device_destroyed_while_the_gpus_are_read_is_not_an_error(devices,
     finally:
         nvml.nvmlDeviceGetAttributes = real
     assert destroyed and starts == [0]
+
+
+def test_mig_mode_change_refused_on_a_busy_gpu_leaves_nothing_pending(devices, machine: Path):
+    """NVML records the mode as pending and answers IN_USE in the activation status when
+    processes run: the backend reports IN_USE and withdraws the pending change, so the GPU
+    does not switch at the next reset behind the operator's back."""
+    pid = simnvml.add_process(machine, 2)                       # A100, MIG off
+    with pytest.raises(DeviceError, match="IN_USE") as err:
+        devices.set_mig_mode(2, True)
+    assert err.value.code == "IN_USE"
+    gpu = devices.gpu(2)
+    assert (gpu.mig_current, gpu.mig_pending) == (False, False)
+    simnvml.remove_process(machine, pid)
+    assert devices.set_mig_mode(2, True) is True                # Ampere: pending until reset

@@ -298,3 +298,25 @@ def test_max_mig_device_count_is_zero_without_mig(nvml):
     assert nvml.nvmlDeviceGetMaxMigDeviceCount(nvml.nvmlDeviceGetHandleByIndex(0)) == 7   # MIG on
     assert nvml.nvmlDeviceGetMaxMigDeviceCount(nvml.nvmlDeviceGetHandleByIndex(2)) == 0   # MIG off
     assert nvml.nvmlDeviceGetMaxMigDeviceCount(nvml.nvmlDeviceGetHandleByIndex(3)) == 0   # L4: no MIG
+
+
+
+@pytest.mark.parametrize("model", ["A100-SXM4-40GB", "H100-SXM5-80GB"])
+def test_mode_change_on_a_busy_gpu_is_pending_with_in_use_activation_status(tmp_path: Path, model):
+    """NVML: the call succeeds and its activation status says IN_USE when the GPU is not idle;
+    the new mode is recorded as pending (nvidia-smi: "MIG mode is in pending enable state ...
+    In use by another client"). The caller idles the GPU and retries, or asks for the old mode."""
+    path = tmp_path / "m.json"
+    simnvml.create_machine(path, [model])
+    nvml = simnvml.SimNvml(path)
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    pid = simnvml.add_process(path, 0)
+    assert nvml.nvmlDeviceSetMigMode(h, 1) == pynvml.NVML_ERROR_IN_USE
+    assert nvml.nvmlDeviceGetMigMode(h) == [0, 1]
+    assert nvml.nvmlDeviceSetMigMode(h, 0) == pynvml.NVML_SUCCESS   # withdrawn
+    assert nvml.nvmlDeviceGetMigMode(h) == [0, 0]
+    simnvml.remove_process(path, pid)
+    expected = pynvml.NVML_ERROR_RESET_REQUIRED if model.startswith("A100") else pynvml.NVML_SUCCESS
+    assert nvml.nvmlDeviceSetMigMode(h, 1) == expected
+    nvml.nvmlShutdown()

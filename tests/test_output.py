@@ -27,3 +27,13 @@ def test_headers_wrap_at_spaces_when_whole_ones_do_not_fit(capsys, monkeypatch):
     assert table[:3] == ["final", "alloc pods", "%     failed"]   # headers end on one line
     assert table[4] == "96.29 2444"
     assert all(len(line) <= 25 for line in lines)
+
+
+def test_cells_are_shown_as_written_not_read_as_markup(capsys, monkeypatch):
+    # cells hold what users typed (an allocation's --owner, a cordon --reason): rich markup in
+    # them crashed `fastshare status` for everyone ("[/x]": MarkupError) or was swallowed
+    monkeypatch.setenv("COLUMNS", "80")
+    print_table(None, ["owner", "state"], [["[/x]", "cordoned: [bold]disk[/bold] :smile:"]])
+    out = capsys.readouterr().out
+    assert "[/x]" in out
+    assert "cordoned: [bold]disk[/bold] :smile:" in out

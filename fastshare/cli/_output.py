@@ -49,8 +49,8 @@ def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequen
         if width is not None and i < gaps:   # the last column needs no space after it
             width += extra
         table.add_column(column, overflow="fold", width=width)
-    for row in cells:
-        table.add_row(*row)
+    for row in cells:   # Text: a cell shows what it holds; "[/x]" in an owner is no markup
+        table.add_row(*(Text(cell) for cell in row))
     console.print(table)
 
 

@@ -10,8 +10,22 @@ from fastshare.cli._output import fail, print_json, print_table
 from fastshare.device import catalog, simnvml
 from fastshare.device.factory import SIM_STATE_ENV
 
+
+def _machine_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse a --state file that is no machine (empty, another program's JSON) up front: the
+    commands would fail on it with a traceback, or `show` print it as if it were one."""
+    if value is not None:
+        try:
+            simnvml.check_machine(simnvml.load_machine(value))
+        except (ValueError, KeyError) as exc:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise click.BadParameter(f"{value} is not a simulated machine file ({exc}); recreate it with "
+                                     "`fastshare sim-machine create`", ctx, param) from None
+    return value
+
+
 _state_option = click.option("--state", "state", type=click.Path(exists=True, dir_okay=False),
-                             envvar=SIM_STATE_ENV, required=True, help=f"machine file [env {SIM_STATE_ENV}]")
+                             envvar=SIM_STATE_ENV, required=True, callback=_machine_file,
+                             help=f"machine file [env {SIM_STATE_ENV}]")
 
 
 @click.group("sim-machine")

@@ -193,3 +193,19 @@ def test_a_machine_file_of_the_wrong_shape_is_refused_naming_the_field(env, mach
     result = CliRunner().invoke(main, ["gpu", "list"], env=env)
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "is not a simulated machine file" in result.output and says in result.output
+
+
+@pytest.mark.parametrize("content, says", [("", "Expecting value"), ("[1]", "machine: expected an object"),
+                                           ('{"version": 1}', "machine.driver_version: missing")])
+@pytest.mark.parametrize("args", [["show"], ["add-process", "--gpu", "0"], ["remove-process", "4"],
+                                  ["reset", "--gpu", "0"], ["reboot"]])
+def test_sim_machine_commands_refuse_a_file_that_is_no_machine(tmp_path: Path, args, content, says):
+    # an empty or foreign --state file crashed them (JSONDecodeError, TypeError, KeyError
+    # tracebacks) or, for `show`, was printed as if it were a machine
+    path = tmp_path / "m.json"
+    path.write_text(content)
+    result = CliRunner().invoke(main, ["sim-machine", *args, "--state", str(path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "'--state'" in result.output and "is not a simulated machine file" in result.output
+    assert says in result.output
+    assert path.read_text() == content

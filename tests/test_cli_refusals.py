@@ -192,3 +192,19 @@ def test_run_names_the_flag_of_the_field_the_controller_refuses(monkeypatch, arg
     result = CliRunner().invoke(main, ["run", *args, "--", "true"], env=OFFLINE)
     assert result.exit_code == 1, result.output
     assert f"invalid request: {field} ({flag}): " in result.output
+
+
+@pytest.mark.parametrize("flag, value", [("--listen", "127.0.0.1:99999"), ("--listen", "127.0.0.1"),
+                                         ("--listen", "::1:7070"), ("--token-listen", "127.0.0.1:70000"),
+                                         ("--token-listen", "host name:1")])
+def test_controller_refuses_a_listen_address_that_is_no_host_port(tmp_path, flag, value):
+    # gRPC bound --listen 127.0.0.1:99999 to some other, random port, and the controller said
+    # it listened on 127.0.0.1:99999; agents and clients configured with it never reached it
+    state = tmp_path / "state"
+    result = CliRunner().invoke(main, ["controller", "serve", "--state-dir", str(state), "--tls-dir",
+                                       str(tmp_path / "tls"), flag, value])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert f"{flag} (or {flag[2:].replace('-', '_')} in --config)" in result.output
+    assert any(why in result.output for why in ("HOST:PORT", "ambiguous", "neither an IP address"))
+    assert not state.exists()

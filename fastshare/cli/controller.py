@@ -93,6 +93,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     from fastshare.controller.lock import LockedError
     from fastshare.controller.server import Config, ControllerServer
     from fastshare.controller.store import StoreError
+    from fastshare.node.config import ConfigError, check_hostport
     from fastshare.security.certs import CertError, validate_name
     from fastshare.security.tls import TlsPaths
 
@@ -103,6 +104,12 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         validate_name("--tls-name (or tls_name in --config)", values.get("tls_name", "controller"))
     except CertError as exc:
         fail(str(exc))
+    for key in ("listen", "token_listen"):   # gRPC binds a port over 65535 to some other port
+        if values.get(key):
+            try:
+                check_hostport(f"--{key.replace('_', '-')} (or {key} in --config)", values[key])
+            except ConfigError as exc:
+                fail(str(exc))
     if "state_dir" not in values:
         fail("--state-dir is required (or state_dir in --config)")
     if "tls_dir" not in values:

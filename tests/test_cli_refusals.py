@@ -208,3 +208,24 @@ def test_controller_refuses_a_listen_address_that_is_no_host_port(tmp_path, flag
     assert f"{flag} (or {flag[2:].replace('-', '_')} in --config)" in result.output
     assert any(why in result.output for why in ("HOST:PORT", "ambiguous", "neither an IP address"))
     assert not state.exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["controller", "serve", "--config", "{f}"], "--config {f}"),
+    (["node", "serve", "--config", "{f}"], "invalid node agent configuration: {f}"),
+    (["k8s", "manifests", "--values", "{f}"], "{f}"),
+    (["mig", "config", "--select", "x", "--file", "{f}"], "{f}"),
+])
+def test_a_settings_file_that_is_not_text_is_refused_naming_it(tmp_path, args, says):
+    # a binary file (a key, a tarball) given by mistake crashed with a UnicodeDecodeError traceback
+    from fastshare.device import simnvml
+
+    machine = tmp_path / "m.json"
+    simnvml.create_machine(machine, ["A100-SXM4-40GB"])
+    f = tmp_path / "settings.yaml"
+    f.write_bytes(b"\xff\xfe\x00binary")
+    result = CliRunner().invoke(main, [a.format(f=f) for a in args],
+                                env={"FASTSHARE_GPU_BACKEND": "sim", "FASTSHARE_SIM_STATE": str(machine)})
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert says.format(f=f) in result.output and "utf-8" in result.output

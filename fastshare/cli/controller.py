@@ -44,7 +44,7 @@ def _load(path: Path | None) -> dict[str, Any]:
         return {}
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:   # UnicodeDecodeError: not a text file
         fail(f"--config {path}: {exc}")
     if not isinstance(data, dict):
         fail(f"--config {path}: must be a mapping of settings")

@@ -34,6 +34,8 @@ def manifests_cmd(values_file: Path | None, crd_only: bool) -> None:
             values = yaml.safe_load(values_file.read_text()) or {}
         except yaml.YAMLError as exc:
             fail(f"{values_file}: not valid YAML: {exc}")
+        except (OSError, UnicodeDecodeError) as exc:   # unreadable, or not a text file
+            fail(f"{values_file}: cannot read it: {exc}")
         if not isinstance(values, dict):
             fail(f"{values_file}: must be a YAML mapping of values, got {type(values).__name__}")
     try:

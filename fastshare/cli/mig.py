@@ -152,7 +152,11 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
 
     with devices_from(gpu_backend, sim_state) as devices:
         try:
-            configs = parse_config(config_file.read())
+            text = config_file.read()
+        except UnicodeDecodeError as exc:
+            fail(f"{config_file.name}: not a text file: {exc}")
+        try:
+            configs = parse_config(text)
             plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force,
                               held=held_device_uuids(agent_journal))
         except ConfigError as exc:

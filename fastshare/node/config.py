@@ -190,6 +190,8 @@ def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConf
                 loaded = yaml.safe_load(path.read_text()) or {}
             except yaml.YAMLError as exc:
                 raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            except (OSError, UnicodeDecodeError) as exc:   # unreadable, or not a text file
+                raise ConfigError(f"{path}: cannot read it: {exc}") from None
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: must be a mapping of settings")
             data.update(loaded)

@@ -149,7 +149,12 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
     """Make the host's GPUs match a named mig-parted config (plan, or --apply)."""
     from fastshare.device.mig_parted import ConfigError, apply_host, parse_config, plan_host, resolve
     from fastshare.node.journal import held_device_uuids
+    from fastshare.sqlite_file import StateFileError
 
+    try:
+        held = held_device_uuids(agent_journal)
+    except StateFileError as exc:
+        fail(f"--agent-journal: {exc}")
     with devices_from(gpu_backend, sim_state) as devices:
         try:
             text = config_file.read()
@@ -157,8 +162,7 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
             fail(f"{config_file.name}: not a text file: {exc}")
         try:
             configs = parse_config(text)
-            plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force,
-                              held=held_device_uuids(agent_journal))
+            plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force, held=held)
         except ConfigError as exc:
             fail(f"{config_file.name}: {exc}")
         results = apply_host(devices, plans) if do_apply else [p.to_dict() for p in plans]

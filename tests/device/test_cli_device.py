@@ -209,3 +209,19 @@ def test_sim_machine_commands_refuse_a_file_that_is_no_machine(tmp_path: Path, a
     assert "'--state'" in result.output and "is not a simulated machine file" in result.output
     assert says in result.output
     assert path.read_text() == content
+
+
+@pytest.mark.parametrize("content", [b"", b"[1]\n"])
+def test_mig_config_refuses_an_agent_journal_that_is_no_journal(env, machine: Path, tmp_path: Path, content):
+    # the library's StateFileError escaped as a traceback
+    cfg = tmp_path / "mig.yaml"
+    cfg.write_text("version: v1\nmig-configs:\n  whole: [{devices: [0], mig-enabled: true,"
+                   " mig-devices: {\"7g.40gb\": 1}}]\n")
+    journal = tmp_path / "journal.db"
+    journal.write_bytes(content)
+    before = machine.read_bytes()
+    result = CliRunner().invoke(main, ["mig", "config", "--file", str(cfg), "--select", "whole", "--apply",
+                                       "--agent-journal", str(journal)], env=env)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"--agent-journal: {journal} cannot be read as a node agent journal" in result.output
+    assert machine.read_bytes() == before and journal.read_bytes() == content

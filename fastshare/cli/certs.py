@@ -27,6 +27,8 @@ def init(ca_dir: Path, name: str, days: int, force: bool, as_json: bool) -> None
         cert = pki.init_ca(ca_dir, name=name, days=days, force=force)
     except pki.CertError as exc:
         fail(str(exc))
+    except OSError as exc:   # e.g. a full disk, no permission on CA_DIR
+        fail(f"{ca_dir}: {exc.strerror or exc}: {exc.filename or ''}")
     info = pki.describe(cert)
     if as_json:
         print_json(info)
@@ -54,6 +56,8 @@ def issue(ca_dir: Path, name: str, sans: tuple[str, ...], out_dir: Path, role: s
         issued = pki.issue(ca_dir, name, out_dir, sans=sans, role=role, days=days)
     except pki.CertError as exc:
         fail(str(exc))
+    except OSError as exc:   # e.g. a full disk, no permission on --out
+        fail(f"--out {out_dir}: {exc.strerror or exc}: {exc.filename or ''}")
     info = pki.describe(issued.cert_path)
     info.update(key=str(issued.key_path), ca=str(issued.ca_path))
     if as_json:

@@ -93,6 +93,14 @@ def write_atomic(path: Path, data: bytes, mode: int) -> None:
         raise
 
 
+def _refuse_directories(*paths: Path) -> None:
+    """Before writing a set of files: a directory in place of one would fail its rename after
+    the others were written (a new key beside an old certificate)."""
+    for path in paths:
+        if path.is_dir():
+            raise CertError(f"{path} is a directory, not a file; move it away and run again")
+
+
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
@@ -119,6 +127,7 @@ def init_ca(ca_dir: Path, name: str = "fastshare-ca", days: int = DEFAULT_CA_DAY
     if (ca_dir / CA_KEY).exists() and not force:
         raise CertError(f"{ca_dir / CA_KEY} already exists; refusing to replace the cluster CA"
                         " (every issued certificate would stop working); pass --force to do it anyway")
+    _refuse_directories(ca_dir / CA_KEY, ca_dir / CA_CERT)
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fastshare"),
                          x509.NameAttribute(NameOID.COMMON_NAME, name)])
@@ -154,6 +163,8 @@ def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
     except FileNotFoundError as exc:
         raise CertError(f"--ca {ca_dir}: {exc.filename} not found; create a CA with"
                         " `fastshare certs init DIR` first") from exc
+    except OSError as exc:   # a directory in its place, no permission to read it
+        raise CertError(f"--ca {ca_dir}: cannot read {exc.filename}: {exc.strerror}") from exc
     except ValueError as exc:
         raise CertError(f"--ca {ca_dir}: cannot parse the CA files: {exc}") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
@@ -283,6 +294,7 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     key_path, cert_path, ca_path = out_dir / f"{name}.key", out_dir / f"{name}.crt", out_dir / CA_CERT
+    _refuse_directories(key_path, cert_path, ca_path)
     # Key first: a reader that sees the new certificate must also find the matching key.
     write_atomic(key_path, key_pem(key), 0o600)
     write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)

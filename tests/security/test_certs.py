@@ -257,3 +257,40 @@ def test_a_trailing_newline_is_no_part_of_a_name(tmp_path, kwargs, field):
     with pytest.raises(pki.CertError, match=field):
         pki.issue(tmp_path / "ca", out_dir=tmp_path / "out", **{"name": "agent", **kwargs})
     assert not (tmp_path / "out").exists()
+
+
+def test_a_directory_in_place_of_a_file_is_refused_before_anything_is_written(tmp_path):
+    # `certs init --force` wrote the new ca.key, then crashed (IsADirectoryError traceback) on a
+    # directory named ca.crt: the old CA key was gone and the directory held a key without its
+    # certificate; `certs issue` likewise left a NAME.key without NAME.crt, and a directory
+    # named ca.key crashed it on reading
+    from click.testing import CliRunner
+
+    from fastshare.cli import main
+
+    ca = tmp_path / "ca"
+    pki.init_ca(ca)
+    key_before = (ca / pki.CA_KEY).read_bytes()
+    (ca / pki.CA_CERT).unlink()
+    (ca / pki.CA_CERT).mkdir()
+    result = CliRunner().invoke(main, ["certs", "init", str(ca), "--force"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"{ca / pki.CA_CERT} is a directory" in result.output
+    assert (ca / pki.CA_KEY).read_bytes() == key_before
+
+    good = tmp_path / "good"
+    pki.init_ca(good)
+    out = tmp_path / "out"
+    (out / "n1.crt").mkdir(parents=True)
+    result = CliRunner().invoke(main, ["certs", "issue", "--ca", str(good), "--name", "n1",
+                                       "--out", str(out)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"{out / 'n1.crt'} is a directory" in result.output
+    assert not (out / "n1.key").exists()
+
+    (good / pki.CA_KEY).unlink()
+    (good / pki.CA_KEY).mkdir()
+    result = CliRunner().invoke(main, ["certs", "issue", "--ca", str(good), "--name", "n2",
+                                       "--out", str(out)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"--ca {good}: cannot read {good / pki.CA_KEY}" in result.output

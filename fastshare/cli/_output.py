@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import click
@@ -52,6 +53,22 @@ def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequen
     for row in cells:   # Text: a cell shows what it holds; "[/x]" in an owner is no markup
         table.add_row(*(Text(cell) for cell in row))
     console.print(table)
+
+
+@contextlib.contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[int, int], None]]:
+    """A bar on stderr (gone when done) for long work; yields ``update(done, total)``. Stdout
+    stays for the result, tables or JSON."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
 
 
 def fail(message: str, hint: str | None = None) -> NoReturn:

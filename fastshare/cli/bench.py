@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fastshare.cli._output import fail, print_json, print_table
+from fastshare.cli._output import fail, print_json, print_table, progress_bar
 from fastshare.cli._types import Number, Seeds
 
 
@@ -99,7 +99,8 @@ def mig(seeds: list[int], steps: int, gpus: int, load: float, as_json: bool) -> 
     placement vs NVIDIA's default largest-first order vs first-fit, on the same streams."""
     from fastshare.sim.migbench import benchmark
 
-    rows = benchmark(seeds, steps, gpus, load)
+    with progress_bar(f"bench mig ({gpus} GPUs, {steps} steps)") as progress:
+        rows = benchmark(seeds, steps, gpus, load, progress)
     if as_json:
         print_json(rows)
         return

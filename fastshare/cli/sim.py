@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fastshare.cli._output import fail, print_json, print_table
+from fastshare.cli._output import fail, print_json, print_table, progress_bar
 from fastshare.cli._types import Number
 from fastshare.placement.policies import POLICY_NAMES
 from fastshare.sim.experiment import Experiment, default_data_dir, load, published_curves
@@ -50,17 +50,7 @@ def sim(pods: str | None, nodes: str | None, policy: str, tune: float, seed: int
     if plot:
         _check_plot(plot)   # before the replay, which can take minutes
     exp = Experiment(node_list, pod_list, policy.lower(), seed, tune, trace)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn(f"{policy} {trace} seed {seed}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=True,
-                  console=Console(stderr=True)) as bar:
-        task = bar.add_task("replay", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+    with progress_bar(f"{policy} {trace} seed {seed}") as progress:
         _res, summary = exp.run(progress)
     data_dir = Path(pods).resolve().parent
     if plot:

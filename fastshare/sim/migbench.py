@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,13 +142,22 @@ def run(strategy: str, events: list[tuple[int, str, int, int]], gpus: int, model
     return stats
 
 
-def benchmark(seeds: list[int], steps: int = 2000, gpus: int = 32, load: float = 1.1) -> list[dict[str, Any]]:
+def benchmark(seeds: list[int], steps: int = 2000, gpus: int = 32, load: float = 1.1,
+              progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    """One row per strategy; ``progress(done, total)`` before and after each stream replayed."""
     _key, _mem, _sms, profiles = _profiles("A100-SXM4-40GB")
     rows = []
-    for strategy in ("fastshare", "largest-first", "first-fit"):
+    strategies = ("fastshare", "largest-first", "first-fit")
+    done, total = 0, len(strategies) * len(seeds)
+    for strategy in strategies:
         agg = MigStats(strategy)
         for seed in seeds:
+            if progress:
+                progress(done, total)
             st = run(strategy, generate(seed, steps, gpus, load, profiles=profiles), gpus)
+            done += 1
+            if progress:
+                progress(done, total)
             agg.requests += st.requests
             agg.rejected += st.rejected
             agg.frag_rejected += st.frag_rejected

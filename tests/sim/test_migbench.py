@@ -26,3 +26,12 @@ def test_generator_is_seeded_and_strategies_see_the_same_stream():
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 0, out.output
     assert {r["strategy"] for r in json.loads(out.stdout)} == {"fastshare", "largest-first", "first-fit"}
+
+
+def test_bench_mig_shows_its_progress_on_stderr_and_keeps_stdout_json():
+    # the default `bench mig` runs over a minute and said nothing until its table
+    args = ["bench", "mig", "--seeds", "1-2", "--steps", "10", "--gpus", "1", "--json"]
+    out = CliRunner().invoke(main, args, env={"FORCE_COLOR": "1", "COLUMNS": "100"})
+    assert out.exit_code == 0, out.output
+    assert len(json.loads(out.stdout)) == 3
+    assert "6/6" in out.stderr and "bench mig" in out.stderr

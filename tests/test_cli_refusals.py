@@ -229,3 +229,38 @@ def test_a_settings_file_that_is_not_text_is_refused_naming_it(tmp_path, args, s
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit), result.exception
     assert says.format(f=f) in result.output and "utf-8" in result.output
+
+
+def test_bench_placement_with_nothing_to_measure_is_refused():
+    # --no-speed --no-quality printed nothing and exited 0 ({} with --json), as if it had measured
+    result = CliRunner().invoke(main, ["bench", "placement", "--no-speed", "--no-quality", "--json"])
+    assert result.exit_code == 2, result.output
+    assert "--no-speed" in result.output and "--no-quality" in result.output
+    assert result.stdout == ""
+
+
+def _openb_without_data(tmp_path):
+    data = tmp_path / "openb"
+    data.mkdir()
+    (data / "openb_node_list_gpu_node.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\n")
+    (data / "openb_pod_list_default.csv").write_text("name\n")
+    return data
+
+
+@pytest.mark.parametrize("flag, value", [("--policies", "fgd,,bestfit"), ("--policies", "fgd, "),
+                                         ("--traces", "default,")])
+def test_bench_placement_lists_take_a_trailing_or_doubled_comma(tmp_path, flag, value):
+    # an empty entry was looked up: "--policies: unknown , " and "no openb_pod_list_.csv"
+    result = CliRunner().invoke(main, ["bench", "placement", "--data", str(_openb_without_data(tmp_path)),
+                                       "--no-speed", "--traces", "default", flag, value, "--seeds", "1"])
+    assert "unknown" not in result.output and "openb_pod_list_.csv" not in result.output
+    assert "no data rows" in result.output   # it got as far as reading the files
+
+
+@pytest.mark.parametrize("part", ["--no-speed", "--no-quality"])
+def test_bench_placement_refuses_trace_files_it_cannot_read_naming_them(tmp_path, part):
+    # the TraceError escaped as a traceback
+    data = _openb_without_data(tmp_path)
+    result = CliRunner().invoke(main, ["bench", "placement", "--data", str(data), part, "--seeds", "1"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"{data / 'openb_node_list_gpu_node.csv'}: no data rows" in result.output

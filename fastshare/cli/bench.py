@@ -41,21 +41,37 @@ def placement(data: str | None, traces: str, policies: str, seeds: list[int], sp
               as_json: bool) -> None:
     """Final GPU allocation per trace x policy (mean over seeds, beside the published means),
     and decision time against cluster size."""
-    import sys
-
     from fastshare.placement.policies import POLICY_NAMES
     from fastshare.sim import benchmarks
+    from fastshare.sim.trace import TraceError
 
+    if not speed and not quality:
+        raise click.UsageError("--no-speed and --no-quality leave nothing to measure; drop one of them")
     d = _data_dir(data)
     known = benchmarks.traces_in(d)
-    names = known if traces == "all" else [t.strip() for t in traces.split(",")]
+    names = known if traces == "all" else [t.strip() for t in traces.split(",") if t.strip()]
+    if not names:
+        fail("--traces: name at least one trace, or 'all'", f"choose from {', '.join(known)}")
     missing = [t for t in names if t not in known]
     if missing:
         fail(f"--traces: no openb_pod_list_{missing[0]}.csv in {d}", f"choose from {', '.join(known)}")
-    pols = [p.strip().lower() for p in policies.split(",")]
+    pols = [p.strip().lower() for p in policies.split(",") if p.strip()]
     bad = [p for p in pols if p not in POLICY_NAMES]
-    if bad:
-        fail(f"--policies: unknown {', '.join(bad)}", f"choose from {', '.join(POLICY_NAMES)}")
+    if bad or not pols:
+        fail(f"--policies: unknown {', '.join(bad)}" if bad else "--policies: name at least one policy",
+             f"choose from {', '.join(POLICY_NAMES)}")
+    try:
+        _placement(d, names, pols, seeds, speed, quality, as_json)
+    except TraceError as exc:
+        fail(str(exc))
+
+
+def _placement(d: Path, names: list[str], pols: list[str], seeds: list[int], speed: bool, quality: bool,
+               as_json: bool) -> None:
+    import sys
+
+    from fastshare.sim import benchmarks
+
     out: dict = {}
     if quality:
         def note(s: dict) -> None:

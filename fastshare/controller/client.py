@@ -61,10 +61,15 @@ class ClientConfig:
         if self.token_file is None:
             return ()
         try:
-            token = Path(self.token_file).read_text().split()[0]
-        except (OSError, IndexError) as exc:
+            words = Path(self.token_file).read_text().split()
+        except OSError as exc:
             raise ClientConfigError(f"token-file: cannot read a token from {self.token_file}: {exc}") from exc
-        return (("authorization", f"Bearer {token}"),)
+        except UnicodeDecodeError:
+            raise ClientConfigError(f"token-file: {self.token_file} is not a text file (a token is one line "
+                                    "of text)") from None
+        if not words:
+            raise ClientConfigError(f"token-file: {self.token_file} is empty; put the bearer token in it")
+        return (("authorization", f"Bearer {words[0]}"),)
 
 
 def _check_files(ca: Path, cert: Path, key: Path, have_cert: bool) -> None:

@@ -40,3 +40,20 @@ def test_damaged_client_tls_files_are_named(pki, damage, says, command):
     assert result.exit_code == 1, result.output
     assert says in result.output and "UNAVAILABLE" not in result.output, result.output
     assert "Traceback" not in result.output and result.stdout == ""
+
+
+@pytest.mark.parametrize(("content", "says"), [(b"", "is empty"), (b" \n\n", "is empty"),
+                                               (b"\xff\xfe\x00", "is not a text file")])
+@pytest.mark.parametrize("command", [["status", "--json"], ["cordon", "n1"],
+                                     ["run", "--mem", "1GiB"]], ids=["status", "cordon", "run"])
+def test_a_token_file_without_a_token_is_named(pki, tmp_path, content, says, command):
+    # an empty one said 'list index out of range'; a binary one crashed (UnicodeDecodeError)
+    token = tmp_path / "token"
+    token.write_bytes(content)
+    args = [*command[:1], "--controller", f"127.0.0.1:{free_port()}", "--tls-dir", str(pki),
+            "--tls-name", "none", "--token-file", str(token), *command[1:]]
+    if command[0] == "run":
+        args += ["--", "true"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"token-file: {token} {says}" in result.output and result.stdout == ""

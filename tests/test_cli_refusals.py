@@ -264,3 +264,16 @@ def test_bench_placement_refuses_trace_files_it_cannot_read_naming_them(tmp_path
     result = CliRunner().invoke(main, ["bench", "placement", "--data", str(data), part, "--seeds", "1"])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"{data / 'openb_node_list_gpu_node.csv'}: no data rows" in result.output
+
+
+def test_controller_refuses_a_token_file_that_is_not_text(tmp_path):
+    # UnicodeDecodeError traceback
+    tokens = tmp_path / "tokens"
+    tokens.write_bytes(b"\xff\xfe\x00")
+    tokens.chmod(0o600)
+    state = tmp_path / "state"
+    result = CliRunner().invoke(main, ["controller", "serve", "--state-dir", str(state), "--tls-dir",
+                                       str(tmp_path / "tls"), "--token-file", str(tokens)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"--token-file: {tokens}" in result.output and "not a text file" in result.output
+    assert not state.exists()

@@ -127,6 +127,8 @@ def serve(config_path: Path | None, **flags: Any) -> None:
                            if line.strip() and not line.startswith("#"))
         except OSError as exc:
             fail(f"--token-file: {exc}")
+        except UnicodeDecodeError:
+            fail(f"--token-file: {values['token_file']} is not a text file (one token a line)")
     hb = _number(values, "heartbeat_interval", 2.0)
     settings = Settings(heartbeat_interval=hb, heartbeat_timeout=_number(values, "heartbeat_timeout", 4 * hb),
                         reconcile_interval=_number(values, "reconcile_interval", 5.0))

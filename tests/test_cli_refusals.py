@@ -277,3 +277,31 @@ def test_controller_refuses_a_token_file_that_is_not_text(tmp_path):
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"--token-file: {tokens}" in result.output and "not a text file" in result.output
     assert not state.exists()
+
+
+@pytest.mark.parametrize("code, hinted", [("INVALID_ARGUMENT", False), ("NOT_FOUND", False),
+                                          ("UNAVAILABLE", True)])
+def test_node_cli_asks_whether_the_agent_runs_only_when_it_is_unreachable(monkeypatch, code, hinted):
+    # `fastshare node release ''` (refused by a running agent: share_id is required) asked
+    # "is `fastshare node serve` running?", sending the user after the wrong problem
+    import types
+
+    import grpc
+
+    from fastshare.cli import node as node_cli
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return getattr(grpc.StatusCode, code)
+
+        def details(self):
+            return "what the agent said"
+
+    def refuse(*_args, **_kwargs):
+        raise Refused()
+
+    monkeypatch.setattr(node_cli, "_stub", lambda _socket: types.SimpleNamespace(ReleaseShare=refuse))
+    result = CliRunner().invoke(main, ["node", "release", "--unix-socket", "/nonexistent.sock", "x"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"{code}: what the agent said" in result.output
+    assert ("fastshare node serve" in result.output) == hinted

@@ -155,8 +155,9 @@ def _call(fn, *args):
     try:
         return fn(*args, timeout=30)
     except grpc.RpcError as exc:
-        fail(f"{exc.code().name}: {exc.details()}", hint="is `fastshare node serve` running and the socket "
-                                                          "readable by you?")
+        unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE   # any other code is the agent's answer
+        fail(f"{exc.code().name}: {exc.details()}",
+             "is `fastshare node serve` running and the socket readable by you?" if unreachable else None)
 
 
 @node.command("status")

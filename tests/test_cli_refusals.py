@@ -305,3 +305,19 @@ def test_node_cli_asks_whether_the_agent_runs_only_when_it_is_unreachable(monkey
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"{code}: what the agent said" in result.output
     assert ("fastshare node serve" in result.output) == hinted
+
+
+def test_run_says_which_controller_it_cannot_reach_and_that_it_retries(monkeypatch, tmp_path):
+    # it retried for ~16 s in silence, then said only "UNAVAILABLE: failed to connect to all
+    # addresses", without naming the controller (status and cordon do)
+    from fastshare.cli import run as run_cli
+    from fastshare.security import certs
+
+    certs.init_ca(tmp_path / "ca")
+    certs.issue(tmp_path / "ca", "client", tmp_path / "pki", role="client")
+    monkeypatch.setattr(run_cli.time, "sleep", lambda _s: None)
+    result = CliRunner().invoke(main, ["run", "--sm", "10", "--mem", "1GiB", "--tls-dir",
+                                       str(tmp_path / "pki"), "--", "true"], env=OFFLINE)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "Error: controller at 127.0.0.1:9: UNAVAILABLE" in result.output
+    assert result.output.count("controller at 127.0.0.1:9 UNAVAILABLE, retrying") == 4

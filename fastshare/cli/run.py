@@ -60,15 +60,20 @@ def _with_flag(details: str) -> str:
     return f"{field} ({FLAGS[field]}){sep}{rest}" if sep and field in FLAGS else details
 
 
-def _retry(fn, what: str, attempts: int = 5):
+def _retry(client, method: str, request, attempts: int = 5):
+    """``client.call(method, request)``, retried while the controller is unreachable, saying so
+    on stderr (a retry after a controller restart finds the same allocation: idempotency key)."""
     for attempt in range(attempts):
         try:
-            return fn()
+            return client.call(method, request)
         except grpc.RpcError as exc:
             if exc.code() not in RETRYABLE or attempt == attempts - 1:
                 raise
-            time.sleep(min(2.0 * (attempt + 1), 5.0))
-    raise AssertionError(what)
+            delay = min(2.0 * (attempt + 1), 5.0)
+            click.echo(f"fastshare: {method}: controller at {client.config.address} {exc.code().name}, "
+                       f"retrying in {delay:g} s", err=True)
+            time.sleep(delay)
+    raise AssertionError(method)
 
 
 def _describe(a) -> str:
@@ -140,11 +145,12 @@ def run(client_config, kind, sm_percent, memory, quota, gpu_count, mig_profile, 
     except ClientConfigError as exc:
         fail(str(exc))
     try:
-        allocation = _retry(lambda: client.call("Allocate", request), "allocate")
+        allocation = _retry(client, "Allocate", request)
     except grpc.RpcError as exc:
         label = {grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected",
                  grpc.StatusCode.INVALID_ARGUMENT: "invalid request",
-                 grpc.StatusCode.UNAUTHENTICATED: "not authenticated"}.get(exc.code(), exc.code().name)
+                 grpc.StatusCode.UNAUTHENTICATED: "not authenticated"}.get(
+                     exc.code(), f"controller at {client_config.address}: {exc.code().name}")
         details = exc.details() or ""
         fail(f"{label}: {_with_flag(details) if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else details}")
     if allocation.state != pb.ALLOCATION_STATE_ACTIVE:
@@ -223,7 +229,7 @@ def _release(client, allocation_id: str, quiet: bool) -> None:
 
     try:
         request = pb.ReleaseAllocationRequest(allocation_id=allocation_id)
-        done = _retry(lambda: client.call("Release", request), "release")
+        done = _retry(client, "Release", request)
         if not quiet:
             state = pb.AllocationState.Name(done.state).split("_")[-1].lower()
             click.echo(f"fastshare: released {allocation_id} ({state})", err=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import click
 
@@ -41,6 +42,11 @@ def sim_group() -> None:
 @click.option("--force", is_flag=True, help="replace an existing file")
 def sim_create(path: str, gpus: str, mig_enabled: bool, force: bool) -> None:
     """Write a new simulated machine file at PATH."""
+    if not path.strip():
+        raise click.BadParameter("name the machine file to write", param_hint="PATH")
+    parent = next((p for p in Path(path).absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        fail(f"cannot create {path}: {parent} is not a directory")
     models = [m.strip() for m in gpus.split(",") if m.strip()]
     try:
         state = simnvml.create_machine(path, models, mig_enabled=mig_enabled, overwrite=force)
@@ -50,6 +56,8 @@ def sim_create(path: str, gpus: str, mig_enabled: bool, force: bool) -> None:
         fail(f"{path} already exists", "pass --force to replace it")
     except ValueError as exc:
         fail(str(exc))
+    except OSError as exc:   # e.g. no permission to write there
+        fail(f"cannot create {path}: {exc.strerror or exc}")
     names = ", ".join(g["model"] for g in state["gpus"])
     click.echo(f"created {path} with {len(state['gpus'])} GPU(s): {names}")
     click.echo(f"use it with: export FASTSHARE_GPU_BACKEND=sim {SIM_STATE_ENV}={os.path.abspath(path)}")

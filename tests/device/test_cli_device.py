@@ -225,3 +225,15 @@ def test_mig_config_refuses_an_agent_journal_that_is_no_journal(env, machine: Pa
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"--agent-journal: {journal} cannot be read as a node agent journal" in result.output
     assert machine.read_bytes() == before and journal.read_bytes() == content
+
+
+def test_sim_machine_create_names_a_parent_that_is_a_file(tmp_path: Path):
+    # "m.json/x already exists" (and "pass --force"), when it was m.json that is no directory;
+    # an empty PATH said " already exists" (the current directory)
+    (tmp_path / "m.json").write_text("{}")
+    result = CliRunner().invoke(main, ["sim-machine", "create", str(tmp_path / "m.json" / "x"),
+                                       "--gpus", "L4", "--force"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"{tmp_path / 'm.json'} is not a directory" in result.output and "--force" not in result.output
+    result = CliRunner().invoke(main, ["sim-machine", "create", "", "--gpus", "L4"])
+    assert result.exit_code == 2 and "PATH" in result.output and "already exists" not in result.output

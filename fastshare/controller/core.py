@@ -98,16 +98,29 @@ def node_from_inventory(name: str, address: str, labels: dict[str, str],
                 mig_unheld=tuple(sorted((d.profile_id, d.start, d.size) for d in g.mig_devices
                                         if not d.share_id)))
             for g in sorted(inventory.gpus, key=lambda g: g.index)]
+    count = len(gpus)
+    links = [[link.gpu_a, link.gpu_b, link_rank(link.level)] for link in inventory.links
+             if link.gpu_a < link.gpu_b < count]
     return Node(name=name, address=address, labels=dict(labels), gpus=gpus, available=True,
                 last_heartbeat=now, registered_at=now,
                 inventory={"boot_id": inventory.boot_id, "agent_version": inventory.agent_version,
-                           "driver_version": inventory.driver_version})
+                           "driver_version": inventory.driver_version, "links": links})
+
+
+# NVML topology levels (NVLink -1) as the engine's link levels, lower is closer; the engine
+# takes a pair it is not told about as the farthest (9), so every level known here ranks below.
+_LINK_RANKS = {-1: 0, 0: 1, 10: 2, 20: 3, 30: 4, 40: 5, 50: 6}
+
+
+def link_rank(nvml_level: int) -> int:
+    return _LINK_RANKS.get(nvml_level, 8)
 
 
 def node_view(node: Node) -> NodeView:
     return NodeView(name=node.name, cpu_milli=0, memory_mib=0, labels=dict(node.labels),
                     gpus=tuple(gpu_view(g.index, g.uuid, g.model, g.memory_bytes, g.sm_count,
-                                        g.mig_capable, g.mig_enabled, g.mig_unheld) for g in node.gpus))
+                                        g.mig_capable, g.mig_enabled, g.mig_unheld) for g in node.gpus),
+                    links=tuple(tuple(link) for link in node.inventory.get("links", ())))
 
 
 class ControllerCore:

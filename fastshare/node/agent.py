@@ -143,6 +143,7 @@ class Agent:
         self._generation = 1
         self._gpus: list[GpuInfo] = []
         self._profiles: dict[str, list[MigProfile]] = {}
+        self._topology: tuple[tuple[int, int, int], ...] | None = None   # see _links
         self._mps_health: dict[str, bool] = {}
         self._ports_in_use: set[int] = set()
         self._refresh_lock = threading.Lock()
@@ -865,7 +866,20 @@ class Agent:
                         driver_version=self.devices.driver_version(), generation=self.generation,
                         boot_id=self.boot_id, gpus=gpus, profiles=dict(self._profiles),
                         agent_migs=migs, share_of_device=share_of_device, mps_daemons=daemons,
-                        shares=shares, share_files=files)
+                        shares=shares, share_files=files, links=self._links(len(gpus)))
+
+    def _links(self, gpu_count: int) -> tuple[tuple[int, int, int], ...]:
+        """Every GPU pair's link (read once: the wiring does not change while the agent runs); none
+        when NVML cannot say, and the controller then places whole GPUs without topology."""
+        if self._topology is None or len(self._topology) != gpu_count * (gpu_count - 1) // 2:
+            try:
+                topology = self.devices.topology()
+            except DeviceError as exc:
+                log.warning("cannot read the GPU topology (%s): whole GPUs are placed without it", exc)
+                return ()
+            self._topology = tuple((a, b, topology.level(a, b))
+                                   for a in range(gpu_count) for b in range(a + 1, gpu_count))
+        return self._topology
 
 
 @dataclass(frozen=True)
@@ -884,6 +898,7 @@ class Snapshot:
     mps_daemons: list
     shares: list[ShareRow]
     share_files: list[tuple[str, str, str, int]]
+    links: tuple[tuple[int, int, int], ...] = ()   # (gpu a, gpu b, NVML level; -1 NVLink)
 
 
 @contextlib.contextmanager

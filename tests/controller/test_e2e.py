@@ -177,3 +177,18 @@ def test_mig_mode_enabled_on_demand_is_remembered(two_nodes):
         allocate(c, "whole", gpu_count=1, models=["H100*"])
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert_consistent(two_nodes)
+
+
+def test_whole_gpus_go_to_the_closest_pair_the_agent_reports(cluster):
+    """Four PCIe GPUs, two per PCIe switch (the simulated machine's wiring): with GPU 0 taken,
+    two whole GPUs go to the pair behind one switch (2, 3), not to the lowest free indexes
+    (1, 2), which meet only at the host's NUMA node. The topology comes from the agent's
+    inventory (NVML's common ancestor and NVLink status)."""
+    cluster.add_machine("pcie", ["L4"] * 4)
+    cluster.start_controller()
+    cluster.start_agent("pcie")
+    c = cluster.client()
+    first = allocate(c, "whole", gpu_count=1)
+    assert [d.gpu_index for d in first.devices] == [0]
+    pair = allocate(c, "whole", gpu_count=2)
+    assert sorted(d.gpu_index for d in pair.devices) == [2, 3]

@@ -107,7 +107,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     for key in ("listen", "token_listen"):   # gRPC binds a port over 65535 to some other port
         if values.get(key):
             try:
-                check_hostport(f"--{key.replace('_', '-')} (or {key} in --config)", values[key])
+                values[key] = check_hostport(f"--{key.replace('_', '-')} (or {key} in --config)", values[key])
             except ConfigError as exc:
                 fail(str(exc))
     if "state_dir" not in values:

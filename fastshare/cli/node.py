@@ -114,7 +114,7 @@ def _bootstrap(cfg: node_config.NodeConfig, controller: str | None, token: Path 
         fail(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with {present}",
              hint="the three --bootstrap-* options go together (Kubernetes mode)")
     try:
-        node_config.check_hostport("--bootstrap-controller", controller)
+        controller = node_config.check_hostport("--bootstrap-controller", controller)
     except node_config.ConfigError as exc:
         fail(str(exc))
     paths = {"--tls-cert": cfg.tls.cert, "--tls-key": cfg.tls.key, "--tls-ca": cfg.tls.ca}

@@ -83,17 +83,16 @@ class NodeConfig:
     def validate(self) -> NodeConfig:
         if not self.node_name or len(self.node_name) > 253:
             raise ConfigError("node_name must be 1-253 characters")
-        for key in ("listen", "readonly_listen", "metrics_listen"):
-            value = getattr(self, key)
-            if value:
-                check_hostport(key, value)
+        keys = ("listen", "readonly_listen", "metrics_listen", "controller_address")
+        addresses = {key: check_hostport(key, getattr(self, key)) for key in keys if getattr(self, key)}
         if not (self.listen or self.unix_socket):
             raise ConfigError("listen and unix_socket are both empty: the agent would be unreachable")
         if (self.listen or self.readonly_listen) and not all((self.tls.cert, self.tls.key, self.tls.ca)):
             raise ConfigError("listen/readonly_listen need tls.cert, tls.key and tls.ca (mTLS is required "
                               "on TCP); create them with `fastshare certs issue --role node`, or serve only "
                               "the unix socket by leaving listen empty")
-        if self.readonly_listen and self.readonly_listen == self.listen and not self.listen.endswith(":0"):
+        listen, readonly = addresses.get("listen", ""), addresses.get("readonly_listen", "")
+        if readonly and readonly == listen and not listen.endswith(":0"):
             raise ConfigError("readonly_listen must differ from listen")
         if not 0 <= self.unix_socket_mode <= 0o777:
             raise ConfigError(f"unix_socket_mode must be an octal permission like 0o660, got "
@@ -119,36 +118,34 @@ class NodeConfig:
                 raise ConfigError(f"{key} must be between {low_s} and {high_s}, got {getattr(self, key)}")
         if not 2 <= self.max_workers <= 256:
             raise ConfigError(f"max_workers must be between 2 and 256, got {self.max_workers}")
-        if self.controller_address:
-            check_hostport("controller_address", self.controller_address)
-        return self
+        return dataclasses.replace(self, **addresses) if addresses else self
 
 
 _HOST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST_NAME = re.compile(rf"{_HOST_LABEL}(\.{_HOST_LABEL})*")
 
 
-def check_hostport(key: str, value: str) -> None:
-    """HOST:PORT with HOST an IPv4 address, a host name or an IPv6 address in brackets. An IPv6
-    address without them is refused: "2001:db8::10:7070" is itself an address, and gRPC would
-    dial it on its default port."""
+def check_hostport(key: str, value: str) -> str:
+    """HOST:PORT with HOST an IPv4 address, a host name or an IPv6 address; returns it as gRPC
+    reads it. The port is required, so the last ':' ends the host: an IPv6 address written
+    without brackets ("fd00::5:7444", e.g. a Pod's IP from the downward API) is put in them,
+    since gRPC would read it all as one address and use its default port."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
         raise ConfigError(f"{key} must be HOST:PORT (port 0-65535; [::1]:PORT for IPv6), got {value!r}")
-    if host.startswith("[") and host.endswith("]"):
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed or ":" in host:
         try:
-            ipaddress.IPv6Address(host[1:-1])
+            ipaddress.IPv6Address(host[1:-1] if bracketed else host)
         except ValueError:
-            raise ConfigError(f"{key}: {host!r} is not an IPv6 address in brackets") from None
-        return
-    if ":" in host:
-        raise ConfigError(f"{key}: {value!r} is ambiguous; write an IPv6 address in brackets, "
-                          f"[ADDRESS]:PORT (e.g. [::1]:{port})")
+            raise ConfigError(f"{key}: {host!r} is not an IPv6 address (write [ADDRESS]:PORT)") from None
+        return f"{host if bracketed else f'[{host}]'}:{int(port)}"
     try:
         ipaddress.IPv4Address(host)
     except ValueError:
         if len(host) > 253 or not _HOST_NAME.fullmatch(host):
             raise ConfigError(f"{key}: {host!r} is neither an IP address nor a host name") from None
+    return f"{host}:{int(port)}"
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}

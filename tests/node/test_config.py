@@ -52,18 +52,28 @@ def test_an_explicit_missing_file_or_bad_yaml_is_an_error(tmp_path):
         config.load(tmp_path / "bad.yaml")
 
 
-@pytest.mark.parametrize("value", ["127.0.0.1:7070", "ctl-1.example.com:7070", "localhost:0", "[::1]:7443",
-                                   "[2001:db8::10]:7070", "0.0.0.0:7443", "[::]:7443"])
-def test_host_and_port_forms_that_are_accepted(value):
-    config.check_hostport("controller_address", value)
+@pytest.mark.parametrize(("value", "as_read"), [
+    ("127.0.0.1:7070", "127.0.0.1:7070"), ("ctl-1.example.com:7070", "ctl-1.example.com:7070"),
+    ("localhost:0", "localhost:0"), ("[::1]:7443", "[::1]:7443"), ("0.0.0.0:7443", "0.0.0.0:7443"),
+    ("[2001:db8::10]:7070", "[2001:db8::10]:7070"), ("[::]:7443", "[::]:7443"),
+    # an IPv6 address without brackets (a Pod IP from the downward API): the port is required,
+    # so the last ':' ends the host; gRPC would read it all as one address and use port 443
+    ("2001:db8::10:7070", "[2001:db8::10]:7070"), ("::1:7443", "[::1]:7443"),
+    ("fd00::5:07444", "[fd00::5]:7444"),
+])
+def test_host_and_port_forms_that_are_accepted_as_grpc_reads_them(value, as_read):
+    assert config.check_hostport("controller_address", value) == as_read
+
+
+def test_the_agents_addresses_are_kept_as_grpc_reads_them():
+    cfg = config.load(None, {"listen": "fd00::5:7444", "controller_address": "2001:db8::10:7070", "tls": TLS})
+    assert (cfg.listen, cfg.controller_address) == ("[fd00::5]:7444", "[2001:db8::10]:7070")
 
 
 @pytest.mark.parametrize(("value", "says"), [
-    # an IPv6 address without brackets is an address on its own: gRPC would dial its default port
-    ("2001:db8::10:7070", "write an IPv6 address in brackets"),
-    ("::1:7443", "write an IPv6 address in brackets"),
-    ("[ctl]:7070", "not an IPv6 address in brackets"),
-    ("[::1:7070", "write an IPv6 address in brackets"),
+    ("[ctl]:7070", "not an IPv6 address"),
+    ("[::1:7070", "not an IPv6 address"),
+    ("1:2:7070", "not an IPv6 address"),
     ("ctl 1:7070", "neither an IP address nor a host name"),
     ("ctl\n:7070", "neither an IP address nor a host name"),
     ("-ctl:7070", "neither an IP address nor a host name"),

@@ -38,13 +38,20 @@ def test_run_refuses_a_memory_size_no_gpu_has(size):
                                          ("--agent-deadline", "-3"), ("--agent-deadline", "inf"),
                                          ("--mps-oversubscription", "0.5"), ("--mps-oversubscription", "17")])
 def test_controller_refuses_bad_numbers_before_touching_state(tmp_path, flag, value):
+    output = _serve_refused(tmp_path, flag, value)
+    assert flag in output and "must be a number in" in output
+
+
+def _serve_refused(tmp_path, flag: str, value: str) -> str:
+    """`controller serve FLAG VALUE`: a clear error (exit 1, no traceback) before the state
+    directory exists; its output."""
     state = tmp_path / "state"
     result = CliRunner().invoke(main, ["controller", "serve", "--state-dir", str(state), "--tls-dir",
                                        str(tmp_path / "tls"), flag, value])
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit)
-    assert flag in result.output and "must be a number in" in result.output
     assert not state.exists()
+    return result.output
 
 
 @pytest.mark.parametrize("args", [["sim", "--tune", "nan"], ["sim", "--tune", "11"],
@@ -200,14 +207,9 @@ def test_run_names_the_flag_of_the_field_the_controller_refuses(monkeypatch, arg
 def test_controller_refuses_a_listen_address_that_is_no_host_port(tmp_path, flag, value):
     # gRPC bound --listen 127.0.0.1:99999 to some other, random port, and the controller said
     # it listened on 127.0.0.1:99999; agents and clients configured with it never reached it
-    state = tmp_path / "state"
-    result = CliRunner().invoke(main, ["controller", "serve", "--state-dir", str(state), "--tls-dir",
-                                       str(tmp_path / "tls"), flag, value])
-    assert result.exit_code == 1, result.output
-    assert isinstance(result.exception, SystemExit)
-    assert f"{flag} (or {flag[2:].replace('-', '_')} in --config)" in result.output
-    assert any(why in result.output for why in ("HOST:PORT", "not an IPv6 address", "neither an IP address"))
-    assert not state.exists()
+    output = _serve_refused(tmp_path, flag, value)
+    assert f"{flag} (or {flag[2:].replace('-', '_')} in --config)" in output
+    assert any(why in output for why in ("HOST:PORT", "not an IPv6 address", "neither an IP address"))
 
 
 @pytest.mark.parametrize("args, says", [

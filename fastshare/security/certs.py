@@ -156,6 +156,13 @@ def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
     """The CA certificate and key that sign. ``ca.crt`` may be a bundle of several CA
     certificates (during a CA rotation: the new one and the old one, every peer trusting both);
     the one of ``ca.key`` signs, in whatever order they are."""
+    cert, key, _ = _load_ca_bundle(ca_dir)
+    return cert, key
+
+
+def _load_ca_bundle(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey,
+                                           list[x509.Certificate]]:
+    """:func:`load_ca`, plus every certificate of ``ca.crt`` (what peers trust), from one read."""
     ca_dir = Path(ca_dir)
     try:
         bundle = x509.load_pem_x509_certificates((ca_dir / CA_CERT).read_bytes())
@@ -171,7 +178,7 @@ def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
         raise CertError(f"--ca {ca_dir}: {CA_KEY} is not an ECDSA key")
     for cert in bundle:
         if cert.public_key() == key.public_key():
-            return cert, key
+            return cert, key, bundle
     raise CertError(f"--ca {ca_dir}: {CA_KEY} is the key of none of the {len(bundle)} certificate(s) in "
                     f"{CA_CERT} (half-way through a replacement of the two? both must come from the same "
                     "`fastshare certs init`)")
@@ -284,7 +291,7 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
     if role not in ROLES:
         raise CertError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
     entries = san_entries((name, *sans))
-    ca_cert, ca_key = load_ca(ca_dir)
+    ca_cert, ca_key, bundle = _load_ca_bundle(ca_dir)   # one read: the bundle handed out holds the signer
     key = ec.generate_private_key(ec.SECP256R1())
     try:
         cert = sign_leaf(ca_cert, ca_key, name, key.public_key(), entries, role, dt.timedelta(days=days))
@@ -298,15 +305,9 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
     # Key first: a reader that sees the new certificate must also find the matching key.
     write_atomic(key_path, key_pem(key), 0o600)
     write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    write_atomic(ca_path, trust_bundle(ca_dir), 0o644)
+    # what peers trust: every CA certificate of ca.crt (during a rotation the old and the new)
+    write_atomic(ca_path, b"".join(c.public_bytes(serialization.Encoding.PEM) for c in bundle), 0o644)
     return IssuedCert(cert_path, key_path, ca_path, not_after)
-
-
-def trust_bundle(ca_dir: Path) -> bytes:
-    """What peers of the CA's certificates trust: every CA certificate in ``ca.crt`` (one,
-    or during a rotation the old and the new), as PEM."""
-    bundle = x509.load_pem_x509_certificates((Path(ca_dir) / CA_CERT).read_bytes())
-    return b"".join(cert.public_bytes(serialization.Encoding.PEM) for cert in bundle)
 
 
 def signed_by(cert_path: Path, ca_dir: Path) -> bool:

@@ -134,14 +134,17 @@ class MpsControl:
     def daemon_pid(self, device_uuid: str) -> int | None:
         """The control daemon's pid: from its pid file, else by scanning /proc for a process of
         our binary whose environment names this pipe directory. The pid file's pid must pass
-        the same check: a crashed daemon leaves the file behind and its pid may be reused."""
+        the same check: a crashed daemon leaves the file behind and its pid may be reused.
+        Workloads name the pipe directory in their environment too: only a ``-d`` process of
+        the control binary, owned by our uid, is the daemon."""
         paths = self.paths(device_uuid)
         needle = f"CUDA_MPS_PIPE_DIRECTORY={paths.pipe_dir}"
+        name = os.path.basename(self.binary)
         with contextlib.suppress(OSError, ValueError):
             pid = int((paths.pipe_dir / PID_FILE).read_text().split()[0])
-            if _alive(pid) and _is_daemon(pid, needle):
+            if _alive(pid) and _is_daemon(pid, needle, name):
                 return pid
-        return _find_by_env(needle)
+        return _find_by_env(needle, name)
 
     def start(self, device_uuid: str, active_thread_percentage: float | None = None,
               pinned_mem_limit: int | None = None) -> int | None:
@@ -266,19 +269,26 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return True
 
 
-def _is_daemon(pid: int, needle: str) -> bool:
-    """Is ``pid`` a ``-d`` process whose environment holds ``needle`` (NAME=VALUE)?"""
+def _is_daemon(pid: int, needle: str, binary_name: str) -> bool:
+    """Is ``pid`` our uid's ``BINARY -d`` process whose environment holds ``needle`` (NAME=VALUE)?
+
+    The binary is the program (``argv[0]``) or, for a script, its interpreter's first argument."""
     entry = Path(f"/proc/{pid}")
     try:
+        if entry.stat().st_uid != os.getuid():
+            return False
         environ = (entry / "environ").read_bytes()
-        cmdline = (entry / "cmdline").read_bytes()
+        argv = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
     except OSError:
         return False
-    return (b"\0" + needle.encode() + b"\0") in (b"\0" + environ + b"\0") and b"-d" in cmdline.split(b"\0")
+    if argv[-1:] != [b"-d"] or binary_name.encode() not in {os.path.basename(a) for a in argv[:2]}:
+        return False
+    return (b"\0" + needle.encode() + b"\0") in (b"\0" + environ + b"\0")
 
 
-def _find_by_env(needle: str) -> int | None:
+def _find_by_env(needle: str, binary_name: str) -> int | None:
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and _is_daemon(int(entry.name), needle):
-            return int(entry.name)
+        pid = int(entry.name) if entry.name.isdigit() else 0
+        if pid and _is_daemon(pid, needle, binary_name) and _alive(pid):
+            return pid
     return None

@@ -205,3 +205,20 @@ def test_a_server_that_exits_before_its_read_back_is_not_a_failure(mps, monkeypa
     monkeypatch.setattr("fastshare.mps.control._same_limit", lambda answer, expected: False)
     with pytest.raises(MpsError, match="did not take the limit"):
         mps.set_limits(UUID, 70, None)
+
+
+def test_stop_leaves_alone_a_client_process_that_names_the_pipe_directory(tmp_path):
+    """A workload using the daemon has CUDA_MPS_PIPE_DIRECTORY in its environment too, and its
+    arguments may include -d: with the pipe directory gone, stop must not take it for the daemon."""
+    import subprocess
+
+    mps = MpsControl(STANDIN, tmp_path / "mps", timeout=2)
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(mps.paths(UUID).pipe_dir))
+    client = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-d"], env=env)
+    try:
+        assert mps.daemon_pid(UUID) is None
+        mps.stop(UUID)
+        assert client.poll() is None
+    finally:
+        client.kill()
+        client.wait()

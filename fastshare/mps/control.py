@@ -218,14 +218,20 @@ class MpsControl:
                            f"'{query}' answers {answer[:200]!r}; see {log}")
 
     def stop(self, device_uuid: str) -> None:
-        """Stop the device's daemon and remove its directories; verified, idempotent."""
+        """Stop the device's daemon and remove its directories; verified, idempotent.
+
+        The daemon is looked for even when its pipe directory is gone (an operator deleted it):
+        the real daemon outlives it, unreachable, and a daemon started next would be a second
+        one. Such a daemon cannot be told to quit: it is terminated at once."""
         paths = self.paths(device_uuid)
-        pid = self.daemon_pid(device_uuid) if paths.pipe_dir.is_dir() else None
+        pid = self.daemon_pid(device_uuid)
+        quit_sent = False
         if self.answers(device_uuid):
+            quit_sent = True
             with contextlib.suppress(MpsError):
                 self.command(device_uuid, "quit")
-        if pid is not None and not _wait_gone(pid, self.timeout):
-            # It did not obey quit: terminate, then kill. Its servers die with it.
+        if pid is not None and not _wait_gone(pid, self.timeout if quit_sent else 0):
+            # It did not obey quit (or could not be told): terminate, then kill. Its servers die with it.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
             if not _wait_gone(pid, self.timeout / 2):

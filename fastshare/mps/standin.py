@@ -18,7 +18,8 @@ It deliberately imports nothing from fastshare: it starts fast and stays standal
 
 Unlike the real daemon, it exits once its pipe directory is deleted: nothing can reach it any
 more, and tests and benchmarks that throw their directories away (or kill the agent) must not
-leave stand-in daemons behind.
+leave stand-in daemons behind. With ``FASTSHARE_STANDIN_OUTLIVE_PIPE_DIR=1`` in its environment
+it keeps running like the real one (for tests of an operator deleting the pipe directory).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 PID_FILE = "nvidia-cuda-mps-control.pid"
 _ORPHAN_CHECK_S = 2.0
 CONTROL = "control"
+OUTLIVE_ENV = "FASTSHARE_STANDIN_OUTLIVE_PIPE_DIR"
 _MEM_RE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)B?$", re.IGNORECASE)
 
 
@@ -162,12 +164,13 @@ def _serve(pipe_dir: str, log_dir: str) -> None:
     daemon.note(f"Control: daemon started, pid {os.getpid()}")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     listener.settimeout(_ORPHAN_CHECK_S)
+    outlive = os.environ.get(OUTLIVE_ENV) == "1"
     try:
         while True:
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
-                if not os.path.isdir(pipe_dir):
+                if not outlive and not os.path.isdir(pipe_dir):
                     break          # orphaned: its directory (and control socket) are gone
                 continue
             conn.settimeout(None)

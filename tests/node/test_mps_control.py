@@ -207,6 +207,51 @@ def test_a_server_that_exits_before_its_read_back_is_not_a_failure(mps, monkeypa
         mps.set_limits(UUID, 70, None)
 
 
+def _daemons_of(pipe_dir):
+    """Pids of live ``-d`` processes whose environment names this pipe directory."""
+    needle = f"\0CUDA_MPS_PIPE_DIRECTORY={pipe_dir}\0".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = b"\0" + (entry / "environ").read_bytes()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit() and needle in environ and b"-d" in cmdline and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("deleted", ["pipe", "base"])
+def test_stop_finds_a_daemon_whose_pipe_directory_was_deleted_by_hand(tmp_path, monkeypatch, deleted):
+    """The real daemon outlives its pipe directory (an operator's rm -rf /tmp/nvidia-mps): no pipe,
+    no pid file, but stop must still find and end it, with its servers, and a start afterwards
+    must run exactly one daemon."""
+    import shutil
+
+    from fastshare.mps.standin import OUTLIVE_ENV
+
+    monkeypatch.setenv(OUTLIVE_ENV, "1")
+    mps = MpsControl(STANDIN, tmp_path / "mps", timeout=5)
+    pipe_dir = mps.paths(UUID).pipe_dir
+    try:
+        pid = mps.start(UUID)
+        mps.command(UUID, "start_server -uid 0")
+        [server] = mps.server_pids(UUID)
+        shutil.rmtree(pipe_dir if deleted == "pipe" else mps.paths(UUID).base)
+        assert not mps.answers(UUID) and _alive(pid)
+        mps.stop(UUID)
+        assert not _alive(pid) and not _alive(server)
+        assert not mps.paths(UUID).base.exists()
+        new = mps.start(UUID)
+        assert _daemons_of(pipe_dir) == [new]
+        mps.stop(UUID)
+        assert _daemons_of(pipe_dir) == []
+    finally:
+        for leftover in _daemons_of(pipe_dir):
+            os.kill(leftover, signal.SIGKILL)
+
+
 def test_stop_leaves_alone_a_client_process_that_names_the_pipe_directory(tmp_path):
     """A workload using the daemon has CUDA_MPS_PIPE_DIRECTORY in its environment too, and its
     arguments may include -d: with the pipe directory gone, stop must not take it for the daemon."""

@@ -7,7 +7,9 @@ role's template, parsed by fastshare's parser), and the Kubernetes manifests mod
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -714,3 +716,70 @@ def test_mig_reconfigure_waits_only_for_devices_in_use(collections_path: Path, t
     in_use = drain([{"devices": [0], "mig_devices": {"7g.40gb": 1}}])
     assert in_use["failed"] and held in in_use["msg"] and in_use["attempts"] == 3, in_use
     assert machine.read_bytes() == before
+
+
+_FAKE_SYSTEMCTL = """#!/bin/sh
+# systemctl of a host whose units only record what they were told: one state file per unit; each
+# call is logged with a digest of the simulated GPUs, so the log shows when the layout changed.
+dir={dir}
+echo "$* $(md5sum < {machine} | cut -c1-32)" >> "$dir/calls"
+unit=$(echo "$2" | tr -d "'")
+state=$(cat "$dir/$unit" 2>/dev/null || echo inactive)
+case "$1" in
+  show) printf 'Id=%s\\nLoadState=loaded\\nActiveState=%s\\n' "$unit" "$state";;
+  start|restart) echo active > "$dir/$unit";;
+  stop) echo inactive > "$dir/$unit";;
+  is-enabled) echo enabled;;
+esac
+"""
+
+# The node CLI answers `node status` only while the (fake) agent unit is active.
+_FAKE_FASTSHARE = """#!/bin/sh
+[ "$1 $2" = "node status" ] && [ "$(cat {dir}/fastshare-node.service 2>/dev/null)" = active ] && echo '{{}}'
+"""
+
+
+def test_mig_reconfigure_restarts_the_node_agent_once(collections_path: Path, tmp_path: Path):
+    """playbooks/mig_reconfigure.yml stops the agent, applies the layout and starts the agent.
+    The role's apply task also notified its restart handler, which ran at the end of the play:
+    the agent that had just been started (and the node uncordoned) was restarted a second time.
+    Now it is started once, after the layout changed, and a run that changes nothing leaves it be."""
+    from fastshare.device import simnvml
+
+    machine, units = tmp_path / "gpus.json", tmp_path / "units"
+    simnvml.create_machine(machine, ["A100-SXM4-40GB"], mig_enabled=True)
+    units.mkdir()
+    (units / "fastshare-node.service").write_text("active\n")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for name, text in (("systemctl", _FAKE_SYSTEMCTL), ("fastshare", _FAKE_FASTSHARE),
+                       ("python", f'#!/bin/sh\nexec {sys.executable} "$@"\n')):
+        (venv / "bin" / name).write_text(text.format(dir=units, machine=machine))
+        (venv / "bin" / name).chmod(0o755)
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(json.dumps({"gpu_nodes": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}))
+    extra = {"gpu_node_mig_layout": [{"devices": [0], "mig_devices": {"3g.20gb": 2}}],
+             "gpu_node_gpu_backend": "sim", "gpu_node_sim_state": str(machine), "gpu_node_venv": str(venv),
+             "gpu_node_mig_config_file": str(tmp_path / "mig-config.yaml"),
+             "gpu_node_agent_extra": {"state_dir": str(tmp_path / "agent")}, "ansible_become": False}
+
+    def reconfigure() -> list[tuple[str, str]]:
+        (units / "calls").write_text("")
+        proc = run([tool("ansible-playbook"), "-i", str(inventory), "-e", json.dumps(extra),
+                    str(REPO / "playbooks" / "mig_reconfigure.yml")], check=False,
+                   env={"ANSIBLE_COLLECTIONS_PATH": str(collections_path),
+                        "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"})
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        calls = [line.split() for line in (units / "calls").read_text().splitlines()]
+        return [(c[0], c[-1]) for c in calls
+                if c[0] in ("start", "stop", "restart") and "fastshare-node.service" in c[1]]
+
+    before = hashlib.md5(machine.read_bytes()).hexdigest()
+    actions = reconfigure()
+    after = hashlib.md5(machine.read_bytes()).hexdigest()
+    assert after != before
+    # stopped before the layout changed, started once after it
+    assert actions in ([("stop", before), ("start", after)], [("stop", before), ("restart", after)]), actions
+    assert (units / "fastshare-node.service").read_text().strip() == "active"
+    assert reconfigure() == []  # the same layout again: nothing to change, the agent keeps running

@@ -37,7 +37,8 @@ def sim_group() -> None:
 @sim_group.command("create")
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--gpus", required=True,
-              help="comma-separated catalog models, e.g. A100-SXM4-40GB,H100-SXM5-80GB")
+              help=f"comma-separated catalog models, one per GPU (1 to {simnvml.MAX_GPUS}), "
+                   "e.g. A100-SXM4-40GB,H100-SXM5-80GB")
 @click.option("--mig-enabled", is_flag=True, help="start with MIG mode on for MIG-capable GPUs")
 @click.option("--force", is_flag=True, help="replace an existing file")
 def sim_create(path: str, gpus: str, mig_enabled: bool, force: bool) -> None:
@@ -48,6 +49,9 @@ def sim_create(path: str, gpus: str, mig_enabled: bool, force: bool) -> None:
     if parent is not None and not parent.is_dir():
         fail(f"cannot create {path}: {parent} is not a directory")
     models = [m.strip() for m in gpus.split(",") if m.strip()]
+    if not 1 <= len(models) <= simnvml.MAX_GPUS:
+        raise click.BadParameter(f"{len(models)} GPU models listed; a machine has 1 to {simnvml.MAX_GPUS} "
+                                 "GPUs, one model each", param_hint="'--gpus'")
     try:
         state = simnvml.create_machine(path, models, mig_enabled=mig_enabled, overwrite=force)
     except catalog.CatalogError as exc:

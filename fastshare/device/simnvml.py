@@ -52,6 +52,10 @@ NVMLError = _pynvml.NVMLError
 STATE_ENV = "FASTSHARE_SIM_STATE"
 SCHEMA_VERSION = 1
 DEFAULT_DRIVER = "550.54.15"
+# GPUs in one simulated machine. The largest real nodes have 8 to 16 (HGX/DGX: 8; PCIe chassis
+# up to ~20); 64 leaves room for any of them and keeps a pasted or generated list gone wrong
+# from writing a machine file of thousands of GPUs.
+MAX_GPUS = 64
 _MIB = 1024 * 1024
 _NA = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId of a process outside MIG
 
@@ -830,8 +834,8 @@ def create_machine(path: str | os.PathLike[str], models: list[str], *, mig_enabl
 
     SXM parts of one model share an NVLink domain; two GPUs per PCIe switch, four per NUMA node.
     """
-    if not models:
-        raise ValueError("a simulated machine needs at least one GPU model")
+    if not 1 <= len(models) <= MAX_GPUS:
+        raise ValueError(f"a simulated machine has 1 to {MAX_GPUS} GPUs, not {len(models)}")
     resolved = [catalog.get_model(m) for m in models]
     target = Path(path)
     if target.exists() and not overwrite:

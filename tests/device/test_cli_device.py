@@ -237,3 +237,22 @@ def test_sim_machine_create_names_a_parent_that_is_a_file(tmp_path: Path):
     assert f"{tmp_path / 'm.json'} is not a directory" in result.output and "--force" not in result.output
     result = CliRunner().invoke(main, ["sim-machine", "create", "", "--gpus", "L4"])
     assert result.exit_code == 2 and "PATH" in result.output and "already exists" not in result.output
+
+
+@pytest.mark.parametrize("count", [0, 65, 10_000])
+def test_sim_machine_create_refuses_a_gpu_count_no_machine_has(tmp_path: Path, count: int):
+    """--gpus took any number of models: a list pasted or generated wrong made a machine of
+    10,000 GPUs (PCI bus ids past FF, a file every command then reads). A machine has 1 to 64;
+    outside that the option is refused naming it and the range, and no file is written."""
+    path = tmp_path / "m.json"
+    gpus = ",".join(["L4"] * count)
+    result = CliRunner().invoke(main, ["sim-machine", "create", str(path), "--gpus", gpus])
+    assert result.exit_code == 2, result.output
+    assert "'--gpus'" in result.output and "1 to 64" in result.output and f"{count} GPU" in result.output
+    assert not path.exists()
+
+
+def test_sim_machine_create_takes_64_gpus(tmp_path: Path):
+    path = tmp_path / "m.json"
+    run(["sim-machine", "create", str(path), "--gpus", ",".join(["L4"] * 64)])
+    assert len(simnvml.load_machine(path)["gpus"]) == 64

@@ -845,7 +845,8 @@ def create_machine(path: str | os.PathLike[str], models: list[str], *, mig_enabl
         sxm = "SXM" in model.key
         gpus.append({
             "index": i, "model": model.key, "uuid": f"GPU-{uuid.uuid4()}",
-            "pci_bus_id": f"00000000:{0x07 + 0x10 * i:02X}:00.0",
+            # the bus is 8 bits: 16 GPUs per PCI domain
+            "pci_bus_id": f"{i // 16:08X}:{0x07 + 0x10 * (i % 16):02X}:00.0",
             "mig_current": int(mig_enabled and model.mig_capable),
             "mig_pending": int(mig_enabled and model.mig_capable),
             "compute_mode": _pynvml.NVML_COMPUTEMODE_DEFAULT,

@@ -320,3 +320,15 @@ def test_mode_change_on_a_busy_gpu_is_pending_with_in_use_activation_status(tmp_
     expected = pynvml.NVML_ERROR_RESET_REQUIRED if model.startswith("A100") else pynvml.NVML_SUCCESS
     assert nvml.nvmlDeviceSetMigMode(h, 1) == expected
     nvml.nvmlShutdown()
+
+
+def test_every_gpu_of_a_large_machine_has_a_valid_distinct_pci_bus_id(tmp_path):
+    """NVML's bus id is DOMAIN:BUS:DEVICE.FUNCTION with an 8-bit bus. The 17th GPU got bus 0x107
+    ("00000000:107:00.0"), which no PCI address has; past 16 GPUs the next PCI domain is used."""
+    import re
+
+    state = simnvml.create_machine(tmp_path / "m.json", ["L4"] * simnvml.MAX_GPUS)
+    ids = [g["pci_bus_id"] for g in state["gpus"]]
+    assert all(re.fullmatch(r"[0-9A-F]{8}:[0-9A-F]{2}:[0-9A-F]{2}\.[0-7]", i) for i in ids), ids
+    assert len(set(ids)) == len(ids)
+    assert ids[:2] == ["00000000:07:00.0", "00000000:17:00.0"]

@@ -56,17 +56,19 @@ def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequen
 
 
 @contextlib.contextmanager
-def progress_bar(label: str) -> Iterator[Callable[[int, int], None]]:
+def progress_bar(label: str, *, timed: bool = False) -> Iterator[Callable[[int, int], None]]:
     """A bar on stderr (gone when done) for long work; yields ``update(done, total)``. Stdout
-    stays for the result, tables or JSON."""
+    stays for the result, tables or JSON. ``timed``: the work measures its own latency, so the
+    bar is redrawn by ``update`` (between timed steps), not by a thread that would take the
+    interpreter in the middle of one."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
-                  console=Console(stderr=True)) as bar:
+                  console=Console(stderr=True), auto_refresh=not timed) as bar:
         task = bar.add_task(label, total=None)
 
         def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            bar.update(task, completed=done, total=total, refresh=timed)
 
         yield update
 

@@ -3,12 +3,16 @@ as bench/*.py scripts; this group holds the placement ones)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import click
 
 from fastshare.cli._output import fail, print_json, print_table, progress_bar
 from fastshare.cli._types import Number, Seeds
+
+SPEED_SIZES = [1213, 2500, 5000, 10000]   # node counts the speed part times decisions on
 
 
 def _data_dir(path: str | None) -> Path:
@@ -88,7 +92,10 @@ def _placement(d: Path, names: list[str], pols: list[str], seeds: list[int], spe
                           r["published_mean"], r["diff_vs_published"], r["diff_vs_published_fgd"],
                           r["wall_s_mean"]] for r in rows])
     if speed:
-        rows = benchmarks.speed(d, [1213, 2500, 5000, 10000])
+        def bar(nodes: int) -> AbstractContextManager[Callable[[int, int], None]]:
+            return progress_bar(f"bench placement speed, {nodes} nodes", timed=True)
+
+        rows = benchmarks.speed(d, SPEED_SIZES, progress=bar)
         out["speed"] = rows
         if not as_json:
             print_table("Decision time vs cluster size (default trace, tune 1.3, seed 42, fastshare)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +55,18 @@ def synthetic_nodes(nodes: list[SimNode], count: int) -> list[SimNode]:
 
 
 def speed(data_dir: Path, sizes: list[int], policy: str = "fastshare", seed: int = 42,
-          trace: str = "default") -> list[dict[str, Any]]:
+          trace: str = "default",
+          progress: Callable[[int], AbstractContextManager[Callable[[int, int], None]]] | None = None,
+          ) -> list[dict[str, Any]]:
     """Decision time percentiles for the default trace (tune 1.3, so the task count grows with
-    the cluster) on clusters of the given node counts; the first size should be 1,213."""
+    the cluster) on clusters of the given node counts; the first size should be 1,213.
+    ``progress(nodes)``, if given, makes the ``update(done, total)`` of each size's replay."""
     base, pods, name = load(data_dir / f"openb_pod_list_{trace}.csv", data_dir / NODES_FILE)
     rows = []
     for n in sizes:
         nodes = base if n == len(base) else synthetic_nodes(base, n)
-        _res, s = Experiment(nodes, pods, policy, seed, 1.3, name).run()
+        with progress(n) if progress else nullcontext() as update:
+            _res, s = Experiment(nodes, pods, policy, seed, 1.3, name).run(update)
         rows.append({"nodes": n, "gpus": s["gpus"], "tasks": s["pods_total"], "policy": policy,
                      "p50_ms": s["decision_ms"]["p50"], "p99_ms": s["decision_ms"]["p99"],
                      "max_ms": s["decision_ms"]["max"], "cpu_p99_ms": s["decision_cpu_ms"]["p99"],

@@ -35,3 +35,31 @@ def test_bench_mig_shows_its_progress_on_stderr_and_keeps_stdout_json():
     assert out.exit_code == 0, out.output
     assert len(json.loads(out.stdout)) == 3
     assert "6/6" in out.stderr and "bench mig" in out.stderr
+
+
+def test_bench_placement_speed_shows_its_progress_on_stderr(tmp_path, monkeypatch):
+    # the speed part replays the default trace on clusters of up to 10,000 nodes, for many
+    # minutes, and said nothing until its table (the quality part names every run it finishes)
+    import threading
+
+    from fastshare.cli import bench
+    from fastshare.sim.experiment import Experiment
+
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text(
+        "sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,2,V100M16\nn1,64000,262144,8,T4\n")
+    (tmp_path / "openb_pod_list_default.csv").write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\n"
+        + "".join(f"p{i},1000,1024,1,{250 * (1 + i % 4)}\n" for i in range(40)))
+    monkeypatch.setattr(bench, "SPEED_SIZES", [2, 30])
+    # decision times are measured: no refresh thread may run beside the replay
+    run, threads, before = Experiment.run, [], threading.active_count()
+    monkeypatch.setattr(Experiment, "run", lambda self, *a: threads.append(threading.active_count())
+                        or run(self, *a))
+    out = CliRunner().invoke(main, ["bench", "placement", "--data", str(tmp_path), "--no-quality", "--json"],
+                             env={"FORCE_COLOR": "1", "COLUMNS": "120"})
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)["speed"]
+    assert [r["nodes"] for r in rows] == [2, 30]
+    assert threads == [before] * 2
+    for r in rows:
+        assert f"speed, {r['nodes']} nodes" in out.stderr and f"/{r['tasks']}" in out.stderr, out.stderr

@@ -148,13 +148,17 @@ class MpsControl:
 
     def start(self, device_uuid: str, active_thread_percentage: float | None = None,
               pinned_mem_limit: int | None = None) -> int | None:
-        """Start the device's daemon (no-op when it already answers); returns its pid.
+        """Start the device's daemon (no-op when it already answers); returns its pid. A daemon
+        of this device that is alive but does not answer is ended first: never two at once.
 
         The limits become the daemon's defaults, i.e. the ceiling for every client of the
         next server (clients can only tighten them through their environment).
         """
         paths = self.paths(device_uuid)
         if not self.answers(device_uuid):
+            stale = self.daemon_pid(device_uuid)
+            if stale is not None:  # alive but unreachable (pipe directory deleted, or hung)
+                self._end(stale, device_uuid, quit_sent=False)
             for d in (paths.pipe_dir, paths.log_dir):
                 d.mkdir(parents=True, exist_ok=True)
                 os.chmod(d, 0o755)  # workloads (any uid) must reach the pipe directory
@@ -230,20 +234,26 @@ class MpsControl:
             quit_sent = True
             with contextlib.suppress(MpsError):
                 self.command(device_uuid, "quit")
-        if pid is not None and not _wait_gone(pid, self.timeout if quit_sent else 0):
-            # It did not obey quit (or could not be told): terminate, then kill. Its servers die with it.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-            if not _wait_gone(pid, self.timeout / 2):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                if not _wait_gone(pid, self.timeout / 2):
-                    raise MpsError(f"MPS daemon {pid} for {device_uuid} does not exit")
+        if pid is not None:
+            self._end(pid, device_uuid, quit_sent)
         if self.answers(device_uuid, timeout=2):
             raise MpsError(f"MPS daemon for {device_uuid} still answers after quit")
         shutil.rmtree(paths.base, ignore_errors=True)
         if paths.base.exists():
             raise MpsError(f"cannot remove {paths.base}")
+
+    def _end(self, pid: int, device_uuid: str, quit_sent: bool) -> None:
+        """Wait for a daemon told to quit; one that does not obey (or could not be told) is
+        terminated, then killed. Its servers die with it."""
+        if _wait_gone(pid, self.timeout if quit_sent else 0):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        if not _wait_gone(pid, self.timeout / 2):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if not _wait_gone(pid, self.timeout / 2):
+                raise MpsError(f"MPS daemon {pid} for {device_uuid} does not exit")
 
     def running_devices(self) -> list[str]:
         """Device UUIDs that have a directory under the root (daemon running or left over)."""

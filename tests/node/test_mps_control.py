@@ -267,3 +267,25 @@ def test_stop_leaves_alone_a_client_process_that_names_the_pipe_directory(tmp_pa
     finally:
         client.kill()
         client.wait()
+
+
+def test_start_ends_an_unreachable_daemon_instead_of_starting_a_second(tmp_path, monkeypatch):
+    """The agent restarts a daemon that does not answer (housekeeping, reconcile after a crash)
+    by start(): with its pipe directory deleted, the old daemon was left running beside the new."""
+    import shutil
+
+    from fastshare.mps.standin import OUTLIVE_ENV
+
+    monkeypatch.setenv(OUTLIVE_ENV, "1")
+    mps = MpsControl(STANDIN, tmp_path / "mps", timeout=5)
+    pipe_dir = mps.paths(UUID).pipe_dir
+    try:
+        old = mps.start(UUID)
+        shutil.rmtree(pipe_dir)
+        new = mps.start(UUID)
+        assert new != old and not _alive(old)
+        assert _daemons_of(pipe_dir) == [new]
+        mps.stop(UUID)
+    finally:
+        for leftover in _daemons_of(pipe_dir):
+            os.kill(leftover, signal.SIGKILL)

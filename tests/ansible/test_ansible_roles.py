@@ -739,11 +739,12 @@ _FAKE_FASTSHARE = """#!/bin/sh
 """
 
 
-def test_mig_reconfigure_restarts_the_node_agent_once(collections_path: Path, tmp_path: Path):
-    """playbooks/mig_reconfigure.yml stops the agent, applies the layout and starts the agent.
-    The role's apply task also notified its restart handler, which ran at the end of the play:
-    the agent that had just been started (and the node uncordoned) was restarted a second time.
-    Now it is started once, after the layout changed, and a run that changes nothing leaves it be."""
+def _mig_reconfigure_harness(collections_path: Path, tmp_path: Path):
+    """playbooks/mig_reconfigure.yml on one simulated A100 with a fake ``systemctl`` (a state per
+    unit, each call logged with the machine file's digest) and a fake ``fastshare`` whose
+    ``node status`` answers while the agent's unit is active. Returns the machine file, the
+    units directory and ``reconfigure(**extra)``, which runs the playbook and gives the
+    (action, machine digest) of each start, stop or restart of the agent's unit."""
     from fastshare.device import simnvml
 
     machine, units = tmp_path / "gpus.json", tmp_path / "units"
@@ -759,14 +760,14 @@ def test_mig_reconfigure_restarts_the_node_agent_once(collections_path: Path, tm
     inventory = tmp_path / "hosts.yml"
     inventory.write_text(json.dumps({"gpu_nodes": {"hosts": {"localhost": {
         "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}))
-    extra = {"gpu_node_mig_layout": [{"devices": [0], "mig_devices": {"3g.20gb": 2}}],
-             "gpu_node_gpu_backend": "sim", "gpu_node_sim_state": str(machine), "gpu_node_venv": str(venv),
-             "gpu_node_mig_config_file": str(tmp_path / "mig-config.yaml"),
-             "gpu_node_agent_extra": {"state_dir": str(tmp_path / "agent")}, "ansible_become": False}
+    base = {"gpu_node_mig_layout": [{"devices": [0], "mig_devices": {"3g.20gb": 2}}],
+            "gpu_node_gpu_backend": "sim", "gpu_node_sim_state": str(machine), "gpu_node_venv": str(venv),
+            "gpu_node_mig_config_file": str(tmp_path / "mig-config.yaml"),
+            "gpu_node_agent_extra": {"state_dir": str(tmp_path / "agent")}, "ansible_become": False}
 
-    def reconfigure() -> list[tuple[str, str]]:
+    def reconfigure(**extra: object) -> list[tuple[str, str]]:
         (units / "calls").write_text("")
-        proc = run([tool("ansible-playbook"), "-i", str(inventory), "-e", json.dumps(extra),
+        proc = run([tool("ansible-playbook"), "-i", str(inventory), "-e", json.dumps({**base, **extra}),
                     str(REPO / "playbooks" / "mig_reconfigure.yml")], check=False,
                    env={"ANSIBLE_COLLECTIONS_PATH": str(collections_path),
                         "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"})
@@ -775,6 +776,15 @@ def test_mig_reconfigure_restarts_the_node_agent_once(collections_path: Path, tm
         return [(c[0], c[-1]) for c in calls
                 if c[0] in ("start", "stop", "restart") and "fastshare-node.service" in c[1]]
 
+    return machine, units, reconfigure
+
+
+def test_mig_reconfigure_restarts_the_node_agent_once(collections_path: Path, tmp_path: Path):
+    """playbooks/mig_reconfigure.yml stops the agent, applies the layout and starts the agent.
+    The role's apply task also notified its restart handler, which ran at the end of the play:
+    the agent that had just been started (and the node uncordoned) was restarted a second time.
+    Now it is started once, after the layout changed, and a run that changes nothing leaves it be."""
+    machine, units, reconfigure = _mig_reconfigure_harness(collections_path, tmp_path)
     before = hashlib.md5(machine.read_bytes()).hexdigest()
     actions = reconfigure()
     after = hashlib.md5(machine.read_bytes()).hexdigest()
@@ -783,3 +793,15 @@ def test_mig_reconfigure_restarts_the_node_agent_once(collections_path: Path, tm
     assert actions in ([("stop", before), ("start", after)], [("stop", before), ("restart", after)]), actions
     assert (units / "fastshare-node.service").read_text().strip() == "active"
     assert reconfigure() == []  # the same layout again: nothing to change, the agent keeps running
+
+
+def test_mig_reconfigure_leaves_a_disabled_node_agent_alone(collections_path: Path, tmp_path: Path):
+    """With ``gpu_node_agent_enabled: false`` the operator runs no agent on the node (or not as
+    this unit): the playbook applied the layout, then started ``fastshare-node.service`` anyway
+    and waited for it to answer. Now it applies the layout and touches no agent unit."""
+    machine, units, reconfigure = _mig_reconfigure_harness(collections_path, tmp_path)
+    (units / "fastshare-node.service").write_text("inactive\n")
+    before = hashlib.md5(machine.read_bytes()).hexdigest()
+    assert reconfigure(gpu_node_agent_enabled=False) == []
+    assert hashlib.md5(machine.read_bytes()).hexdigest() != before
+    assert (units / "fastshare-node.service").read_text().strip() == "inactive"

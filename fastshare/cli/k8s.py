@@ -228,8 +228,10 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
         except (CertError, OSError, RuntimeError) as exc:
             fail(f"--api-port {api_port}: {exc}")
     freeze_startup_objects()
-    run_with_leader_election(lambda: KubeController(api, agents, settings, core_settings), elector, stop,
-                             on_lost)
+    # every change a controller makes checks first that the Lease is still held (see Fence)
+    run_with_leader_election(lambda: KubeController(api, agents, settings, core_settings,
+                                                    leading=lambda: elector.is_leader),
+                             elector, stop, on_lost)
     agents.close()
     if bootstrap_server is not None:
         bootstrap_server.stop(5).wait()

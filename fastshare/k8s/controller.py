@@ -42,13 +42,14 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from fastshare.controller.agent_client import AgentError, AgentPool
+from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool
 from fastshare.controller.core import AgentFailed, Busy, ControllerCore, KeyConflict, Rejected
 from fastshare.controller.core import Settings as CoreSettings
 from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, Spec, State
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
+from fastshare.k8s.leader import Deposed, Fence
 from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, extended_used, host_left, pods_left
 from fastshare.k8s.peers import PodPeers
 from fastshare.k8s.podaffinity import (
@@ -88,6 +89,7 @@ from fastshare.k8s.scheduling import (
 )
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
+from fastshare.v1 import agent_pb2
 
 log = logging.getLogger("fastshare.k8s.controller")
 
@@ -188,6 +190,44 @@ class PlacementLock:
                 self._cond.notify_all()
 
 
+class FencedAgent:
+    """One node agent whose calls that change a GPU pass the fence first; reads go straight."""
+
+    def __init__(self, agent: AgentClient, fence: Fence) -> None:
+        self._agent, self._fence = agent, fence
+
+    def ping(self) -> None:
+        self._agent.ping()
+
+    def inventory(self) -> agent_pb2.Inventory:
+        return self._agent.inventory()
+
+    def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
+        self._fence.check()
+        return self._agent.prepare(share)
+
+    def release(self, share_id: str, *args: Any) -> agent_pb2.ReleaseShareReply:
+        self._fence.check()
+        return self._agent.release(share_id, *args)
+
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> agent_pb2.SetMigModeReply:
+        self._fence.check()
+        return self._agent.set_mig_mode(gpu_uuid, enabled)
+
+
+class FencedAgents:
+    """The agent pool as the core sees it in-cluster: every client fenced (see FencedAgent)."""
+
+    def __init__(self, pool: AgentPool, fence: Fence) -> None:
+        self._pool, self._fence = pool, fence
+
+    def get(self, node: str, address: str) -> FencedAgent:
+        return FencedAgent(self._pool.get(node, address), self._fence)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
 def _pooled(api: client.ApiClient, connections: int) -> client.ApiClient:
     """``api``, or a client with its configuration and a pool of ``connections``: when more
     threads talk at once than the pool holds (default 5 per CPU), connections are thrown away and
@@ -201,17 +241,24 @@ def _pooled(api: client.ApiClient, connections: int) -> client.ApiClient:
 
 
 class KubeController:
-    """Watches, a work queue with workers, node sync and the core's reconciler; start()/stop()."""
+    """Watches, a work queue with workers, node sync and the core's reconciler; start()/stop().
+
+    ``leading``: whether this process still holds the leader Lease (the elector's is_leader);
+    every API write and every agent call that changes a GPU checks it first (see Fence), and a
+    pass that finds it false stops there (nothing requeued: the next leader rebuilds)."""
 
     def __init__(self, api: client.ApiClient, agents: AgentPool, settings: KubeSettings | None = None,
-                 core_settings: CoreSettings | None = None) -> None:
+                 core_settings: CoreSettings | None = None,
+                 leading: Callable[[], bool] | None = None) -> None:
         self.settings = settings or KubeSettings()
+        self.fence = Fence(leading)
         # workers + replica creators + two watches + housekeeping + one spare
         pooled = _pooled(api, self.settings.workers + self.settings.create_parallelism + 4)
         self._own_api = pooled is not api
         self.api = api = pooled
-        self.store = KubeStateStore(api, self.settings.namespace)
-        self.core = ControllerCore(self.store, agents, core_settings or CoreSettings())
+        self.store = KubeStateStore(api, self.settings.namespace, fence=self.fence)
+        self.core = ControllerCore(self.store, FencedAgents(agents, self.fence),
+                                   core_settings or CoreSettings())
         self.reconciler = Reconciler(self.core)
         self.pods = client.CoreV1Api(api)
         self.objects = client.CustomObjectsApi(api)
@@ -460,6 +507,8 @@ class KubeController:
     def _safe(fn: Callable[[], object]) -> None:
         try:
             fn()
+        except Deposed:
+            pass   # the fence logged it; the election stops this controller
         except Exception:
             log.exception("background step failed")
 
@@ -470,6 +519,8 @@ class KubeController:
                 continue
             try:
                 again = self.reconcile(*key)
+            except Deposed:   # the fence logged it; the next leader rebuilds and reconciles
+                again = None
             except Exception as exc:
                 if _lost_race(exc):   # another writer changed an object first: read it again
                     log.info("FastPod %s/%s changed while being reconciled; reconciling again", *key)
@@ -859,6 +910,7 @@ class KubeController:
             return None, None, {"type": "Scheduled", "status": "False", "reason": "Invalid",
                                 "message": str(exc)}
         try:
+            self.fence.check()
             pod = _raw(self.pods.create_namespaced_pod(namespace, replica_pod(
                 fastpod, pod_name, allocation, self.settings.gpu_node_label), _preload_content=False))
             self.podcache.put(pod)
@@ -916,6 +968,7 @@ class KubeController:
     def _delete_pod(self, namespace: str, name: str) -> None:
         """Delete a Pod; the reply goes into the cache at once (marked, or gone), so that the
         next pass does not count it as live and delete another one."""
+        self.fence.check()
         try:
             pod = _raw(self.pods.delete_namespaced_pod(name, namespace, _preload_content=False))
         except client.ApiException as exc:
@@ -931,6 +984,7 @@ class KubeController:
     def _patch_finalizers(self, fastpod: dict[str, Any], finalizers: list[str]) -> dict[str, Any]:
         meta = fastpod["metadata"]
         body = {"metadata": {"finalizers": finalizers, "resourceVersion": meta["resourceVersion"]}}
+        self.fence.check()
         return self.objects.patch_namespaced_custom_object(GROUP, VERSION, meta["namespace"], PLURAL,
                                                            meta["name"], body)
 
@@ -959,6 +1013,7 @@ class KubeController:
         current = fastpod.get("status") or {}
         if all(current.get(k) == v for k, v in status.items()):
             return
+        self.fence.check()
         self.objects.patch_namespaced_custom_object_status(GROUP, VERSION, meta["namespace"], PLURAL,
                                                            meta["name"], {"status": status},
                                                            _preload_content=False).drain_conn()
@@ -988,6 +1043,11 @@ def run_with_leader_election(make_controller: Callable[[], KubeController], elec
             renewer.start()
             try:
                 controller.start()
+            except Deposed:   # the Lease lapsed while starting: this term is over
+                controller.stop()
+                if on_lost is not None and not stop.is_set():
+                    on_lost()
+                return
             finally:
                 started.set()
                 renewer.join()

@@ -34,6 +34,32 @@ class _Observed:
     at: float   # monotonic time it was first seen
 
 
+class Deposed(Exception):
+    """This process does not lead (any more): the step that asked was not taken."""
+
+
+class Fence:
+    """Every step that changes the cluster or a GPU (an API write, an agent's prepare, release
+    or MIG mode change) passes :meth:`check` first. A controller whose Lease lapsed in the
+    middle of a pass (``leading()`` false: not renewed within renew_deadline, or released)
+    takes no further step of it: a standby may be leading by then, and a deposed leader's
+    agent call would race it. What the pass did so far is recorded, so the next leader's
+    rebuild finishes or undoes it. ``leading`` None: always leading (no election)."""
+
+    def __init__(self, leading: Callable[[], bool] | None = None) -> None:
+        self._leading = leading
+        self._told = False   # the lapse was logged (once per lapse, not once per refused step)
+
+    def check(self) -> None:
+        if self._leading is None or self._leading():
+            self._told = False
+            return
+        if not self._told:
+            self._told = True
+            log.warning("not the leader any more: passes stop before their next change")
+        raise Deposed("not the leader any more")
+
+
 class LeaderElector:
     """Call :meth:`step` periodically (or :meth:`run` in a thread); :attr:`is_leader` says who acts."""
 
@@ -58,7 +84,9 @@ class LeaderElector:
 
     @property
     def is_leader(self) -> bool:
-        return self._renewed_at is not None and self.monotonic() - self._renewed_at < self.renew_deadline
+        # read once: workers ask (see Fence) while step() may set it to None
+        renewed_at = self._renewed_at
+        return renewed_at is not None and self.monotonic() - renewed_at < self.renew_deadline
 
     def step(self) -> bool:
         """One attempt to acquire or renew; returns whether we lead afterwards."""

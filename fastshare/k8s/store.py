@@ -44,6 +44,7 @@ from kubernetes import client
 
 from fastshare.controller.model import HOLDING, Allocation, Device, Node, Spec, State
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore, StoreError
+from fastshare.k8s.leader import Fence
 from fastshare.k8s.pods import FASTPOD_LABEL
 from fastshare.k8s.resources import (
     ALLOCATION_FINALIZER,
@@ -131,11 +132,14 @@ def _slim(obj: dict[str, Any]) -> dict[str, Any]:
 class KubeStateStore(StateStore):
     """Allocations as FastShareAllocation objects (compare-and-set on resourceVersion); nodes in memory."""
 
-    def __init__(self, api: client.ApiClient, namespace: str | None = None, clock=time.time) -> None:
-        """``namespace``: serve the FastPods of one namespace only (None: the whole cluster)."""
+    def __init__(self, api: client.ApiClient, namespace: str | None = None, clock=time.time,
+                 fence: Fence | None = None) -> None:
+        """``namespace``: serve the FastPods of one namespace only (None: the whole cluster);
+        ``fence``: passed before every write (raises :class:`Deposed` once not leading)."""
         self.objects = client.CustomObjectsApi(api)
         self.namespace = namespace
         self.clock = clock
+        self.fence = fence or Fence()
         self._lock = threading.Lock()
         self._nodes: dict[str, Node] = {}
         self._known: dict[str, dict[str, Any]] = {}        # allocation id -> last object seen
@@ -270,6 +274,7 @@ class KubeStateStore(StateStore):
                                  "blockOwnerDeletion": True}],
         }
         body = self._body({"metadata": metadata}, pod, allocation)
+        self.fence.check()
         try:
             created = self.objects.create_namespaced_custom_object(GROUP, VERSION, namespace,
                                                                    ALLOCATION_PLURAL, body)
@@ -308,6 +313,7 @@ class KubeStateStore(StateStore):
             updated = replace(current, **changes)
             updated.state = State(updated.state)
             meta = obj["metadata"]
+            self.fence.check()
             try:
                 stored = self.objects.replace_namespaced_custom_object(
                     GROUP, VERSION, meta["namespace"], ALLOCATION_PLURAL, meta["name"],
@@ -385,6 +391,7 @@ class KubeStateStore(StateStore):
             meta = obj["metadata"]
             options = client.V1DeleteOptions(preconditions=client.V1Preconditions(
                 resource_version=meta["resourceVersion"]))
+            self.fence.check()
             try:
                 self.objects.delete_namespaced_custom_object(GROUP, VERSION, meta["namespace"],
                                                              ALLOCATION_PLURAL, meta["name"], body=options)

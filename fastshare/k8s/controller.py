@@ -74,7 +74,7 @@ from fastshare.k8s.pods import (
     replica_pod,
     spec_of,
 )
-from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION
+from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION, clip
 from fastshare.k8s.scheduling import (
     Demand,
     HostPort,
@@ -1004,7 +1004,9 @@ class KubeController:
         }):
             previous = old.get(condition["type"])
             same = previous is not None and previous["status"] == condition["status"]
-            conditions.append({**condition, "observedGeneration": meta.get("generation", 0),
+            # an agent's error or the API server's refusal may be longer than a message may be
+            conditions.append({**condition, "message": clip(condition["message"]),
+                               "observedGeneration": meta.get("generation", 0),
                                "lastTransitionTime": previous["lastTransitionTime"] if same else _now()})
         selector = selector_string(spec["selector"])
         status = {"replicas": len(live), "readyReplicas": ready, "selector": selector,

@@ -16,6 +16,21 @@ ALLOCATION_LABEL = "fastshare.io/allocation"          # the allocation id (= the
 # Audience of the node agents' projected ServiceAccount token: the DaemonSet projects it, the
 # controller's TokenReview asks for it (fastshare.k8s.bootstrap). Not a value: both sides must agree.
 TOKEN_AUDIENCE = "fastshare"
+# The longest condition message (metav1.Condition) and allocation reason the API server takes:
+# maxLength in the CRDs, which it counts in bytes (UTF-8).
+MESSAGE_MAX = 32768
+
+
+def clip(text: str, limit: int = MESSAGE_MAX) -> str:
+    """``text`` within ``limit`` bytes of UTF-8, its end replaced by a note of what was left out:
+    an agent's error or the API server's refusal can be longer than an object field may be,
+    and a write refused for it would lose the whole status (or release) it was part of."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    room = limit - len(f" ... [{len(text)} characters left out]".encode())
+    kept = data[:room].decode(errors="ignore")   # not half a character
+    return f"{kept} ... [{len(text) - len(kept)} characters left out]"
 
 
 def fastpod_manifest(name: str, gpu: dict[str, Any], replicas: int = 1,

@@ -56,6 +56,7 @@ from fastshare.k8s.resources import (
     KIND,
     PLURAL,
     VERSION,
+    clip,
 )
 
 _MUTABLE = {"state", "node", "devices", "env", "reason", "assignment", "updated_at", "lease_ttl",
@@ -248,7 +249,10 @@ class KubeStateStore(StateStore):
         return found[0]
 
     def _body(self, obj: dict[str, Any], pod: str, allocation: Allocation) -> dict[str, Any]:
-        """``obj`` with ``allocation`` as its record; the finalizer stays while it holds a share."""
+        """``obj`` with ``allocation`` as its record; the finalizer stays while it holds a share.
+        A reason (an agent's error, the API server's refusal of a Pod) is kept clipped to what
+        the schema allows."""
+        allocation = replace(allocation, reason=clip(allocation.reason))
         meta = dict(obj["metadata"])
         finalizers = [f for f in meta.get("finalizers") or [] if f != ALLOCATION_FINALIZER]
         had = ALLOCATION_FINALIZER in (meta.get("finalizers") or [])

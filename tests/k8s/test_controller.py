@@ -295,3 +295,23 @@ def test_a_fastpod_name_too_long_for_its_pods_label_is_refused_at_create(api_cli
     assert exc.value.status == 422 and "metadata.name" in exc.value.body, exc.value.body
     longest = fastpod_manifest("x" * 63, MPS)
     objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, longest)
+
+
+def test_a_refusal_too_long_for_a_condition_is_shown_clipped_not_lost(api_client, namespace, make_controller):
+    """A pod template with many invalid fields: the API server's refusal lists each, longer than a
+    condition message may be (32768 characters). The status write was refused (422) in every
+    pass, so the user never saw why; now the message is clipped, saying so."""
+    controller = make_controller(namespace)
+    controller.podcache.replace([], "0")  # not started: no watch fills them
+    controller.usage.replace(controller.peers.replacing([]))
+    objects = client.CustomObjectsApi(api_client)
+    manifest = fastpod_manifest("wordy", MPS)
+    manifest["spec"]["template"]["spec"]["containers"][0]["env"] = [
+        {"name": f"A=B{i}", "value": "x"} for i in range(400)]
+    objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    controller.reconcile(namespace, "wordy")
+    scheduled = _condition(_fastpod(objects, namespace, "wordy"), "Scheduled")
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "PodCreateFailed"), scheduled
+    message = scheduled["message"]
+    assert len(message) <= 32768 and "env[0].name" in message
+    assert message.endswith("characters left out]"), message[-200:]

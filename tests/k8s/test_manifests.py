@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from fastshare.cli import main
 from fastshare.k8s import manifests, scheduling
-from fastshare.k8s.resources import TOKEN_AUDIENCE
+from fastshare.k8s.resources import MESSAGE_MAX, TOKEN_AUDIENCE, clip
 
 
 def _by_kind(docs, kind):
@@ -216,3 +216,25 @@ def test_the_secret_and_configmap_are_named_by_values_and_the_node_secret_is_gon
         manifests.render({"agent": {"tlsSecret": "fastshare-node-tls"}})
     with pytest.raises(manifests.ValuesError, match=r"tlsSecret: unknown value"):
         manifests.render({"tlsSecret": "fastshare-tls"})
+
+
+def test_clip_keeps_a_message_within_the_byte_limit_and_says_what_it_left_out():
+    assert clip("short") == "short"
+    assert clip("x" * MESSAGE_MAX) == "x" * MESSAGE_MAX
+    for text in ("x" * (MESSAGE_MAX + 1), "é" * MESSAGE_MAX, "ab€" * 20000):   # 2- and 3-byte characters
+        clipped = clip(text)
+        assert len(clipped.encode()) <= MESSAGE_MAX
+        kept = clipped.split(" ... [")[0]
+        assert text.startswith(kept) and len(kept) > MESSAGE_MAX // 4
+        assert clipped.endswith(f" ... [{len(text) - len(kept)} characters left out]")
+
+
+def test_the_crds_take_the_longest_message_and_reason_the_controller_writes():
+    schemas = {d["spec"]["names"]["kind"]: d["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+               for d in manifests.crds()}
+    condition = schemas["FastPod"]["properties"]["status"]["properties"]["conditions"]["items"]["properties"]
+    assert condition["message"]["maxLength"] == MESSAGE_MAX
+    assert condition["reason"]["maxLength"] == 1024
+    allocation = schemas["FastShareAllocation"]["properties"]["spec"]["properties"]
+    assert allocation["reason"]["maxLength"] == MESSAGE_MAX
+    assert allocation["record"]["properties"]["reason"]["maxLength"] == MESSAGE_MAX

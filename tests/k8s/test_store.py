@@ -135,6 +135,21 @@ def test_transition_is_compare_and_set(store, fastpod):
     assert store.get_allocation(_id(fastpod, "a1")).state is State.PREPARED
 
 
+def test_a_release_reason_too_long_for_the_object_is_kept_clipped_not_refused(store, fastpod, api_client):
+    """A reason is an agent's error or the API server's refusal of a Pod, whatever their length;
+    the object's schema allows 32768. The write was refused (422): the release (or compensation)
+    that carried it failed in every pass and the share stayed held."""
+    store.create_allocation(_alloc(fastpod, "r1", State.ACTIVE))
+    reason = "creating pod failed: 422: " + "; spec.containers[0].env[1].name: Invalid value" * 1000
+    moved = store.transition(_id(fastpod, "r1"), [State.ACTIVE], State.RELEASING, reason=reason)
+    assert moved.state is State.RELEASING
+    assert len(moved.reason.encode()) <= 32768 and moved.reason.startswith(reason[:1000])
+    assert moved.reason.endswith("characters left out]")
+    spec = _object(api_client, fastpod, "r1")["spec"]
+    assert spec["reason"] == spec["record"]["reason"] == moved.reason
+    assert store.get_allocation(_id(fastpod, "r1")) == moved
+
+
 def test_duplicate_key_returns_the_existing_allocation(store, fastpod):
     a = _alloc(fastpod, "a1")
     store.create_allocation(a)

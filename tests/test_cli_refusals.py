@@ -323,3 +323,21 @@ def test_run_says_which_controller_it_cannot_reach_and_that_it_retries(monkeypat
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "Error: controller at 127.0.0.1:9: UNAVAILABLE" in result.output
     assert result.output.count("controller at 127.0.0.1:9 UNAVAILABLE, retrying") == 4
+
+
+@pytest.mark.parametrize("extra", [["--token-listen", "127.0.0.1:7071"], ["--token-file", "{tokens}"],
+                                   ["--token-listen", "127.0.0.1:7071", "--token-file", "{tokens}"]])
+def test_controller_refuses_token_settings_that_client_auth_cert_would_ignore(tmp_path, extra):
+    # --token-listen with the default --client-auth cert started, and every token client on that
+    # port got "this controller requires a client certificate" (the port cannot ask for one)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    tokens.chmod(0o600)
+    state = tmp_path / "state"
+    result = CliRunner().invoke(main, ["controller", "serve", "--state-dir", str(state), "--tls-dir",
+                                       str(tmp_path / "tls"), *(a.format(tokens=tokens) for a in extra)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert not state.exists()
+    assert "--client-auth" in result.output and "token or any" in result.output, result.output
+    assert "s3cret" not in result.output

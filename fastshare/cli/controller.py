@@ -149,8 +149,10 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         fail(str(exc))
     except (ValueError, OSError, RuntimeError, StoreError) as exc:   # StoreError: e.g. a newer schema
         fail(f"cannot start the controller: {exc}")
-    click.echo(f"controller listening on {config.listen} (port {server.port}), state in {config.state_dir}",
-               err=True)
+    tokens_on = (f", bearer tokens on {config.token_listen} (port {server.token_port})"
+                 if config.token_listen else "")
+    click.echo(f"controller listening on {config.listen} (port {server.port}){tokens_on}, state in "
+               f"{config.state_dir}", err=True)
     server.serve_forever()
 
 

@@ -358,6 +358,11 @@ class ControllerServer:
 
     def start(self) -> None:
         cfg = self.config
+        if cfg.client_auth == "cert" and (cfg.token_listen or cfg.tokens):
+            # cert mode ignores tokens: a token port would refuse every client it is meant for
+            given = "token_listen (--token-listen)" if cfg.token_listen else "token_file (--token-file)"
+            raise ValueError(f"{given} is for bearer-token clients, but client_auth (--client-auth) is cert, "
+                             "which accepts client certificates only; set --client-auth token or any")
         auth = Authenticator(cfg.client_auth, cfg.tokens)   # config errors before anything starts
         cfg.tls.check()
         self.lock.acquire()

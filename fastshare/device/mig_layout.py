@@ -67,19 +67,21 @@ class _HasPlacement(Protocol):
 
 @dataclass(frozen=True)
 class Placed:
-    """An instance at a placement; ``in_use`` means processes run on it."""
+    """An instance at a placement; ``in_use``: the plan must keep it (processes run on it, or a
+    share holds it); ``processes`` run on it: NVML refuses to destroy it even with force."""
 
     profile_id: int
     start: int
     in_use: bool = False
     label: str = ""          # e.g. the MIG UUID, for messages
+    processes: int = 0
 
     @classmethod
     def of(cls, item: _HasPlacement | Placed) -> Placed:
         if isinstance(item, Placed):
             return item
         if isinstance(item, MigInstance):
-            return cls(item.profile_id, item.start, item.processes > 0, item.uuid or "")
+            return cls(item.profile_id, item.start, item.processes > 0, item.uuid or "", item.processes)
         return cls(item.profile_id, item.start)
 
 
@@ -291,8 +293,9 @@ def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], want
                 *, force: bool = False) -> Plan:
     """The minimal ordered steps from ``current`` to a layout with exactly ``wanted``.
 
-    Instances in use are never destroyed or moved unless ``force`` (NVML will still refuse to
-    destroy an instance with processes). Raises LayoutError with the reason when impossible.
+    Instances in use are never destroyed or moved unless ``force``; those that run processes
+    never are (NVML refuses to destroy them), so such a plan is refused before any step runs.
+    Raises LayoutError with the reason when impossible.
     """
     now = [Placed.of(c) for c in current]
     if reason := _valid(shape, now):
@@ -303,26 +306,33 @@ def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], want
     remaining = Counter(wanted)
     for p in busy:
         if remaining[p.profile_id] == 0:
-            raise LayoutError(
-                f"{_name(shape, p)} is in use and the layout has no place for it; stop its "
-                "processes or force it (`--force`; Ansible: `force: true`)")
+            raise LayoutError(f"{_name(shape, p)} is in use and the layout has no place for it; "
+                              + ("stop its processes first (NVML cannot destroy it while they run, even with "
+                                 "force)" if p.processes else _STOP_OR_FORCE))
         remaining[p.profile_id] -= 1
     existing = {(p.profile_id, p.start): p for p in now if p not in busy}
     found = _search(shape, busy, +remaining, existing)
     if found is None:
         blockers = ", ".join(_name(shape, p) for p in busy)
         raise LayoutError(
-            f"the layout fits an empty {shape.label} but not around the instances in use "
-            f"({blockers}); stop their processes or force it (`--force`; Ansible: `force: true`)")
+            f"the layout fits an empty {shape.label} but not around the instances in use ({blockers}); "
+            + ("stop their processes first (NVML cannot destroy them while they run, even with force)"
+               if all(p.processes for p in busy) else _STOP_OR_FORCE))
     final = sorted([*busy, *found], key=lambda p: p.start)
     kept = [p for p in final if (p.profile_id, p.start) in {(q.profile_id, q.start) for q in now}]
     kept_keys = {(p.profile_id, p.start) for p in kept}
     destroy = [p for p in now if (p.profile_id, p.start) not in kept_keys]
+    if running := [p for p in destroy if p.processes]:   # only with force: else they are kept above
+        raise LayoutError(f"{_name(shape, running[0])} has {running[0].processes} running process(es); NVML "
+                          "cannot destroy it even with force: stop the processes first")
     create = [p for p in final if (p.profile_id, p.start) not in {(q.profile_id, q.start) for q in now}]
     create.sort(key=lambda p: (-shape.profile(p.profile_id).memory_slices, p.start))
     steps = [_step(shape, "destroy", p) for p in sorted(destroy, key=lambda p: p.start)]
     steps += [_step(shape, "create", p) for p in create]
     return Plan(tuple(steps), tuple(kept), tuple(final))
+
+
+_STOP_OR_FORCE = "stop its processes or force it (`--force`; Ansible: `force: true`)"
 
 
 def _step(shape: GpuShape, action: str, p: Placed) -> Step:

@@ -259,15 +259,9 @@ def _refuse_mode_change_in_use(spec: DeviceSpec, gpu: GpuInfo, mode_change: bool
 def _checked_plan(shape: GpuShape, gpu: GpuInfo, wanted: Counter[int], force: bool,
                   held: Collection[str]) -> Plan:
     current = gpu.mig_instances if gpu.mig_current else ()
-    placed = [Placed(m.profile_id, m.start, m.processes > 0 or (m.uuid or "") in held, m.uuid or "")
-              for m in current]
-    plan = plan_layout(shape, placed, wanted, force=force)
-    running = {(m.profile_id, m.start): m for m in current if m.processes}
-    for step in plan.steps:
-        if step.action == "destroy" and (m := running.get((step.profile_id, step.start))):
-            raise LayoutError(f"{m.profile_name} at start {m.start} ({m.uuid}) has {m.processes} running "
-                              "process(es); NVML cannot destroy it even with force: stop the processes first")
-    return plan
+    placed = [Placed(m.profile_id, m.start, m.processes > 0 or (m.uuid or "") in held, m.uuid or "",
+                     m.processes) for m in current]
+    return plan_layout(shape, placed, wanted, force=force)   # refuses to destroy running instances
 
 
 def _labelled(where: str, gpu: GpuInfo, exc: Exception) -> str:

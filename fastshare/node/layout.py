@@ -32,7 +32,7 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
             raise _device_error(exc, f"listing MIG instances of GPU {gpu_uuid}") from None
         held = {r.device_uuid for r in agent.journal.shares()}
         placed = [mig_layout.Placed(m.profile_id, m.start, m.processes > 0 or (m.uuid in held),
-                                    m.uuid or "") for m in current]
+                                    m.uuid or "", m.processes) for m in current]
         try:
             plan = mig_layout.plan_layout(shape, placed, wanted, force=force)
         except mig_layout.LayoutError as exc:

@@ -82,7 +82,7 @@ def test_mig_enable_disable_and_in_use(env, machine: Path):
     result = run(["mig", "apply", "--gpu", "2", "--layout", ""], env, ok=False)
     assert "is in use" in result.output and mig_uuid in result.output
     result = run(["mig", "apply", "--gpu", "2", "--layout", "", "--force"], env, ok=False)
-    assert "IN_USE" in result.output                                            # NVML still refuses
+    assert "NVML cannot destroy it even with force" in result.output          # refused before any step
     result = run(["mig", "disable", "--gpu", "2"], env, ok=False)
     assert "IN_USE" in result.output
     run(["sim-machine", "remove-process", str(pid)], env)
@@ -256,3 +256,21 @@ def test_sim_machine_create_takes_64_gpus(tmp_path: Path):
     path = tmp_path / "m.json"
     run(["sim-machine", "create", str(path), "--gpus", ",".join(["L4"] * 64)])
     assert len(simnvml.load_machine(path)["gpus"]) == 64
+
+
+def test_mig_apply_never_sends_to_force_what_nvml_refuses_and_changes_nothing(env, machine: Path):
+    # The refusal said "stop its processes or force it (`--force`)"; --force then destroyed the
+    # GPU's idle instances one by one and failed with NVML's IN_USE on the busy one, half done.
+    run(["mig", "apply", "--gpu", "0", "--layout", "1g.5gb=3"], env)
+    before = json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][0]["mig_instances"]
+    busy = before[-1]["uuid"]
+    run(["sim-machine", "add-process", "--gpu", "0", "--mig", busy], env)
+    result = run(["mig", "apply", "--gpu", "0", "--layout", "7g.40gb=1"], env, ok=False)
+    assert "is in use" in result.output and busy in result.output and "--force" not in result.output
+    assert "stop its processes" in result.output
+    result = run(["mig", "apply", "--gpu", "0", "--layout", "7g.40gb=1", "--force"], env, ok=False)
+    assert busy in result.output and "even with force" in result.output
+    assert "stop the processes" in result.output
+    assert "IN_USE" not in result.output          # refused by the plan, not halfway by NVML
+    after = json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][0]["mig_instances"]
+    assert [m["uuid"] for m in after] == [m["uuid"] for m in before]

@@ -110,6 +110,22 @@ def test_plan_moves_idle_instances_when_needed_but_never_busy_ones():
         plan_layout(A100, [Placed(19, 1, in_use=True)], parse_layout("19,5", A100))
 
 
+def test_force_destroys_held_instances_but_never_plans_destroying_running_ones():
+    # force covers instances a share holds; NVML refuses to destroy one that runs processes, so
+    # a plan that did would fail halfway through its steps
+    running = [Placed(19, 6, in_use=True, label="MIG-run", processes=2), Placed(19, 5)]
+    with pytest.raises(LayoutError, match=r"1g.5gb at start 6 \(MIG-run\) is in use") as exc:
+        plan_layout(A100, running, parse_layout("9,9", A100))
+    assert "--force" not in str(exc.value) and "stop its processes" in str(exc.value)
+    with pytest.raises(LayoutError, match=r"MIG-run\) has 2 running process.*NVML cannot destroy it even"):
+        plan_layout(A100, running, parse_layout("9,9", A100), force=True)
+    held = [Placed(19, 6, in_use=True, label="MIG-held"), Placed(19, 5)]
+    with pytest.raises(LayoutError, match="force it"):
+        plan_layout(A100, held, parse_layout("9,9", A100))
+    forced = plan_layout(A100, held, parse_layout("9,9", A100), force=True)
+    assert any(s.start == 6 and s.action == "destroy" for s in forced.steps)
+
+
 def test_best_placement_keeps_big_shapes_free():
     assert best_placement(A100, [], "1g.5gb") == 6          # keeps 4g@0 and 3g@0 possible
     assert best_placement(A100, [], "3g.20gb") == 4         # keeps 4g@0 possible
@@ -127,8 +143,8 @@ def test_mig_disabled_gpu_is_refused_with_the_fix(devices):
 
 def test_apply_reports_the_failing_step(devices, machine: Path):
     inst = devices.create_mig_instance(0, 19, 0)
-    simnvml.add_process(machine, 0, mig_uuid=inst.uuid)
-    _, plan = plan_for_gpu(devices, 0, "0", force=True)
+    _, plan = plan_for_gpu(devices, 0, "0")
+    simnvml.add_process(machine, 0, mig_uuid=inst.uuid)   # a process started after the plan was made
     with pytest.raises(DeviceError, match=r"step 'destroy 1g.5gb .*IN_USE.*already done: nothing"):
         apply_plan(devices, 0, plan)
     assert [i.start for i in devices.mig_instances(0)] == [0]

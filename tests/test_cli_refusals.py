@@ -159,6 +159,10 @@ def test_node_agent_names_the_setting_whose_port_is_taken(tmp_path, setting):
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit)
     assert f"{setting} {address}: cannot listen there" in result.output
+    # and what to do: another address (the flag too), or none (metrics_listen defaults to :9402,
+    # which a second agent on one host, as in the README's example, finds taken)
+    flag = "--" + setting.replace("_", "-")
+    assert f"set {setting} (or {flag}) to a free HOST:PORT, or '' for none" in result.output, result.output
 
 
 @pytest.mark.parametrize("args, field, flag", [

@@ -110,7 +110,9 @@ def _bound(config: NodeConfig, setting: str, bind: Callable[[str], T]) -> T:
         return bind(address)
     except (OSError, RuntimeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "in use, or not of this host"
-        raise RuntimeError(f"{setting} {address}: cannot listen there ({why})") from exc
+        flag = "--" + setting.replace("_", "-")
+        raise RuntimeError(f"{setting} {address}: cannot listen there ({why}); set {setting} (or {flag}) to "
+                           "a free HOST:PORT, or '' for none") from exc
 
 
 def start(config: NodeConfig) -> Running:

@@ -3,8 +3,8 @@
 Allocates (with a lease and an idempotency key, so a retry after a controller restart finds
 the same allocation), runs CMD with the allocation's environment, forwards signals, renews
 the lease while CMD runs, releases when CMD exits (also when it crashes or is killed) and
-exits with CMD's status. If `fastshare run` itself is killed with SIGKILL, the lease expires
-and the controller releases the allocation.
+exits with CMD's status. If `fastshare run` itself is killed with SIGKILL, CMD gets SIGTERM
+(Linux: the parent-death signal), the lease expires and the controller releases the allocation.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
     renewer = threading.Thread(target=watch, name="lease", daemon=True)
     try:
         try:
-            child = subprocess.Popen(list(command), env=env)
+            child = subprocess.Popen(_argv(command), env=env)
         except OSError as exc:
             click.echo(f"fastshare: cannot run {command[0]!r}: {exc.strerror}", err=True)
             return 127 if isinstance(exc, FileNotFoundError) else 126
@@ -222,6 +222,30 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
             signal.signal(sig, handler)
         _release(client, allocation.id, quiet)
     return status if status >= 0 else 128 - status
+
+
+# CMD is started through this: PR_SET_PDEATHSIG in the parent (a preexec_fn) would make
+# subprocess fork() beside gRPC's threads, which can break the child before its exec.
+_EXEC_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGTERM when fastshare run dies
+if os.getppid() != int(sys.argv[1]):                 # it died before that
+    sys.exit(128 + signal.SIGTERM)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    print(f"fastshare: cannot run {sys.argv[2]!r}: {exc.strerror}", file=sys.stderr)
+    sys.exit(127 if isinstance(exc, FileNotFoundError) else 126)
+"""
+
+
+def _argv(command: tuple[str, ...] | list[str]) -> list[str]:
+    """CMD, on Linux through a tiny exec wrapper that makes it get SIGTERM when this process dies,
+    also by SIGKILL: CMD must not run on, unsupervised, on capacity that the lease's expiry hands
+    to the next workload."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PARENT, str(os.getpid()), *command]
 
 
 def _release(client, allocation_id: str, quiet: bool) -> None:

@@ -77,11 +77,23 @@ def test_kill_9_of_run_is_covered_by_the_lease(cluster, env):
         wait_for(lambda: len(_active(cluster)) == 1, 60, "allocation")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        # The command goes too (it ran on, unsupervised, on capacity the lease's expiry gives to
+        # the next workload): `sleep` was the last of the process group.
+        wait_for(lambda: not _group_alive(proc.pid), 10, "the command to end with fastshare run")
         wait_for(lambda: set(states(cluster).values()) == {"released"}, 60,
                  "the lease to expire and the reconciler to release")
         assert_consistent(cluster)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)   # the orphaned `sleep`
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_rejected_and_invalid_requests_fail_clearly(cluster, env):

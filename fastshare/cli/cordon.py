@@ -12,7 +12,7 @@ from fastshare.controller.client import client_options
 def _set(client_config, node: str, schedulable: bool, reason: str, as_json: bool) -> None:
     from google.protobuf.json_format import MessageToDict
 
-    from fastshare.controller.client import Client, ClientConfigError
+    from fastshare.controller.client import Client, ClientConfigError, unreachable_hint
     from fastshare.v1 import controller_pb2 as pb
 
     try:
@@ -22,7 +22,8 @@ def _set(client_config, node: str, schedulable: bool, reason: str, as_json: bool
     except ClientConfigError as exc:
         fail(str(exc))
     except grpc.RpcError as exc:
-        fail(f"controller at {client_config.address}: {exc.code().name}: {exc.details()}")
+        fail(f"controller at {client_config.address}: {exc.code().name}: {exc.details()}",
+             unreachable_hint(exc, client_config))
     if as_json:
         print_json(MessageToDict(status, preserving_proto_field_name=True,
                                  always_print_fields_with_no_presence=True))

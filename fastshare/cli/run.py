@@ -115,7 +115,7 @@ def _describe(a) -> str:
 def run(client_config, kind, sm_percent, memory, quota, gpu_count, mig_profile, sm_count, models, selectors,
         affinity, anti_affinity, exclusion, owner, lease_ttl, idempotency_key, quiet, command) -> None:
     """Run COMMAND on an allocated GPU share:  fastshare run --sm 30 --mem 8GiB -- python train.py"""
-    from fastshare.controller.client import Client, ClientConfigError, parse_bytes
+    from fastshare.controller.client import Client, ClientConfigError, parse_bytes, unreachable_hint
     from fastshare.v1 import common_pb2
     from fastshare.v1 import controller_pb2 as pb
 
@@ -152,7 +152,8 @@ def run(client_config, kind, sm_percent, memory, quota, gpu_count, mig_profile, 
                  grpc.StatusCode.UNAUTHENTICATED: "not authenticated"}.get(
                      exc.code(), f"controller at {client_config.address}: {exc.code().name}")
         details = exc.details() or ""
-        fail(f"{label}: {_with_flag(details) if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else details}")
+        fail(f"{label}: {_with_flag(details) if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else details}",
+             unreachable_hint(exc, client_config))
     if allocation.state != pb.ALLOCATION_STATE_ACTIVE:
         if allocation.state in (pb.ALLOCATION_STATE_PENDING, pb.ALLOCATION_STATE_PREPARED):
             # Its node is down; once back it would be made active for nobody (and held for good

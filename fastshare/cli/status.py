@@ -72,7 +72,7 @@ def _to_json(status) -> dict:
 @client_options
 def status(client_config, as_json: bool, include_finished: bool) -> None:
     """Cluster view: nodes, per-GPU usage (SM %, memory, MIG slices by placement), allocations."""
-    from fastshare.controller.client import Client, ClientConfigError
+    from fastshare.controller.client import Client, ClientConfigError, unreachable_hint
     from fastshare.v1 import controller_pb2 as pb
 
     try:
@@ -81,7 +81,8 @@ def status(client_config, as_json: bool, include_finished: bool) -> None:
     except ClientConfigError as exc:
         fail(str(exc))
     except grpc.RpcError as exc:
-        fail(f"controller at {client_config.address}: {exc.code().name}: {exc.details()}")
+        fail(f"controller at {client_config.address}: {exc.code().name}: {exc.details()}",
+             unreachable_hint(exc, client_config))
     if as_json:
         print_json(_to_json(st))
         return

@@ -98,6 +98,28 @@ def _check_files(ca: Path, cert: Path, key: Path, have_cert: bool) -> None:
                                 f"(`{reissue_command('client', cert.stem)}`)")
 
 
+def unreachable_hint(exc: grpc.RpcError, config: ClientConfig) -> str | None:
+    """What to check when the controller could not be reached or trusted: gRPC reports all of it
+    as UNAVAILABLE, with the TLS library's words at the end of its details."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    details = exc.details() or ""
+    ca = Path(config.tls_dir or ".") / "ca.crt"
+    if "Connection refused" in details:
+        return (f"nothing listens at {config.address}: is the controller running there? (the address is "
+                "--controller or FASTSHARE_CONTROLLER)")
+    if "Hostname Verification" in details:
+        return (f"the controller's certificate does not name {config.server_name!r}: give a name it lists "
+                "with --server-name or FASTSHARE_CONTROLLER_NAME (`fastshare certs show CERT` prints them)")
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return (f"the controller's certificate is not signed by a CA in {ca}: put the cluster CA's ca.crt "
+                "there (the one `fastshare certs issue` wrote beside your certificate)")
+    if "Socket closed" in details and config.token_file is None:
+        return ("the controller closed the TLS handshake, as it does for a client certificate its cluster "
+                f"CA did not sign: issue yours from that CA (`{reissue_command('client', config.tls_name)}`)")
+    return None
+
+
 class Client:
     """The Controller stub with deadlines and credentials on every call."""
 

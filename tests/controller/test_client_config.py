@@ -57,3 +57,38 @@ def test_a_token_file_without_a_token_is_named(pki, tmp_path, content, says, com
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"token-file: {token} {says}" in result.output and result.stdout == ""
+
+
+def test_a_controller_the_client_cannot_reach_or_trust_says_what_to_check(cluster, tmp_path):
+    """gRPC said only 'UNAVAILABLE: failed to connect to all addresses; ...' with a TLS library
+    error at the end ('Hostname Verification Check failed', 'CERTIFICATE_VERIFY_FAILED',
+    'Socket closed'); each now comes with the setting to check."""
+    cluster.start_controller()
+    good = cluster.pki.dir
+
+    def status(*args: str) -> str:
+        result = CliRunner().invoke(main, ["status", "--tls-dir", str(good), *args])
+        assert result.exit_code == 1, result.output
+        assert isinstance(result.exception, SystemExit)
+        return result.output
+
+    out = status("--controller", f"127.0.0.1:{free_port()}")
+    assert "hint:" in out and "is the controller running" in out and "--controller" in out, out
+    out = status("--controller", cluster.address, "--server-name", "ctl-9")
+    assert "hint:" in out and "'ctl-9'" in out and "--server-name" in out and "certs show" in out, out
+    # a ca.crt of another CA: the client cannot verify the controller
+    certs.init_ca(tmp_path / "other-ca")
+    certs.issue(tmp_path / "other-ca", "client", tmp_path / "foreign", role="client")
+    good = tmp_path / "mixed"
+    good.mkdir()
+    shutil.copy(tmp_path / "foreign" / "ca.crt", good / "ca.crt")
+    for name in ("client.crt", "client.key"):
+        shutil.copy(cluster.pki.dir / name, good / name)
+    out = status("--controller", cluster.address)
+    assert "hint:" in out and f"{good / 'ca.crt'}" in out and "cluster CA" in out, out
+    # a client certificate of another CA: the controller closes the handshake
+    shutil.copy(cluster.pki.dir / "ca.crt", good / "ca.crt")
+    for name in ("client.crt", "client.key"):
+        shutil.copy(tmp_path / "foreign" / name, good / name)
+    out = status("--controller", cluster.address)
+    assert "hint:" in out and "client certificate" in out and "fastshare certs issue" in out, out

@@ -104,7 +104,8 @@ def node_from_inventory(name: str, address: str, labels: dict[str, str],
     return Node(name=name, address=address, labels=dict(labels), gpus=gpus, available=True,
                 last_heartbeat=now, registered_at=now,
                 inventory={"boot_id": inventory.boot_id, "agent_version": inventory.agent_version,
-                           "driver_version": inventory.driver_version, "links": links})
+                           "driver_version": inventory.driver_version, "links": links,
+                           "mps_unavailable": inventory.mps_unavailable})
 
 
 # NVML topology levels (NVLink -1) as the engine's link levels, lower is closer; the engine
@@ -119,7 +120,8 @@ def link_rank(nvml_level: int) -> int:
 def node_view(node: Node) -> NodeView:
     return NodeView(name=node.name, cpu_milli=0, memory_mib=0, labels=dict(node.labels),
                     gpus=tuple(gpu_view(g.index, g.uuid, g.model, g.memory_bytes, g.sm_count,
-                                        g.mig_capable, g.mig_enabled, g.mig_unheld) for g in node.gpus),
+                                        g.mig_capable, g.mig_enabled, g.mig_unheld,
+                                        node.inventory.get("mps_unavailable", "")) for g in node.gpus),
                     links=tuple(tuple(link) for link in node.inventory.get("links", ())))
 
 

@@ -90,6 +90,15 @@ class MpsControl:
         self.root = Path(root)
         self.timeout = timeout
 
+    def unavailable(self) -> str:
+        """Why no daemon can be started here ("" when one can): the binary comes with the NVIDIA
+        driver, and a node without it must not be offered MPS shares it would fail."""
+        path = shutil.which(self.binary)
+        if path is None or not os.path.isfile(path):
+            return (f"MPS control binary {self.binary} not found: install the NVIDIA driver's "
+                    "nvidia-cuda-mps-control or set mps_control_binary")
+        return ""
+
     def paths(self, device_uuid: str) -> DaemonPaths:
         if not _UUID_RE.match(device_uuid):
             raise ValueError(f"device uuid {device_uuid!r} is not a GPU-/MIG- UUID")

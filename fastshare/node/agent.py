@@ -866,7 +866,8 @@ class Agent:
                         driver_version=self.devices.driver_version(), generation=self.generation,
                         boot_id=self.boot_id, gpus=gpus, profiles=dict(self._profiles),
                         agent_migs=migs, share_of_device=share_of_device, mps_daemons=daemons,
-                        shares=shares, share_files=files, links=self._links(len(gpus)))
+                        shares=shares, share_files=files, links=self._links(len(gpus)),
+                        mps_unavailable=self.mps.unavailable())
 
     def _links(self, gpu_count: int) -> tuple[tuple[int, int, int], ...]:
         """Every GPU pair's link (read once: the wiring does not change while the agent runs); none
@@ -899,6 +900,7 @@ class Snapshot:
     shares: list[ShareRow]
     share_files: list[tuple[str, str, str, int]]
     links: tuple[tuple[int, int, int], ...] = ()   # (gpu a, gpu b, NVML level; -1 NVLink)
+    mps_unavailable: str = ""   # why MPS shares cannot run here; "" when they can
 
 
 @contextlib.contextmanager

@@ -335,6 +335,8 @@ class Engine:
         if r.gpu_models and v.model not in r.gpu_models:
             return f"model {v.model} not in {list(r.gpu_models)}"
         if r.kind in ("fastpod", "mps"):
+            if v.no_mps:
+                return v.no_mps
             if g.whole is not None:
                 return "held whole"
             if g.mig_mode:
@@ -415,19 +417,28 @@ class Engine:
     def _share_reason(self, r: Request, nodes: list[_Node]) -> str:
         what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
                 if r.kind == "fastpod" else _fmt_mib(r.gpu_memory_mib))
-        usable = []
+        usable, no_mps = [], {}
         for n in nodes:
             for g in n.gpus:
                 if r.gpu_models and g.view.model not in r.gpu_models:
                     continue
-                if g.whole is None and not g.mig_mode and g.share_kind in (None, r.kind):
+                if g.view.no_mps:
+                    no_mps.setdefault(n.view.name, g.view.no_mps)
+                elif g.whole is None and not g.mig_mode and g.share_kind in (None, r.kind):
                     usable.append((n, g))
         if not usable:
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
             if not any(not r.gpu_models or g.view.model in r.gpu_models for n in nodes for g in n.gpus):
                 return f"no GPU{models} on the {len(nodes)} node(s) looked at"  # none is busy: none is there
-            return (f"no GPU{models} is available for {r.kind} shares "
-                    "(all are in MIG mode, held whole or shared otherwise)")
+            busy = "in MIG mode, held whole or shared otherwise"
+            if not no_mps:
+                return f"no GPU{models} is available for {r.kind} shares (all are {busy})"
+            name, why = next(iter(no_mps.items()))
+            more = f" (and {len(no_mps) - 1} more node(s))" if len(no_mps) > 1 else ""
+            wanted = [g for n in nodes for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
+            others = "" if all(g.view.no_mps for g in wanted) else f"the others are {busy}; "
+            return (f"no GPU{models} is available for {r.kind} shares: {others}node {name}{more} "
+                    f"cannot run MPS: {why}")
         n, g = max(usable, key=lambda ng: (ng[1].view.memory_mib, -ng[1].view.index))
         if r.gpu_memory_mib > g.view.memory_mib:
             return (f"no GPU has {_fmt_mib(r.gpu_memory_mib)} of memory; the largest is "

@@ -139,6 +139,9 @@ class GpuView:
     # MIG instances on the device that no share holds, as (profile id, start, memory slices):
     # a static layout (mig_config), or an instance kept while a process still used it
     mig_unheld: tuple[tuple[int, int, int], ...] = ()
+    # why MPS shares (fastpod, mps) cannot run on it, e.g. its node has no MPS control binary;
+    # "" when they can
+    no_mps: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mig_unheld", tuple(sorted(tuple(i) for i in self.mig_unheld)))

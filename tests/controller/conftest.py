@@ -126,7 +126,8 @@ class ControllerProc(Proc):
 class AgentProc(Proc):
     """`fastshare node serve` on a simulated machine, registering with the cluster's controller."""
 
-    def __init__(self, cluster: Cluster, name: str, port: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, cluster: Cluster, name: str, port: int, env: dict[str, str] | None = None,
+                 extra: dict[str, object] | None = None) -> None:
         self.name = name
         self.port = port
         self.address = f"127.0.0.1:{port}"
@@ -143,7 +144,7 @@ class AgentProc(Proc):
             "tls": {"cert": str(cluster.pki.dir / f"{name}.crt"), "key": str(cluster.pki.dir / f"{name}.key"),
                     "ca": str(cluster.pki.dir / "ca.crt")}}
         path = cluster.root / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path.write_text(yaml.safe_dump({**config, **(extra or {})}))
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")}
         super().__init__([fastshare_bin(), "node", "serve", "--config", str(path)],
                          cluster.root / f"{name}.log", {**child_env, **(env or {})})
@@ -177,9 +178,10 @@ class Cluster:
         self.pki.issue(name)
 
     def start_agent(self, name: str, port: int | None = None, wait: bool = True,
-                    env: dict[str, str] | None = None) -> AgentProc:
+                    env: dict[str, str] | None = None, config: dict[str, object] | None = None) -> AgentProc:
+        """``config``: node.yaml settings over the test defaults."""
         old = self.agents.get(name)
-        agent = AgentProc(self, name, port or (old.port if old else free_port()), env)
+        agent = AgentProc(self, name, port or (old.port if old else free_port()), env, config)
         self.procs.append(agent)
         self.agents[name] = agent
         if wait:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from fastshare.v1 import agent_pb2
 from fastshare.v1 import controller_pb2 as pb
 
 from .conftest import GiB, allocate, assert_consistent, states, wait_for
@@ -192,3 +193,33 @@ def test_whole_gpus_go_to_the_closest_pair_the_agent_reports(cluster):
     assert [d.gpu_index for d in first.devices] == [0]
     pair = allocate(c, "whole", gpu_count=2)
     assert sorted(d.gpu_index for d in pair.devices) == [2, 3]
+
+
+def test_mps_shares_avoid_a_node_that_cannot_run_mps(cluster):
+    """A node whose agent has no MPS control binary (driver without it, a wrong mps_control_binary)
+    was offered fastpod and mps shares like any other, and every one placed there failed at the
+    agent. Its inventory now says why it cannot run MPS: shares go elsewhere, and when no other
+    GPU is left the rejection names the node and the missing binary. MIG slices and whole GPUs,
+    which need no MPS, still go there."""
+    cluster.add_machine("no-mps", ["L4"])
+    cluster.add_machine("mps", ["L4"])
+    cluster.start_controller()
+    cluster.start_agent("no-mps", config={"mps_control_binary": "/nonexistent/nvidia-cuda-mps-control"})
+    cluster.start_agent("mps")
+    c = cluster.client()
+    agent = cluster.agents["no-mps"].stub(cluster.pki)
+    inventory = agent.GetInventory(agent_pb2.GetInventoryRequest(), timeout=30)
+    assert "/nonexistent/nvidia-cuda-mps-control" in inventory.mps_unavailable
+    shares = [allocate(c, "fastpod", sm_percent=20, memory_bytes=GiB, quota_request=0.2, quota_limit=0.2)
+              for _ in range(2)]
+    assert {a.node for a in shares} == {"mps"}
+    with pytest.raises(grpc.RpcError) as exc:
+        allocate(c, "mps", memory_bytes=GiB)      # the mps node's GPU holds fastpod shares
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "node no-mps cannot run MPS" in exc.value.details()
+    assert "/nonexistent/nvidia-cuda-mps-control" in exc.value.details()
+    whole = allocate(c, "whole", gpu_count=1)     # needs no MPS: the idle GPU of no-mps
+    assert whole.node == "no-mps"
+    for a in (*shares, whole):
+        c.call("Release", pb.ReleaseAllocationRequest(allocation_id=a.id))
+    assert_consistent(cluster)

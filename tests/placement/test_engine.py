@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fastshare.placement import (
@@ -429,3 +431,23 @@ def test_releasing_a_stale_assignment_leaves_the_current_one_alone():
     assert eng.usage() == held and eng.assignments["a"] == new
     with pytest.raises(KeyError, match="request nope is not placed"):
         eng.release("nope")
+
+
+def test_shares_skip_gpus_that_cannot_run_mps_and_the_rejection_says_why():
+    """A GPU whose node cannot run MPS (``no_mps``) takes no fastpod or mps share; exclusive MIG
+    slices and whole GPUs, which need no MPS daemon, still go there."""
+    why = "MPS control binary /usr/bin/nvidia-cuda-mps-control not found"
+    blocked = NodeView("blocked", 64000, 262144, tuple(dataclasses.replace(g, no_mps=why)
+                                                       for g in node("x").gpus))
+    eng = Engine([blocked, node("ok", n_gpus=1)])
+    share = eng.place(fastpod("a", 50))
+    assert isinstance(share, Assignment) and share.node == "ok"
+    rej = eng.place(Request("m", "mps", gpu_memory_mib=1024))
+    assert isinstance(rej, Rejection)
+    assert "the others are" in rej.reason and f"node blocked cannot run MPS: {why}" in rej.reason
+    only_blocked = Engine([blocked])
+    rej = only_blocked.place(fastpod("b", 10))
+    assert isinstance(rej, Rejection) and "the others" not in rej.reason and why in rej.reason
+    slice_ = Request("e", "exclusive", sm_count=14, gpu_memory_mib=4096)
+    assert isinstance(only_blocked.place(slice_), Assignment)
+    assert isinstance(only_blocked.place(Request("w", "whole", gpus=1)), Assignment)

@@ -225,6 +225,22 @@ def test_controller_refuses_a_state_dir_systemd_would_split_or_expand(collection
     assert json.dumps(state_dir) in failed[0]["msg"], failed[0]["msg"]
 
 
+@pytest.mark.parametrize("settings", [{"controller_token_listen": "0.0.0.0:7071"},
+                                      {"controller_settings": {"token_file": "/etc/fastshare/tokens"}}])
+def test_controller_refuses_token_settings_with_client_auth_cert(collections_path: Path, tmp_path: Path,
+                                                                 settings: dict):
+    """Bearer-token settings with controller_client_auth cert (the default): `controller serve`
+    refuses them (the token port would refuse every client it is for), so the unit failed at
+    start after the role had changed the host. The role refuses them first, naming the fix."""
+    results = run_tasks(collections_path, [
+        {"ansible.builtin.include_role": {"name": f"{COLLECTION}.controller"},
+         "vars": {**settings, "controller_package_source": "wheel"}}], tmp_path)
+    failed = [r for r in results if r.get("failed")]
+    assert len(failed) == 1 and failed[0] is results[-1], results
+    message = failed[0]["msg"]
+    assert "controller_client_auth" in message and "token or any" in message, message
+
+
 def test_controller_accepts_ordinary_state_dirs(collections_path: Path, tmp_path: Path):
     tasks = yaml.safe_load((REPO / "roles" / "controller" / "tasks" / "systemd.yml").read_text())
     check = next(t for t in tasks if "controller_state_dir" in t["name"])

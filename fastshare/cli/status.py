@@ -93,6 +93,8 @@ def _node_state(node) -> str:
     state = "available" if node.available else "UNAVAILABLE"
     if node.cordoned:
         state += ", cordoned" + (f": {node.cordon_reason}" if node.cordon_reason else "")
+    if node.mps_unavailable:
+        state += f", no MPS shares: {node.mps_unavailable}"
     return state
 
 

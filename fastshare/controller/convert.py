@@ -58,7 +58,8 @@ def cluster_status(nodes: list[Node], allocations: list[Allocation]) -> pb.Clust
     for n in nodes:
         ns = out.nodes.add(name=n.name, address=n.address, available=n.available,
                            last_heartbeat=n.last_heartbeat, labels=n.labels, cordoned=n.cordoned,
-                           cordon_reason=n.cordon_reason)
+                           cordon_reason=n.cordon_reason,
+                           mps_unavailable=n.inventory.get("mps_unavailable", ""))
         for g in n.gpus:
             usage[(n.name, g.index)] = ns.gpus.add(
                 index=g.index, uuid=g.uuid, model=g.model, memory_bytes=g.memory_bytes, sm_count=g.sm_count,

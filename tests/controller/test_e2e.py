@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from click.testing import CliRunner
 
+from fastshare.cli import main
 from fastshare.v1 import agent_pb2
 from fastshare.v1 import controller_pb2 as pb
 
@@ -218,6 +220,11 @@ def test_mps_shares_avoid_a_node_that_cannot_run_mps(cluster):
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "node no-mps cannot run MPS" in exc.value.details()
     assert "/nonexistent/nvidia-cuda-mps-control" in exc.value.details()
+    nodes = {n.name: n for n in cluster.status().nodes}
+    assert "/nonexistent" in nodes["no-mps"].mps_unavailable and not nodes["mps"].mps_unavailable
+    table = CliRunner().invoke(main, ["status", "--controller", cluster.address, "--tls-dir",
+                                      str(cluster.pki.dir), "--tls-name", "client"], env={"COLUMNS": "250"})
+    assert "no MPS shares: MPS control binary /nonexistent" in table.output, table.output
     whole = allocate(c, "whole", gpu_count=1)     # needs no MPS: the idle GPU of no-mps
     assert whole.node == "no-mps"
     for a in (*shares, whole):

@@ -35,7 +35,7 @@ from pathlib import Path
 from fastshare.node.model import Prepared, ShareSpec
 from fastshare.sqlite_file import GroupSync, StateFileError, open_state_file
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1   # tables added since (leader_term) are ones an older agent ignores
 _SHARE_COLUMNS = "spec, state, device_uuid, port, prepared"
 _MPS_COLUMNS = "device_uuid, gpu_uuid, state, pid, compute_mode_set, sm_ceiling, mem_ceiling"
 _SELECT = object()   # Journal._write: read the share's row back
@@ -68,6 +68,11 @@ CREATE TABLE IF NOT EXISTS mps_daemons (
     compute_mode_set INTEGER NOT NULL DEFAULT 0,  -- we switched the GPU to EXCLUSIVE_PROCESS
     sm_ceiling REAL,               -- limits currently applied as daemon defaults
     mem_ceiling INTEGER,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leader_term (
+    id INTEGER PRIMARY KEY CHECK (id = 0),   -- one row
+    term INTEGER NOT NULL,         -- highest controller leader term seen (fencing token)
     updated REAL NOT NULL
 );
 """
@@ -298,6 +303,22 @@ class Journal:
     def mps_daemons(self) -> list[MpsRow]:
         with self._view:
             return [self._mps[k] for k in sorted(self._mps)]
+
+    # leader term (see :mod:`fastshare.node.terms`) ------------------------------------------
+
+    def leader_term(self) -> int | None:
+        """The highest controller leader term recorded; None: no call ever carried one."""
+        with self._lock:
+            found = self._db.execute("SELECT term FROM leader_term WHERE id=0").fetchone()
+        return found[0] if found else None
+
+    def raise_leader_term(self, term: int) -> None:
+        """Record ``term`` as the highest seen (never lowers it), before the call that carried
+        it acts: committed first, like every write-ahead row."""
+        self._write("INSERT INTO leader_term (id, term, updated) VALUES (0, ?, ?) ON CONFLICT (id) "
+                    "DO UPDATE SET term=excluded.term, updated=excluded.updated "
+                    "WHERE excluded.term > leader_term.term",
+                    (term, time.time()))
 
 
 def _devices_of(row: ShareRow) -> set[str]:

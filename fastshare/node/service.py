@@ -9,6 +9,9 @@ Who may call what:
   when that list is set;
 - read-only TCP port (server TLS only, when configured): read-only calls; mutations fail
   with UNAUTHENTICATED.
+
+A call that changes the node and carries a leader term older than one the agent has seen
+(a deposed Kubernetes-mode controller's) is refused before it acts: see :mod:`fastshare.node.terms`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from fastshare.node import terms
 from fastshare.node.agent import Agent, AgentError, Deadline, Snapshot
 from fastshare.node.journal import ShareRow
 from fastshare.node.model import Prepared, ShareSpec
@@ -96,19 +100,25 @@ def rpc(mutating: bool) -> Callable:
             started = time.perf_counter()
             code = "OK"
             try:
-                if mutating:
-                    self._authorise(context, name)
                 remaining = context.time_remaining()
                 budget = self.agent.config.rpc_timeout_s
                 if remaining is not None:
                     budget = min(budget, remaining)
-                reply = method(self, request, context, Deadline(budget))
-                if mutating:   # acknowledged => on disk (one fdatasync shared by concurrent RPCs)
-                    self.agent.journal.sync()
+                deadline = Deadline(budget)
+                if not mutating:
+                    return method(self, request, context, deadline)
+                self._authorise(context, name)
+                # a call of a deposed leader's term is refused before it acts (see terms)
+                with self.terms.hold(terms.parse(_metadata(context, terms.METADATA_KEY)), deadline):
+                    reply = method(self, request, context, deadline)
+                # acknowledged => on disk (one fdatasync shared by concurrent RPCs)
+                self.agent.journal.sync()
                 return reply
             except Exception as exc:
                 status, message = failure(name, exc)
                 code = status.name
+                if isinstance(exc, terms.StaleTerm):
+                    context.set_trailing_metadata(((terms.SEEN_KEY, str(exc.seen)),))
                 context.abort(status, message)
             finally:
                 self.metrics.latency.labels(name).observe(time.perf_counter() - started)
@@ -118,6 +128,10 @@ def rpc(mutating: bool) -> Callable:
         return handler
 
     return wrap
+
+
+def _metadata(context: grpc.ServicerContext, key: str) -> list[str]:
+    return [value for k, value in context.invocation_metadata() or () if k == key]
 
 
 class _Abort(Exception):
@@ -130,6 +144,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     def __init__(self, agent: Agent, metrics: Metrics) -> None:
         self.agent = agent
         self.metrics = metrics
+        self.terms = terms.LeaderTerms(agent.journal)
 
     def _authorise(self, context: grpc.ServicerContext, method: str) -> None:
         if context.peer().startswith("unix:"):

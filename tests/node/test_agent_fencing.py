@@ -1,0 +1,138 @@
+"""Fencing tokens: every call that changes a GPU may carry the controller's leader term (call
+metadata ``fastshare-term``); the agent remembers the highest term it has seen, in its journal,
+and refuses calls from an older term: a deposed controller's call that lands late cannot undo
+or redo what the new leader did meanwhile. Calls without a term (the standalone controller,
+the node's own CLI) are accepted as before."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from fastshare.node.agent import AgentError, Deadline
+from fastshare.node.journal import Journal
+from fastshare.node.terms import LeaderTerms, StaleTerm
+from fastshare.v1 import agent_pb2
+
+from .harness import GPU_A, GPU_B, GPU_MIG, fastpod, share
+
+INV = agent_pb2.GetInventoryRequest()
+
+
+def _term(n):
+    return (("fastshare-term", str(n)),)
+
+
+def _refused(call, request, term):
+    with pytest.raises(grpc.RpcError) as caught:
+        call(request, timeout=60, metadata=_term(term))
+    return caught.value
+
+
+def _uuids(agent):
+    return [g.uuid for g in agent.unix().GetInventory(INV, timeout=30).gpus]
+
+
+def _shares(agent):
+    return sorted(s.id for s in agent.unix().GetInventory(INV, timeout=30).shares)
+
+
+def test_a_call_from_an_older_term_is_refused_and_changes_nothing(agent, devices):
+    agent.start()
+    mig_gpu, gpu_a, gpu_b = (_uuids(agent)[i] for i in (GPU_MIG, GPU_A, GPU_B))
+    stub = agent.mtls()
+    stub.PrepareShare(fastpod("new", gpu_a), timeout=60, metadata=_term(4))
+
+    err = _refused(stub.PrepareShare, share("old", "exclusive", [mig_gpu], mig_profile="1g.10gb"), 3)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == "request from leader term 3; this agent has seen term 4: a newer controller leads"
+    assert dict(err.trailing_metadata())["fastshare-term-seen"] == "4"
+    assert devices.mig_instances(GPU_MIG) == []   # no slice made on the (simulated) GPU
+
+    err = _refused(stub.ReleaseShare, agent_pb2.ReleaseShareRequest(share_id="new"), 3)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    batch = agent_pb2.PrepareSharesRequest(calls=[fastpod("b1", gpu_b), fastpod("b2", gpu_b)])
+    assert _refused(stub.PrepareShares, batch, 3).code() == grpc.StatusCode.FAILED_PRECONDITION
+    batch = agent_pb2.ReleaseSharesRequest(calls=[agent_pb2.ReleaseShareRequest(share_id="new")])
+    assert _refused(stub.ReleaseShares, batch, 2).code() == grpc.StatusCode.FAILED_PRECONDITION
+    mode = agent_pb2.SetMigModeRequest(gpu_uuid=mig_gpu, enabled=False)
+    assert _refused(stub.SetMigMode, mode, 0).code() == grpc.StatusCode.FAILED_PRECONDITION
+    layout = agent_pb2.MigLayoutRequest(gpu_uuid=mig_gpu, profiles={"1g.10gb": 1})
+    assert _refused(stub.ApplyMigLayout, layout, 3).code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    assert _shares(agent) == ["new"]
+    inventory = agent.unix().GetInventory(INV, timeout=30)
+    assert inventory.gpus[GPU_MIG].mig_enabled and not inventory.gpus[GPU_MIG].mig_devices
+    # the same term and a newer one go through
+    stub.PrepareShare(fastpod("same", gpu_b), timeout=60, metadata=_term(4))
+    stub.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="same"), timeout=60, metadata=_term(5))
+    assert _refused(stub.PrepareShare, fastpod("four", gpu_b), 4).details().endswith(
+        "this agent has seen term 5: a newer controller leads")
+
+
+def test_the_highest_term_seen_survives_a_restart(agent):
+    agent.start()
+    gpu = _uuids(agent)[GPU_A]
+    agent.mtls().PrepareShare(fastpod("a", gpu), timeout=60, metadata=_term(7))
+    agent.kill9()
+    agent.start()
+    err = _refused(agent.mtls().PrepareShare, fastpod("b", gpu), 6)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "has seen term 7" in err.details()
+    agent.stop()
+    agent.start()
+    assert _refused(agent.mtls().ReleaseShare, agent_pb2.ReleaseShareRequest(share_id="a"), 6).code() \
+        == grpc.StatusCode.FAILED_PRECONDITION
+    assert _shares(agent) == ["a"]
+
+
+def test_calls_without_a_term_are_accepted_after_one_was_seen(agent):
+    agent.start()
+    gpu = _uuids(agent)[GPU_A]
+    agent.mtls().PrepareShare(fastpod("fenced", gpu), timeout=60, metadata=_term(4))
+    agent.mtls().PrepareShare(fastpod("plain", gpu), timeout=60)             # a standalone controller
+    agent.unix().ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="fenced"), timeout=60)   # the CLI
+    assert _shares(agent) == ["plain"]
+
+
+@pytest.mark.parametrize("value", ["three", "-1", "2147483648", ""])
+def test_a_malformed_term_is_refused_with_the_allowed_range(agent, value):
+    agent.start()
+    gpu = _uuids(agent)[GPU_A]
+    with pytest.raises(grpc.RpcError) as caught:
+        agent.mtls().PrepareShare(fastpod("a", gpu), timeout=60, metadata=(("fastshare-term", value),))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == ("fastshare-term (call metadata): must be a whole number in "
+                                      f"0..2147483647 (the controller's leader term), got {value!r}")
+    assert _shares(agent) == []
+
+
+def test_a_newer_term_waits_for_the_older_terms_calls_under_way(tmp_path):
+    """A call of term 3 admitted before term 4 was seen finishes before any call of term 4 acts:
+    otherwise it could still change a GPU after the new leader's call, as if never fenced."""
+    journal = Journal(tmp_path / "journal.db")
+    terms = LeaderTerms(journal)
+    order = []
+    with terms.hold(3, Deadline(5)):
+        newer = threading.Thread(target=lambda: _act(terms, 4, order))
+        newer.start()
+        time.sleep(0.3)
+        order.append(3)
+    newer.join(10)
+    assert order == [3, 4]
+    with pytest.raises(StaleTerm), terms.hold(3, Deadline(5)):
+        pass
+    journal.close()
+    assert LeaderTerms(Journal(tmp_path / "journal.db")).highest == 4   # from the journal
+
+
+def test_a_newer_term_gives_up_at_its_deadline_if_an_older_call_never_ends(tmp_path):
+    terms = LeaderTerms(Journal(tmp_path / "journal.db"))
+    with terms.hold(3, Deadline(5)), pytest.raises(AgentError) as caught, terms.hold(4, Deadline(0.2)):
+        pass
+    assert caught.value.code == "DEADLINE_EXCEEDED" and "term 3" in str(caught.value)
+
+
+def _act(terms, term, order):
+    with terms.hold(term, Deadline(5)):
+        order.append(term)

@@ -228,9 +228,9 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
         except (CertError, OSError, RuntimeError) as exc:
             fail(f"--api-port {api_port}: {exc}")
     freeze_startup_objects()
-    # every change a controller makes checks first that the Lease is still held (see Fence)
-    run_with_leader_election(lambda: KubeController(api, agents, settings, core_settings,
-                                                    leading=lambda: elector.is_leader),
+    # every change a controller makes checks first that the Lease is still held, and agent calls
+    # carry the leader term, which agents that have seen a newer one refuse (see Fence)
+    run_with_leader_election(lambda: KubeController(api, agents, settings, core_settings, elector=elector),
                              elector, stop, on_lost)
     agents.close()
     if bootstrap_server is not None:

@@ -11,6 +11,11 @@ calls one after another, so calls that can take long (creating or destroying a M
 whole GPUs) always go alone. An agent without the batch RPCs (an older version) gets single
 calls, each sent at once when it is made, once that is known. A call that waits in the queue
 for as long as the RPC deadline fails as DEADLINE_EXCEEDED without being sent.
+
+``term``: the leader term of a Kubernetes-mode controller (its fencing token), sent as call
+metadata with the calls that change a GPU; an agent that has seen a newer term refuses the
+call (:attr:`AgentError.seen_term`, see :mod:`fastshare.node.terms`). None (the standalone
+controller): no term is sent.
 """
 
 from __future__ import annotations
@@ -38,12 +43,29 @@ MAX_IN_FLIGHT = 2
 MAX_BATCH = 64
 
 
+TERM_KEY, SEEN_KEY = "fastshare-term", "fastshare-term-seen"   # see fastshare.node.terms
+
+
 class AgentError(Exception):
-    def __init__(self, node: str, method: str, code: grpc.StatusCode, details: str) -> None:
+    """``seen_term``: set when the agent refused the call's leader term as older than one it has
+    seen (a newer controller leads)."""
+
+    def __init__(self, node: str, method: str, code: grpc.StatusCode, details: str,
+                 seen_term: int | None = None) -> None:
         super().__init__(f"node {node}: {method} failed: {code.name}: {details}")
         self.node = node
         self.code = code
         self.details = details
+        self.seen_term = seen_term
+
+    @classmethod
+    def of(cls, node: str, method: str, exc: grpc.RpcError) -> AgentError:
+        seen = None
+        if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+            for key, value in exc.trailing_metadata() or ():
+                if key == SEEN_KEY and value.isdigit():
+                    seen = int(value)
+        return cls(node, method, exc.code(), exc.details() or "", seen)
 
     @property
     def unreachable(self) -> bool:
@@ -73,11 +95,13 @@ class AgentClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, method: str, request: object, deadline: float | None = None) -> object:
+    def _call(self, method: str, request: object, deadline: float | None = None,
+              term: int | None = None) -> object:
         try:
-            return getattr(self._stub, method)(request, timeout=deadline or self.deadline)
+            return getattr(self._stub, method)(request, timeout=deadline or self.deadline,
+                                               metadata=_metadata(term))
         except grpc.RpcError as exc:
-            raise AgentError(self.target.node, method, exc.code(), exc.details() or "") from None
+            raise AgentError.of(self.target.node, method, exc) from None
 
     def ping(self) -> None:
         self._call("Ping", common_pb2.Empty())
@@ -85,56 +109,65 @@ class AgentClient:
     def inventory(self) -> agent_pb2.Inventory:
         return self._call("GetInventory", agent_pb2.GetInventoryRequest())
 
-    def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
+    def prepare(self, share: agent_pb2.Share, term: int | None = None) -> agent_pb2.PrepareShareReply:
         request = agent_pb2.PrepareShareRequest(share=share)
         if share.kind in BATCHED_KINDS and self._batching:
-            return self._queued(self._prepares, "PrepareShare", request)
-        return self._call("PrepareShare", request)
+            return self._queued(self._prepares, "PrepareShare", request, term)
+        return self._call("PrepareShare", request, term=term)
 
-    def release(self, share_id: str,
-                kind: int = common_pb2.SHARE_KIND_UNSPECIFIED) -> agent_pb2.ReleaseShareReply:
+    def release(self, share_id: str, kind: int = common_pb2.SHARE_KIND_UNSPECIFIED,
+                term: int | None = None) -> agent_pb2.ReleaseShareReply:
         """``kind``: the share's, when known (only MPS-backed shares may wait for a batch)."""
         request = agent_pb2.ReleaseShareRequest(share_id=share_id)
         if kind in BATCHED_KINDS and self._batching:
-            return self._queued(self._releases, "ReleaseShare", request)
-        return self._call("ReleaseShare", request)
+            return self._queued(self._releases, "ReleaseShare", request, term)
+        return self._call("ReleaseShare", request, term=term)
 
-    def _queued(self, coalescer: Coalescer, method: str, request: object) -> object:
+    def _queued(self, coalescer: Coalescer, method: str, request: object, term: int | None) -> object:
         try:
-            return coalescer.call(request)
+            return coalescer.call((term, request))
         except QueueTimeout as exc:   # the agent may be hung: as unreachable as a timed-out RPC
             raise AgentError(self.target.node, method, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
 
     def _sender(self, method: str, batch_type: type) -> Callable[[list], list]:
-        """Sends requests for ``method``: one alone as itself, several as one batch RPC."""
+        """Sends (term, request) pairs for ``method``: one alone as itself, several of one term
+        as one batch RPC (the term is the RPC's; calls of mixed terms, met only while a process
+        changes its term of office, go one by one)."""
         batch_method = method + "s"
 
-        def send(requests: list) -> list:
-            if len(requests) > 1 and self._batching:
+        def send(calls: list[tuple[int | None, object]]) -> list:
+            terms = {term for term, _ in calls}
+            if len(calls) > 1 and len(terms) == 1 and self._batching:
+                requests = [request for _, request in calls]
                 try:
-                    reply = getattr(self._stub, batch_method)(batch_type(calls=requests),
-                                                              timeout=self.deadline)
+                    reply = getattr(self._stub, batch_method)(
+                        batch_type(calls=requests), timeout=self.deadline, metadata=_metadata(terms.pop()))
                 except grpc.RpcError as exc:
                     if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
-                        return [AgentError(self.target.node, batch_method, exc.code(), exc.details() or "")
-                                for _ in requests]
+                        return [AgentError.of(self.target.node, batch_method, exc) for _ in requests]
                     self._batching = False
                 else:
                     return [r.reply if r.status.code == 0 else AgentError(
                         self.target.node, method, _CODES.get(r.status.code, grpc.StatusCode.UNKNOWN),
                         r.status.message) for r in reply.results]
-            return [self._outcome(method, request) for request in requests]
+            return [self._outcome(method, request, term) for term, request in calls]
 
         return send
 
-    def _outcome(self, method: str, request: object) -> object:
+    def _outcome(self, method: str, request: object, term: int | None) -> object:
         try:
-            return self._call(method, request)
+            return self._call(method, request, term=term)
         except AgentError as exc:
             return exc
 
-    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> agent_pb2.SetMigModeReply:
-        return self._call("SetMigMode", agent_pb2.SetMigModeRequest(gpu_uuid=gpu_uuid, enabled=enabled))
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool,
+                     term: int | None = None) -> agent_pb2.SetMigModeReply:
+        return self._call("SetMigMode", agent_pb2.SetMigModeRequest(gpu_uuid=gpu_uuid, enabled=enabled),
+                          term=term)
+
+
+def _metadata(term: int | None) -> tuple[tuple[str, str], ...] | None:
+    return None if term is None else ((TERM_KEY, str(term)),)
 
 
 TLS_CHECK_S = 1.0   # how often the pool looks whether its certificate files were renewed

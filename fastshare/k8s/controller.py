@@ -49,7 +49,7 @@ from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, Spec
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
-from fastshare.k8s.leader import Deposed, Fence
+from fastshare.k8s.leader import Deposed, Fence, LeaderElector
 from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, extended_used, host_left, pods_left
 from fastshare.k8s.peers import PodPeers
 from fastshare.k8s.podaffinity import (
@@ -89,7 +89,7 @@ from fastshare.k8s.scheduling import (
 )
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
-from fastshare.v1 import agent_pb2
+from fastshare.v1 import agent_pb2, common_pb2
 
 log = logging.getLogger("fastshare.k8s.controller")
 
@@ -191,7 +191,10 @@ class PlacementLock:
 
 
 class FencedAgent:
-    """One node agent whose calls that change a GPU pass the fence first; reads go straight."""
+    """One node agent whose calls that change a GPU pass the fence first and carry its term (the
+    fencing token); reads go straight. A call the agent refuses because it has seen a newer
+    term raises :class:`Deposed`, never AgentError: the core must not take it for the agent's
+    answer about the share and compensate (mark failed, release) what the new leader owns."""
 
     def __init__(self, agent: AgentClient, fence: Fence) -> None:
         self._agent, self._fence = agent, fence
@@ -202,17 +205,26 @@ class FencedAgent:
     def inventory(self) -> agent_pb2.Inventory:
         return self._agent.inventory()
 
-    def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
-        self._fence.check()
-        return self._agent.prepare(share)
+    def _changing(self, call: Callable[[int | None], Any]) -> Any:
+        for _ in range(2):
+            self._fence.check()
+            try:
+                return call(self._fence.term)
+            except AgentError as exc:
+                if exc.seen_term is None:
+                    raise
+                self._fence.refused(exc.seen_term)   # Deposed, unless our term moved past it
+        raise Deposed("agents refuse this controller's leader term")
 
-    def release(self, share_id: str, *args: Any) -> agent_pb2.ReleaseShareReply:
-        self._fence.check()
-        return self._agent.release(share_id, *args)
+    def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
+        return self._changing(lambda term: self._agent.prepare(share, term))
+
+    def release(self, share_id: str,
+                kind: int = common_pb2.SHARE_KIND_UNSPECIFIED) -> agent_pb2.ReleaseShareReply:
+        return self._changing(lambda term: self._agent.release(share_id, kind, term))
 
     def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> agent_pb2.SetMigModeReply:
-        self._fence.check()
-        return self._agent.set_mig_mode(gpu_uuid, enabled)
+        return self._changing(lambda term: self._agent.set_mig_mode(gpu_uuid, enabled, term))
 
 
 class FencedAgents:
@@ -243,15 +255,17 @@ def _pooled(api: client.ApiClient, connections: int) -> client.ApiClient:
 class KubeController:
     """Watches, a work queue with workers, node sync and the core's reconciler; start()/stop().
 
-    ``leading``: whether this process still holds the leader Lease (the elector's is_leader);
-    every API write and every agent call that changes a GPU checks it first (see Fence), and a
-    pass that finds it false stops there (nothing requeued: the next leader rebuilds)."""
+    ``elector``: the leader election; every API write and every agent call that changes a GPU
+    checks first that this process still holds the Lease (see Fence), and a pass that finds it
+    does not stops there (nothing requeued: the next leader rebuilds). Agent calls carry the
+    leader term, so an agent that has seen a newer leader's refuses one that arrives late.
+    ``leading`` instead: a plain leadership test, no term sent."""
 
     def __init__(self, api: client.ApiClient, agents: AgentPool, settings: KubeSettings | None = None,
                  core_settings: CoreSettings | None = None,
-                 leading: Callable[[], bool] | None = None) -> None:
+                 leading: Callable[[], bool] | None = None, elector: LeaderElector | None = None) -> None:
         self.settings = settings or KubeSettings()
-        self.fence = Fence(leading)
+        self.fence = Fence(leading, elector)
         # workers + replica creators + two watches + housekeeping + one spare
         pooled = _pooled(api, self.settings.workers + self.settings.create_parallelism + 4)
         self._own_api = pooled is not api

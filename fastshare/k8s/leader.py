@@ -6,6 +6,10 @@ a candidate takes over only when it has seen the same Lease record unchanged for
 every write is a compare-and-set on resourceVersion, so two candidates never both win. A
 leader that cannot renew within ``renew_deadline`` considers itself deposed and stops acting.
 Needs only get/create/update on the one Lease (see templates/rbac.yaml.j2).
+
+Fencing token: the Lease's ``leaseTransitions`` while we hold it (:attr:`LeaderElector.term`),
+one more at every takeover. The controller sends it with every agent call that changes a GPU,
+and an agent that has seen a newer term refuses the call (see :mod:`fastshare.node.terms`).
 """
 
 from __future__ import annotations
@@ -44,11 +48,32 @@ class Fence:
     middle of a pass (``leading()`` false: not renewed within renew_deadline, or released)
     takes no further step of it: a standby may be leading by then, and a deposed leader's
     agent call would race it. What the pass did so far is recorded, so the next leader's
-    rebuild finishes or undoes it. ``leading`` None: always leading (no election)."""
+    rebuild finishes or undoes it. ``leading`` None: always leading (no election).
 
-    def __init__(self, leading: Callable[[], bool] | None = None) -> None:
-        self._leading = leading
+    With ``elector`` (instead of ``leading``): leading is the elector's, and :attr:`term`, its
+    term, goes with every agent call that changes a GPU: an agent that has seen a newer term
+    refuses a call that left before the lapse and arrives after a takeover."""
+
+    def __init__(self, leading: Callable[[], bool] | None = None,
+                 elector: LeaderElector | None = None) -> None:
+        self._elector = elector
+        self._leading = (lambda: elector.is_leader) if elector is not None else leading
         self._told = False   # the lapse was logged (once per lapse, not once per refused step)
+
+    @property
+    def term(self) -> int | None:
+        """The fencing token to send (None: no election, none sent)."""
+        return self._elector.term if self._elector is not None else None
+
+    def refused(self, seen: int) -> None:
+        """An agent refused our term: it has seen term ``seen`` (newer). Returns if we still hold
+        the Lease and moved its term past ``seen`` (the Lease was made anew - deleted, or another
+        --lease-name - and counted from 0 again; the call may be made again with :attr:`term`);
+        else raises :class:`Deposed`: a newer controller leads."""
+        term = self.term
+        if self._elector is None or self._elector.advance_term(seen) is None:
+            log.warning("an agent has seen leader term %s, newer than ours (%s): passes stop", seen, term)
+            raise Deposed(f"an agent has seen leader term {seen}; this controller's is {term}")
 
     def check(self) -> None:
         if self._leading is None or self._leading():
@@ -75,6 +100,9 @@ class LeaderElector:
         self.retry_period = retry_period
         self.monotonic = monotonic
         self._observed: _Observed | None = None
+        # leaseTransitions of the Lease while we hold it: the fencing token (None: never led)
+        self.term: int | None = None
+        self._writing = threading.Lock()   # step() and advance_term(): one Lease update at a time
         # monotonic time our last successful attempt as holder started: its write landed after it,
         # so a candidate's wait (from when it saw that write) ends after ours (renew_deadline)
         self._renewed_at: float | None = None
@@ -92,8 +120,9 @@ class LeaderElector:
         """One attempt to acquire or renew; returns whether we lead afterwards."""
         started = self.monotonic()
         try:
-            if self._try():
-                self._renewed_at = started
+            with self._writing:
+                if self._try():
+                    self._renewed_at = started
         except client.ApiException as exc:
             if exc.status not in (404, 409):
                 log.warning("lease %s/%s: %s %s", self.namespace, self.name, exc.status, exc.reason)
@@ -124,6 +153,7 @@ class LeaderElector:
             # 409 if another won the race
             self.leases.create_namespaced_lease(self.namespace, body, _request_timeout=self._timeout)
             log.info("%s acquired lease %s/%s", self.identity, self.namespace, self.name)
+            self.term = 0
             return True
         spec = lease.spec or client.V1LeaseSpec()
         key = (spec.holder_identity, spec.renew_time, lease.metadata.resource_version)
@@ -139,10 +169,46 @@ class LeaderElector:
         lease.spec = self._spec(transitions, spec.acquire_time if held_by_me else None)
         # CAS on resourceVersion
         self.leases.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=self._timeout)
+        self.term = transitions
         if not held_by_me:
-            log.info("%s took over lease %s/%s from %r", self.identity, self.namespace, self.name,
-                     spec.holder_identity)
+            log.info("%s took over lease %s/%s (term %d) from %r", self.identity, self.namespace, self.name,
+                     transitions, spec.holder_identity)
         return True
+
+    def advance_term(self, seen: int) -> int | None:
+        """An agent has seen leader term ``seen``, not older than ours, while we lead: the Lease
+        was made anew (deleted, or renamed) and counts from 0 again. Set its leaseTransitions past
+        ``seen`` - a compare-and-set, so only while we still hold it - and return the new term;
+        None if we do not lead (then the agent's term is a newer leader's)."""
+        with self._writing:
+            started = self.monotonic()
+            if not self.is_leader:
+                return None
+            try:
+                lease = self.leases.read_namespaced_lease(self.name, self.namespace,
+                                                          _request_timeout=self._timeout)
+                spec = lease.spec or client.V1LeaseSpec()
+                if spec.holder_identity != self.identity:
+                    return None
+                term = spec.lease_transitions or 0
+                if term <= seen:   # still behind the agents: move on (also a renewal)
+                    term = seen + 1
+                    lease.spec = self._spec(term, spec.acquire_time)
+                    self.leases.replace_namespaced_lease(self.name, self.namespace, lease,
+                                                         _request_timeout=self._timeout)
+                    self._renewed_at = started
+                    log.warning("lease %s/%s: agents have seen leader term %d, more than the Lease counts "
+                                "(made anew?); this leader's term is now %d", self.namespace, self.name,
+                                seen, term)
+            except client.ApiException as exc:
+                log.warning("lease %s/%s: term not advanced: %s %s", self.namespace, self.name, exc.status,
+                            exc.reason)
+                return None
+            except (OSError, urllib3.exceptions.HTTPError) as exc:
+                log.warning("lease %s/%s: term not advanced: %s", self.namespace, self.name, exc)
+                return None
+            self.term = term
+            return term
 
     def release(self) -> None:
         """Give up leadership at once (on clean shutdown) so a standby takes over without waiting."""

@@ -159,3 +159,122 @@ def test_is_leader_from_another_thread_survives_a_concurrent_loss(api_client, na
 
     elector.monotonic = lost_meanwhile
     assert elector.is_leader is False
+
+
+# --- fencing tokens: a call that left before the lapse and arrives after a takeover -------------
+
+def _standby_takes_over(api_client, namespace: str, lease: str) -> LeaderElector:
+    """A standby that has watched the Lease go unrenewed for a whole lease_duration: it takes over
+    (leaseTransitions + 1), while the old leader's clock still says it leads."""
+    clock = Clock()
+    standby = LeaderElector(api_client, namespace, lease, "standby", monotonic=clock, **TIMING)
+    assert not standby.step()
+    clock.now += TIMING["lease_duration"]
+    assert standby.step() and standby.is_leader
+    return standby
+
+
+def _late_prepares(pool: AgentPool, agent: Agent, meanwhile) -> None:
+    """The agent's prepares run ``meanwhile(share id)`` after the fence check and before they go
+    out: the call is in flight while the standby takes over and acts."""
+    agent_client = pool.get(agent.name, agent.address)
+    prepare = agent_client.prepare
+
+    def late(share, term=None):
+        meanwhile(share.id)
+        return prepare(share, term)
+
+    agent_client.prepare = late
+
+
+@pytest.mark.parametrize("standby_does", ["releases-it", "rolls-it-forward"])
+def test_a_late_call_of_a_deposed_term_is_refused_and_nothing_is_undone(api_client, fastpod_crd, namespace,
+                                                                        pki, agent, leading, standby_does):
+    """The old leader records an allocation and sends its prepare; before it lands, the standby
+    takes over and either releases the pending allocation (its FastPod went away) or finishes
+    it. The old leader's prepare (term 0) then reaches the agent, which has seen term 1: refused.
+    The old leader stops its pass (Deposed) without compensating: no share made for a released
+    record, and the standby's active allocation is not marked releasing nor freed."""
+    elector, _ = leading
+    tls = pki[1]
+    old_pool = AgentPool(tls, deadline=10.0)
+    old = _controller_in_term(api_client, namespace, old_pool, elector)
+    new: list[KubeController] = []
+    objects = client.CustomObjectsApi(api_client)
+
+    def standby_acts(share_id: str) -> None:
+        standby = _standby_takes_over(api_client, namespace, elector.name)
+        assert elector.is_leader and standby.term == elector.term + 1
+        controller = _controller_in_term(api_client, namespace, AgentPool(tls, deadline=10.0), standby)
+        new.append(controller)
+        controller.sync_nodes()
+        if standby_does == "releases-it":
+            assert controller.core.release(share_id, "FastPod deleted").state.value == "failed"
+        else:
+            assert share_id in controller.reconciler.start().completed
+
+    try:
+        old.sync_nodes()
+        assert elector.term == 0 and old.fence.term == 0
+        _late_prepares(old_pool, agent, standby_acts)
+        objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fastpod_manifest("f", MPS))
+        with pytest.raises(Deposed):
+            old.reconcile(namespace, "f")
+        (record,) = _records(objects, namespace)
+        allocation_id = record["spec"]["record"]["id"]
+        shares = agent.shares(tls)
+        if standby_does == "releases-it":
+            assert record["spec"]["state"] == "failed"
+            assert allocation_id not in shares, "the deposed leader's late prepare made a share nobody holds"
+        else:
+            assert record["spec"]["state"] == "active", record["spec"]
+            assert allocation_id in shares, "the deposed leader freed the new leader's share"
+        pods = client.CoreV1Api(api_client).list_namespaced_pod(namespace, label_selector=FASTPOD_LABEL).items
+        fastpod = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "f")
+        assert not pods and not fastpod.get("status"), "the deposed controller went on with its pass"
+    finally:
+        for controller in (old, *new):
+            controller.stop()
+            controller.core.agents.close()
+
+
+def test_a_lease_made_anew_moves_its_term_past_what_the_agents_have_seen(api_client, fastpod_crd, namespace,
+                                                                          pki, agent, leading):
+    """The Lease was deleted (or --lease-name changed): the leader's term counts from 0 again,
+    below what the agents have seen. Its first refused call moves the Lease's term past theirs
+    (only while it holds the Lease) and goes through again; it is not taken as deposed."""
+    elector, _ = leading
+    tls = pki[1]
+    seen = 40
+    probe = AgentPool(tls, deadline=10.0)
+    try:   # a leader of the former Lease, term ``seen``, was the last to call
+        probe.get(agent.name, agent.address).release("fs-from-an-older-lease", term=seen)
+    finally:
+        probe.close()
+    controller = _controller_in_term(api_client, namespace, AgentPool(tls, deadline=10.0), elector)
+    try:
+        controller.sync_nodes()
+        objects = client.CustomObjectsApi(api_client)
+        objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fastpod_manifest("g", MPS))
+        controller.reconcile(namespace, "g")
+        (record,) = _records(objects, namespace)
+        assert record["spec"]["state"] == "active" and record["spec"]["record"]["id"] in agent.shares(tls)
+        lease = client.CoordinationV1Api(api_client).read_namespaced_lease(elector.name, namespace)
+        assert lease.spec.lease_transitions == seen + 1 == elector.term == controller.fence.term
+        assert elector.is_leader and lease.spec.holder_identity == "me"
+    finally:
+        controller.stop()
+        controller.core.agents.close()
+
+
+def _records(objects: client.CustomObjectsApi, namespace: str) -> list[dict]:
+    return objects.list_namespaced_custom_object(GROUP, VERSION, namespace, ALLOCATION_PLURAL)["items"]
+
+
+def _controller_in_term(api_client, namespace, pool: AgentPool, elector: LeaderElector) -> KubeController:
+    """A controller for ``elector``'s current term of office (as run_with_leader_election makes)."""
+    controller = KubeController(api_client, pool, KubeSettings(namespace=namespace, workers=1),
+                                CoreSettings(heartbeat_timeout=30.0), elector=elector)
+    controller.podcache.replace([], "0")
+    controller.usage.replace(controller.peers.replacing([]))
+    return controller

@@ -4,8 +4,11 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(shell find proto -name '*.proto')
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+# What the Ansible roles install by default (fastshare_package_source: wheel).
+WHEEL  := dist/fastshare-$(VERSION)-py3-none-any.whl
 
-.PHONY: demo test lint pytest system-deps venv protos clean
+.PHONY: demo test lint pytest system-deps venv protos clean wheel
 
 ## One-time set-up: a virtualenv with the package (editable) and the dev tools.
 $(STAMP): pyproject.toml setup.py
@@ -25,6 +28,13 @@ venv: $(STAMP) fastshare/v1/.generated
 system-deps:
 	bash scripts/install-system-deps.sh
 
+## The wheel of this checkout for the Ansible roles (README, Ansible collection). build/ goes
+## first: setuptools would pack a module deleted from the tree but still in build/lib.
+wheel: venv
+	rm -rf build $(WHEEL)
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation --wheel-dir dist .
+	test -f $(WHEEL) && echo "$(WHEEL)"
+
 demo: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
@@ -37,4 +47,4 @@ pytest: venv system-deps
 test: lint pytest
 
 clean:
-	rm -rf $(VENV) build *.egg-info fastshare/v1/*_pb2*.py* fastshare/v1/.generated
+	rm -rf $(VENV) build dist *.egg-info fastshare/v1/*_pb2*.py* fastshare/v1/.generated

@@ -182,7 +182,8 @@ class Ledger:
             quota_limit=spec.quota_limit or 1.0, gpus=spec.gpu_count or 1, gpu_models=models,
             cpu_milli=spec.cpu_milli, memory_mib=-(-spec.host_memory_bytes // MiB),
             node_selector=selector, affinity=spec.affinity or None,
-            anti_affinity=spec.anti_affinity or None, exclusion=spec.exclusion or None)
+            anti_affinity=spec.anti_affinity or None, exclusion=spec.exclusion or None,
+            mig_profile=spec.mig_profile if spec.kind is Kind.EXCLUSIVE and spec.mig_profile else None)
 
     def place(self, request: Request, excluded: dict[str, str] | None = None,
               checked: Collection[str] | None = None) -> Assignment | Rejection:

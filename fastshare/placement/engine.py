@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fastshare.device.catalog import find_profile
 from fastshare.placement import mig as migmath
 from fastshare.placement.model import (
     MILLI,
@@ -506,7 +507,9 @@ class Engine:
         for order, (n, g) in enumerate(candidates):
             v = g.view
             need = r.sm_count or (math.ceil(r.sm_percent / 100 * v.sm_count) if r.sm_percent else 0)
-            profs = migmath.smallest_profiles(v.mig_profiles, need, r.gpu_memory_mib)
+            named = find_profile(v.mig_profiles, r.mig_profile) if r.mig_profile else None
+            profs = [p for p in migmath.smallest_profiles(v.mig_profiles, need, r.gpu_memory_mib)
+                     if r.mig_profile is None or p == named]
             if not profs:
                 too_big.append((n, g, need))
                 continue

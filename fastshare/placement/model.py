@@ -36,7 +36,9 @@ class Request:
       the requests on one GPU add up to at most 1);
     - ``mps``: ``gpu_memory_mib`` only (no SM limit);
     - ``exclusive``: a MIG slice with at least ``sm_count`` SMs or ``sm_percent`` of the GPU's
-      SMs and/or ``gpu_memory_mib`` of memory;
+      SMs and/or ``gpu_memory_mib`` of memory; ``mig_profile``: only a slice of that profile (name
+      or id, as ``catalog.find_profile``; its shape differs per model: sizes alone could pick
+      another profile on some model);
     - ``whole``: ``gpus`` entirely idle GPUs on one node.
 
     Every kind may ask for host ``cpu_milli`` / ``memory_mib``, restrict GPU models
@@ -61,6 +63,7 @@ class Request:
     affinity: str | None = None
     anti_affinity: str | None = None
     exclusion: str | None = None
+    mig_profile: str | None = None
 
     def __post_init__(self) -> None:
         # Accept a dict / list for the tuple fields so callers can pass JSON straight in; sorted
@@ -108,6 +111,8 @@ class Request:
         else:  # whole
             _check(isinstance(self.gpus, int) and self.gpus >= 1,
                    f"gpus: must be an integer >= 1 (got {self.gpus})")
+        _check(self.mig_profile is None or self.kind == "exclusive",
+               f"mig_profile: only kind 'exclusive' takes a MIG profile (got kind {self.kind!r})")
         if self.kind != "whole":
             _check(self.gpus == 1, f"gpus: only kind 'whole' takes several GPUs (got {self.gpus})")
 
@@ -115,6 +120,8 @@ class Request:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["gpu_models"] = list(self.gpu_models)
         d["node_selector"] = dict(self.node_selector)
+        if self.mig_profile is None:   # the persisted form of requests without one is unchanged
+            del d["mig_profile"]
         return d
 
     @classmethod

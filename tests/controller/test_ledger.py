@@ -14,8 +14,8 @@ GiB = 1024**3
 
 
 def _node(name: str, models: list[str], mig: bool = False) -> NodeView:
-    mem = {"A100-SXM4-40GB": 40 * GiB, "H100-SXM5-80GB": 80 * GiB, "L4": 22 * GiB}
-    sms = {"A100-SXM4-40GB": 108, "H100-SXM5-80GB": 132, "L4": 58}
+    mem = {"A100-SXM4-40GB": 40 * GiB, "A100-SXM4-80GB": 80 * GiB, "H100-SXM5-80GB": 80 * GiB, "L4": 22 * GiB}
+    sms = {"A100-SXM4-40GB": 108, "A100-SXM4-80GB": 108, "H100-SXM5-80GB": 132, "L4": 58}
     return NodeView(name=name, cpu_milli=0, memory_mib=0, gpus=tuple(
         gpu_view(i, f"GPU-{name}-{i}", m, mem[m], sms[m], m != "L4", mig and m != "L4")
         for i, m in enumerate(models)))
@@ -185,3 +185,19 @@ def test_a_node_the_caller_did_not_check_is_not_offered():
     assert ledger.release("f")
     assert ledger.place(request, {}).node == "b"   # the standalone controller: every node
 
+
+
+def test_a_named_mig_profile_is_the_slice_given_on_every_model_that_has_it():
+    """4g.40gb is 56 SMs on an A100 80GB and 64 on an H100, where a 3g.40gb has 60: the share
+    gets the profile it names, on either model, never another profile of about that size."""
+    ledger = Ledger()
+    ledger.reset([(_node("a", ["A100-SXM4-80GB"], mig=True), True),
+                  (_node("h", ["H100-SXM5-80GB"], mig=True), True)], [])
+    placed = [_place(ledger, f"x{i}", Spec(Kind.EXCLUSIVE, mig_profile="4g.40gb")) for i in range(3)]
+    assert [(p.node, p.mig.profile_name) for p in placed[:2]] == [("a", "4g.40gb"), ("h", "4g.40gb")], placed
+    assert isinstance(placed[2], Rejection)                     # one 4g fits each GPU
+    # a memory request above the profile's memory on one model rules that model out
+    big = _place(ledger, "y", Spec(Kind.EXCLUSIVE, mig_profile="1g.10gb", memory_bytes=9900 * 1024**2))
+    assert (big.node, big.mig.profile_name, big.mig.memory_mib) == ("h", "1g.10gb", 9984), big
+    by_id = _place(ledger, "z", Spec(Kind.EXCLUSIVE, mig_profile="9"))   # 3g.40gb's id on both
+    assert by_id.mig.profile_name == "3g.40gb", by_id

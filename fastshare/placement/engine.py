@@ -541,9 +541,11 @@ class Engine:
                           f"{_fmt_mib(top.memory_mib)})" if top else ""
                 return Rejection(f"no MIG profile has {need} SMs and {_fmt_mib(r.gpu_memory_mib)}{largest}; "
                                  "use kind 'whole' for a full GPU")
-            return Rejection(f"no MIG-capable GPU has a free placement for a slice of "
-                             f"{r.sm_count or r.sm_percent or 0}{' SMs' if r.sm_count else ' % SMs'} and "
-                             f"{_fmt_mib(r.gpu_memory_mib)}; {len(candidates)} candidate GPU(s) are full")
+            slice_ = f"{r.mig_profile} slice" if r.mig_profile else (
+                f"slice of {r.sm_count or r.sm_percent or 0}{' SMs' if r.sm_count else ' % SMs'} and "
+                f"{_fmt_mib(r.gpu_memory_mib)}")
+            return Rejection(f"no MIG-capable GPU has a free placement for a {slice_}; "
+                             f"{len(candidates)} candidate GPU(s) are full")
         n, g, p, s = best
         slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)

@@ -196,6 +196,8 @@ def test_a_named_mig_profile_is_the_slice_given_on_every_model_that_has_it():
     placed = [_place(ledger, f"x{i}", Spec(Kind.EXCLUSIVE, mig_profile="4g.40gb")) for i in range(3)]
     assert [(p.node, p.mig.profile_name) for p in placed[:2]] == [("a", "4g.40gb"), ("h", "4g.40gb")], placed
     assert isinstance(placed[2], Rejection)                     # one 4g fits each GPU
+    assert placed[2].reason == ("no MIG-capable GPU has a free placement for a 4g.40gb slice; "
+                                "2 candidate GPU(s) are full"), placed[2].reason
     # a memory request above the profile's memory on one model rules that model out
     big = _place(ledger, "y", Spec(Kind.EXCLUSIVE, mig_profile="1g.10gb", memory_bytes=9900 * 1024**2))
     assert (big.node, big.mig.profile_name, big.mig.memory_mib) == ("h", "1g.10gb", 9984), big

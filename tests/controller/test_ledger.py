@@ -2,6 +2,7 @@
 rebuild from persisted assignments."""
 
 import threading
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -74,7 +75,7 @@ def test_mig_profile_name_only_on_models_that_have_it():
     on_h100 = ledger.to_request("h", Spec(Kind.EXCLUSIVE, mig_profile="3g.40gb"))
     assert on_h100.gpu_models == ("H100-SXM5-80GB",)
     nowhere = ledger.to_request("n", Spec(Kind.EXCLUSIVE, mig_profile="3g.71gb"))
-    assert isinstance(nowhere, Rejection) and "3g.71gb" in nowhere.reason
+    assert isinstance(nowhere, Rejection) and nowhere.reason == "no GPU present has MIG profile '3g.71gb'"
 
 
 @settings(max_examples=25, deadline=None)
@@ -129,8 +130,7 @@ def test_host_cpu_and_memory_from_the_caller_count_and_survive_a_rebuild():
     rejected = _place(ledger, "fs-2", spec)
     assert not rejected and "lack 1500 milli-CPU; most free is 500 on b" in rejected.reason, rejected.reason
     ledger.set_host("b", 1000, 1024)                      # others took the CPU: fs-1 stays
-    ledger.set_available("b", False)                      # each a rebuild of the engine
-    ledger.set_available("b", True)
+    ledger.set_node(replace(_node("b", ["H100-SXM5-80GB", "L4"]), labels={"rack": "2"}), True)  # a rebuild
     assert ledger.holds("fs-1")
     assert not _place(ledger, "fs-3", spec)
     ledger.set_host("b", 4000, 8192)
@@ -203,3 +203,122 @@ def test_a_named_mig_profile_is_the_slice_given_on_every_model_that_has_it():
     assert (big.node, big.mig.profile_name, big.mig.memory_mib) == ("h", "1g.10gb", 9984), big
     by_id = _place(ledger, "z", Spec(Kind.EXCLUSIVE, mig_profile="9"))   # 3g.40gb's id on both
     assert by_id.mig.profile_name == "3g.40gb", by_id
+
+
+def test_a_cordoned_node_gets_no_new_work_and_the_rejection_says_why():
+    """Cordon (with or without a reason) keeps a node's shares and turns new work away, naming
+    the node and the operator's reason; uncordon takes it back; a node cordoned before it
+    registers is cordoned once it does."""
+    ledger = _ledger()
+    spec = Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, quota_request=0.1, models=("L4",))
+    held = _place(ledger, "f1", spec)
+    ledger.set_cordoned("b", True, "disk swap")
+    refused = _place(ledger, "f2", spec)
+    assert isinstance(refused, Rejection), refused
+    assert "1 node(s) are cordoned: disk swap (b)" in refused.reason, refused.reason
+    assert ledger.holds(held.request.id)
+    ledger.set_cordoned("b", True)
+    refused = _place(ledger, "f2", spec)
+    assert "1 node(s) are cordoned (b)" in refused.reason, refused.reason
+    ledger.set_cordoned("b", False)
+    assert _place(ledger, "f2", spec).node == "b"
+    ledger.set_cordoned("c", True, "new rack")                 # not registered yet
+    placed = _place(ledger, "f3", Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, models=("H100*",)))
+    assert isinstance(placed, Assignment), placed
+    ledger.set_node(_node("c", ["L4"]), True)
+    ledger.set_cordoned("b", True, "disk swap")
+    refused = _place(ledger, "f4", spec)
+    assert isinstance(refused, Rejection) and "cordoned: new rack (c)" in refused.reason, refused.reason
+
+
+def test_model_globs_that_match_no_gpu_present_are_refused_naming_what_is_present():
+    ledger = _ledger()
+    refused = ledger.to_request("x", Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, models=("V100*",)))
+    assert isinstance(refused, Rejection)
+    assert refused.reason == ("no GPU model present matches ['V100*']; present: "
+                              "['A100-SXM4-40GB', 'H100-SXM5-80GB', 'L4']")
+    assert expand_models(["my-gpu*"], ["my-gpu-x"]) == ("my-gpu-x",)    # a model the catalog lacks
+
+
+def test_exclusive_by_sm_count_or_percent_gets_the_smallest_slice_that_has_it():
+    ledger = _ledger()
+    by_count = _place(ledger, "c", Spec(Kind.EXCLUSIVE, sm_count=40))
+    assert (by_count.node, by_count.mig.profile_name) == ("a", "3g.20gb"), by_count
+    by_percent = _place(ledger, "p", Spec(Kind.EXCLUSIVE, sm_percent=20))   # 20 % of 108 SMs: 22
+    assert by_percent.mig.profile_name == "2g.10gb", by_percent
+
+
+def test_a_mig_profile_request_keeps_to_the_models_asked_for_and_skips_unknown_models():
+    ledger = _ledger()
+    ledger.set_node(NodeView(name="m", cpu_milli=0, memory_mib=0, gpus=(
+        gpu_view(0, "GPU-m-0", "Mystery-GPU", 40 * GiB, 100, True, True),)), True)
+    request = ledger.to_request("x", Spec(Kind.EXCLUSIVE, mig_profile="3g.40gb"))
+    assert request.gpu_models == ("H100-SXM5-80GB",)
+    limited = ledger.to_request("y", Spec(Kind.EXCLUSIVE, mig_profile="1g.10gb", models=("A100*",)))
+    assert limited.gpu_models == ("A100-SXM4-40GB",)
+    assert ledger.place(limited).node == "a"
+
+
+def test_the_time_quota_limit_and_memory_rounding_reach_the_engine():
+    """A fastpod's quota limit is what its node enforces; memory that is not a whole MiB is
+    rounded up (a share never gets less than it asked for)."""
+    ledger = _ledger()
+    ledger.set_host("b", 1000, 1024)
+    placed = _place(ledger, "q", Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB + 1, quota_request=0.2,
+                                      quota_limit=0.5, host_memory_bytes=1024**2 + 1))
+    assert (placed.node, placed.request.quota_request, placed.request.quota_limit) == ("b", 0.2, 0.5)
+    assert (placed.request.gpu_memory_mib, placed.request.memory_mib) == (1025, 2)
+
+
+def test_restore_adds_a_held_assignment_once():
+    ledger = _ledger()
+    held = _place(ledger, "f", Spec(Kind.FASTPOD, sm_percent=70, memory_bytes=GiB, models=("L4",)))
+    other = _ledger()
+    other.restore(held)
+    other.restore(held)                                   # again: no error, counted once
+    assert other.holds("f") and other.usage() == ledger.usage()
+    assert isinstance(_place(other, "g", Spec(Kind.FASTPOD, sm_percent=40, memory_bytes=GiB, models=("L4",))),
+                      Rejection)
+
+
+def test_availability_from_reset_and_set_node_and_a_reset_reports_what_no_longer_fits():
+    ledger = Ledger()                                     # nodes may register before any reset
+    ledger.set_node(_node("b", ["L4"]), False)
+    assert ledger.node_names() == {"b"}
+    spec = Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB)
+    refused = _place(ledger, "f", spec)
+    assert isinstance(refused, Rejection), refused
+    assert refused.reason == "1 node(s) are unavailable (their agent does not answer) (b)", refused.reason
+    ledger.set_node(_node("b", ["L4"]), True)
+    held = _place(ledger, "f", spec)
+    fresh = Ledger()
+    failed = fresh.reset([(_node("a", ["L4"]), False)], [held])
+    assert [(a.request.id, "b is not in the cluster view" in why) for a, why in failed] == [("f", True)]
+    assert "are unavailable" in _place(fresh, "g", spec).reason
+
+
+def test_host_figures_told_before_a_node_registers_apply_when_it_does():
+    ledger = _ledger()
+    ledger.set_host("c", 2000, 4096)
+    ledger.set_node(_node("c", ["L4"]), True)
+    spec = Spec(kind=Kind.MPS, memory_bytes=GiB, cpu_milli=1500)
+    assert _place(ledger, "x", spec).node == "c"
+
+
+def test_mps_memory_is_not_oversubscribed_by_default():
+    ledger = Ledger()
+    ledger.reset([(_node("b", ["L4"]), True)], [])
+    assert isinstance(_place(ledger, "m1", Spec(Kind.MPS, memory_bytes=12 * GiB)), Assignment)
+    assert isinstance(_place(ledger, "m2", Spec(Kind.MPS, memory_bytes=12 * GiB)), Rejection)
+
+
+def test_gpu_view_offers_mig_only_with_catalog_profiles():
+    """The engine sizes MIG slices from the catalog: a GPU of a model it lacks offers no MIG
+    (nor its unheld instances), whatever NVML says; memory is whole MiB."""
+    unknown = gpu_view(0, "GPU-0", "Mystery-GPU", 40 * GiB + 5, 100, True, True, ((9, 0, 4),))
+    assert (unknown.mig_capable, unknown.mig_profiles, unknown.mig_unheld) == (False, (), ())
+    assert unknown.memory_mib == 40 * 1024 and isinstance(unknown.memory_mib, int)
+    known = gpu_view(0, "GPU-0", "A100-SXM4-40GB", 40 * GiB, 108, True, True, ((9, 0, 4),))
+    assert known.mig_capable and known.mig_unheld == ((9, 0, 4),) and known.mig_profiles
+    off = gpu_view(0, "GPU-0", "A100-SXM4-40GB", 40 * GiB, 108, False, False)
+    assert (off.mig_capable, off.mig_profiles) == (False, ())

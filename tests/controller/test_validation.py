@@ -130,3 +130,125 @@ def test_allocation_ids_are_checked(value, match):
         check_allocation_id(value)
     assert exc.value.field == "allocation_id"
     check_allocation_id("fs-0123456789abcdef")
+
+
+# --- behaviour pinned after mutation testing ---------------------------------------------------
+@pytest.mark.parametrize(("spec", "field", "match"), [
+    (Spec(Kind.EXCLUSIVE, sm_percent=101), "spec.sm_percent", r"must be in 1\.\.100, got 101"),
+    (Spec(Kind.EXCLUSIVE, sm_percent=0.5), "spec.sm_percent", r"must be in 1\.\.100, got 0.5"),
+    (Spec(Kind.EXCLUSIVE, sm_count=-1), "spec.sm_count", r"must be in 1\.\.1024, got -1"),
+    (Spec(Kind.EXCLUSIVE, sm_count=1025), "spec.sm_count", r"must be in 1\.\.1024, got 1025"),
+    (Spec(Kind.MPS, memory_bytes=-1), "spec.memory_bytes", "must be > 0, got -1"),
+    (Spec(Kind.MPS, memory_bytes=GiB, cpu_milli=-1), "spec.cpu_milli", "must be >= 0, got -1"),
+    (Spec(Kind.MPS, memory_bytes=GiB, host_memory_bytes=-1), "spec.host_memory_bytes",
+     "must be >= 0, got -1"),
+    (Spec(Kind.MPS, memory_bytes=GiB, models=tuple(f"m{i}" for i in range(65))), "spec.models",
+     "at most 64 entries, got 65"),
+    (Spec(Kind.MPS, memory_bytes=GiB, models=("m" * 129,)), "spec.models",
+     "entries of at most 128 characters, got 129"),
+    (Spec(Kind.EXCLUSIVE, mig_profile="1g.5gb", memory_bytes=5 * GiB), "spec.mig_profile",
+     "1g.5gb on A100-SXM4-40GB has 4864 MiB"),
+])
+def test_more_invalid_requests_name_the_field_and_range(spec, field, match):
+    _check(spec, field, match)
+
+
+def test_the_largest_accepted_values_pass():
+    """The ranges are inclusive (the FastPod CRD renders the same ones)."""
+    for spec in (Spec(Kind.EXCLUSIVE, sm_count=98),
+                 Spec(Kind.EXCLUSIVE, mig_profile="1g.5gb", memory_bytes=4864 * 2**20),
+                 Spec(Kind.MPS, memory_bytes=GiB, models=(*(f"m{i}" for i in range(63)), "m" * 128))):
+        validate(Request(spec=spec), GPUS)
+    sixteen = [Gpu(i, f"GPU-{i}", "NVIDIA L4", 22 * GiB, 58) for i in range(16)]
+    validate(Request(spec=Spec(Kind.WHOLE, gpu_count=16)), sixteen)     # no per-node figure given
+    with pytest.raises(ValidationError, match=r"must be in 1\.\.16, got 17"):
+        validate(Request(spec=Spec(Kind.WHOLE, gpu_count=17)), sixteen)
+    with pytest.raises(ValidationError) as exc:
+        validate(Request(spec=Spec(Kind.EXCLUSIVE, sm_count=1025)), [])
+    assert (exc.value.field, exc.value.detail) == ("spec.sm_count", "must be in 1..1024, got 1025")
+    assert str(exc.value) == "spec.sm_count: must be in 1..1024, got 1025"
+
+
+def test_with_no_gpu_registered_the_cluster_checks_are_left_to_placement():
+    for spec in (Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=100 * GiB),
+                 Spec(Kind.EXCLUSIVE, sm_count=1024), Spec(Kind.EXCLUSIVE, mig_profile="9" * 32),
+                 Spec(Kind.EXCLUSIVE, sm_percent=100), Spec(Kind.EXCLUSIVE, sm_percent=1)):
+        validate(Request(spec=spec), [])
+
+
+def test_a_kind_that_is_not_a_kind_is_refused():
+    _check(Spec("fastpod", sm_percent=30, memory_bytes=GiB), "spec.kind",   # type: ignore[arg-type]
+           "must be one of fastpod, mps, exclusive, whole")
+
+
+def test_node_names_and_labels_are_bounded():
+    from fastshare.controller.validation import check_node_labels, check_node_name
+
+    check_node_name("n" * 253)
+    with pytest.raises(ValidationError, match=r"at most 253 characters .*got 254") as exc:
+        check_node_name("n" * 254)
+    assert exc.value.field == "node"
+    check_node_labels({f"k{i}": "v" for i in range(62)} | {"topology.kubernetes.io/zone": "", "a": "b-1.c_2"})
+    check_node_labels({"k": "v" * 63})
+    for labels, match in [
+        ({f"k{i}": "v" for i in range(65)}, "at most 64 labels, got 65"),
+        ({"bad key": "v"}, "label key 'bad key'"),
+        ({"k": "-v"}, "label value '-v' of 'k': empty or at most 63"),
+        ({"k": "v" * 64}, "label value 'v{64}' of 'k'"),
+    ]:
+        with pytest.raises(ValidationError, match=match) as exc:
+            check_node_labels(labels)
+        assert exc.value.field == "labels"
+
+
+def test_normalise_gives_an_unquoted_fastpod_its_sm_share_as_guaranteed_quota():
+    from fastshare.controller.validation import normalise
+
+    spec = normalise(Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB))
+    assert (spec.quota_request, spec.quota_limit) == (0.3, 1.0)
+    quoted = Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB, quota_request=0.1, quota_limit=0.2)
+    assert normalise(quoted) == quoted
+    assert normalise(Spec(Kind.MPS, memory_bytes=GiB)) == Spec(Kind.MPS, memory_bytes=GiB)
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB, quota_request=1.0, quota_limit=1.0),
+    Spec(Kind.MPS, memory_bytes=GiB, gpu_count=1, affinity="team-a", anti_affinity="x/y.z_1",
+         node_selector=tuple((f"k{i}", "v") for i in range(64))),
+    Spec(Kind.MPS, memory_bytes=1, node_selector=(("k" * 317, "v" * 63),)),
+    Spec(Kind.FASTPOD, sm_percent=1, memory_bytes=1),
+])
+@pytest.mark.parametrize("lease_ttl", [0, 5, 604800])
+def test_boundary_values_pass(spec, lease_ttl):
+    validate(Request(spec=spec, owner="o" * 253, idempotency_key="k" * 256, lease_ttl=lease_ttl), GPUS, 2)
+
+
+@pytest.mark.parametrize(("spec", "field", "match"), [
+    (Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB, quota_request=0.5), "spec.quota_limit",
+     r"fraction in \(0, 1\], got 0"),
+    (Spec(Kind.FASTPOD, sm_percent=30, memory_bytes=GiB, quota_request=0.5, quota_limit=1.5),
+     "spec.quota_limit", r"fraction in \(0, 1\], got 1.5"),
+    (Spec(Kind.EXCLUSIVE, mig_profile="1g.5gb", memory_bytes=4864 * 2**20 + 1), "spec.mig_profile",
+     "1g.5gb on A100-SXM4-40GB has 4864 MiB"),              # memory is rounded up to whole MiB
+])
+def test_quota_and_rounding_edges_are_refused(spec, field, match):
+    _check(spec, field, match)
+
+
+def test_owner_length_is_inclusive_and_small_gpus_are_quoted_in_mib():
+    _check(Spec(Kind.MPS, memory_bytes=GiB), "owner", "at most 253 characters, got 254", owner="o" * 254)
+    tiny = Gpu(0, "GPU-t", "NVIDIA Tiny", 512 * 2**20, 8)
+    _check(Spec(Kind.MPS, memory_bytes=600 * 2**20), "spec.memory_bytes",
+           r"largest GPU's memory \(512 MiB\), got 600 MiB", gpus=[tiny])
+
+
+def test_gpus_of_models_the_catalog_lacks_do_not_hide_the_mig_capable_ones():
+    odd = Gpu(1, "GPU-x", "NVIDIA Mystery", 40 * GiB, 100, True, True)
+    validate(Request(spec=Spec(Kind.EXCLUSIVE, mig_profile="3g.20gb")), [odd, A100])
+    _check(Spec(Kind.EXCLUSIVE, sm_count=10), "spec.kind", "no MIG-capable GPU", gpus=[odd])
+
+
+def test_the_longest_allocation_id_passes():
+    from fastshare.controller.validation import check_allocation_id
+
+    check_allocation_id("f" * 128)

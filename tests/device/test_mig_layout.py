@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastshare.device import DeviceError, open_devices, simnvml
+from fastshare.device.api import MigInstance, MigProfile
 from fastshare.device.catalog import MODELS, get_model
 from fastshare.device.mig_layout import (
     GpuShape,
@@ -279,3 +281,98 @@ def test_planner_accepts_exactly_the_layouts_brute_force_can_place(model):
         assert not layout_bench.largest_first(shape, Counter({19: 2, 14: 1, 9: 1}))
         assert not layout_bench.nvml_default_order(shape, [19, 19, 14, 9])
         assert layout_bench.nvml_default_order(shape, [9, 19, 14, 19])
+
+
+# --- behaviour pinned after mutation testing ---------------------------------------------------
+def test_the_planner_places_new_instances_where_they_keep_the_largest_shapes_possible():
+    """Among arrangements that keep as much, the plan takes the one with the best future shapes,
+    not merely the lowest starts: a lone 1g goes to the top, a 3g.20gb to 4 (the 4g.20gb, only
+    at 0, stays possible), and a second 1g next to the first one (a 3g.20gb at 4 stays possible)."""
+    def final(current, layout):
+        return [(p.profile_id, p.start) for p in plan_layout(A100, current, parse_layout(layout, A100)).final]
+    assert final([], "1g.5gb") == [(19, 6)]
+    assert final([], "3g.20gb") == [(9, 4)]
+    assert final([], "3g.20gb,1g.5gb") == [(19, 0), (9, 4)]
+    assert final([], "1g.5gb=2") == [(19, 4), (19, 5)]
+    assert best_placement(A100, [Placed(19, 0)], "1g.5gb") == 1
+    assert best_placement(A100, [Placed(14, 0)], "1g.10gb") == 2
+
+
+@pytest.mark.parametrize(("current", "reason"), [
+    ([Placed(9, 0), Placed(14, 2)], "2g.10gb at 2 overlaps another instance"),
+    ([Placed(9, 2)], "3g.20gb cannot start at 2"),
+    ([Placed(20, 0), Placed(20, 1)], "more than 1 x 1g.5gb+me"),
+])
+def test_an_inconsistent_current_layout_is_refused_before_any_step(current, reason):
+    with pytest.raises(LayoutError, match=f"the current layout is inconsistent: {re.escape(reason)}"):
+        plan_layout(A100, current, parse_layout("1g.5gb", A100))
+
+
+def test_no_arrangement_reason_names_the_allowed_starts():
+    """A GPU whose profiles fit by slice counts but not by their allowed starts (NVML reports
+    the starts; the catalog's models happen to have no such layout)."""
+    two = MigProfile(1, "2g.x", 2, 2, 1000, 10, 2, (0, 1))
+    shape = GpuShape((two, MigProfile(2, "8g.x", 7, 8, 4000, 70, 1, (0,))), 8, 7, "GPU 9")
+    assert check_layout(shape, Counter({1: 2})) == (
+        "no arrangement of allowed placements fits 2 x 2g.x (2g.x can start only at 0, 1)")
+
+
+def test_layout_counts_must_be_whole_numbers_and_current_layouts_format_back():
+    for bad in (1.5, "two", None):
+        with pytest.raises(LayoutError, match=r"count for '1g.5gb' must be an integer >= 0, got "):
+            parse_layout({"1g.5gb": bad}, A100)
+    assert format_layout([Placed(19, 0), Placed(9, 4), Placed(19, 1)], A100) == "3g.20gb=1,1g.5gb=2"
+
+
+def test_shapes_come_only_from_mig_capable_models_or_reported_profiles():
+    with pytest.raises(LayoutError, match="L4 does not support MIG"):
+        GpuShape.from_model(get_model("L4"))
+    with pytest.raises(LayoutError, match="GPU 3 reports no MIG profiles"):
+        GpuShape.from_profiles(iter(()), "GPU 3")
+    shape = GpuShape.from_profiles(iter(A100.profiles))
+    assert (shape.memory_slices, shape.compute_slices, len(shape.profiles)) == (8, 7, len(A100.profiles))
+    with pytest.raises(LayoutError, match=r"unknown MIG profile '9g' on GPU; known: 1g\.5gb"):
+        shape.profile("9g")
+
+
+def test_an_instance_with_processes_is_in_use_and_labelled_by_its_uuid():
+    def inst(processes: int) -> MigInstance:
+        return MigInstance("GPU-0", 0, 19, "1g.5gb", 3, 1, 1, 0, "MIG-x", 14, 4864, processes)
+    assert Placed.of(inst(2)) == Placed(19, 3, True, "MIG-x", 2)
+    assert Placed.of(inst(0)) == Placed(19, 3, False, "MIG-x", 0)
+
+    class Bare:
+        profile_id, start = 9, 4
+    assert Placed.of(Bare()) == Placed(9, 4)
+
+
+def test_plan_to_dict_lists_steps_keep_and_final():
+    plan = plan_layout(A100, [Placed(19, 0), Placed(19, 6)], parse_layout("1g.5gb,3g.20gb", A100))
+    assert plan.to_dict() == {
+        "changed": True,
+        "steps": [{"action": "destroy", "profile_id": 19, "profile_name": "1g.5gb", "start": 6, "size": 1,
+                   "description": "destroy 1g.5gb (id 19) at start 6 (memory slices 6..6)"},
+                  {"action": "create", "profile_id": 9, "profile_name": "3g.20gb", "start": 4, "size": 4,
+                   "description": "create 3g.20gb (id 9) at start 4 (memory slices 4..7)"}],
+        "keep": [{"profile_id": 19, "start": 0, "in_use": False, "label": "", "processes": 0}],
+        "final": [{"profile_id": 19, "start": 0, "in_use": False, "label": "", "processes": 0},
+                  {"profile_id": 9, "start": 4, "in_use": False, "label": "", "processes": 0}],
+    }
+    assert not plan_layout(A100, plan.final, parse_layout("1g.5gb,3g.20gb", A100)).to_dict()["changed"]
+
+
+def test_plan_for_gpu_keeps_busy_instances_unless_forced(devices, machine: Path):
+    inst = devices.create_mig_instance(0, 19, 6)
+    simnvml.add_process(machine, 0, mig_uuid=inst.uuid)
+    with pytest.raises(LayoutError, match=r"1g.5gb at start 6 \(MIG-.*\) is in use"):
+        plan_for_gpu(devices, 0, "7g.40gb")
+
+
+def test_apply_reports_the_steps_already_done(devices, machine: Path):
+    devices.create_mig_instance(0, 19, 0)
+    second = devices.create_mig_instance(0, 19, 1)
+    _, plan = plan_for_gpu(devices, 0, "")
+    simnvml.add_process(machine, 0, mig_uuid=second.uuid)
+    with pytest.raises(DeviceError, match=r"step 'destroy 1g.5gb \(id 19\) at start 1 .*already done: "
+                                          r"destroy 1g.5gb \(id 19\) at start 0 \(memory slices 0..0\)\)"):
+        apply_plan(devices, 0, plan)

@@ -203,6 +203,11 @@ def test_a_named_mig_profile_is_the_slice_given_on_every_model_that_has_it():
     assert (big.node, big.mig.profile_name, big.mig.memory_mib) == ("h", "1g.10gb", 9984), big
     by_id = _place(ledger, "z", Spec(Kind.EXCLUSIVE, mig_profile="9"))   # 3g.40gb's id on both
     assert by_id.mig.profile_name == "3g.40gb", by_id
+    restarted = Ledger()                       # the persisted form keeps the profile: a restart restores it
+    assert restarted.reset([(_node("a", ["A100-SXM4-80GB"], mig=True), True),
+                            (_node("h", ["H100-SXM5-80GB"], mig=True), True)],
+                           [Assignment.from_dict(p.to_dict()) for p in (*placed[:2], big, by_id)]) == []
+    assert restarted.usage() == ledger.usage()
 
 
 def test_a_cordoned_node_gets_no_new_work_and_the_rejection_says_why():

@@ -315,6 +315,12 @@ def test_no_arrangement_reason_names_the_allowed_starts():
     shape = GpuShape((two, MigProfile(2, "8g.x", 7, 8, 4000, 70, 1, (0,))), 8, 7, "GPU 9")
     assert check_layout(shape, Counter({1: 2})) == (
         "no arrangement of allowed placements fits 2 x 2g.x (2g.x can start only at 0, 1)")
+    # compute slices bind before memory on such a GPU: a current layout beyond them is refused
+    small = MigProfile(3, "1c.x", 1, 1, 500, 10, 8, tuple(range(8)))
+    narrow = GpuShape((small, MigProfile(4, "4c.x", 4, 8, 4000, 40, 1, (0,))), 8, 4, "GPU 9")
+    plan_layout(narrow, [Placed(3, s) for s in range(4)], Counter({3: 4}))
+    with pytest.raises(LayoutError, match="inconsistent: 5 compute slices needed, 4 exist"):
+        plan_layout(narrow, [Placed(3, s) for s in range(5)], Counter({3: 4}))
 
 
 def test_layout_counts_must_be_whole_numbers_and_current_layouts_format_back():

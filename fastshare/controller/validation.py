@@ -151,8 +151,9 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
         raise ValidationError("spec.kind", "must be one of fastpod, mps, exclusive, whole")
     kind = spec.kind
     largest = max((g.memory_bytes for g in gpus), default=0)
-    if spec.memory_bytes < 0:
-        raise ValidationError("spec.memory_bytes", f"must be > 0, got {spec.memory_bytes}")
+    if spec.memory_bytes < 0:   # 0 is "no memory asked" for exclusive and whole
+        least = "> 0" if kind in (Kind.FASTPOD, Kind.MPS) else ">= 0"
+        raise ValidationError("spec.memory_bytes", f"must be {least}, got {spec.memory_bytes}")
     if spec.memory_bytes and largest and spec.memory_bytes > largest:
         raise ValidationError("spec.memory_bytes", f"must be <= the largest GPU's memory "
                                                    f"({_human(largest)}), got {_human(spec.memory_bytes)}")

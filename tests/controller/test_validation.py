@@ -139,6 +139,7 @@ def test_allocation_ids_are_checked(value, match):
     (Spec(Kind.EXCLUSIVE, sm_count=-1), "spec.sm_count", r"must be in 1\.\.1024, got -1"),
     (Spec(Kind.EXCLUSIVE, sm_count=1025), "spec.sm_count", r"must be in 1\.\.1024, got 1025"),
     (Spec(Kind.MPS, memory_bytes=-1), "spec.memory_bytes", "must be > 0, got -1"),
+    (Spec(Kind.WHOLE, gpu_count=1, memory_bytes=-1), "spec.memory_bytes", "must be >= 0, got -1"),
     (Spec(Kind.MPS, memory_bytes=GiB, cpu_milli=-1), "spec.cpu_milli", "must be >= 0, got -1"),
     (Spec(Kind.MPS, memory_bytes=GiB, host_memory_bytes=-1), "spec.host_memory_bytes",
      "must be >= 0, got -1"),

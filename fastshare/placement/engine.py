@@ -534,6 +534,11 @@ class Engine:
                         best_key, best = key, (n, g, p, s)
                 break  # smallest placeable profile on this GPU
         if best is None:
+            if too_big and len(too_big) == len(candidates) and r.mig_profile:
+                models = ", ".join(sorted({g.view.model for _n, g, _need in too_big}))
+                memory = f" of {_fmt_mib(r.gpu_memory_mib)}" if r.gpu_memory_mib else ""
+                return Rejection(f"no MIG-capable GPU looked at ({models}) has a {r.mig_profile} "
+                                 f"slice{memory}; ask for a profile these models have, or for SMs and memory")
             if too_big and len(too_big) == len(candidates):
                 n, g, need = too_big[0]
                 top = max(g.view.mig_profiles, key=lambda p: p.sm_count, default=None)

@@ -451,3 +451,12 @@ def test_shares_skip_gpus_that_cannot_run_mps_and_the_rejection_says_why():
     slice_ = Request("e", "exclusive", sm_count=14, gpu_memory_mib=4096)
     assert isinstance(only_blocked.place(slice_), Assignment)
     assert isinstance(only_blocked.place(Request("w", "whole", gpus=1)), Assignment)
+
+
+def test_a_named_mig_profile_no_gpu_has_is_refused_naming_the_profile_and_the_models():
+    """It was refused in SMs and memory ("no MIG profile has 0 SMs ..."), words for a size
+    request, not for a profile the user named."""
+    eng = Engine([node("n", n_gpus=1, key="A100-SXM4-40GB")])
+    rej = eng.place(Request("e", "exclusive", sm_count=1, mig_profile="4g.40gb"))
+    assert isinstance(rej, Rejection)
+    assert "4g.40gb slice" in rej.reason and "A100-SXM4-40GB" in rej.reason and "SMs and memory" in rej.reason

@@ -259,13 +259,13 @@ class KubeController:
     checks first that this process still holds the Lease (see Fence), and a pass that finds it
     does not stops there (nothing requeued: the next leader rebuilds). Agent calls carry the
     leader term, so an agent that has seen a newer leader's refuses one that arrives late.
-    ``leading`` instead: a plain leadership test, no term sent."""
+    None: no election (always leading, no term sent)."""
 
     def __init__(self, api: client.ApiClient, agents: AgentPool, settings: KubeSettings | None = None,
                  core_settings: CoreSettings | None = None,
-                 leading: Callable[[], bool] | None = None, elector: LeaderElector | None = None) -> None:
+                 elector: LeaderElector | None = None) -> None:
         self.settings = settings or KubeSettings()
-        self.fence = Fence(leading, elector)
+        self.fence = Fence(elector)
         # workers + replica creators + two watches + housekeeping + one spare
         pooled = _pooled(api, self.settings.workers + self.settings.create_parallelism + 4)
         self._own_api = pooled is not api

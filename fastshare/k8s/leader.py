@@ -48,16 +48,14 @@ class Fence:
     middle of a pass (``leading()`` false: not renewed within renew_deadline, or released)
     takes no further step of it: a standby may be leading by then, and a deposed leader's
     agent call would race it. What the pass did so far is recorded, so the next leader's
-    rebuild finishes or undoes it. ``leading`` None: always leading (no election).
+    rebuild finishes or undoes it. ``elector`` None: always leading (no election).
 
-    With ``elector`` (instead of ``leading``): leading is the elector's, and :attr:`term`, its
-    term, goes with every agent call that changes a GPU: an agent that has seen a newer term
-    refuses a call that left before the lapse and arrives after a takeover."""
+    :attr:`term`, the elector's term, goes with every agent call that changes a GPU: an agent
+    that has seen a newer term refuses a call that left before the lapse and arrives after a
+    takeover."""
 
-    def __init__(self, leading: Callable[[], bool] | None = None,
-                 elector: LeaderElector | None = None) -> None:
+    def __init__(self, elector: LeaderElector | None = None) -> None:
         self._elector = elector
-        self._leading = (lambda: elector.is_leader) if elector is not None else leading
         self._told = False   # the lapse was logged (once per lapse, not once per refused step)
 
     @property
@@ -76,7 +74,7 @@ class Fence:
             raise Deposed(f"an agent has seen leader term {seen}; this controller's is {term}")
 
     def check(self) -> None:
-        if self._leading is None or self._leading():
+        if self._elector is None or self._elector.is_leader:
             self._told = False
             return
         if not self._told:

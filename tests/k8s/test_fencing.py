@@ -62,7 +62,7 @@ def leading(api_client, namespace):
 def _controller(api_client, namespace, tls, elector) -> KubeController:
     controller = KubeController(api_client, AgentPool(tls, deadline=10.0),
                                 KubeSettings(namespace=namespace, workers=1),
-                                CoreSettings(heartbeat_timeout=30.0), leading=lambda: elector.is_leader)
+                                CoreSettings(heartbeat_timeout=30.0), elector=elector)
     controller.podcache.replace([], "0")   # not started: no watch fills them
     controller.usage.replace(controller.peers.replacing([]))
     return controller

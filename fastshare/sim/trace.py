@@ -45,9 +45,12 @@ class SimPod:
 
 def _rows(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
     try:
-        with open(path, newline="") as f:
+        # utf-8-sig: a file saved by Excel or PowerShell starts with a byte order mark, which
+        # would otherwise become part of the first column's name
+        with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
-            header = reader.fieldnames or []
+            header = [h.strip() for h in reader.fieldnames or []]   # "name, cpu_milli" exports
+            reader.fieldnames = header
             missing = [c for c in required if c not in header]
             if missing:
                 raise TraceError(f"{path}: missing column(s) {', '.join(missing)} "

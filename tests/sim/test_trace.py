@@ -79,3 +79,15 @@ def test_tie_order_is_a_seeded_permutation(tmp_path):
     nodes = read_nodes(write(tmp_path, "n.csv", NODE_HEADER + "".join(f"n{i},1,1,1,T4\n" for i in range(20))))
     r = node_tie_order(nodes, 42)
     assert sorted(r) == list(range(20)) and r == node_tie_order(nodes, 42) and r != node_tie_order(nodes, 1)
+
+
+def test_a_byte_order_mark_and_padded_header_names_are_read(tmp_path):
+    # a CSV saved by Excel or PowerShell starts with a UTF-8 BOM, and some exports put a space
+    # after each comma; both were refused with "missing column(s) name"
+    body = "a,1000,10,1,500,T4\n"
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + (POD_HEADER + body).encode())
+    assert read_pods(tmp_path / "bom.csv")[0].name == "a"
+    padded = write(tmp_path, "sp.csv", "name, cpu_milli , memory_mib, num_gpu, gpu_milli, gpu_spec\n" + body)
+    assert read_pods(padded)[0].gpu_request == 500
+    (tmp_path / "n.csv").write_bytes(b"\xef\xbb\xbf" + (NODE_HEADER + "n1,64000,1024,2,T4\n").encode())
+    assert read_nodes(tmp_path / "n.csv")[0].name == "n1"

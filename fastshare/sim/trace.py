@@ -44,22 +44,33 @@ class SimPod:
 
 
 def _rows(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+    """``(line, row)`` for every non-blank record; ``line`` is the record's first physical line,
+    also after blank lines and quoted fields that span lines."""
+    rows: list[tuple[int, dict[str, str]]] = []
+    reader = None
     try:
         # utf-8-sig: a file saved by Excel or PowerShell starts with a byte order mark, which
         # would otherwise become part of the first column's name
         with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
-            header = [h.strip() for h in reader.fieldnames or []]   # "name, cpu_milli" exports
-            reader.fieldnames = header
+            reader = csv.reader(f)
+            header = [h.strip() for h in next(reader, [])]   # "name, cpu_milli" exports
             missing = [c for c in required if c not in header]
             if missing:
                 raise TraceError(f"{path}: missing column(s) {', '.join(missing)} "
                                  f"(header has {', '.join(header) or 'nothing'})")
-            rows = [(i + 2, r) for i, r in enumerate(reader)]
+            end = reader.line_num
+            for raw in reader:
+                line, end = end + 1, reader.line_num
+                if not any(cell.strip() for cell in raw):   # a blank line, or ",,,," from a spreadsheet
+                    continue
+                rows.append((line, {h: raw[i] if i < len(raw) else "" for i, h in enumerate(header)}))
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror})") from e
-    except (csv.Error, UnicodeDecodeError) as e:
-        raise TraceError(f"{path}: not a CSV file ({e})") from e
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not UTF-8 text ({e})") from e
+    except csv.Error as e:
+        at = f" line {reader.line_num}" if reader is not None else ""
+        raise TraceError(f"{path}{at}: not a CSV file ({e})") from e
     if not rows:
         raise TraceError(f"{path}: no data rows")
     return rows

@@ -91,3 +91,16 @@ def test_a_byte_order_mark_and_padded_header_names_are_read(tmp_path):
     assert read_pods(padded)[0].gpu_request == 500
     (tmp_path / "n.csv").write_bytes(b"\xef\xbb\xbf" + (NODE_HEADER + "n1,64000,1024,2,T4\n").encode())
     assert read_nodes(tmp_path / "n.csv")[0].name == "n1"
+
+
+def test_errors_name_the_physical_line_after_blank_lines_and_quoted_newlines(tmp_path):
+    # rows were numbered by their index, so a blank line (or a quoted field spanning lines)
+    # before the bad row sent the user to the wrong line
+    text = POD_HEADER + "a,1000,10,1,500,\n\n\nb,1000,10,1,500,\"T4\nP100\"\nc,-1,10,0,0,\n"
+    with pytest.raises(TraceError, match=re.escape("line 7: cpu_milli must be >= 0 (got -1)")):
+        read_pods(write(tmp_path, "p.csv", text))
+    nodes = NODE_HEADER + "n1,1,1,1,T4\r\n\r\nn1,1,1,1,T4\r\n"
+    with pytest.raises(TraceError, match=re.escape("line 4: node n1 appears twice")):
+        read_nodes(write(tmp_path, "n.csv", nodes))
+    with pytest.raises(TraceError, match=re.escape("line 3: not a CSV file")):
+        read_nodes(write(tmp_path, "big.csv", NODE_HEADER + "n1,1,1,1,T4\nn2,1,1,1," + "T" * 200_000 + "\n"))

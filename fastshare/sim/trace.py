@@ -43,7 +43,8 @@ class SimPod:
         return self.num_gpu * self.gpu_milli if self.num_gpu else 0
 
 
-def _rows(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+def _rows(path: Path, required: tuple[str, ...],
+          optional: tuple[str, ...] = ()) -> list[tuple[int, dict[str, str]]]:
     """``(line, row)`` for every non-blank record; ``line`` is the record's first physical line,
     also after blank lines and quoted fields that span lines."""
     rows: list[tuple[int, dict[str, str]]] = []
@@ -58,11 +59,17 @@ def _rows(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict[str, st
             if missing:
                 raise TraceError(f"{path}: missing column(s) {', '.join(missing)} "
                                  f"(header has {', '.join(header) or 'nothing'})")
+            for c in (*required, *optional):
+                if header.count(c) > 1:
+                    raise TraceError(f"{path} line 1: column {c} appears twice in the header")
             end = reader.line_num
             for raw in reader:
                 line, end = end + 1, reader.line_num
                 if not any(cell.strip() for cell in raw):   # a blank line, or ",,,," from a spreadsheet
                     continue
+                if any(cell.strip() for cell in raw[len(header):]):   # e.g. an unquoted "T4,P100"
+                    raise TraceError(f"{path} line {line}: {len(raw)} fields, but the header has "
+                                     f"{len(header)} columns (quote a field that holds a comma)")
                 rows.append((line, {h: raw[i] if i < len(raw) else "" for i, h in enumerate(header)}))
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror})") from e
@@ -110,7 +117,7 @@ def read_pods(path: str | Path) -> list[SimPod]:
     path = Path(path)
     out, seen = [], set()
     cols = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
-    for line, r in _rows(path, cols):
+    for line, r in _rows(path, cols, ("gpu_spec",)):
         name = (r["name"] or "").strip()
         if not name:
             raise TraceError(f"{path} line {line}: name is empty")
@@ -169,7 +176,7 @@ def read_reference_order(path: str | Path) -> list[SimPod]:
     path = Path(path)
     out = []
     cols = ("seq", "name", "tuned_clone", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
-    for line, r in _rows(path, cols):
+    for line, r in _rows(path, cols, ("gpu_spec",)):
         num = _int(path, line, r, "num_gpu", 0, 64)
         spec = frozenset(s for s in (r.get("gpu_spec") or "").strip().split("|") if s)
         out.append(SimPod(r["name"], _int(path, line, r, "cpu_milli", 0),

@@ -104,3 +104,14 @@ def test_errors_name_the_physical_line_after_blank_lines_and_quoted_newlines(tmp
         read_nodes(write(tmp_path, "n.csv", nodes))
     with pytest.raises(TraceError, match=re.escape("line 3: not a CSV file")):
         read_nodes(write(tmp_path, "big.csv", NODE_HEADER + "n1,1,1,1,T4\nn2,1,1,1," + "T" * 200_000 + "\n"))
+
+
+def test_a_duplicated_column_or_a_row_with_more_fields_than_the_header_is_refused(tmp_path):
+    # both were read silently: the last of two gpu_milli columns won, and an unquoted
+    # "T4,P100" gave gpu_spec T4 and dropped P100 into the next column (or nowhere)
+    with pytest.raises(TraceError, match=re.escape("column gpu_milli appears twice in the header")):
+        read_pods(write(tmp_path, "p.csv", POD_HEADER.strip() + ",gpu_milli\na,1000,10,1,500,,900\n"))
+    with pytest.raises(TraceError, match=re.escape("line 3: 7 fields, but the header has 6 columns")):
+        read_pods(write(tmp_path, "p.csv", POD_HEADER + "a,1000,10,1,500,\nb,1000,10,1,500,T4,P100\n"))
+    # empty trailing fields (a trailing comma) are harmless
+    assert len(read_pods(write(tmp_path, "p.csv", POD_HEADER + "a,1000,10,1,500,T4,\n"))) == 1

@@ -152,14 +152,15 @@ def node_tie_order(nodes: list[SimNode], seed: int) -> list[int]:
 def arrival_order(pods: list[SimPod], seed: int, tune: float, capacity_milli: int) -> list[SimPod]:
     """Tasks sorted by name, shuffled with the seed, then random copies appended until the next
     copy would push the requested GPU total past ``tune`` x capacity (checked with the copy's
-    per-GPU milli, as the artifact does). ``tune`` <= 0 means no copies."""
+    per-GPU milli, as the artifact does). ``tune`` <= 0, or a trace without GPU tasks (no copy
+    would bring it closer), means no copies."""
     rng = random.Random(seed)
     order = sorted(pods, key=lambda p: p.name)
     rng.shuffle(order)
     total = sum(p.gpu_request for p in order)
     target = tune * capacity_milli
     copies: list[SimPod] = []
-    while tune > 0:
+    while tune > 0 and total:
         base = order[rng.randrange(len(order))]
         if total + base.gpu_milli > target:
             break

@@ -115,3 +115,10 @@ def test_a_duplicated_column_or_a_row_with_more_fields_than_the_header_is_refuse
         read_pods(write(tmp_path, "p.csv", POD_HEADER + "a,1000,10,1,500,\nb,1000,10,1,500,T4,P100\n"))
     # empty trailing fields (a trailing comma) are harmless
     assert len(read_pods(write(tmp_path, "p.csv", POD_HEADER + "a,1000,10,1,500,T4,\n"))) == 1
+
+
+def test_a_trace_without_gpu_tasks_gets_no_copies():
+    # no copy can bring the requested GPU total to tune x capacity: the loop appended
+    # 50 x the trace + 1,000 copies (100 CPU-only tasks became 6,101) before giving up
+    pods = [SimPod(f"c{i}", 1000, 10, 0, 0) for i in range(100)]
+    assert len(arrival_order(pods, 42, 1.3, 20_000)) == 100

@@ -221,3 +221,25 @@ def test_cli_sim_refuses_what_it_cannot_replay_or_plot_without_a_traceback(tmp_p
     out = CliRunner().invoke(main, ["sim", *pods, *nodes, "--plot", str(other)])
     assert out.exit_code == 0, out.output
     assert other.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_sim_plot_that_cannot_be_created_fails_before_the_replay(tmp_path, monkeypatch):
+    # the check asked os.access, which says yes to root for any directory (and to anyone on a
+    # read-only mount or in /proc): the run went on for minutes and then failed to save
+    pytest.importorskip("matplotlib")
+    from fastshare.cli import sim as sim_cli
+
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,65536,2,T4\n")
+    (tmp_path / "p.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1024,1,500\n")
+    monkeypatch.setattr(sim_cli.Experiment, "run", lambda *a, **k: pytest.fail("replayed before the check"))
+    args = ["sim", "--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv")]
+    out = CliRunner().invoke(main, [*args, "--plot", "/proc/fastshare-curve.png"])
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output
+    assert "--plot /proc/fastshare-curve.png: cannot write" in out.output
+    # a probe leaves no file behind, and an existing file is not truncated before the run
+    existing = tmp_path / "old.png"
+    existing.write_bytes(b"old")
+    monkeypatch.setattr(sim_cli.Experiment, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    for path in (tmp_path / "new.png", existing):
+        CliRunner().invoke(main, [*args, "--plot", str(path)])
+    assert not (tmp_path / "new.png").exists() and existing.read_bytes() == b"old"

@@ -57,14 +57,18 @@ def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequen
 
 @contextlib.contextmanager
 def progress_bar(label: str, *, timed: bool = False) -> Iterator[Callable[[int, int], None]]:
-    """A bar on stderr (gone when done) for long work; yields ``update(done, total)``. Stdout
-    stays for the result, tables or JSON. ``timed``: the work measures its own latency, so the
-    bar is redrawn by ``update`` (between timed steps), not by a thread that would take the
-    interpreter in the middle of one."""
+    """A bar on stderr (gone when done; nothing at all when stderr is not a terminal) for long
+    work; yields ``update(done, total)``. Stdout stays for the result, tables or JSON.
+    ``timed``: the work measures its own latency, so the bar is redrawn by ``update`` (between
+    timed steps), not by a thread that would take the interpreter in the middle of one."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
+    if not console.is_terminal:   # a pipe or a file: rich would still leave an empty line there
+        yield lambda done, total: None
+        return
     with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
-                  console=Console(stderr=True), auto_refresh=not timed) as bar:
+                  console=console, auto_refresh=not timed) as bar:
         task = bar.add_task(label, total=None)
 
         def update(done: int, total: int) -> None:

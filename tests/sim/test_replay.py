@@ -243,3 +243,14 @@ def test_cli_sim_plot_that_cannot_be_created_fails_before_the_replay(tmp_path, m
     for path in (tmp_path / "new.png", existing):
         CliRunner().invoke(main, [*args, "--plot", str(path)])
     assert not (tmp_path / "new.png").exists() and existing.read_bytes() == b"old"
+
+
+def test_cli_sim_off_a_terminal_writes_nothing_but_its_result(tmp_path):
+    # the progress bar, transient on a terminal, left a stray empty line on stderr when stderr
+    # was a pipe or a file (a log that gets a blank line per run, `2>&1 | jq` input)
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,65536,2,T4\n")
+    (tmp_path / "p.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1024,1,500\n")
+    args = ["sim", "--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--json"]
+    out = CliRunner().invoke(main, args, env={"FORCE_COLOR": None, "TTY_COMPATIBLE": None})
+    assert out.exit_code == 0, out.output
+    assert out.stderr == "" and json.loads(out.stdout)["pods_total"] >= 1

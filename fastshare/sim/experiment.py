@@ -22,6 +22,7 @@ from fastshare.sim.trace import (
     SimPod,
     TraceError,
     arrival_order,
+    check_some_task_fits,
     node_tie_order,
     read_nodes,
     read_pods,
@@ -93,7 +94,10 @@ class Experiment:
 def load(pods_path: str | Path, nodes_path: str | Path) -> tuple[list[SimNode], list[SimPod], str]:
     pods_path = Path(pods_path)
     name = pods_path.stem.removeprefix("openb_pod_list_")
-    return read_nodes(nodes_path), read_pods(pods_path), name
+    nodes, pods = read_nodes(nodes_path), read_pods(pods_path)
+    if any(n.gpus for n in nodes):   # without GPUs the caller has its own message
+        check_some_task_fits(pods, nodes, pods_path, nodes_path)
+    return nodes, pods, name
 
 
 def published_curves(data_dir: Path, trace: str, policy: str) -> dict[int, list[float]]:

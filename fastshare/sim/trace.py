@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MILLI = 1000
@@ -36,6 +36,7 @@ class SimPod:
     gpu_milli: int
     gpu_spec: frozenset[str] = frozenset()
     clone: bool = False
+    line: int = field(default=0, compare=False, repr=False)   # in its trace file, for messages
 
     @property
     def gpu_request(self) -> int:
@@ -133,8 +134,43 @@ def read_pods(path: str | Path) -> list[SimPod]:
             raise TraceError(f"{path} line {line}: gpu_milli must be 1..1000 when num_gpu is 1")
         spec = frozenset(s for s in (r.get("gpu_spec") or "").strip().split("|") if s)
         out.append(SimPod(name, _int(path, line, r, "cpu_milli", 0), _int(path, line, r, "memory_mib", 0),
-                          num, milli if num else 0, spec))
+                          num, milli if num else 0, spec, line=line))
     return out
+
+
+def _no_fit_reason(pod: SimPod, nodes: list[SimNode]) -> str | None:
+    """Why ``pod`` fits no node even when the cluster is empty (the replay's filters), or None."""
+    cand = [n for n in nodes if not pod.gpu_spec or n.model in pod.gpu_spec]
+    if pod.num_gpu:
+        cand = [n for n in cand if n.gpus]
+    spec = "|".join(sorted(pod.gpu_spec))
+    if not cand:
+        models = ", ".join(sorted({n.model for n in nodes if n.gpus and n.model})) or "none"
+        return f"gpu_spec {spec} names no model of the node list (it has {models})"
+    if pod.num_gpu > max(n.gpus for n in cand):
+        return (f"num_gpu {pod.num_gpu}, but the largest {spec + ' ' if spec else ''}node has "
+                f"{max(n.gpus for n in cand)} GPUs")
+    cand = [n for n in cand if n.gpus >= pod.num_gpu]
+    for col, need, have in (("cpu_milli", pod.cpu_milli, [n.cpu_milli for n in cand]),
+                            ("memory_mib", pod.memory_mib, [n.memory_mib for n in cand])):
+        if need > max(have):
+            return f"{col} {need}, but the largest node for it has {max(have)}"
+    if not any(n.cpu_milli >= pod.cpu_milli and n.memory_mib >= pod.memory_mib for n in cand):
+        return "no node has cpu_milli, memory_mib and GPUs for it together"
+    return None
+
+
+def check_some_task_fits(pods: list[SimPod], nodes: list[SimNode], pods_path: str | Path,
+                         nodes_path: str | Path) -> None:
+    """Refuse a trace none of whose tasks fits any node of the empty cluster: every task would
+    fail and the replay would report 0 % as if it were a result. (Some tasks that fit nowhere
+    are part of a trace: they fail, as in the published runs.)"""
+    shapes = {(p.cpu_milli, p.memory_mib, p.num_gpu, p.gpu_spec): p for p in reversed(pods)}
+    if any(_no_fit_reason(pod, nodes) is None for pod in shapes.values()):
+        return
+    first = pods[0]
+    raise TraceError(f"{pods_path}: every task would fail, none fits a node of {nodes_path}; "
+                     f"line {first.line}: {_no_fit_reason(first, nodes)}")
 
 
 def node_tie_order(nodes: list[SimNode], seed: int) -> list[int]:

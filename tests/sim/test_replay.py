@@ -254,3 +254,35 @@ def test_cli_sim_off_a_terminal_writes_nothing_but_its_result(tmp_path):
     out = CliRunner().invoke(main, args, env={"FORCE_COLOR": None, "TTY_COMPATIBLE": None})
     assert out.exit_code == 0, out.output
     assert out.stderr == "" and json.loads(out.stdout)["pods_total"] >= 1
+
+
+@pytest.mark.parametrize(("pods", "reason"), [
+    ("p1,1000,1024,1,500,H100\np2,1000,1024,2,1000,A100|H100\n",
+     "line 2: gpu_spec H100 names no model of the node list (it has T4, V100M16)"),
+    ("p1,1000,1024,16,1000,\n", "line 2: num_gpu 16, but the largest node has 8 GPUs"),
+    ("\np1,1000,1024,4,1000,V100M16\n", "line 3: num_gpu 4, but the largest V100M16 node has 2 GPUs"),
+    ("p1,200000,1024,0,0,\n", "line 2: cpu_milli 200000, but the largest node for it has 128000"),
+    ("p1,1000,9999999,1,100,\n", "line 2: memory_mib 9999999, but the largest node for it has 262144"),
+    ("p1,90000,262144,1,100,\n", "line 2: no node has cpu_milli, memory_mib and GPUs for it together"),
+])
+def test_cli_sim_refuses_a_trace_whose_every_task_would_fail(tmp_path, pods, reason):
+    # every task failed and the run reported a GPU allocation of 0 % as a result
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,96000,65536,8,T4\n"
+                                    "n2,32000,262144,2,V100M16\nc1,128000,65536,0,\n")
+    (tmp_path / "p.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n" + pods)
+    args = ["sim", "--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv")]
+    out = CliRunner().invoke(main, [*args, "--json"])
+    assert out.exit_code != 0 and isinstance(out.exception, SystemExit), out.output
+    assert f"p.csv: every task would fail, none fits a node of {tmp_path / 'n.csv'}" in out.output
+    assert reason in out.output, out.output
+
+
+def test_a_trace_where_some_tasks_fit_nowhere_still_runs(tmp_path):
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,96000,65536,8,T4\n")
+    (tmp_path / "p.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+                                    "p1,1000,1024,1,500,H100\np2,1000,1024,1,500,T4|H100\n")
+    args = ["sim", "--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv")]
+    out = CliRunner().invoke(main, [*args, "--json", "--tune", "0"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["pods_total"] == 2 and data["pods_failed"] == 1

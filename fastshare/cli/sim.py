@@ -20,10 +20,10 @@ def _default(name: str) -> str | None:
 
 
 @click.command("sim")
-@click.option("--pods", type=click.Path(dir_okay=False),
+@click.option("--pods", type=click.Path(exists=True, dir_okay=False),
               default=lambda: _default("openb_pod_list_default.csv"),
               show_default="../shared/data/openb/openb_pod_list_default.csv", help="Task list CSV.")
-@click.option("--nodes", type=click.Path(dir_okay=False),
+@click.option("--nodes", type=click.Path(exists=True, dir_okay=False),
               default=lambda: _default("openb_node_list_gpu_node.csv"),
               show_default="../shared/data/openb/openb_node_list_gpu_node.csv", help="Node list CSV.")
 @click.option("--policy", type=click.Choice(POLICY_NAMES, case_sensitive=False), default="fastshare",
@@ -41,14 +41,14 @@ def sim(pods: str | None, nodes: str | None, policy: str, tune: float, seed: int
     prints the GPU allocation ratio as arrivals grow, failures, fragmentation and wall time."""
     if not pods or not nodes:
         fail("no trace given and ../shared/data/openb not found", "pass --pods and --nodes")
+    if plot:
+        _check_plot(plot)   # before the replay, which can take minutes
     try:
         node_list, pod_list, trace = load(pods, nodes)
     except TraceError as e:
         fail(str(e))
     if not any(n.gpus for n in node_list):
         fail(f"{nodes}: the node list has no GPUs", "give a node list with GPU nodes (column gpu > 0)")
-    if plot:
-        _check_plot(plot)   # before the replay, which can take minutes
     exp = Experiment(node_list, pod_list, policy.lower(), seed, tune, trace)
     with progress_bar(f"{policy} {trace} seed {seed}") as progress:
         _res, summary = exp.run(progress)
@@ -100,7 +100,7 @@ def _check_plot(path: str) -> None:
         fail("--plot needs matplotlib", "pip install 'fastshare[plot]'")
     parent = Path(path).resolve().parent
     if not parent.is_dir():
-        fail(f"--plot {path}: directory {parent} does not exist")
+        raise click.BadParameter(f"{path}: directory {parent} does not exist", param_hint="'--plot'")
     # Open it for real: os.access says yes to root everywhere, and knows nothing of read-only
     # mounts. Append mode leaves an existing file as it is; a file made here is removed again.
     existed = os.path.lexists(path)
@@ -108,7 +108,7 @@ def _check_plot(path: str) -> None:
         with open(path, "ab"):
             pass
     except OSError as e:
-        fail(f"--plot {path}: cannot write ({e.strerror or e})")
+        raise click.BadParameter(f"{path}: cannot write ({e.strerror or e})", param_hint="'--plot'") from None
     if not existed:
         os.unlink(path)
 

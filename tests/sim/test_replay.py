@@ -214,7 +214,7 @@ def test_cli_sim_refuses_what_it_cannot_replay_or_plot_without_a_traceback(tmp_p
     assert "the node list has no GPUs" in out.output
     nodes = ["--nodes", str(tmp_path / "n.csv")]
     out = CliRunner().invoke(main, ["sim", *pods, *nodes, "--plot", str(tmp_path / "no" / "c.png")])
-    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output
+    assert out.exit_code == 2 and isinstance(out.exception, SystemExit), out.output
     assert "--plot" in out.output and "does not exist" in out.output
     pytest.importorskip("matplotlib")
     other = tmp_path / "curve.txt"   # any name: the file is a PNG whatever it ends with
@@ -234,8 +234,8 @@ def test_cli_sim_plot_that_cannot_be_created_fails_before_the_replay(tmp_path, m
     monkeypatch.setattr(sim_cli.Experiment, "run", lambda *a, **k: pytest.fail("replayed before the check"))
     args = ["sim", "--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv")]
     out = CliRunner().invoke(main, [*args, "--plot", "/proc/fastshare-curve.png"])
-    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output
-    assert "--plot /proc/fastshare-curve.png: cannot write" in out.output
+    assert out.exit_code == 2 and isinstance(out.exception, SystemExit), out.output
+    assert "'--plot': /proc/fastshare-curve.png: cannot write" in out.output
     # a probe leaves no file behind, and an existing file is not truncated before the run
     existing = tmp_path / "old.png"
     existing.write_bytes(b"old")
@@ -286,3 +286,19 @@ def test_a_trace_where_some_tasks_fit_nowhere_still_runs(tmp_path):
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["pods_total"] == 2 and data["pods_failed"] == 1
+
+
+def test_cli_sim_bad_file_options_are_usage_errors(tmp_path):
+    # a missing --pods/--nodes file or a --plot directory that does not exist exited 1, while
+    # click itself answered 2 for a directory given as --pods or --plot: usage errors now all
+    # exit 2, naming the option and the path, before anything is read or replayed
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,65536,2,T4\n")
+    (tmp_path / "p.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1024,1,500\n")
+    pods, nodes = ["--pods", str(tmp_path / "p.csv")], ["--nodes", str(tmp_path / "n.csv")]
+    plot = ["--plot", str(tmp_path / "no" / "c.png")]
+    for args, option, path in ((["--pods", str(tmp_path / "none.csv"), *nodes], "--pods", "none.csv"),
+                               ([*pods, "--nodes", str(tmp_path / "none.csv")], "--nodes", "none.csv"),
+                               ([*pods, *nodes, *plot], "--plot", "c.png")):
+        out = CliRunner().invoke(main, ["sim", *args])
+        assert out.exit_code == 2 and isinstance(out.exception, SystemExit), out.output
+        assert f"Invalid value for '{option}'" in out.output and path in out.output, out.output

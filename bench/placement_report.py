@@ -48,10 +48,13 @@ def mig(rows: list[dict]) -> None:
     print("| strategy | requests | rejected | fragmentation rejections | ratio % | vs largest-first "
           "| vs first-fit |")
     print("|---|---|---|---|---|---|---|")
+    def ratio(a: float, b: float) -> str:   # as `fastshare bench mig` prints it
+        return f"{a / b:.3f}x" if b else "n/a"
+
     for r in rows:
         print(f"| {r['strategy']} | {r['requests']} | {r['rejected']} | {r['frag_rejected']} | "
-              f"{r['frag_rejection_ratio']} | {r['frag_rejection_ratio'] / base['largest-first']:.3f}x | "
-              f"{r['frag_rejection_ratio'] / base['first-fit']:.3f}x |")
+              f"{r['frag_rejection_ratio']} | {ratio(r['frag_rejection_ratio'], base['largest-first'])} | "
+              f"{ratio(r['frag_rejection_ratio'], base['first-fit'])} |")
 
 
 def main(argv: list[str] | None = None) -> None:

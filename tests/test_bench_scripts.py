@@ -4,6 +4,7 @@ refuse a bad argument, before they start anything."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,16 @@ def test_k8s_status_size_help_starts_no_control_plane(capsys):
         module.main(["--help"])
     assert exit_.value.code == 0
     assert "Why the k8s state moved out of FastPod status" in capsys.readouterr().out
+
+
+def test_placement_report_mig_table_when_a_baseline_had_no_fragmentation_rejection(tmp_path):
+    # at low load a baseline may reject nothing for fragmentation: the report divided by its
+    # 0 % and died with ZeroDivisionError (`fastshare bench mig` itself prints n/a)
+    counts = (("fastshare", 0), ("largest-first", 0), ("first-fit", 2))
+    rows = [{"strategy": s, "requests": 100, "rejected": r, "frag_rejected": r,
+             "frag_rejection_ratio": float(r)} for s, r in counts]
+    (tmp_path / "mig.json").write_text(json.dumps(rows))
+    out = subprocess.run([sys.executable, str(BENCH / "placement_report.py"), str(tmp_path / "mig.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "| fastshare | 100 | 0 | 0 | 0.0 | n/a | 0.000x |" in out.stdout, out.stdout

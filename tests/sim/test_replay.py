@@ -302,3 +302,27 @@ def test_cli_sim_bad_file_options_are_usage_errors(tmp_path):
         out = CliRunner().invoke(main, ["sim", *args])
         assert out.exit_code == 2 and isinstance(out.exception, SystemExit), out.output
         assert f"Invalid value for '{option}'" in out.output and path in out.output, out.output
+
+
+def test_cli_sim_plot_shows_the_published_curve_only_for_the_published_setting(tmp_path, monkeypatch):
+    # the published FGD curve (the 1,213-node cluster at tune 1.3) was drawn as "FGD (published,
+    # same seed)" beside a run on any other node list or tune, a comparison that does not hold
+    pytest.importorskip("matplotlib")
+    from fastshare.cli import sim as sim_cli
+
+    header = "sn,cpu_milli,memory_mib,gpu,model\n"
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text(header + "n1,32000,65536,2,T4\n")
+    (tmp_path / "other.csv").write_text(header + "n1,32000,65536,8,T4\n")
+    (tmp_path / "openb_pod_list_default.csv").write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1024,1,500\n")
+    (tmp_path / "published_alloc_curves.csv").write_text(
+        "workload,sc_policy,tune,seed,total_gpus," + ",".join(map(str, range(131))) + "\n"
+        "openb_pod_list_default,06-FGD,1.3,42,2," + ",".join(["1.0"] * 131) + "\n")
+    drawn = []
+    monkeypatch.setattr(sim_cli, "_plot", lambda path, summary, ref, label: drawn.append(ref))
+    pods = ["--pods", str(tmp_path / "openb_pod_list_default.csv"), "--plot", str(tmp_path / "c.png")]
+    for nodes, tune in (("openb_node_list_gpu_node.csv", "1.3"), ("other.csv", "1.3"),
+                        ("openb_node_list_gpu_node.csv", "0.5")):
+        out = CliRunner().invoke(main, ["sim", *pods, "--nodes", str(tmp_path / nodes), "--tune", tune])
+        assert out.exit_code == 0, out.output
+    assert drawn == [[1.0] * 131, None, None]

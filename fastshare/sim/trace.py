@@ -96,6 +96,11 @@ def _int(path: Path, line: int, row: dict[str, str], col: str, lo: int, hi: int 
     return v
 
 
+def _spec(row: dict[str, str]) -> frozenset[str]:
+    """The models of a ``|``-separated gpu_spec (empty: any model)."""
+    return frozenset(m.strip() for m in (row.get("gpu_spec") or "").split("|") if m.strip())
+
+
 def read_nodes(path: str | Path) -> list[SimNode]:
     """GPU nodes (``sn, cpu_milli, memory_mib, gpu, model``); GPU-less rows are kept (they
     never take GPU tasks)."""
@@ -132,7 +137,7 @@ def read_pods(path: str | Path) -> list[SimPod]:
                              f"(num_gpu {num}, got {milli})")
         if num == 1 and milli == 0:
             raise TraceError(f"{path} line {line}: gpu_milli must be 1..1000 when num_gpu is 1")
-        spec = frozenset(s for s in (r.get("gpu_spec") or "").strip().split("|") if s)
+        spec = _spec(r)
         out.append(SimPod(name, _int(path, line, r, "cpu_milli", 0), _int(path, line, r, "memory_mib", 0),
                           num, milli if num else 0, spec, line=line))
     return out
@@ -215,7 +220,7 @@ def read_reference_order(path: str | Path) -> list[SimPod]:
     cols = ("seq", "name", "tuned_clone", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
     for line, r in _rows(path, cols, ("gpu_spec",)):
         num = _int(path, line, r, "num_gpu", 0, 64)
-        spec = frozenset(s for s in (r.get("gpu_spec") or "").strip().split("|") if s)
+        spec = _spec(r)
         out.append(SimPod(r["name"], _int(path, line, r, "cpu_milli", 0),
                           _int(path, line, r, "memory_mib", 0), num,
                           _int(path, line, r, "gpu_milli", 0, MILLI), spec, r["tuned_clone"] == "1"))

@@ -122,3 +122,9 @@ def test_a_trace_without_gpu_tasks_gets_no_copies():
     # 50 x the trace + 1,000 copies (100 CPU-only tasks became 6,101) before giving up
     pods = [SimPod(f"c{i}", 1000, 10, 0, 0) for i in range(100)]
     assert len(arrival_order(pods, 42, 1.3, 20_000)) == 100
+
+
+def test_gpu_spec_models_are_read_without_the_spaces_around_them(tmp_path):
+    # "T4 | P100" gave the models "T4 " and " P100", which no node has: the task failed everywhere
+    pods = read_pods(write(tmp_path, "p.csv", POD_HEADER + "a,1000,10,1,500, T4 | P100 |\n"))
+    assert pods[0].gpu_spec == frozenset({"T4", "P100"})

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MILLI = 1000
+MAX_TASK_GPUS = 1024   # bounds a typo, not a cluster: more than any node has just fails
 
 
 class TraceError(ValueError):
@@ -130,8 +131,11 @@ def read_pods(path: str | Path) -> list[SimPod]:
         if name in seen:
             raise TraceError(f"{path} line {line}: task {name} appears twice")
         seen.add(name)
-        num = _int(path, line, r, "num_gpu", 0, 64)
-        milli = _int(path, line, r, "gpu_milli", 0, MILLI)
+        # a task may ask for more GPUs than any node has: it fails in the replay, as in the artifact
+        num = _int(path, line, r, "num_gpu", 0, MAX_TASK_GPUS)
+        # a CPU-only task may leave gpu_milli empty: it asks for no GPU either way
+        milli = 0 if num == 0 and not (r.get("gpu_milli") or "").strip() else \
+            _int(path, line, r, "gpu_milli", 0, MILLI)
         if num > 1 and milli != MILLI:
             raise TraceError(f"{path} line {line}: gpu_milli must be 1000 for a multi-GPU task "
                              f"(num_gpu {num}, got {milli})")

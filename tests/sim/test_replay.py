@@ -288,6 +288,21 @@ def test_a_trace_where_some_tasks_fit_nowhere_still_runs(tmp_path):
     assert data["pods_total"] == 2 and data["pods_failed"] == 1
 
 
+def test_a_task_larger_than_any_node_and_a_cpu_task_without_gpu_milli_are_read(tmp_path):
+    # an unseen trace may hold a 128-GPU task (it fails, as in the artifact) and CPU-only tasks
+    # with an empty gpu_milli; both refused the whole file ("num_gpu must be 0..64", "must be an
+    # integer (got '')")
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,96000,65536,8,T4\n")
+    (tmp_path / "p.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+                                    "big,1000,1024,128,1000,\ncpu,1000,1024,0,,\nsmall,1000,1024,1,500,\n")
+    args = ["sim", "--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv")]
+    out = CliRunner().invoke(main, [*args, "--json", "--tune", "0"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["pods_total"] == 3 and data["pods_failed"] == 1
+    assert data["gpu_alloc_ratio"] == pytest.approx(100 * 500 / 8000)
+
+
 def test_cli_sim_bad_file_options_are_usage_errors(tmp_path):
     # a missing --pods/--nodes file or a --plot directory that does not exist exited 1, while
     # click itself answered 2 for a directory given as --pods or --plot: usage errors now all

@@ -686,9 +686,13 @@ class Agent:
             with _step(actions, f"share {row.spec.id}"):
                 actions += self._reconcile_share(row, deadline)
         live = {r.spec.id for r in self.journal.shares()}
+        present = {g.uuid for g in self._gpus}
         for m in self.journal.migs():
             with _step(actions, f"MIG at slice {m.start} of {m.gpu_uuid}"):
-                if m.purpose == "layout":
+                if m.gpu_uuid not in present:   # its GPU was replaced or removed: nothing to undo
+                    self.journal.delete_mig(m.gpu_uuid, m.start)
+                    actions.append(f"MIG at slice {m.start} of {m.gpu_uuid}: its GPU is gone; forgotten")
+                elif m.purpose == "layout":
                     actions += self._reconcile_layout_mig(m, deadline)
                 elif m.share_id not in live:
                     gone = self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
@@ -707,6 +711,20 @@ class Agent:
         return actions
 
     def _reconcile_share(self, row: ShareRow, deadline: Deadline) -> list[str]:
+        present = {g.uuid for g in self._gpus}
+        gone = [u for u in row.spec.device_uuids if not u.startswith("MIG-") and u not in present]
+        if gone:
+            # The GPU was replaced (same slot, new UUID) or removed while the agent was down: the
+            # share can never be used again. Kept, it looked ready to the controller for good
+            # (holding the new board's capacity there); dropped, the controller cannot prepare
+            # it again and ends its allocation with NVML's answer.
+            for m in self.journal.migs(gone[0]):
+                if m.share_id == row.spec.id:
+                    self.journal.delete_mig(m.gpu_uuid, m.start)
+            self._undo(row, deadline)
+            self.journal.delete_share(row.spec.id)
+            return [f"share {row.spec.id}: GPU {', '.join(gone)} is no longer on this node (replaced or "
+                    "removed?); dropped"]
         if row.state == "ready":
             if row.spec.kind == "exclusive" and not self._exclusive_still_there(row):
                 self._undo(row, deadline)

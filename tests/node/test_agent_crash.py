@@ -267,3 +267,28 @@ def test_kill9_right_after_the_compute_mode_switch_still_switches_it_back(agent,
     agent.start()
     _assert_clean(agent, devices, uuids)
     assert devices.gpus()[GPU_A].compute_mode == "DEFAULT"
+
+
+def test_shares_on_a_gpu_swapped_while_the_agent_was_down_are_dropped(agent, devices, sim_machine):
+    """Two GPUs replaced while the host was down (same slots, new UUIDs): an exclusive share's
+    GPU (the MIG one, with its instance) and a fastpod's. The agent kept both shares ready for
+    good (the exclusive one failed its reconcile step at every start, the fastpod's daemon could
+    never start), so the controller saw healthy allocations on GPUs that no longer exist. Now
+    they are dropped with the journal rows of their GPUs, and the node ends up clean."""
+    import json
+
+    agent.start()
+    uuids = [g.uuid for g in _inv(agent).gpus]
+    agent.unix().PrepareShare(share("ex", "exclusive", [uuids[GPU_MIG]], mig_profile="3g.40gb"), timeout=60)
+    agent.unix().PrepareShare(fastpod("fp", uuids[GPU_A]), timeout=60)
+    agent.stop()
+    simnvml.reboot(sim_machine)
+    data = json.loads(sim_machine.read_text())
+    for index in (GPU_MIG, GPU_A):
+        data["gpus"][index]["uuid"] = f"GPU-0000000{index}-1111-2222-3333-444444444444"
+    sim_machine.write_text(json.dumps(data))
+
+    agent.start()
+    new = [g.uuid for g in _inv(agent).gpus]
+    _assert_clean(agent, devices, new)
+    assert "FAILED" not in agent.log.read_text().split("---- start")[-1]

@@ -1,0 +1,62 @@
+"""Day-2 operations across the controller and the agents (real processes, simulated GPUs):
+hardware replaced under live allocations, nodes taken out for good, long runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastshare.device import simnvml
+from fastshare.v1 import controller_pb2 as pb
+
+from .conftest import GiB, allocate, assert_consistent, states, wait_for
+
+
+@pytest.fixture
+def one_node(cluster):
+    cluster.add_machine("n1", ["V100-SXM2-32GB", "V100-SXM2-32GB"])
+    cluster.start_controller()
+    cluster.start_agent("n1")
+    return cluster
+
+
+def _replace_gpu(machine, index: int) -> str:
+    """The host goes down, GPU ``index`` is swapped for a new board (same slot, new UUID), it
+    boots again: what NVML then reports. Returns the new UUID."""
+    simnvml.reboot(machine)
+    data = json.loads(machine.read_text())
+    new = "GPU-00000000-1111-2222-3333-444444444444"
+    data["gpus"][index]["uuid"] = new
+    machine.write_text(json.dumps(data))
+    return new
+
+
+def test_a_gpu_replaced_under_its_shares_ends_their_allocations(one_node):
+    """A GPU swapped (same index, new UUID) while a fastpod share and a whole GPU were on it:
+    the allocations named a GPU the node no longer has. The agent kept their shares as ready
+    forever (its daemon failing at every start), so the controller took the allocations for
+    healthy and kept the new GPU's capacity held by them. Now the agent drops a share whose
+    GPU is gone at start, the controller cannot prepare it again and ends the allocation with
+    the reason, and the new GPU is free."""
+    cluster = one_node
+    client = cluster.client()
+    share = allocate(client, "fastpod", sm_percent=50, memory_bytes=4 * GiB)
+    whole = allocate(client, "whole", gpu_count=1)
+    assert {share.devices[0].gpu_index, whole.devices[0].gpu_index} == {0, 1}
+    old = {a.id: a.devices[0].gpu_uuid for a in (share, whole)}
+
+    cluster.agents["n1"].stop()
+    new_uuid = _replace_gpu(cluster.root / "n1.json", share.devices[0].gpu_index)
+    cluster.start_agent("n1")
+
+    def settled() -> bool:
+        s = states(cluster)
+        return s[share.id] in ("released", "failed") and s[whole.id] == "active"
+    wait_for(settled, 60, f"the allocation on the replaced GPU ended: {states(cluster)}")
+    ended = client.call("Get", pb.GetAllocationRequest(allocation_id=share.id))
+    assert old[share.id] in ended.reason, ended.reason
+    assert_consistent(cluster)
+    # the new board takes work: a whole GPU fits on it
+    again = allocate(client, "whole", gpu_count=1)
+    assert again.devices[0].gpu_uuid == new_uuid

@@ -36,7 +36,8 @@ def test_run_refuses_a_memory_size_no_gpu_has(size):
 @pytest.mark.parametrize("flag, value", [("--heartbeat-interval", "nan"), ("--heartbeat-interval", "0"),
                                          ("--heartbeat-timeout", "inf"), ("--reconcile-interval", "-5"),
                                          ("--agent-deadline", "-3"), ("--agent-deadline", "inf"),
-                                         ("--mps-oversubscription", "0.5"), ("--mps-oversubscription", "17")])
+                                         ("--mps-oversubscription", "0.5"), ("--mps-oversubscription", "17"),
+                                         ("--finished-retention", "60"), ("--finished-retention", "nan")])
 def test_controller_refuses_bad_numbers_before_touching_state(tmp_path, flag, value):
     output = _serve_refused(tmp_path, flag, value)
     assert flag in output and "must be a number in" in output

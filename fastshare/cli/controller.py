@@ -15,12 +15,12 @@ from fastshare.cli._types import LOG_LEVELS
 
 KEYS = ("state_dir", "listen", "token_listen", "tls_dir", "tls_name", "client_auth", "token_file",
         "heartbeat_interval", "heartbeat_timeout", "reconcile_interval", "agent_deadline",
-        "mps_oversubscription", "log_level")
+        "mps_oversubscription", "finished_retention", "log_level")
 # the numeric settings: lowest and highest allowed (seconds, except the memory factor; agents
 # are told the heartbeat interval in whole seconds, and their own RPC timeouts are 1-3600 s)
 LIMITS = {"heartbeat_interval": (1.0, 3600.0), "heartbeat_timeout": (2.0, 86400.0),
           "reconcile_interval": (1.0, 86400.0), "agent_deadline": (1.0, 3600.0),
-          "mps_oversubscription": (1.0, 16.0)}
+          "mps_oversubscription": (1.0, 16.0), "finished_retention": (3600.0, 3650 * 86400.0)}
 CHOICES = {"client_auth": ("cert", "token", "any"), "log_level": LOG_LEVELS}
 
 
@@ -86,6 +86,9 @@ def controller() -> None:
 @click.option("--reconcile-interval", type=float, help="Seconds between reconciler passes [5].")
 @click.option("--agent-deadline", type=float, help="Deadline of every RPC to an agent, seconds [10].")
 @click.option("--mps-oversubscription", type=float, help="Memory factor MPS shares may promise [1.0].")
+@click.option("--finished-retention", type=float,
+              help="Seconds released and failed allocations are kept (Get, status --all, idempotency "
+                   "keys) before they are forgotten [604800: 7 days].")
 @click.option("--log-level", type=click.Choice(CHOICES["log_level"]), help="Log verbosity [info].")
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Run the controller until SIGTERM/SIGINT. A second one on the same state dir refuses to start."""
@@ -131,7 +134,8 @@ def serve(config_path: Path | None, **flags: Any) -> None:
             fail(f"--token-file: {values['token_file']} is not a text file (one token a line)")
     hb = _number(values, "heartbeat_interval", 2.0)
     settings = Settings(heartbeat_interval=hb, heartbeat_timeout=_number(values, "heartbeat_timeout", 4 * hb),
-                        reconcile_interval=_number(values, "reconcile_interval", 5.0))
+                        reconcile_interval=_number(values, "reconcile_interval", 5.0),
+                        finished_retention=_number(values, "finished_retention", 7 * 86400.0))
     if settings.heartbeat_timeout <= settings.heartbeat_interval:
         fail(f"--heartbeat-timeout ({settings.heartbeat_timeout}) must be greater than --heartbeat-interval "
              f"({settings.heartbeat_interval})")

@@ -83,6 +83,9 @@ class Settings:
     heartbeat_timeout: float = 8.0       # silence after which a node is unavailable
     reconcile_interval: float = 5.0
     busy_wait: float = 30.0              # how long Release waits for an in-flight Allocate
+    # How long released and failed allocations stay readable (Get, `status --all`, a retried
+    # idempotency key); without a limit the state file and those answers grew for good.
+    finished_retention: float = 7 * 86400.0
 
 
 def model_name(nvml_name: str) -> str:
@@ -428,6 +431,15 @@ class ControllerCore:
         node = self.store.get_node(name)
         if node is not None:
             self.refresh_node(node, inventory)
+
+    def prune_finished(self) -> int:
+        """Forget finished allocations older than the retention (their ids and idempotency keys
+        are then unknown: a retry with such a key allocates anew)."""
+        pruned = self.store.prune_finished(self.clock() - self.settings.finished_retention)
+        if pruned:
+            log.info("forgot %d allocation(s) released or failed over %.0f s ago", pruned,
+                     self.settings.finished_retention)
+        return pruned
 
     def renew(self, allocation_id: str, ttl: int = 0) -> Allocation:
         """Push the lease forward by ``ttl`` (0: the allocation's own). The range is Allocate's:

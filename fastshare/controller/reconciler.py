@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -40,12 +41,16 @@ class Report:
     compensated: list[str] = field(default_factory=list)
     orphans_freed: list[str] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)
+    pruned: int = 0   # finished records forgotten (past the retention)
 
 
 class Reconciler:
+    PRUNE_EVERY = 600.0   # seconds between clean-ups of finished records (each one scans them)
+
     def __init__(self, core: ControllerCore) -> None:
         self.core = core
         self._lock = threading.Lock()   # one pass at a time
+        self._pruned_at: float | None = None   # monotonic time of the last clean-up
 
     def _inventories(self, names: list[str] | None = None) -> dict[str, agent_pb2.Inventory | None]:
         nodes = [n for n in self.core.store.list_nodes() if names is None or n.name in names]
@@ -97,7 +102,12 @@ class Reconciler:
     def run_once(self, nodes: list[str] | None = None) -> Report:
         with self._lock:
             asked_at = self.core.clock()
-            return self._pass(self._inventories(nodes), nodes, asked_at)
+            report = self._pass(self._inventories(nodes), nodes, asked_at)
+            if nodes is None and (self._pruned_at is None
+                                  or time.monotonic() - self._pruned_at >= self.PRUNE_EVERY):
+                self._pruned_at = time.monotonic()
+                report.pruned = self.core.prune_finished()
+            return report
 
     def _pass(self, inventories: dict[str, agent_pb2.Inventory | None],
               only: list[str] | None = None, asked_at: float = 0.0) -> Report:

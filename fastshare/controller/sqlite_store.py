@@ -283,6 +283,21 @@ class SqliteStore(StateStore):
         with self._lock:
             return self._by_key(idempotency_key)
 
+    def prune_finished(self, before: float, batch: int = 500) -> int:
+        """In batches, so that the writer lock is never held for long (a week of records may be
+        tens of thousands)."""
+        done = 0
+        while True:
+            with self._lock:
+                count = self._db.execute(
+                    "DELETE FROM allocations WHERE id IN (SELECT id FROM allocations WHERE state IN (?, ?) "
+                    "AND updated_at < ? LIMIT ?)",
+                    (State.RELEASED.value, State.FAILED.value, before, batch)).rowcount
+                self._group.committed()
+            done += count
+            if count < batch:
+                return done
+
     def list_allocations(self, states: Iterable[State] | None = None,
                          node: str | None = None) -> list[Allocation]:
         query, params = "SELECT * FROM allocations WHERE 1=1", []

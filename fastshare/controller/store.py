@@ -79,6 +79,11 @@ class StateStore(abc.ABC):
     def list_allocations(self, states: Iterable[State] | None = None,
                          node: str | None = None) -> list[Allocation]: ...
 
+    def prune_finished(self, before: float) -> int:
+        """Forget released and failed allocations last changed before ``before`` (unix seconds);
+        returns how many. Stores whose finished records go away by themselves keep the default."""
+        return 0
+
     def sync(self, ticket: object | None = None) -> None:  # noqa: B027 - durable stores: nothing to do
         """Durability barrier: every change made before the call (or before ``ticket`` was
         taken) survives a power loss once it returns. The API calls it before it answers, so

@@ -1,4 +1,5 @@
-"""`fastshare cordon|uncordon NODE`: stop or resume new work on a node (its allocations stay)."""
+"""`fastshare cordon|uncordon NODE`: stop or resume new work on a node (its allocations stay);
+`fastshare forget-node NODE`: forget a node taken out for good."""
 
 from __future__ import annotations
 
@@ -56,4 +57,37 @@ def uncordon(client_config, node: str, as_json: bool) -> None:
     _set(client_config, node, True, "", as_json)
 
 
-COMMANDS = [cordon, uncordon]
+@click.command("forget-node")
+@click.argument("node")
+@click.option("--reason", default="", help="Why (kept in each ended allocation's reason).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@client_options
+def forget_node(client_config, node: str, reason: str, yes: bool, as_json: bool) -> None:
+    """Forget NODE, taken out for good (decommissioned, renamed, re-installed): its allocations
+    end and give back what they held, and it leaves `fastshare status`. Its agent must be stopped
+    first (refused while it heartbeats)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from fastshare.controller.client import Client, ClientConfigError, unreachable_hint
+    from fastshare.v1 import controller_pb2 as pb
+
+    if not yes:
+        click.confirm(f"End every allocation on {node} and forget the node?", abort=True)
+    try:
+        with Client(client_config) as client:
+            reply = client.call("ForgetNode", pb.ForgetNodeRequest(node=node, reason=reason))
+    except ClientConfigError as exc:
+        fail(str(exc))
+    except grpc.RpcError as exc:
+        fail(f"controller at {client_config.address}: {exc.code().name}: {exc.details()}",
+             unreachable_hint(exc, client_config))
+    if as_json:
+        print_json(MessageToDict(reply, preserving_proto_field_name=True,
+                                 always_print_fields_with_no_presence=True))
+        return
+    click.echo(f"node {node} forgotten; {len(reply.ended)} allocation(s) ended"
+               + (": " + ", ".join(a.id for a in reply.ended) if reply.ended else ""))
+
+
+COMMANDS = [cordon, uncordon, forget_node]

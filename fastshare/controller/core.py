@@ -28,7 +28,7 @@ from fastshare.controller import faults
 from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool
 from fastshare.controller.events import EventHub
 from fastshare.controller.ledger import Ledger, gpu_view
-from fastshare.controller.model import FINISHED, Allocation, Device, Gpu, Kind, Node, State
+from fastshare.controller.model import FINISHED, HOLDING, Allocation, Device, Gpu, Kind, Node, State
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore
 from fastshare.controller.validation import (
     MAX_LEASE_TTL,
@@ -66,6 +66,10 @@ class KeyConflict(Exception):
 
 class Busy(Exception):
     """Another operation on the same allocation did not finish in time."""
+
+
+class NodeInUse(Exception):
+    """The node's agent still heartbeats: it cannot be forgotten."""
 
 
 class AgentFailed(Exception):
@@ -543,6 +547,43 @@ class ControllerCore:
         log.info("node %s %s%s", name, "cordoned: no new work" if node.cordoned else "uncordoned",
                  f" ({reason})" if node.cordoned and reason else "")
         return node
+
+    def forget_node(self, name: str, reason: str = "") -> list[Allocation]:
+        """A node taken out for good: end its held allocations (``failed`` if never handed out,
+        else ``released``; nothing is asked of its agent, which is gone) and forget the node.
+        Returns the allocations it ended."""
+        why = f"node {name} was forgotten by an operator" + (f": {reason}" if reason else "")
+        with self._node_changes:
+            if self.store.get_node(name) is None:
+                known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"
+                raise NotFound(f"node {name!r} is not known to this controller (known: {known})")
+            if self.is_available(name):
+                raise NodeInUse(f"node {name}'s agent still heartbeats; stop it for good first (e.g. "
+                                "`systemctl disable --now fastshare-node` there), then retry once "
+                                "`fastshare status` shows the node unavailable")
+            ended = []
+            for allocation in self.store.list_allocations(HOLDING, node=name):
+                with self.claim(allocation.id, wait=2.0) as got:   # short: heartbeats wait for the node lock
+                    if not got:
+                        raise Busy(f"allocation {allocation.id} is being changed by another call; retry")
+                    current = self.get(allocation.id)
+                    if current.state in FINISHED:
+                        continue
+                    final = State.RELEASED if current.env else State.FAILED
+                    done = self.store.transition(current.id, [current.state], final, reason=why,
+                                                 lease_expires_at=0.0)
+                    self.ledger.release(current.id)
+                    ended.append(self._publish(done))
+            self.store.delete_node(name)
+            self._node_cache.pop(name, None)
+            self._gpus = None
+            with self._nodes_lock:
+                self._registered.discard(name)
+                self._last_seen.pop(name, None)
+            self.ledger.remove_node(name)
+        log.warning("node %s forgotten (%s); %d allocation(s) ended: %s", name, reason or "no reason given",
+                    len(ended), ", ".join(a.id for a in ended) or "none")
+        return ended
 
     def adopt_node(self, node: Node, inventory: agent_pb2.Inventory | None) -> None:
         """At start: a node from the store, reachable (inventory) or not."""

@@ -98,6 +98,13 @@ class Ledger:
             self._views[view.name] = view
             return self._rebuild(self._engine.assignments.values())
 
+    def remove_node(self, name: str) -> None:
+        """Forget a node (its assignments must have been released)."""
+        with self._lock:
+            for table in (self._views, self._available, self._cordoned, self._host, self._room):
+                table.pop(name, None)
+            self._rebuild(self._engine.assignments.values())
+
     def set_available(self, name: str, available: bool) -> None:
         with self._lock:
             if name in self._views:

@@ -138,8 +138,10 @@ class Reconciler:
                 record = self.core.store.get_allocation(share.id)
                 if record is not None and (record.state not in FINISHED or record.updated_at >= asked_at):
                     continue   # still held, or released since the inventory was taken (not an orphan)
+                stored = self.core.store.get_node(node)
+                if stored is None:
+                    continue   # forgotten since the inventories were read
                 try:
-                    stored = self.core.store.get_node(node)
                     self.core.agents.get(node, stored.address).release(share.id)
                     report.orphans_freed.append(share.id)
                     log.warning("freed orphan share %s on %s (no allocation holds it)", share.id, node)

@@ -33,6 +33,7 @@ from fastshare.controller.core import (
     Busy,
     ControllerCore,
     KeyConflict,
+    NodeInUse,
     NotFound,
     Rejected,
     Settings,
@@ -88,7 +89,8 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     codes = [(ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
              (Rejected, grpc.StatusCode.RESOURCE_EXHAUSTED), (NotFound, grpc.StatusCode.NOT_FOUND),
              (KeyConflict, grpc.StatusCode.ALREADY_EXISTS), (Busy, grpc.StatusCode.ABORTED),
-             (Conflict, grpc.StatusCode.ABORTED), (FellBehind, grpc.StatusCode.RESOURCE_EXHAUSTED)]
+             (Conflict, grpc.StatusCode.ABORTED), (FellBehind, grpc.StatusCode.RESOURCE_EXHAUSTED),
+             (NodeInUse, grpc.StatusCode.FAILED_PRECONDITION)]
     for kind, code in codes:
         if isinstance(exc, kind):
             context.abort(code, str(exc))
@@ -200,7 +202,7 @@ def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> NoRetur
         log.error("%s: %s", method, reason)
         context.abort(grpc.StatusCode.UNAVAILABLE, reason)
     if isinstance(exc, ValidationError | Rejected | NotFound | KeyConflict | Busy | Conflict
-                  | AgentFailed | AgentError | FellBehind):
+                  | AgentFailed | AgentError | FellBehind | NodeInUse):
         _abort(context, exc)
     log.exception("internal error in %s", method)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
@@ -285,6 +287,16 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         node.available = self.core.is_available(node.name)
         held = self.core.store.list_allocations(HOLDING, node=node.name)
         return convert.cluster_status([node], held).nodes[0]
+
+    @_guard
+    def ForgetNode(self, request: pb.ForgetNodeRequest, context) -> pb.ForgetNodeResponse:
+        if not request.node:
+            raise ValidationError("node", "name the node to forget")
+        check_node_name(request.node)
+        if len(request.reason) > 256:
+            raise ValidationError("reason", f"at most 256 characters, got {len(request.reason)}")
+        ended = self.core.forget_node(request.node, request.reason)
+        return pb.ForgetNodeResponse(ended=[self._pb(a) for a in ended])
 
     @_guard
     def Ping(self, request: common_pb2.Empty, context) -> common_pb2.Empty:

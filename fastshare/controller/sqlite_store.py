@@ -214,6 +214,18 @@ class SqliteStore(StateStore):
         with self._lock:
             return [self._node(r) for r in self._db.execute("SELECT * FROM nodes ORDER BY name")]
 
+    def delete_node(self, name: str) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM gpus WHERE node = ?", (name,))
+                self._db.execute("DELETE FROM nodes WHERE name = ?", (name,))
+                self._db.execute("COMMIT")
+                self._group.committed()
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
     def mark_node(self, name: str, *, available: bool, last_heartbeat: float | None = None) -> None:
         with self._lock:
             if last_heartbeat is None:

@@ -51,6 +51,10 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     def list_nodes(self) -> list[Node]: ...
 
+    def delete_node(self, name: str) -> None:
+        """Forget a node (taken out for good); its allocations must be finished first."""
+        raise StoreError("this store cannot forget nodes")
+
     @abc.abstractmethod
     def mark_node(self, name: str, *, available: bool, last_heartbeat: float | None = None) -> None:
         """Record liveness without touching the node's inventory."""

@@ -60,3 +60,52 @@ def test_a_gpu_replaced_under_its_shares_ends_their_allocations(one_node):
     # the new board takes work: a whole GPU fits on it
     again = allocate(client, "whole", gpu_count=1)
     assert again.devices[0].gpu_uuid == new_uuid
+
+
+def test_a_node_taken_out_for_good_can_be_forgotten(cluster):
+    """A node decommissioned with allocations on it: its agent is gone for good, so a release
+    stayed `releasing` forever, the records (and the node in `fastshare status`) stayed for good
+    and nothing could clean them up. `fastshare forget-node NODE` now ends its allocations with
+    the reason and forgets the node; it is refused while the agent still heartbeats. An agent
+    that comes back under that name later registers as a new node, and the share it still holds
+    is freed as an orphan."""
+    import subprocess
+
+    from .conftest import fastshare_bin
+
+    cluster.add_machine("gone", ["L4"])
+    cluster.add_machine("stays", ["V100-SXM2-32GB"])
+    cluster.start_controller()
+    cluster.start_agent("gone")
+    cluster.start_agent("stays")
+    client = cluster.client()
+    share = allocate(client, "fastpod", sm_percent=20, memory_bytes=GiB, models=["L4"])
+    releasing = allocate(client, "whole", gpu_count=1, models=["V100*"])
+    assert share.node == "gone" and releasing.node == "stays"
+
+    def forget(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([fastshare_bin(), "forget-node", "gone", "--yes", "--reason", "host retired",
+                               *extra, "--controller", cluster.address, "--tls-dir", str(cluster.pki.dir)],
+                              capture_output=True, text=True, timeout=60)
+
+    refused = forget()
+    assert refused.returncode == 1 and "still heartbeats" in refused.stderr, refused
+    assert states(cluster)[share.id] == "active"
+
+    cluster.agents["gone"].stop()
+    cluster.wait_node("gone", available=False)
+    done = forget("--json")
+    assert done.returncode == 0, done.stderr
+    assert [a["id"] for a in json.loads(done.stdout)["ended"]] == [share.id]
+    status = cluster.status()
+    assert [n.name for n in status.nodes] == ["stays"]
+    ended = client.call("Get", pb.GetAllocationRequest(allocation_id=share.id))
+    assert ended.state == pb.ALLOCATION_STATE_RELEASED and "host retired" in ended.reason
+    assert states(cluster)[releasing.id] == "active"   # other nodes untouched
+
+    # the host comes back under the same name, its journal still holding the share
+    cluster.start_agent("gone")
+    wait_for(lambda: share.id not in cluster.agents["gone"].share_ids(cluster.pki), 60,
+             "the forgotten allocation's share freed as an orphan")
+    assert_consistent(cluster)
+    assert allocate(client, "fastpod", sm_percent=100, memory_bytes=GiB, models=["L4"]).node == "gone"

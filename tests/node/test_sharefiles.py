@@ -63,6 +63,9 @@ def test_a_lone_port_file_is_listed_so_the_agent_start_removes_it(tmp_path):
     ShareEntry("a\n", 0.5, 0.5, 1, 50100),   # line break in key (would forge a line)
     ShareEntry("", 0.5, 0.5, 1, 50100),      # empty key
     ShareEntry("a", 0.5, 0.5, 1, 0),         # no port
+    ShareEntry("a", 0.5, 0.5, 1, 65536),     # port out of range
+    ShareEntry("a", 0.5, 0.5, -1, 50100),    # negative memory
+    ShareEntry("ok", 0.25, 0.5, 1, 50101),   # the same key twice
 ])
 def test_invalid_entries_leave_previous_files_untouched(tmp_path, entry):
     sharefiles.write(tmp_path, UUID, [ShareEntry("ok", 0.5, 0.5, 1, 50100)])
@@ -145,3 +148,61 @@ def test_files_changed_or_removed_behind_the_writer_are_rewritten(any_root):
     shutil.rmtree(any_root / "config")                             # the directory too
     sharefiles.write(any_root, UUID, [*entries, ShareEntry("b", 0.25, 0.5, 1, 50101)])
     assert [e.key for e in sharefiles.read(any_root, UUID)] == ["a", "b"]
+
+
+def test_a_file_longer_than_what_it_should_say_is_rewritten(tmp_path):
+    # the unchanged-content check reads one byte more than it expects: a file that starts with
+    # the right text but goes on (a line added behind the writer) must not pass as unchanged
+    entries = [ShareEntry("a", 0.5, 0.5, 1, 50100)]
+    sharefiles.write(tmp_path, UUID, entries)
+    expected = sharefiles.config_path(tmp_path, UUID).read_text()
+    with open(sharefiles.config_path(tmp_path, UUID), "a") as f:
+        f.write("b 0.5 0.5 1\n")
+    sharefiles.write(tmp_path, UUID, entries)
+    assert sharefiles.config_path(tmp_path, UUID).read_text() == expected
+
+
+@pytest.mark.parametrize(("config", "ports", "message"), [
+    ("1\na 0.5 0.5 1\n", "1\nb 50100\n", "list different shares"),
+    ("one\na 0.5 0.5 1\n", "1\na 50100\n", "first line must be the number of entries"),
+    ("", "1\na 50100\n", "first line must be the number of entries"),
+    ("1\na 0.5 0.5\n", "1\na 50100\n", "entries of 4 fields"),
+])
+def test_reader_rejects_files_an_interception_library_could_not_trust(tmp_path, config, ports, message):
+    sharefiles.write(tmp_path, UUID, [ShareEntry("a", 0.5, 0.5, 1, 50100)])
+    sharefiles.config_path(tmp_path, UUID).write_text(config)
+    sharefiles.port_path(tmp_path, UUID).write_text(ports)
+    with pytest.raises(ShareFileError, match=message):
+        sharefiles.read(tmp_path, UUID)
+
+
+def test_a_half_removed_pair_is_not_read_as_no_shares(tmp_path):
+    sharefiles.write(tmp_path, UUID, [ShareEntry("a", 0.5, 0.5, 1, 50100)])
+    sharefiles.config_path(tmp_path, UUID).unlink()
+    with pytest.raises(OSError):
+        sharefiles.read(tmp_path, UUID)
+
+
+def test_a_writers_leftover_temporary_file_is_not_a_device(tmp_path):
+    sharefiles.write(tmp_path, UUID, [ShareEntry("a", 0.5, 0.5, 1, 50100)])
+    (tmp_path / "config" / f".{UUID}.new").write_text("1\n")   # a crash before the rename
+    (tmp_path / "podmanagerport" / ".other.new").write_text("1\n")
+    assert sharefiles.devices(tmp_path) == [UUID]
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    entries = [ShareEntry("a", 0.5, 0.5, 1, 50100)]
+    sharefiles.write(tmp_path, UUID, entries)
+    before = sharefiles.config_path(tmp_path, UUID).read_text()
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sharefiles.os, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        sharefiles.write(tmp_path, UUID, [*entries, ShareEntry("b", 0.25, 0.5, 1, 50101)])
+    monkeypatch.undo()
+    assert sharefiles.config_path(tmp_path, UUID).read_text() == before
+    assert [p for p in os.listdir(tmp_path / "config") if p.startswith(".")] == []
+    sharefiles.write(tmp_path, UUID, [*entries, ShareEntry("b", 0.25, 0.5, 1, 50101)])   # and then it works
+    assert [e.key for e in sharefiles.read(tmp_path, UUID)] == ["a", "b"]

@@ -8,6 +8,7 @@ when a token file is given.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import re
 from collections.abc import Callable
@@ -75,11 +76,16 @@ class ClientConfig:
 def _check_files(ca: Path, cert: Path, key: Path, have_cert: bool) -> None:
     """gRPC only fails at the handshake on a damaged file, reporting the controller UNAVAILABLE
     ('Failed to create security handshaker'); name the file instead."""
+    now = dt.datetime.now(dt.UTC)
     try:
         try:
-            x509.load_pem_x509_certificates(ca.read_bytes())
+            authorities = x509.load_pem_x509_certificates(ca.read_bytes())
         except ValueError as exc:
             raise ClientConfigError(f"tls-dir: {ca} is not a PEM certificate ({exc})") from None
+        if all(c.not_valid_after_utc <= now for c in authorities):
+            ends = max(c.not_valid_after_utc for c in authorities).isoformat()
+            raise ClientConfigError(f"tls-dir: {ca} expired on {ends}: no certificate verifies against it; "
+                                    "put the cluster's current ca.crt there")
         if not have_cert:
             return
         try:
@@ -93,6 +99,13 @@ def _check_files(ca: Path, cert: Path, key: Path, have_cert: bool) -> None:
                                     f"({exc})") from None
     except OSError as exc:
         raise ClientConfigError(f"tls-dir: cannot read {exc.filename}: {exc.strerror}") from None
+    if certificate.not_valid_after_utc <= now:
+        raise ClientConfigError(f"tls-name: {cert} expired on {certificate.not_valid_after_utc.isoformat()}; "
+                                f"issue it again (`{reissue_command('client', cert.stem)}`)")
+    if certificate.not_valid_before_utc > now:
+        raise ClientConfigError(f"tls-name: {cert} is not valid before "
+                                f"{certificate.not_valid_before_utc.isoformat()} (now {now.isoformat()}); "
+                                "check this host's clock")
     if certificate.public_key() != private_key.public_key():
         raise ClientConfigError(f"tls-name: {key} is not the key of {cert}; issue the pair again "
                                 f"(`{reissue_command('client', cert.stem)}`)")

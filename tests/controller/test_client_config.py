@@ -92,3 +92,67 @@ def test_a_controller_the_client_cannot_reach_or_trust_says_what_to_check(cluste
         shutil.copy(tmp_path / "foreign" / name, good / name)
     out = status("--controller", cluster.address)
     assert "hint:" in out and "client certificate" in out and "fastshare certs issue" in out, out
+
+
+@pytest.mark.parametrize("command", [["status", "--json"], ["cordon", "n1"],
+                                     ["run", "--mem", "1GiB"]], ids=["status", "cordon", "run"])
+def test_an_expired_client_certificate_is_named_with_its_end(pki, tmp_path, command):
+    """An expired client certificate was found only by the controller, which closes the
+    handshake: the client said UNAVAILABLE, with the hint that the cluster CA did not sign it."""
+    from tests.security.handmade import issue_client_cert
+
+    issue_client_cert(tmp_path / "ca", "client", pki, ends_in_days=-1, role="client")
+    args = [*command[:1], "--controller", f"127.0.0.1:{free_port()}", "--tls-dir", str(pki), *command[1:]]
+    if command[0] == "run":
+        args += ["--", "true"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert f"tls-name: {pki / 'client.crt'} expired on" in result.output, result.output
+    assert "fastshare certs issue --role client --name client" in result.output, result.output
+    assert "UNAVAILABLE" not in result.output and "did not sign" not in result.output, result.output
+
+
+def test_a_client_certificate_not_yet_valid_names_the_clock(pki, tmp_path):
+    import datetime as dt
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    ca_cert, ca_key = certs.load_ca(tmp_path / "ca")
+    key = ec.generate_private_key(ec.SECP256R1())
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=2)
+    cert = certs.sign_leaf(ca_cert, ca_key, "client", key.public_key(), certs.san_entries(["client"]),
+                           "client", dt.timedelta(days=5), now=later)
+    (pki / "client.key").write_bytes(certs.key_pem(key))
+    (pki / "client.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    result = CliRunner().invoke(main, ["status", "--controller", f"127.0.0.1:{free_port()}",
+                                       "--tls-dir", str(pki)])
+    assert result.exit_code == 1, result.output
+    assert f"tls-name: {pki / 'client.crt'} is not valid before" in result.output, result.output
+    assert "clock" in result.output and "UNAVAILABLE" not in result.output, result.output
+
+
+def test_an_expired_ca_certificate_is_named(pki, tmp_path):
+    """Every certificate of ca.crt expired: the controller's certificate cannot verify, and the
+    hint blamed a CA that did not sign it."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "old-ca")])
+    now = dt.datetime.now(dt.UTC)
+    old = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+           .serial_number(1).not_valid_before(now - dt.timedelta(days=20))
+           .not_valid_after(now - dt.timedelta(days=1))
+           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+           .sign(key, hashes.SHA256()))
+    (pki / "ca.crt").write_bytes(old.public_bytes(serialization.Encoding.PEM))
+    result = CliRunner().invoke(main, ["status", "--controller", f"127.0.0.1:{free_port()}",
+                                       "--tls-dir", str(pki)])
+    assert result.exit_code == 1, result.output
+    assert f"tls-dir: {pki / 'ca.crt'}" in result.output and "expired on" in result.output, result.output
+    assert "UNAVAILABLE" not in result.output, result.output

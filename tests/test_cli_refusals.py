@@ -346,3 +346,67 @@ def test_controller_refuses_token_settings_that_client_auth_cert_would_ignore(tm
     assert not state.exists()
     assert "--client-auth" in result.output and "token or any" in result.output, result.output
     assert "s3cret" not in result.output
+
+
+def _tls_dir(tmp_path):
+    """Certificates of node-1, the controller and another node, in one directory."""
+    from fastshare.security import certs
+
+    certs.init_ca(tmp_path / "ca")
+    certs.issue(tmp_path / "ca", "node-1", tmp_path / "pki", sans=["127.0.0.1"], role="node", days=1)
+    certs.issue(tmp_path / "ca", "controller", tmp_path / "pki", role="controller", days=1)
+    certs.issue(tmp_path / "ca", "other", tmp_path / "pki", role="node", days=1)
+    return tmp_path / "pki"
+
+
+TLS_DAMAGE = [("key of another", "tls.key: {pki}/{name}.key is not the key of {pki}/{name}.crt"),
+              ("garbage cert", "tls.cert: {pki}/{name}.crt is not a PEM certificate"),
+              ("garbage key", "tls.key: {pki}/{name}.key is not a PEM private key"),
+              ("no cert", "tls.cert: {pki}/{name}.crt does not exist")]
+
+
+@pytest.mark.parametrize("damage, says", TLS_DAMAGE, ids=[d for d, _ in TLS_DAMAGE])
+def test_node_agent_names_a_damaged_or_mismatched_tls_file(tmp_path, damage, says):
+    # each was "listen 127.0.0.1:0: cannot listen there (in use, or not of this host)"
+    import shutil
+
+    import yaml
+
+    from fastshare.device import simnvml
+
+    pki = _tls_dir(tmp_path)
+    {"key of another": lambda: shutil.copy(pki / "other.key", pki / "node-1.key"),
+     "garbage cert": lambda: (pki / "node-1.crt").write_text("garbage"),
+     "garbage key": lambda: (pki / "node-1.key").write_text("garbage"),
+     "no cert": lambda: (pki / "node-1.crt").unlink()}[damage]()
+    simnvml.create_machine(tmp_path / "m.json", ["L4"])
+    (tmp_path / "node.yaml").write_text(yaml.safe_dump({
+        "node_name": "node-1", "listen": "127.0.0.1:0", "metrics_listen": "", "unix_socket": "",
+        "state_dir": str(tmp_path / "state"), "run_dir": str(tmp_path / "run"), "device_backend": "sim",
+        "sim_state": str(tmp_path / "m.json"),
+        "tls": {"cert": str(pki / "node-1.crt"), "key": str(pki / "node-1.key"), "ca": str(pki / "ca.crt")}}))
+    result = CliRunner().invoke(main, ["node", "serve", "--config", str(tmp_path / "node.yaml")])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert says.format(pki=pki, name="node-1") in result.output, result.output
+    assert "cannot listen there" not in result.output, result.output
+    assert not (tmp_path / "state").exists()   # refused before the journal is opened
+
+
+@pytest.mark.parametrize("damage, says", TLS_DAMAGE[:3], ids=[d for d, _ in TLS_DAMAGE[:3]])
+def test_controller_names_a_damaged_or_mismatched_tls_file(tmp_path, damage, says):
+    # each was "cannot start the controller: Failed to bind to address 127.0.0.1:0"
+    import shutil
+
+    pki = _tls_dir(tmp_path)
+    {"key of another": lambda: shutil.copy(pki / "other.key", pki / "controller.key"),
+     "garbage cert": lambda: (pki / "controller.crt").write_text("garbage"),
+     "garbage key": lambda: (pki / "controller.key").write_text("garbage")}[damage]()
+    state = tmp_path / "state"
+    result = CliRunner().invoke(main, ["controller", "serve", "--state-dir", str(state),
+                                       "--tls-dir", str(pki), "--listen", "127.0.0.1:0"])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert says.format(pki=pki, name="controller") in result.output, result.output
+    assert "Failed to bind" not in result.output
+    assert not state.exists()

@@ -117,6 +117,12 @@ def _bound(config: NodeConfig, setting: str, bind: Callable[[str], T]) -> T:
 
 def start(config: NodeConfig) -> Running:
     """Open everything, reconcile, then open the ports. Raises on any configuration problem."""
+    tls = TlsPaths(Path(config.tls.cert), Path(config.tls.key), Path(config.tls.ca))
+    if config.listen or config.readonly_listen:
+        try:   # before the ports: gRPC reports a bad file as a port it cannot bind
+            tls.check()
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
     devices = open_devices(config.device_backend, config.sim_state or None)
     journal = Journal(config.journal_path)
     os.chmod(config.journal_path.parent, 0o700)
@@ -131,7 +137,6 @@ def start(config: NodeConfig) -> Running:
                          options=[("grpc.so_reuseport", 0)])
     agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentService(agent, metrics), server)
     ports: dict[str, int] = {}
-    tls = TlsPaths(Path(config.tls.cert), Path(config.tls.key), Path(config.tls.ca))
     if config.listen:
         ports["listen"] = _bound(config, "listen", lambda address: server.add_secure_port(
             address, server_credentials(tls, require_client_cert=True)))

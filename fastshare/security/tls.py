@@ -41,12 +41,31 @@ class TlsPaths:
         return cls(directory / f"{name}.crt", directory / f"{name}.key", directory / "ca.crt")
 
     def check(self) -> None:
-        """Fail early, naming the missing file, instead of an opaque handshake error later."""
+        """Fail early, naming the file, instead of an opaque error later (gRPC only says it cannot
+        bind the port): each file present and readable (OSError), the certificate, key and CA in
+        PEM and the key the certificate's (ValueError)."""
         for field, path in (("cert", self.cert), ("key", self.key), ("ca", self.ca)):
             if not Path(path).is_file():
                 raise FileNotFoundError(f"tls.{field}: {path} does not exist or is not a file")
             if not os.access(path, os.R_OK):
                 raise PermissionError(f"tls.{field}: {path} is not readable by this process")
+        cert_pem, key_pem, ca_pem = self.read()
+        try:
+            cert = x509.load_pem_x509_certificate(cert_pem)
+        except ValueError as exc:
+            raise ValueError(f"tls.cert: {self.cert} is not a PEM certificate ({exc})") from None
+        try:
+            key = serialization.load_pem_private_key(key_pem, password=None)
+        except (ValueError, TypeError) as exc:   # TypeError: encrypted
+            raise ValueError(f"tls.key: {self.key} is not a PEM private key without a password ({exc})"
+                             ) from None
+        try:
+            x509.load_pem_x509_certificates(ca_pem)
+        except ValueError as exc:
+            raise ValueError(f"tls.ca: {self.ca} is not a PEM certificate ({exc})") from None
+        if cert.public_key() != key.public_key():
+            raise ValueError(f"tls.key: {self.key} is not the key of {self.cert}; put the key issued with it "
+                             "there, or issue the pair again")
 
     def stamp(self) -> tuple[tuple[int, int], ...]:
         """Changes when any of the three files is replaced (as `fastshare certs issue` does);

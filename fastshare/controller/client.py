@@ -124,6 +124,13 @@ def unreachable_hint(exc: grpc.RpcError, config: ClientConfig) -> str | None:
     if "Hostname Verification" in details:
         return (f"the controller's certificate does not name {config.server_name!r}: give a name it lists "
                 "with --server-name or FASTSHARE_CONTROLLER_NAME (`fastshare certs show CERT` prints them)")
+    if "CERTIFICATE_VERIFY_FAILED" in details and "certificate has expired" in details:
+        return ("the controller's certificate has expired: issue it again on the controller's host "
+                f"(`{reissue_command('controller', 'controller')}`, or the name of its certificate); the "
+                "controller re-reads it without a restart")
+    if "CERTIFICATE_VERIFY_FAILED" in details and "certificate is not yet valid" in details:
+        return ("the controller's certificate is not valid yet: check the clocks of this host and of the "
+                "controller's")
     if "CERTIFICATE_VERIFY_FAILED" in details:
         return (f"the controller's certificate is not signed by a CA in {ca}: put the cluster CA's ca.crt "
                 "there (the one `fastshare certs issue` wrote beside your certificate)")

@@ -156,3 +156,35 @@ def test_an_expired_ca_certificate_is_named(pki, tmp_path):
     assert result.exit_code == 1, result.output
     assert f"tls-dir: {pki / 'ca.crt'}" in result.output and "expired on" in result.output, result.output
     assert "UNAVAILABLE" not in result.output, result.output
+
+
+def test_a_controller_with_an_expired_certificate_is_named_as_such(cluster):
+    """The TLS library says 'certificate has expired', but the hint blamed ca.crt: 'the
+    controller's certificate is not signed by a CA in ca.crt: put the cluster CA's ca.crt there'."""
+    import datetime as dt
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    ca_cert, ca_key = certs.load_ca(cluster.pki.ca)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = certs.sign_leaf(ca_cert, ca_key, "controller", key.public_key(),
+                           certs.san_entries(["controller", "127.0.0.1"]), "controller", dt.timedelta(days=1),
+                           now=dt.datetime.now(dt.UTC) - dt.timedelta(days=3))
+    (cluster.pki.dir / "controller.key").write_bytes(certs.key_pem(key))
+    (cluster.pki.dir / "controller.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    proc = cluster.start_controller(wait=False)
+
+    def refused() -> str | None:
+        assert proc.alive(), proc.output()
+        result = CliRunner().invoke(main, ["status", "--tls-dir", str(cluster.pki.dir),
+                                           "--controller", cluster.address])
+        assert result.exit_code == 1, result.output
+        return None if "Connection refused" in result.output else result.output
+
+    from .conftest import wait_for
+
+    out = wait_for(refused, 60, "the controller listening")
+    assert "hint: the controller's certificate has expired" in out, out
+    assert "fastshare certs issue --role controller --name controller" in out, out
+    assert "put the cluster CA's ca.crt there" not in out, out

@@ -85,12 +85,17 @@ class FellBehind(Exception):
     """A watcher did not take its events as fast as they came."""
 
 
+class TooManyWatches(Exception):
+    """As many Watch streams are open as the controller serves at once."""
+
+
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     codes = [(ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
              (Rejected, grpc.StatusCode.RESOURCE_EXHAUSTED), (NotFound, grpc.StatusCode.NOT_FOUND),
              (KeyConflict, grpc.StatusCode.ALREADY_EXISTS), (Busy, grpc.StatusCode.ABORTED),
              (Conflict, grpc.StatusCode.ABORTED), (FellBehind, grpc.StatusCode.RESOURCE_EXHAUSTED),
-             (NodeInUse, grpc.StatusCode.FAILED_PRECONDITION)]
+             (NodeInUse, grpc.StatusCode.FAILED_PRECONDITION),
+             (TooManyWatches, grpc.StatusCode.RESOURCE_EXHAUSTED)]
     for kind, code in codes:
         if isinstance(exc, kind):
             context.abort(code, str(exc))
@@ -202,7 +207,7 @@ def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> NoRetur
         log.error("%s: %s", method, reason)
         context.abort(grpc.StatusCode.UNAVAILABLE, reason)
     if isinstance(exc, ValidationError | Rejected | NotFound | KeyConflict | Busy | Conflict
-                  | AgentFailed | AgentError | FellBehind | NodeInUse):
+                  | AgentFailed | AgentError | FellBehind | NodeInUse | TooManyWatches):
         _abort(context, exc)
     log.exception("internal error in %s", method)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
@@ -210,9 +215,14 @@ def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> NoRetur
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
-    def __init__(self, core: ControllerCore, auth: Authenticator) -> None:
+    def __init__(self, core: ControllerCore, auth: Authenticator, max_watches: int = 16) -> None:
         self.core = core
         self.auth = auth
+        # A Watch stream holds a worker thread for as long as it is open: without a bound, open
+        # streams (any client's, even a node certificate's) could take every worker, and no
+        # Allocate, RegisterNode or Heartbeat would be served.
+        self.max_watches = max_watches
+        self._watch_slots = threading.BoundedSemaphore(max_watches)
 
     def _pb(self, allocation) -> pb.Allocation:
         return convert.allocation_to_pb(allocation, self.core.is_available(allocation.node))
@@ -243,6 +253,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def Watch(self, request: pb.WatchAllocationsRequest, context) -> Iterator[pb.AllocationEvent]:
         if request.allocation_id:   # none: every allocation's events
             check_allocation_id(request.allocation_id)
+        if not self._watch_slots.acquire(blocking=False):
+            raise TooManyWatches(f"{self.max_watches} watches are open, as many as this controller serves "
+                                 "at once (each holds one of its worker threads); close one, or watch "
+                                 "again later")
         sub = self.core.events.subscribe(request.allocation_id)
         try:
             if request.allocation_id:
@@ -262,6 +276,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                         return
         finally:
             self.core.events.unsubscribe(sub)
+            self._watch_slots.release()
 
     @_guard
     def RenewLease(self, request: pb.RenewLeaseRequest, context) -> pb.Allocation:
@@ -388,7 +403,8 @@ class ControllerServer:
             log.info("state rebuilt: %s", report)
             server = grpc.server(ThreadPoolExecutor(max_workers=cfg.workers),
                                  options=[("grpc.so_reuseport", 0)])
-            pb_grpc.add_ControllerServicer_to_server(ControllerServicer(self.core, auth), server)
+            pb_grpc.add_ControllerServicer_to_server(
+                ControllerServicer(self.core, auth, max_watches=max(1, cfg.workers // 2)), server)
             pb_grpc.add_NodeRegistryServicer_to_server(RegistryServicer(self.core, self._reconcile_soon),
                                                        server)
             self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls, True))

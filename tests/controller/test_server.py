@@ -290,3 +290,42 @@ def test_allocation_ids_and_node_names_are_checked_by_field(cluster):
         client.call("SetSchedulable", pb.SetSchedulableRequest(node="n" * 100_000))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert exc.value.details() == "node: at most 253 characters (a host name), got 100000"
+
+
+def test_open_watches_cannot_take_every_worker(cluster):
+    """Each Watch stream held one of the controller's 32 worker threads for as long as it was
+    open: 32 of them, from any certificate (even a GPU node's, which may only read), left no
+    thread for Ping, Allocate, RegisterNode or Heartbeat (every node then looked lost). Watches
+    beyond half the workers are now refused, RESOURCE_EXHAUSTED, and the rest of the API answers."""
+    import time
+
+    cluster.pki.issue("n1")
+    cluster.start_controller()
+    watcher = cluster.client(tls_name="n1")
+    streams = [watcher.stream("Watch", pb.WatchAllocationsRequest(), timeout=120) for _ in range(40)]
+    try:
+        time.sleep(2)
+        cluster.client().call("Ping", common_pb2.Empty(), timeout=5)
+        wait_for(lambda: sum(s.done() for s in streams) >= 24, 30, "watches over the limit refused")
+        refused = [s for s in streams if s.done()]
+        assert all(s.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for s in refused), \
+            [(s.code(), s.details()) for s in refused]
+        assert "16 watches are open" in refused[0].details(), refused[0].details()
+        open_now = [s for s in streams if not s.done()]
+        assert len(open_now) == 16
+        open_now[0].cancel()   # a slot freed is a watch possible again
+        again = wait_for(lambda: _watch_admitted(watcher), 30, "a watch admitted after one closed")
+        again.cancel()
+    finally:
+        for s in streams:
+            s.cancel()
+
+
+def _watch_admitted(client):
+    import time
+
+    stream = client.stream("Watch", pb.WatchAllocationsRequest(), timeout=60)
+    time.sleep(0.5)
+    if stream.done():
+        return None
+    return stream

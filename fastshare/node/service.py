@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -145,6 +146,11 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self.agent = agent
         self.metrics = metrics
         self.terms = terms.LeaderTerms(agent.journal)
+        # A waiting Watch holds a worker thread (up to MAX_WATCH_S), and the read-only port takes
+        # it from anyone: without a bound, waits could take every worker, the controller's calls
+        # and the unix socket's included.
+        self.max_watch_waits = max(1, agent.config.max_workers // 2)
+        self._watch_slots = threading.BoundedSemaphore(self.max_watch_waits)
 
     def _authorise(self, context: grpc.ServicerContext, method: str) -> None:
         if context.peer().startswith("unix:"):
@@ -180,7 +186,14 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         boot_changed = bool(request.boot_id) and request.boot_id != self.agent.boot_id
         generation = self.agent.generation
         if not boot_changed and generation == request.since_generation and wait > 0:
-            generation = self.agent.wait_for_change(request.since_generation, wait)
+            if not self._watch_slots.acquire(blocking=False):
+                raise AgentError("RESOURCE_EXHAUSTED",
+                                 f"{self.max_watch_waits} Watch calls are waiting for a change, as many as "
+                                 "this agent lets wait at once; retry later, or with wait_ms 0")
+            try:
+                generation = self.agent.wait_for_change(request.since_generation, wait)
+            finally:
+                self._watch_slots.release()
         if boot_changed or generation != request.since_generation:
             snap = self.agent.snapshot()
             return agent_pb2.WatchReply(changed=True, inventory=inventory_proto(snap),

@@ -11,7 +11,7 @@ from security.handmade import issue_client_cert, issue_roleless_cert
 from fastshare.node.client import channel
 from fastshare.security import certs as pki
 from fastshare.security.tls import TlsPaths
-from fastshare.v1 import agent_pb2, agent_pb2_grpc
+from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 from .harness import BIN, GPU_A, fastpod, rpc_error
 
@@ -110,3 +110,32 @@ def test_tcp_without_tls_is_refused_at_start(tmp_path):
     out = subprocess.run([str(BIN / "fastshare"), "node", "serve", "--config", str(tmp_path / "n.yaml")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "tls.cert" in out.stderr
+
+
+def test_anonymous_long_polls_cannot_take_every_worker(agent):
+    """A Watch waits up to 30 s in one of the agent's 16 worker threads, and the read-only port
+    takes it from anyone: 16 of them left no thread for the controller's calls, nor for the
+    unix socket's, and again 30 s later. Waits beyond half the workers are now refused."""
+    import time
+
+    agent.start()
+    reply = agent.unix().Watch(agent_pb2.WatchRequest(), timeout=30)
+    wait = agent_pb2.WatchRequest(since_generation=reply.generation, boot_id=reply.boot_id, wait_ms=30_000)
+    anon = agent.no_client_cert("readonly_listen")
+    polls = [anon.Watch.future(wait, timeout=60) for _ in range(16)]
+    try:
+        time.sleep(2)
+        assert agent.mtls("controller").Ping(common_pb2.Empty(), timeout=5) is not None
+        assert agent.unix().GetInventory(INV, timeout=5).node_name == "node-1"
+        refused = [p for p in polls if p.done()]
+        assert len(refused) == 8, len(refused)
+        for p in refused:
+            assert p.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (p.code(), p.details())
+            assert "8 Watch calls are waiting" in p.details(), p.details()
+        # an answer that needs no wait is still given
+        now = anon.Watch(agent_pb2.WatchRequest(since_generation=reply.generation + 1, wait_ms=30_000),
+                         timeout=5)
+        assert now.changed
+    finally:
+        for p in polls:
+            p.cancel()

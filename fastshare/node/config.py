@@ -8,6 +8,7 @@ TLS, and anonymous read-only access exists only on its own, explicitly configure
 from __future__ import annotations
 
 import dataclasses
+import grp
 import ipaddress
 import re
 import socket
@@ -94,6 +95,12 @@ class NodeConfig:
         listen, readonly = addresses.get("listen", ""), addresses.get("readonly_listen", "")
         if readonly and readonly == listen and not listen.endswith(":0"):
             raise ConfigError("readonly_listen must differ from listen")
+        if self.unix_socket and self.unix_socket_group:
+            try:
+                grp.getgrnam(self.unix_socket_group)
+            except KeyError:
+                raise ConfigError(f"unix_socket_group: no group {self.unix_socket_group!r} on this host; "
+                                  "name an existing group, or '' for the agent's own") from None
         if not 0 <= self.unix_socket_mode <= 0o777:
             raise ConfigError(f"unix_socket_mode must be an octal permission like 0o660, got "
                               f"{self.unix_socket_mode:o}")

@@ -83,3 +83,14 @@ def test_the_agents_addresses_are_kept_as_grpc_reads_them():
 def test_host_and_port_forms_that_are_refused_name_the_key(value, says):
     with pytest.raises(ConfigError, match=f"controller_address.*{says}"):
         config.check_hostport("controller_address", value)
+
+
+def test_a_unix_socket_group_that_does_not_exist_is_named_at_load():
+    """A typo in unix_socket_group was found after the agent had reconciled the GPUs and opened
+    the socket: a KeyError traceback, and the socket left behind with the umask's mode."""
+    import grp
+
+    with pytest.raises(ConfigError, match="unix_socket_group: no group 'no-such-group-7' on this host"):
+        config.load(None, {"unix_socket_group": "no-such-group-7"})
+    existing = grp.getgrgid(0).gr_name
+    assert config.load(None, {"unix_socket_group": existing}).unix_socket_group == existing

@@ -176,11 +176,22 @@ def test_reader_rejects_files_an_interception_library_could_not_trust(tmp_path, 
         sharefiles.read(tmp_path, UUID)
 
 
-def test_a_half_removed_pair_is_not_read_as_no_shares(tmp_path):
+@pytest.mark.parametrize("which", ["config", "ports"])
+def test_a_half_removed_pair_is_not_read_as_no_shares(tmp_path, which):
     sharefiles.write(tmp_path, UUID, [ShareEntry("a", 0.5, 0.5, 1, 50100)])
-    sharefiles.config_path(tmp_path, UUID).unlink()
+    (sharefiles.config_path if which == "config" else sharefiles.port_path)(tmp_path, UUID).unlink()
     with pytest.raises(OSError):
         sharefiles.read(tmp_path, UUID)
+
+
+def test_ports_at_both_ends_of_the_range_are_written(tmp_path):
+    entries = [ShareEntry("a", 0.5, 0.5, 0, 1), ShareEntry("b", 0.5, 0.5, 0, 65535)]
+    sharefiles.write(tmp_path, UUID, entries)
+    assert sharefiles.read(tmp_path, UUID) == entries
+
+
+def test_a_root_without_files_has_no_devices(tmp_path):
+    assert sharefiles.devices(tmp_path / "never-written") == []
 
 
 def test_a_writers_leftover_temporary_file_is_not_a_device(tmp_path):

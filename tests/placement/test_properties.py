@@ -19,7 +19,8 @@ def requests(draw, i: int) -> Request:
     kind = draw(kinds)
     common = {"cpu_milli": draw(st.integers(0, 20000)), "memory_mib": draw(st.integers(0, 50000)),
               "anti_affinity": draw(st.sampled_from([None, "x"])),
-              "exclusion": draw(st.sampled_from([None, None, "e"]))}
+              "exclusion": draw(st.sampled_from([None, None, "e"])),
+              "affinity": draw(st.sampled_from([None, None, "a"]))}
     if kind == "fastpod":
         return Request(f"r{i}", kind, sm_percent=draw(st.integers(1, 100)),
                        gpu_memory_mib=draw(st.integers(1, 45000)),
@@ -43,8 +44,19 @@ def cluster():
     return [node("n1", n_gpus=2, cpu=64000), node("n2", n_gpus=2, key="T4", cpu=32000), node("n3", n_gpus=1)]
 
 
+def tight_cluster():
+    """Host CPU and memory run out before the GPUs do (the other cluster rarely gets there)."""
+    return [node("n1", n_gpus=2, cpu=24000, mem=60000), node("n2", n_gpus=2, key="T4", cpu=16000, mem=40000),
+            node("n3", n_gpus=1, cpu=20000, mem=50000)]
+
+
 def check_capacity(eng: Engine) -> None:
     nodes = {n.name: n for n in eng.nodes}
+    bound: dict[str, set[tuple[str, int]]] = {}
+    for a in eng.assignments.values():
+        if a.request.kind in ("fastpod", "mps") and a.request.affinity:
+            bound.setdefault(a.request.affinity, set()).add((a.node, a.gpus[0]))
+    assert all(len(places) == 1 for places in bound.values()), bound   # an affinity tag is one GPU
     cpu = dict.fromkeys(nodes, 0)
     mem = dict.fromkeys(nodes, 0)
     for a in eng.assignments.values():
@@ -71,10 +83,10 @@ def check_capacity(eng: Engine) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(streams())
-def test_capacity_never_exceeded_and_release_is_exact(stream):
+@given(streams(), st.sampled_from([cluster, tight_cluster]))
+def test_capacity_never_exceeded_and_release_is_exact(stream, make_cluster):
     reqs, _releases = stream
-    eng = Engine(cluster())
+    eng = Engine(make_cluster())
     snapshots = []
     for r in reqs:
         before = eng.usage()
@@ -91,6 +103,30 @@ def test_capacity_never_exceeded_and_release_is_exact(stream):
         assert eng.usage() == before
         check_capacity(eng)
     assert not eng.assignments
+    # and the hosts got back all their CPU and memory (usage() shows GPUs only), the affinity
+    # tags their freedom: a request for a whole host, bound to a tag used before, fits every node
+    for i, n in enumerate(eng.nodes):
+        full = Request(f"full{i}", "mps", gpu_memory_mib=1, cpu_milli=n.cpu_milli, memory_mib=n.memory_mib,
+                       affinity="a")
+        assert eng.place(full, excluded={m.name: "not this one" for m in eng.nodes if m is not n})
+        eng.release(full.id)
+
+
+@settings(max_examples=60, deadline=None)
+@given(streams(), st.sampled_from([cluster, tight_cluster]))
+def test_capacity_holds_with_releases_in_between(stream, make_cluster):
+    # releases between placements: what one release gives back (an affinity tag's binding while
+    # other sharers still hold it, host CPU) must be exactly its own
+    reqs, releases = stream
+    eng = Engine(make_cluster())
+    for k, r in enumerate(reqs):
+        eng.place(r)
+        check_capacity(eng)
+        for j in (j for j in releases if j == k):
+            held = reqs[(k * 7 + j) % (k + 1)].id   # one of the requests placed so far
+            if held in eng.assignments:
+                eng.release(held)
+                check_capacity(eng)
 
 
 @settings(max_examples=30, deadline=None)

@@ -104,6 +104,11 @@ class NodeConfig:
         if not 0 <= self.unix_socket_mode <= 0o777:
             raise ConfigError(f"unix_socket_mode must be an octal permission like 0o660, got "
                               f"{self.unix_socket_mode:o}")
+        if self.unix_socket_mode & 0o007:
+            # the socket gives full control of the GPUs through a root agent: never to every local user
+            raise ConfigError(f"unix_socket_mode 0o{self.unix_socket_mode:03o} lets others (every local "
+                              "user) use the agent; allowed: owner and group bits only, e.g. 0o660 with "
+                              "unix_socket_group naming the group that may use the CLI")
         if self.device_backend not in BACKENDS:
             raise ConfigError(f"device_backend must be one of {', '.join(BACKENDS)}, got "
                               f"{self.device_backend!r}")

@@ -94,3 +94,15 @@ def test_a_unix_socket_group_that_does_not_exist_is_named_at_load():
         config.load(None, {"unix_socket_group": "no-such-group-7"})
     existing = grp.getgrgid(0).gr_name
     assert config.load(None, {"unix_socket_group": existing}).unix_socket_group == existing
+
+
+@pytest.mark.parametrize("mode", ["0666", "0606", "0662", "0661", "0604", "0777", "0601"])
+def test_a_unix_socket_others_can_reach_is_refused(mode):
+    # the root agent's unix socket is full GPU control: no mode may let every local user in
+    with pytest.raises(ConfigError, match=r"unix_socket_mode .*others.*0o660.*unix_socket_group"):
+        config.load(None, {"unix_socket_mode": mode})
+
+
+@pytest.mark.parametrize("mode", ["0600", "0660", "0640", "0620"])
+def test_owner_and_group_unix_socket_modes_are_accepted(mode):
+    assert config.load(None, {"unix_socket_mode": mode}).unix_socket_mode == int(mode, 8)

@@ -62,6 +62,10 @@ class ClientConfig:
         if self.token_file is None:
             return ()
         try:
+            mode = Path(self.token_file).stat().st_mode & 0o777
+            if mode & 0o077:  # as the controller does: a token is a password, for its owner only
+                raise ClientConfigError(f"token-file: {self.token_file} has mode {mode:04o}; allowed: 0600 "
+                                        f"or 0400 (owner only): `chmod 600 {self.token_file}`")
             words = Path(self.token_file).read_text().split()
         except OSError as exc:
             raise ClientConfigError(f"token-file: cannot read a token from {self.token_file}: {exc}") from exc
@@ -145,8 +149,8 @@ class Client:
 
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
-        self._channel = config.channel()
         self._metadata = config.metadata()
+        self._channel = config.channel()
         self.stub = pb_grpc.ControllerStub(self._channel)
 
     def call(self, method: str, request: object, timeout: float | None = None) -> object:

@@ -50,6 +50,7 @@ def test_a_token_file_without_a_token_is_named(pki, tmp_path, content, says, com
     # an empty one said 'list index out of range'; a binary one crashed (UnicodeDecodeError)
     token = tmp_path / "token"
     token.write_bytes(content)
+    token.chmod(0o600)
     args = [*command[:1], "--controller", f"127.0.0.1:{free_port()}", "--tls-dir", str(pki),
             "--tls-name", "none", "--token-file", str(token), *command[1:]]
     if command[0] == "run":
@@ -57,6 +58,25 @@ def test_a_token_file_without_a_token_is_named(pki, tmp_path, content, says, com
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"token-file: {token} {says}" in result.output and result.stdout == ""
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o602])
+@pytest.mark.parametrize("command", [["status", "--json"], ["cordon", "n1"],
+                                     ["run", "--mem", "1GiB"]], ids=["status", "cordon", "run"])
+def test_a_token_file_others_can_read_is_refused(pki, tmp_path, mode, command):
+    # the controller refuses a token file readable by group or others; the client sent one as it was
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(mode)
+    args = [*command[:1], "--controller", f"127.0.0.1:{free_port()}", "--tls-dir", str(pki),
+            "--tls-name", "none", "--token-file", str(token), *command[1:]]
+    if command[0] == "run":
+        args += ["--", "true"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"token-file: {token} has mode {mode:04o}; allowed: 0600 or 0400 (owner only)" in result.output
+    assert f"chmod 600 {token}" in result.output and "s3cret" not in result.output
+    assert "UNAVAILABLE" not in result.output and result.stdout == ""
 
 
 def test_a_controller_the_client_cannot_reach_or_trust_says_what_to_check(cluster, tmp_path):

@@ -58,6 +58,7 @@ def test_client_without_certificate_or_token_is_refused(cluster):
     # A token without a certificate cannot even pass the mTLS handshake of the main port.
     token = cluster.root / "token"
     token.write_text("s3cret\n")
+    token.chmod(0o600)
     client = cluster.client(tls_name="nobody", token_file=token)
     with pytest.raises(grpc.RpcError) as exc:
         client.call("Ping", common_pb2.Empty(), timeout=10)
@@ -112,6 +113,8 @@ def test_token_port(cluster):
     good, bad = cluster.root / "good", cluster.root / "bad"
     good.write_text("s3cret")
     bad.write_text("guess")
+    good.chmod(0o600)
+    bad.chmod(0o400)
     base = dict(address=f"127.0.0.1:{token_port}", tls_dir=cluster.pki.dir, tls_name="nobody")
     with Client(ClientConfig(**base, token_file=good)) as ok:
         ok.call("Ping", common_pb2.Empty())

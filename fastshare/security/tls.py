@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
+import ssl
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -163,6 +165,27 @@ def secure_channel(target: str, ca: Path, cert: Path | None = None, key: Path | 
 def mtls_channel(target: str, paths: TlsPaths, server_name: str | None = None,
                  options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
     return secure_channel(target, paths.ca, paths.cert, paths.key, server_name, options)
+
+
+def server_certificate(target: str, paths: TlsPaths, server_name: str | None = None,
+                       timeout: float = 10.0) -> x509.Certificate:
+    """The certificate the server at ``target`` (HOST:PORT, [IPv6]:PORT) presents, from a TLS
+    handshake of its own, verified as a gRPC channel does it (the CA of ``paths``, the name
+    ``server_name`` or the host, ``paths``' certificate presented). gRPC Python shows a client
+    nothing of the server's certificate, so a client that needs the server's role (not only a
+    name, which another role's certificate may list) asks with this. OSError if it cannot."""
+    host, _, port = target.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)   # verifies the chain and the name
+    context.load_verify_locations(cafile=str(paths.ca))
+    context.load_cert_chain(str(paths.cert), str(paths.key))
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, int(port)), timeout=timeout) as raw, \
+            context.wrap_socket(raw, server_hostname=server_name or host) as tls:
+        der = tls.getpeercert(binary_form=True)
+    if not der:
+        raise ssl.SSLError(f"{target} presented no certificate")
+    return x509.load_der_x509_certificate(der)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from concurrent import futures
 import grpc
 
 from fastshare.controller.registration import Registrar
+from fastshare.security import certs
 from fastshare.security.tls import TlsPaths, server_credentials
 from fastshare.v1 import controller_pb2 as pb
 from fastshare.v1 import controller_pb2_grpc as pb_grpc
@@ -18,8 +19,10 @@ from .conftest import Pki, wait_for
 class Registry(pb_grpc.NodeRegistryServicer):
     def __init__(self) -> None:
         self.heartbeats = threading.Semaphore(0)
+        self.registrations = threading.Semaphore(0)
 
     def RegisterNode(self, request, context):
+        self.registrations.release()
         return pb.RegisterNodeResponse(heartbeat_interval_seconds=1)
 
     def Heartbeat(self, request, context):
@@ -52,6 +55,46 @@ def test_the_registrar_presents_the_certificate_renewed_on_disk_after_the_old_on
         server.stop(None)                        # the controller restarts: a new handshake
         server, registry, _ = serve(address)
         assert registry.heartbeats.acquire(timeout=15), "the registrar never got through again"
+    finally:
+        registrar.stop()
+        server.stop(None)
+
+
+def _serve(pki: Pki, name: str) -> tuple[grpc.Server, Registry, str]:
+    registry = Registry()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_NodeRegistryServicer_to_server(registry, server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(TlsPaths.in_dir(pki.dir, name)))
+    server.start()
+    return server, registry, f"127.0.0.1:{port}"
+
+
+def test_the_registrar_sends_nothing_to_a_server_without_the_controller_role(tmp_path, caplog):
+    """gRPC checks only that the server's certificate lists the name dialled ("controller"): a
+    node certificate that lists it too (here another node's, at the controller's address) got
+    every RegisterNode and Heartbeat. The registrar now checks the server's role first."""
+    pki = Pki(tmp_path)
+    certs.issue(pki.ca, "gpu-9", pki.dir, sans=["controller", "127.0.0.1"], role="node")
+    pki.issue("node-x")
+    server, registry, address = _serve(pki, "gpu-9")
+    registrar = Registrar(address, "node-x", "127.0.0.1:1", TlsPaths.in_dir(pki.dir, "node-x"),
+                          controller_name="controller").start()
+    try:
+        assert not registry.registrations.acquire(timeout=4), "the registrar registered with a node"
+        assert not registry.heartbeats.acquire(timeout=0)
+        assert not registrar.registered.is_set()
+    finally:
+        registrar.stop()
+        server.stop(None)
+    said = caplog.text
+    assert f"controller at {address}" in said and "'gpu-9'" in said and "the node role" in said, said
+    assert "not the controller role" in said, said
+    # the real controller's certificate: registered at once
+    server, registry, address = _serve(pki, "controller")
+    registrar = Registrar(address, "node-x", "127.0.0.1:1", TlsPaths.in_dir(pki.dir, "node-x"),
+                          controller_name="controller").start()
+    try:
+        assert registry.registrations.acquire(timeout=10) and registry.heartbeats.acquire(timeout=10)
     finally:
         registrar.stop()
         server.stop(None)

@@ -569,6 +569,12 @@ def test_pki_issues_once_then_renews_only_when_due_or_names_change(collections_p
     assert (tls / "gpu9.crt").read_bytes() != first
     assert converge(pki_sans=["gpu9", "10.0.0.9", "gpu9.example"]) is True
     assert "gpu9.example" in describe(tls / "gpu9.crt")["sans"]
+    # a name taken out is taken out of the certificate too (it stayed valid until renewal)
+    assert converge(pki_sans=["gpu9", "10.0.0.9"]) is True, "a removed SAN must re-issue the certificate"
+    assert sorted(describe(tls / "gpu9.crt")["sans"]) == ["10.0.0.9", "gpu9"]
+    assert converge(pki_sans=["gpu9", "10.0.0.9"]) is False
+    # the certificate's own name is always among its SANs: not having it in pki_sans changes nothing
+    assert converge(pki_sans=["10.0.0.9"]) is False
 
 
 @pytest.mark.parametrize(("days", "renew_days"), [(7, 10), (10, 10)])

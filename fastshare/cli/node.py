@@ -84,13 +84,14 @@ def serve(config_path: Path, log_level: str, bootstrap_controller: str | None,
         cfg = node_config.load(config_path, overrides)
     except node_config.ConfigError as exc:
         fail(f"invalid node agent configuration: {exc}")
-    if bootstrap_controller or bootstrap_token or bootstrap_ca:
+    bootstrapped = bool(bootstrap_controller or bootstrap_token or bootstrap_ca)
+    if bootstrapped:
         _bootstrap(cfg, bootstrap_controller, bootstrap_token, bootstrap_ca)
     from fastshare.device.api import DeviceError
     from fastshare.node.server import serve as run
 
     try:
-        run(cfg)
+        run(cfg, cert_renewed=bootstrapped)   # the bootstrap renews the certificate by itself
     except DeviceError as exc:
         fail(f"cannot open the GPUs: {exc}")
     except (OSError, RuntimeError) as exc:

@@ -53,6 +53,7 @@ from fastshare.controller.validation import (
 )
 from fastshare.heap import freeze_startup_objects
 from fastshare.security.certs import reissue_command
+from fastshare.security.rotation import watch_expiry
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
 from fastshare.sqlite_file import write_failure
 from fastshare.stop_signal import stop_on_signals
@@ -414,6 +415,7 @@ class ControllerServer:
             self.server = server
             self._thread = threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True)
             self._thread.start()
+            watch_expiry(cfg.tls.cert, "controller", Path(cfg.tls.cert).stem, log, self._stop)
         except BaseException:
             self.lock.release()
             raise

@@ -30,6 +30,7 @@ from fastshare.node.agent import Agent
 from fastshare.node.config import NodeConfig
 from fastshare.node.journal import Journal
 from fastshare.node.service import Metrics, NodeAgentService
+from fastshare.security.rotation import watch_expiry
 from fastshare.security.tls import TlsPaths, server_credentials
 from fastshare.stop_signal import stop_on_signals
 from fastshare.v1 import agent_pb2_grpc
@@ -115,8 +116,10 @@ def _bound(config: NodeConfig, setting: str, bind: Callable[[str], T]) -> T:
                            "a free HOST:PORT, or '' for none") from exc
 
 
-def start(config: NodeConfig) -> Running:
-    """Open everything, reconcile, then open the ports. Raises on any configuration problem."""
+def start(config: NodeConfig, cert_renewed: bool = False) -> Running:
+    """Open everything, reconcile, then open the ports. Raises on any configuration problem.
+    ``cert_renewed``: something renews the certificate (the Kubernetes bootstrap); otherwise
+    its end is announced from a week before (:func:`watch_expiry`)."""
     tls = TlsPaths(Path(config.tls.cert), Path(config.tls.key), Path(config.tls.ca))
     if config.listen or config.readonly_listen:
         try:   # before the ports: gRPC reports a bad file as a port it cannot bind
@@ -166,6 +169,8 @@ def start(config: NodeConfig) -> Running:
     threads += _controller_hook(config, agent, stop_event)
     for t in threads:
         t.start()
+    if (config.listen or config.readonly_listen or config.controller_address) and not cert_renewed:
+        threads.append(watch_expiry(tls.cert, "node", config.node_name, log, stop_event))
     return Running(config, agent, server, ports, stop_event, threads, metrics_server)
 
 
@@ -197,11 +202,11 @@ def _controller_hook(config: NodeConfig, agent: Agent, stop: threading.Event) ->
                              daemon=True)]
 
 
-def serve(config: NodeConfig) -> None:
+def serve(config: NodeConfig, cert_renewed: bool = False) -> None:
     """Run until SIGTERM/SIGINT (the systemd unit's main process)."""
     stop = threading.Event()
     stop_on_signals(stop)
-    running = start(config)
+    running = start(config, cert_renewed)
     where = ", ".join(f"{k}={v}" for k, v in running.ports.items())
     log.info("fastshare node agent %s serving (%s%s)", config.node_name, where,
              f", unix={config.unix_socket}" if config.unix_socket else "")

@@ -15,8 +15,12 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import cast
 
 from cryptography import x509
+
+from fastshare.security.certs import describe, reissue_command
 
 RENEW_FRACTION = 2 / 3
 FIRST_BACKOFF_S = 1.0
@@ -24,6 +28,10 @@ MAX_BACKOFF_S = 60.0
 # How often the loop asks whether to renew at once (the CA it was signed with, or the CA bundle
 # it is checked with, was replaced): a rotated CA takes effect within about this long.
 CHECK_INTERVAL_S = 30.0
+# Certificates nothing renews by itself (bare metal: `fastshare certs issue`, the pki role):
+# how long before their end the server that uses one starts saying so, and how often.
+EXPIRY_WARNING = dt.timedelta(days=7)
+EXPIRY_CHECK_INTERVAL_S = 86400.0
 
 
 def remaining(cert: x509.Certificate, now: dt.datetime) -> dt.timedelta:
@@ -86,3 +94,46 @@ def renew_forever(cert: x509.Certificate, renew: Callable[[], x509.Certificate],
             delay = min(delay * 2, MAX_BACKOFF_S)
         else:
             earliest, delay, reason = time.monotonic() + min_interval, FIRST_BACKOFF_S, None
+
+
+def expiry_notice(cert_path: Path, role: str, name: str,
+                  now: dt.datetime | None = None) -> tuple[int, str] | None:
+    """(logging.WARNING, message) when the certificate at ``cert_path`` ends within
+    :data:`EXPIRY_WARNING`, (logging.ERROR, message) once it has ended, else None; None too when
+    the file cannot be read (the server's own checks name that). The message names the file,
+    the end and the command that issues it again with the same names."""
+    try:
+        info = describe(Path(cert_path))
+    except (OSError, ValueError):
+        return None
+    now = now or dt.datetime.now(dt.UTC)
+    ends = dt.datetime.fromisoformat(str(info["not_after"]))
+    if ends - now > EXPIRY_WARNING:
+        return None
+    sans = "".join(f" --san {san}" for san in cast(list[str], info["sans"]) if san != name)
+    renew = (f"renew it with `{reissue_command(role, name)}{sans} --ca CA_DIR --out OUT_DIR` where the CA "
+             "is, and put the new certificate and key in place of this one and its key (or run the playbook "
+             "again: its pki role renews certificates due within pki_renew_days); they are re-read without "
+             "a restart")
+    if ends <= now:
+        return (logging.ERROR,
+                f"certificate {cert_path} expired on {ends.isoformat()}: peers refuse it; {renew}")
+    left = str(ends - now).split(".")[0]
+    return logging.WARNING, f"certificate {cert_path} expires on {ends.isoformat()} (in {left}); {renew}"
+
+
+def watch_expiry(cert_path: Path, role: str, name: str, log: logging.Logger, stop: threading.Event,
+                 interval: float = EXPIRY_CHECK_INTERVAL_S) -> threading.Thread:
+    """Log :func:`expiry_notice` now, then every ``interval`` (a day) until ``stop``, re-reading
+    the file each time (a renewal in place silences it). Returns the started daemon thread."""
+    def loop() -> None:
+        while True:
+            notice = expiry_notice(cert_path, role, name)
+            if notice is not None:
+                log.log(*notice)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=loop, name="cert-expiry", daemon=True)
+    thread.start()
+    return thread

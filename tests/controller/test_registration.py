@@ -115,3 +115,19 @@ def test_an_agent_with_a_certificate_from_before_roles_registers_once_it_is_reis
     cluster.pki.issue("n1")                      # renewed in place, now with the node role
     cluster.wait_node("n1", available=True)
     assert agent.alive()
+
+
+def test_the_controller_and_the_agent_warn_at_start_of_their_certificate_ending_soon(cluster):
+    """Bare-metal certificates last 30 days and only a new playbook run renewed them: both
+    servers now say, at start and daily, that theirs ends within 7 days, and how to renew it."""
+    certs.issue(cluster.pki.ca, "controller", cluster.pki.dir, sans=["127.0.0.1", "localhost"],
+                role="controller", days=3)
+    controller = cluster.start_controller()
+    wait_for(lambda: "WARNING" in controller.output() and "controller.crt expires on" in controller.output(),
+             30, "the controller's warning")
+    assert "fastshare certs issue --role controller --name controller" in controller.output()
+    cluster.add_machine("n1", ["A100-SXM4-40GB"])
+    certs.issue(cluster.pki.ca, "n1", cluster.pki.dir, sans=["127.0.0.1", "localhost"], role="node", days=2)
+    agent = cluster.start_agent("n1")
+    wait_for(lambda: "n1.crt expires on" in agent.output(), 30, "the agent's warning")
+    assert "WARNING" in agent.output() and "fastshare certs issue --role node --name n1" in agent.output()

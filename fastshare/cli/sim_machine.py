@@ -142,4 +142,18 @@ def sim_reboot(state: str) -> None:
         fail(f"reboot: {exc}")
 
 
+@sim_group.command("remove-gpu")
+@_state_option
+@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+def sim_remove_gpu(state: str, gpu_index: int) -> None:
+    """Take a GPU out (or let it fall off the bus) and reboot: the GPUs after it get new indexes."""
+    try:
+        gone = simnvml.remove_gpu(state, gpu_index)
+    except (ValueError, simnvml.NVMLError) as exc:
+        fail(f"remove-gpu: {exc}")
+    left = simnvml.load_machine(state)["gpus"]
+    click.echo(f"removed GPU {gpu_index} ({gone}); the machine rebooted with {len(left)} GPU(s): "
+               + ", ".join(f"{g['index']}={g['uuid']}" for g in left))
+
+
 COMMANDS = [sim_group]

@@ -21,7 +21,7 @@ Handles are ctypes pointers of pynvml's handle types whose *address* encodes wha
 point at (never dereferenced), so callers can store them in pynvml's ctypes arrays.
 
 Test-only knobs (no NVML equivalent): :func:`create_machine`, :func:`add_process`,
-:func:`remove_process`, :func:`reset_gpu`, :func:`reboot`.
+:func:`remove_process`, :func:`reset_gpu`, :func:`reboot`, :func:`remove_gpu`.
 """
 
 from __future__ import annotations
@@ -962,6 +962,23 @@ def reset_gpu(path: str | os.PathLike[str], gpu_index: int) -> None:
             raise _err(_pynvml.NVML_ERROR_IN_USE)
         gpu["mig_current"] = gpu["mig_pending"]
         gpu["gpu_instances"] = []
+
+
+def remove_gpu(path: str | os.PathLike[str], gpu_index: int) -> str:
+    """GPU ``gpu_index`` is taken out of the host (or fell off the bus) and the host boots
+    without it: as NVML then enumerates, the other GPUs keep their PCI bus ids and are
+    numbered 0..n-1 again in bus order, so every GPU after it has a new index. The boot
+    itself is :func:`reboot`'s. Returns the removed GPU's UUID."""
+    with _Store(Path(path)).write() as st:
+        if not 0 <= gpu_index < len(st["gpus"]):
+            raise ValueError(f"gpu index {gpu_index} out of range 0..{len(st['gpus']) - 1}")
+        if len(st["gpus"]) == 1:
+            raise ValueError("the machine's only GPU cannot be removed (a machine has 1 or more GPUs)")
+        gone = st["gpus"].pop(gpu_index)
+        for i, gpu in enumerate(st["gpus"]):
+            gpu["index"] = i
+    reboot(path)
+    return gone["uuid"]
 
 
 def reboot(path: str | os.PathLike[str]) -> None:

@@ -274,3 +274,12 @@ def test_mig_apply_never_sends_to_force_what_nvml_refuses_and_changes_nothing(en
     assert "IN_USE" not in result.output          # refused by the plan, not halfway by NVML
     after = json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][0]["mig_instances"]
     assert [m["uuid"] for m in after] == [m["uuid"] for m in before]
+
+
+def test_sim_machine_remove_gpu(env, machine: Path):
+    before = simnvml.load_machine(machine)["gpus"]
+    out = run(["sim-machine", "remove-gpu", "--gpu", "0"], env).output
+    assert f"removed GPU 0 ({before[0]['uuid']})" in out and f"0={before[1]['uuid']}" in out
+    assert [g["uuid"] for g in simnvml.load_machine(machine)["gpus"]] == [g["uuid"] for g in before[1:]]
+    bad = run(["sim-machine", "remove-gpu", "--gpu", "7"], env, ok=False)
+    assert bad.exit_code == 1 and "remove-gpu: gpu index 7 out of range" in bad.output

@@ -332,3 +332,24 @@ def test_every_gpu_of_a_large_machine_has_a_valid_distinct_pci_bus_id(tmp_path):
     assert all(re.fullmatch(r"[0-9A-F]{8}:[0-9A-F]{2}:[0-9A-F]{2}\.[0-7]", i) for i in ids), ids
     assert len(set(ids)) == len(ids)
     assert ids[:2] == ["00000000:07:00.0", "00000000:17:00.0"]
+
+
+def test_a_removed_gpu_is_gone_and_the_gpus_after_it_are_numbered_anew(nvml, machine: Path):
+    """As NVML enumerates after a host boots without a GPU: the count drops, the GPUs after it
+    keep their UUID and PCI bus id under the next lower index, the removed UUID is not found."""
+    before = simnvml.load_machine(machine)["gpus"]
+    simnvml.add_process(machine, 3)
+    gone = simnvml.remove_gpu(machine, 1)
+    assert gone == before[1]["uuid"]
+    assert nvml.nvmlDeviceGetCount() == len(before) - 1
+    for i, old in enumerate(before[:1] + before[2:]):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        assert nvml.nvmlDeviceGetUUID(h) == old["uuid"] and nvml.nvmlDeviceGetIndex(h) == i
+        assert nvml.nvmlDeviceGetPciInfo(h).busId == old["pci_bus_id"]
+        assert nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(old["uuid"])) == i
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetHandleByUUID(gone)
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(2)) == []  # booted
+    simnvml.check_machine(simnvml.load_machine(machine))
+    with pytest.raises(ValueError, match=r"gpu index 3 out of range 0\.\.2"):
+        simnvml.remove_gpu(machine, 3)

@@ -53,7 +53,9 @@ def _memory_slices(model: str) -> int:
 def cluster_status(nodes: list[Node], allocations: list[Allocation]) -> pb.ClusterStatus:
     """Per-GPU usage computed from the allocations that hold capacity (the state of record)."""
     out = pb.ClusterStatus()
-    usage: dict[tuple[str, int], pb.GpuUsage] = {}
+    # a GPU by UUID: its index shifts when another GPU leaves the node, and the allocation's
+    # record may not say the new one yet (by index only where a record names no UUID)
+    usage: dict[tuple[str, int | str], pb.GpuUsage] = {}
     available = {n.name: n.available for n in nodes}
     for n in nodes:
         ns = out.nodes.add(name=n.name, address=n.address, available=n.available,
@@ -61,7 +63,7 @@ def cluster_status(nodes: list[Node], allocations: list[Allocation]) -> pb.Clust
                            cordon_reason=n.cordon_reason,
                            mps_unavailable=n.inventory.get("mps_unavailable", ""))
         for g in n.gpus:
-            usage[(n.name, g.index)] = ns.gpus.add(
+            usage[(n.name, g.uuid)] = usage[(n.name, g.index)] = ns.gpus.add(
                 index=g.index, uuid=g.uuid, model=g.model, memory_bytes=g.memory_bytes, sm_count=g.sm_count,
                 mig_enabled=g.mig_enabled, memory_slices=_memory_slices(g.model) if g.mig_capable else 0)
     for a in allocations:
@@ -69,7 +71,7 @@ def cluster_status(nodes: list[Node], allocations: list[Allocation]) -> pb.Clust
         if a.state not in HOLDING:
             continue
         for d in a.devices:
-            gpu = usage.get((a.node, d.gpu_index))
+            gpu = usage.get((a.node, d.gpu_uuid or d.gpu_index))
             if gpu is None:
                 continue
             gpu.allocation_ids.append(a.id)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from fastshare.controller import faults
 from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool
 from fastshare.controller.events import EventHub
-from fastshare.controller.ledger import Ledger, gpu_view
+from fastshare.controller.ledger import Ledger, gpu_view, gpus_gone
 from fastshare.controller.model import FINISHED, HOLDING, Allocation, Device, Gpu, Kind, Node, State
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore
 from fastshare.controller.validation import (
@@ -397,6 +397,46 @@ class ControllerCore:
         faults.point("controller.after_release_commit")
         return allocation
 
+    def _on_gpus(self, allocation: Allocation) -> tuple[str, list[Device]]:
+        """Where the allocation's GPUs are on its node now, found by UUID (indexes shift when a
+        GPU leaves the node): why it cannot be held (a GPU is gone; "" if none is), and its
+        devices with their GPUs' current indexes. While the node's GPUs are unknown, as recorded."""
+        node = self.node_facts(allocation.node)
+        where = {g.uuid: g.index for g in node.gpus} if node is not None else {}
+        if not where:
+            return "", allocation.devices
+        gone = [(d.gpu_uuid, d.gpu_index) for d in allocation.devices
+                if d.gpu_uuid and d.gpu_uuid not in where]
+        if gone:
+            return gpus_gone(allocation.node, gone), allocation.devices
+        return "", [replace(d, gpu_index=where[d.gpu_uuid]) if d.gpu_uuid else d for d in allocation.devices]
+
+    def on_its_gpus(self, allocation: Allocation) -> bool:
+        """The record names its GPUs as the node has them now (nothing for :meth:`follow_gpus` to do)."""
+        why, devices = self._on_gpus(allocation)
+        return not why and devices == allocation.devices
+
+    def follow_gpus(self, allocation: Allocation) -> Allocation:
+        """After a node's GPU set changed: an allocation whose GPU is gone is released with the
+        reason (nothing can use it; its share is dropped by the agent); one whose GPUs were
+        renumbered gets their new indexes recorded. The caller holds the claim."""
+        why, devices = self._on_gpus(allocation)
+        if why:
+            if allocation.state in FINISHED or allocation.state is State.RELEASING:
+                return allocation
+            log.warning("allocation %s: %s; releasing it", allocation.id, why)
+            return self.release_claimed(allocation, reason=why)
+        if devices == allocation.devices:
+            return allocation
+        assignment = dict(allocation.assignment, gpus=[d.gpu_index for d in devices])
+        if all(d.gpu_uuid for d in devices):
+            assignment["gpu_uuids"] = [d.gpu_uuid for d in devices]
+        log.info("allocation %s: its GPU(s) %s on node %s are GPU(s) %s now", allocation.id,
+                 [d.gpu_index for d in allocation.devices], allocation.node, [d.gpu_index for d in devices])
+        # updated_at kept: a changed index says nothing about the share (see Reconciler._settled)
+        return self._publish(self.store.update(allocation.id, devices=devices, assignment=assignment,
+                                               updated_at=allocation.updated_at))
+
     def finish_release(self, allocation: Allocation) -> Allocation:
         """Free a releasing allocation on its agent, then in the store and the ledger.
 
@@ -604,12 +644,27 @@ def _keep_cordon(fresh: Node, stored: Node | None) -> Node:
     return replace(fresh, cordoned=stored.cordoned, cordon_reason=stored.cordon_reason)
 
 
+def assignment_of(allocation: Allocation) -> Assignment:
+    """The engine's reservation an allocation records. One recorded by an earlier version names
+    its GPUs by index only: their UUIDs come from the record's devices (same order)."""
+    assignment = Assignment.from_dict(allocation.assignment)
+    uuids = tuple(d.gpu_uuid for d in allocation.devices)
+    if not assignment.gpu_uuids and all(uuids) and len(uuids) == len(assignment.gpus):
+        assignment = replace(assignment, gpu_uuids=uuids)
+    return assignment
+
+
 def _devices(assignment: Assignment, node: Node | None) -> list[Device]:
-    gpus = {g.index: g for g in (node.gpus if node else [])}
+    """The devices of a placement; its GPUs by UUID where the engine named them (the node's
+    record may have been renumbered since the engine placed it)."""
+    by_index = {g.index: g for g in (node.gpus if node else [])}
+    by_uuid = {g.uuid: g for g in (node.gpus if node else [])}
     out = []
-    for index in assignment.gpus:
-        gpu = gpus.get(index)
-        device = Device(gpu_index=index, gpu_uuid=gpu.uuid if gpu else "", model=gpu.model if gpu else "")
+    for n, index in enumerate(assignment.gpus):
+        uuid = assignment.gpu_uuids[n] if assignment.gpu_uuids else ""
+        gpu = by_uuid.get(uuid) if uuid else by_index.get(index)
+        device = Device(gpu_index=index, gpu_uuid=uuid or (gpu.uuid if gpu else ""),
+                        model=gpu.model if gpu else "")
         if assignment.mig is not None:
             device = replace(device, mig_profile=assignment.mig.profile_name, mig_start=assignment.mig.start,
                              mig_size=assignment.mig.size)

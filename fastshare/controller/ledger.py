@@ -13,6 +13,7 @@ import fnmatch
 import threading
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import replace
 
 from fastshare.controller.model import Kind, Spec
 from fastshare.device import catalog
@@ -74,11 +75,26 @@ class Ledger:
         failed = []
         for a in assignments:
             try:
-                engine.restore(a, check_host=False)
+                engine.restore(self._follow(a), check_host=False)
             except Exception as exc:  # the engine says why (node gone, no longer fits)
                 failed.append((a, str(exc)))
         self._engine = engine
         return failed
+
+    def _follow(self, a: Assignment) -> Assignment:
+        """``a`` on its GPUs' indexes in the node's current view, found by UUID: when a GPU leaves
+        a node (fell off the bus, removed) NVML numbers the others anew. Raises ValueError naming
+        a GPU that is no longer there. An assignment without UUIDs (persisted by an earlier
+        version), or a view without them, keeps its indexes."""
+        view = self._views.get(a.node)
+        where = {g.uuid: g.index for g in view.gpus if g.uuid} if view is not None else {}
+        if not a.gpu_uuids or not where:
+            return a
+        gone = [(u, i) for u, i in zip(a.gpu_uuids, a.gpus, strict=True) if u not in where]
+        if gone:
+            raise ValueError(gpus_gone(a.node, gone))
+        gpus = tuple(where[u] for u in a.gpu_uuids)
+        return a if gpus == a.gpus else replace(a, gpus=gpus)
 
     def reset(self, nodes: Iterable[tuple[NodeView, bool]],
               assignments: Iterable[Assignment]) -> list[tuple[Assignment, str]]:
@@ -240,6 +256,12 @@ class Ledger:
     def usage(self) -> list[dict]:
         with self._lock:
             return self._engine.usage()
+
+
+def gpus_gone(node: str, gone: Iterable[tuple[str, int]]) -> str:
+    """Why an allocation cannot be held any more: GPUs (UUID, index it had) its node lost."""
+    return "; ".join(f"GPU {uuid} (GPU {index} when it was placed) is no longer on node {node} "
+                     "(removed, replaced or fallen off the bus)" for uuid, index in gone)
 
 
 def gpu_view(index: int, uuid: str, model: str, memory_bytes: int, sm_count: int, mig_capable: bool,

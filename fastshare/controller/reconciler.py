@@ -24,9 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastshare.controller.agent_client import AgentError
-from fastshare.controller.core import ID_PREFIX, AgentFailed, ControllerCore, node_view
+from fastshare.controller.core import ID_PREFIX, AgentFailed, ControllerCore, assignment_of, node_view
 from fastshare.controller.model import FINISHED, HOLDING, Allocation, State
-from fastshare.placement.model import Assignment
 from fastshare.v1 import agent_pb2
 
 log = logging.getLogger("fastshare.controller.reconciler")
@@ -81,7 +80,7 @@ class Reconciler:
             holding = self.core.store.list_allocations(HOLDING)
             self._grace_leases(holding)
             for assignment, why in self.core.ledger.reset(
-                    nodes, [Assignment.from_dict(a.assignment) for a in holding]):
+                    nodes, [assignment_of(a) for a in holding]):
                 log.error("allocation %s cannot be restored into the ledger: %s", assignment.request.id, why)
             return self._pass(inventories, asked_at=asked_at)
 
@@ -153,7 +152,7 @@ class Reconciler:
         """Nothing to do for the record as listed (active, lease alive, its share on its agent, or
         the agent unreachable, or the record too new to tell): it is not read again. With
         hundreds of records a fresh read of each was most of a pass."""
-        if allocation.state is not State.ACTIVE:
+        if allocation.state is not State.ACTIVE or not self.core.on_its_gpus(allocation):
             return False
         if allocation.lease_expires_at and self.core.clock() > allocation.lease_expires_at:
             return False
@@ -171,6 +170,12 @@ class Reconciler:
                 return
             expired = bool(current.lease_expires_at) and core.clock() > current.lease_expires_at
             try:
+                if current.state is not State.RELEASING and not core.on_its_gpus(current):
+                    current = core.follow_gpus(current)   # renumbered, or released if a GPU is gone
+                    if current.state in FINISHED:
+                        report.released.append(current.id)
+                    if current.state in FINISHED or current.state is State.RELEASING:
+                        return   # releasing still: its agent is unreachable, a later pass finishes
                 if current.state is State.RELEASING:
                     if shares is not None:
                         done = core.finish_release(current)

@@ -202,6 +202,9 @@ class Engine:
             return Rejection(why)
         result = getattr(self, f"_place_{request.kind}")(request, nodes)
         if isinstance(result, Assignment):
+            uuids = tuple(self._nodes[result.node].view.gpus[i].uuid for i in result.gpus)
+            if all(uuids):   # the GPUs for good (their indexes shift when a GPU leaves the node)
+                result = replace(result, gpu_uuids=uuids)
             self._apply(result)
         elif why:  # the GPU reason covers the nodes looked at; say why the others were not
             result = Rejection(f"{result.reason}; only {len(nodes)} of {len(self._nodes)} node(s) "
@@ -262,6 +265,10 @@ class Engine:
             if not 0 <= i < len(node.gpus):
                 raise InvalidRequest(f"gpus: {node.view.name} has no GPU {i}")
             g = node.gpus[i]
+            uuid = assignment.gpu_uuids[assignment.gpus.index(i)] if assignment.gpu_uuids else ""
+            if uuid and g.view.uuid and uuid != g.view.uuid:
+                raise InvalidRequest(f"gpus: GPU {i} of {node.view.name} is {g.view.uuid}, not the "
+                                     f"{uuid} assignment {r.id} holds")
             problem = self._gpu_problem(r, g, node.view.name, check_affinity=False)
             if r.kind == "exclusive":
                 m = assignment.mig

@@ -240,22 +240,36 @@ class MigSlot:
 
 @dataclass(frozen=True)
 class Assignment:
-    """Where a request went. Holds the request itself so release/restore need nothing else."""
+    """Where a request went. Holds the request itself so release/restore need nothing else.
+
+    ``gpus`` are indexes in the node's view when it was placed; ``gpu_uuids`` (same order) name
+    the same GPUs for good: indexes shift when a GPU leaves the node, UUIDs do not. Empty when
+    the view had no UUIDs, or in an assignment persisted by an earlier version."""
 
     request: Request
     node: str
     gpus: tuple[int, ...]
     mig: MigSlot | None = None
     enable_mig: bool = False  # the GPU must be switched to MIG mode first
+    gpu_uuids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpu_uuids", tuple(self.gpu_uuids))
+        _check(not self.gpu_uuids or len(self.gpu_uuids) == len(self.gpus),
+               f"gpu_uuids: must name each of the {len(self.gpus)} GPU(s) of gpus, or none "
+               f"(got {list(self.gpu_uuids)})")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "request": self.request.to_dict(),
             "node": self.node,
             "gpus": list(self.gpus),
             "mig": None if self.mig is None else dict(self.mig.__dict__),
             "enable_mig": self.enable_mig,
         }
+        if self.gpu_uuids:   # the persisted form without UUIDs is unchanged
+            d["gpu_uuids"] = list(self.gpu_uuids)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Assignment:
@@ -265,6 +279,7 @@ class Assignment:
             gpus=tuple(d["gpus"]),
             mig=None if d.get("mig") is None else MigSlot(**d["mig"]),
             enable_mig=bool(d.get("enable_mig", False)),
+            gpu_uuids=tuple(d.get("gpu_uuids") or ()),
         )
 
 

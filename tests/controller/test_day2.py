@@ -4,7 +4,9 @@ hardware replaced under live allocations, nodes taken out for good, long runs.""
 from __future__ import annotations
 
 import json
+import sqlite3
 
+import grpc
 import pytest
 
 from fastshare.device import simnvml
@@ -60,6 +62,67 @@ def test_a_gpu_replaced_under_its_shares_ends_their_allocations(one_node):
     # the new board takes work: a whole GPU fits on it
     again = allocate(client, "whole", gpu_count=1)
     assert again.devices[0].gpu_uuid == new_uuid
+
+
+@pytest.mark.parametrize("controller_down", [False, True], ids=["agent-restarts", "controller-down-too"])
+def test_a_gpu_removed_from_a_node_leaves_the_others_held_where_they_are(cluster, controller_down):
+    """A node's GPU 1 is taken out (or fell off the bus) and the host boots without it: NVML
+    numbers the GPUs after it anew, so the one that was GPU 2 is GPU 1 now. The controller kept
+    allocations by GPU index: on re-registration the fastpod share on old GPU 2 was dropped
+    from the placement engine (GPU 2 no longer existed; only an error was logged) while its
+    record stayed active, and once the allocation on the removed GPU ended, new work went onto
+    the fastpod's GPU as if it were free (SM shares over 100 %); `fastshare status` counted
+    shares on the wrong GPUs. Now an allocation follows its GPU by UUID (the record is
+    rewritten with the new index) and one whose GPU is gone is ended naming that GPU. With
+    the controller down too, the records are an earlier version's (no UUIDs in the assignment)."""
+    cluster.add_machine("n1", ["V100-SXM2-32GB"] * 3)
+    cluster.start_controller()
+    cluster.start_agent("n1")
+    client = cluster.client()
+    first = allocate(client, "whole", gpu_count=1)
+    removed = allocate(client, "whole", gpu_count=1)
+    share = allocate(client, "fastpod", sm_percent=60, memory_bytes=4 * GiB)
+    assert [a.devices[0].gpu_index for a in (first, removed, share)] == [0, 1, 2]
+    uuid = {a.id: a.devices[0].gpu_uuid for a in (first, removed, share)}
+
+    cluster.agents["n1"].stop()
+    if controller_down:
+        cluster.controller.stop()
+        with sqlite3.connect(cluster.state_dir / "state.db") as db:   # as an earlier version wrote them
+            for rid, text in db.execute("SELECT id, assignment FROM allocations").fetchall():
+                old = {k: v for k, v in json.loads(text).items() if k != "gpu_uuids"}
+                db.execute("UPDATE allocations SET assignment = ? WHERE id = ?", (json.dumps(old), rid))
+    assert simnvml.remove_gpu(cluster.root / "n1.json", 1) == uuid[removed.id]
+    if controller_down:   # the agent is up first: the controller starts on its new inventory
+        agent = cluster.start_agent("n1", wait=False)
+        wait_for(lambda: agent.share_ids(cluster.pki) == {share.id, first.id}, 60, "the agent serves")
+        cluster.start_controller()
+        cluster.wait_node("n1", available=True)
+    else:
+        cluster.start_agent("n1")
+
+    wait_for(lambda: states(cluster)[removed.id] in ("released", "failed"), 60,
+             f"the allocation on the removed GPU ended: {states(cluster)}")
+    ended = client.call("Get", pb.GetAllocationRequest(allocation_id=removed.id))
+    assert uuid[removed.id] in ended.reason and "no longer on node n1" in ended.reason, ended.reason
+    wait_for(lambda: client.call("Get", pb.GetAllocationRequest(allocation_id=share.id)).devices[0].gpu_index
+             == 1, 30, "the fastpod's record names its GPU's new index")
+    held = [client.call("Get", pb.GetAllocationRequest(allocation_id=i)) for i in (first.id, share.id)]
+    assert {a.id: (pb.AllocationState.Name(a.state), [(d.gpu_index, d.gpu_uuid) for d in a.devices])
+            for a in held} == {first.id: ("ALLOCATION_STATE_ACTIVE", [(0, uuid[first.id])]),
+            share.id: ("ALLOCATION_STATE_ACTIVE", [(1, uuid[share.id])])}
+    gpus = {g.uuid: g for g in cluster.node("n1").gpus}
+    assert sorted(gpus) == sorted([uuid[first.id], uuid[share.id]])
+    assert list(gpus[uuid[first.id]].allocation_ids) == [first.id] and gpus[uuid[first.id]].whole_held
+    assert list(gpus[uuid[share.id]].allocation_ids) == [share.id]
+    assert (gpus[uuid[share.id]].index, gpus[uuid[share.id]].sm_percent_used) == (1, 60)
+    # what is held stays held: no idle GPU, and the fastpod's GPU has 40 % of its SMs left
+    for kind, kw in (("whole", {"gpu_count": 1}), ("fastpod", {"sm_percent": 50, "memory_bytes": GiB})):
+        with pytest.raises(grpc.RpcError) as refused:
+            allocate(client, kind, **kw)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+    assert allocate(client, "fastpod", sm_percent=40, memory_bytes=GiB).devices[0].gpu_uuid == uuid[share.id]
+    assert_consistent(cluster)
 
 
 def test_a_node_taken_out_for_good_can_be_forgotten(cluster):

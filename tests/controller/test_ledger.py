@@ -327,3 +327,66 @@ def test_gpu_view_offers_mig_only_with_catalog_profiles():
     assert known.mig_capable and known.mig_unheld == ((9, 0, 4),) and known.mig_profiles
     off = gpu_view(0, "GPU-0", "A100-SXM4-40GB", 40 * GiB, 108, False, False)
     assert (off.mig_capable, off.mig_profiles) == (False, ())
+
+
+def _without(view: NodeView, uuid: str) -> NodeView:
+    """``view`` after GPU ``uuid`` left the node (fell off the bus, removed): NVML numbers the
+    others 0..n-1 again, so every GPU after it has a new index."""
+    kept = [g for g in view.gpus if g.uuid != uuid]
+    return replace(view, gpus=tuple(replace(g, index=i) for i, g in enumerate(kept)), links=())
+
+
+def _holders(ledger: Ledger, node: str) -> dict[str, list[str]]:
+    """GPU UUID -> the ids the engine counts on it."""
+    uuids = {g.index: g.uuid for g in ledger._views[node].gpus}
+    return {uuids[u["gpu"]]: sorted(u["sharers"]) + ([u["whole"]] if u["whole"] else [])
+            for u in ledger.usage() if u["node"] == node}
+
+
+def test_a_gpu_leaving_a_node_moves_the_shares_held_on_the_others_with_their_gpus():
+    """A node re-registers without one of its GPUs: the others have new indexes. Assignments
+    were kept by index, so the one on the gone GPU was counted on its neighbour, and the one
+    on the last GPU was dropped from the engine (its GPU index no longer existed) while its
+    record stayed active: its GPU was offered again. Now each follows its GPU by UUID, and
+    the one whose GPU is gone is reported naming the GPU."""
+    view = _node("n", ["L4", "L4", "L4"])
+    ledger = Ledger()
+    ledger.reset([(view, True)], [])
+    held = {a.gpus[0]: a for a in (_place(ledger, f"w{i}", Spec(Kind.WHOLE, gpu_count=1)) for i in range(3))}
+    assert sorted(held) == [0, 1, 2]
+    on = {i: held[i].request.id for i in held}
+    assert held[1].gpu_uuids == ("GPU-n-1",)
+
+    failed = ledger.set_node(_without(view, "GPU-n-1"), True)
+
+    assert [(a.request.id, "GPU-n-1" in why and "no longer on node n" in why) for a, why in failed] \
+        == [(on[1], True)]
+    assert _holders(ledger, "n") == {"GPU-n-0": [on[0]], "GPU-n-2": [on[2]]}
+    assert ledger._engine.assignments[on[2]].gpus == (1,)
+    assert isinstance(_place(ledger, "more", Spec(Kind.WHOLE, gpu_count=1)), Rejection)
+    # the GPU's share is given back where it is: nothing else moves
+    assert ledger.release(on[2]) and not ledger.release(on[1])
+    assert _place(ledger, "again", Spec(Kind.WHOLE, gpu_count=1)).gpu_uuids == ("GPU-n-2",)
+
+
+def test_a_restart_restores_persisted_assignments_on_their_gpus_by_uuid():
+    """The controller was down while a GPU left: the persisted assignments name the old
+    indexes; the reset maps them by UUID. One persisted by an earlier version (no UUIDs in it)
+    keeps its index."""
+    view = _node("n", ["L4", "L4", "L4"])
+    request = Ledger().to_request("last", Spec(Kind.FASTPOD, sm_percent=60, memory_bytes=GiB))
+    last = Assignment(request, "n", (2,), gpu_uuids=("GPU-n-2",))
+    stored = last.to_dict()
+    assert stored["gpu_uuids"] == ["GPU-n-2"] and Assignment.from_dict(stored) == last
+    old = {k: v for k, v in stored.items() if k != "gpu_uuids"}   # written by an earlier version
+    assert Assignment.from_dict(old).gpu_uuids == ()
+
+    fresh = Ledger()
+    assert fresh.reset([(_without(view, "GPU-n-0"), True)], [Assignment.from_dict(stored)]) == []
+    assert _holders(fresh, "n") == {"GPU-n-1": [], "GPU-n-2": ["last"]}
+    gone = Ledger()
+    failed = gone.reset([(_without(view, "GPU-n-2"), True)], [Assignment.from_dict(stored)])
+    assert [(a.request.id, "GPU-n-2" in why) for a, why in failed] == [("last", True)]
+    legacy = Ledger()
+    assert legacy.reset([(view, True)], [Assignment.from_dict(old)]) == []
+    assert _holders(legacy, "n")["GPU-n-2"] == ["last"]

@@ -7,6 +7,7 @@ once; agent down."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from fastshare.controller.core import Settings as CoreSettings
 from fastshare.controller.model import State
 from fastshare.controller.store import StoreError
 from fastshare.controller.validation import Request
+from fastshare.device import simnvml
 from fastshare.k8s.controller import KubeController, KubeSettings
 from fastshare.k8s.pods import FASTPOD_LABEL, spec_of
 from fastshare.k8s.resources import ALLOCATION_PLURAL, FINALIZER, GROUP, PLURAL, VERSION, fastpod_manifest
@@ -457,3 +459,57 @@ def test_a_share_stays_held_while_its_orphaned_pod_still_exists(
              timeout=60)
     wait_for(lambda: FINALIZER not in (view.fastpod()["metadata"].get("finalizers") or []),
              "the controller's finalizer removed", timeout=60)
+
+
+def test_a_gpu_removed_from_a_node_keeps_the_replicas_on_the_others_held_on_their_gpus(
+        api_client, namespace, controller, pki):
+    """One of a node's three GPUs is taken out and the host boots without it: NVML numbers the
+    GPU after it anew (GPU 2 is GPU 1 now). In-cluster the agent comes back at the same address,
+    so the controller takes the new GPU set from its inventory. Allocations were tied to GPUs
+    by index: the replica on old GPU 2 was dropped from the placement engine while its record
+    stayed active (naming GPU 2), and the replacement of the replica whose GPU went was placed
+    on its GPU, held already. Now the records follow their GPUs by UUID and the replacement is
+    unschedulable: no GPU is idle."""
+    root, tls = pki
+    agent = Agent(root, root / "ca", f"l4-{uuid.uuid4().hex[:4]}", ["L4"] * 3, mig=False)
+    core = client.CoreV1Api(api_client)
+    agent.start(tls)
+    register_node(core, agent)
+    view = View(api_client, namespace, "boards", {"l4": agent}, tls)
+    try:
+        controller().start()
+        whole = {"kind": "whole", "count": 1, "models": ["L4"]}
+        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                     fastpod_manifest("boards", whole, 3))
+        wait_for(lambda: view.settled(3), "3 whole-GPU replicas", timeout=180)
+        on = {r["record"]["devices"][0]["gpu_index"]: r["record"] for r in view.records().values()}
+        assert sorted(on) == [0, 1, 2]
+
+        agent.stop()
+        assert simnvml.remove_gpu(agent.machine, 1) == on[1]["devices"][0]["gpu_uuid"]
+        agent.start(tls)
+
+        def followed():
+            kubelet_step(view.core, namespace)
+            held = {r["allocation"]: r["record"]["devices"] for r in view.records().values()
+                    if r["state"] == "active"}
+            return (view.shares() == sorted([on[0]["id"], on[2]["id"]])
+                    and held.get(on[0]["id"]) == on[0]["devices"]
+                    and held.get(on[2]["id"]) == [{**on[2]["devices"][0], "gpu_index": 1}])
+        wait_for(followed, "the replicas on the GPUs left keep them, under their new indexes", timeout=120)
+
+        def unschedulable():
+            kubelet_step(view.core, namespace)
+            conditions = {c["type"]: c for c in (view.fastpod().get("status") or {}).get("conditions") or []}
+            scheduled = conditions.get("Scheduled")
+            return scheduled and scheduled["reason"] == "Unschedulable" and scheduled
+        condition = wait_for(unschedulable, "the replacement replica unschedulable", timeout=120)
+        assert "idle" in condition["message"], condition
+        assert view.shares() == sorted([on[0]["id"], on[2]["id"]])
+    finally:
+        with contextlib.suppress(client.ApiException):   # not created
+            view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "boards")
+        wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
+                 timeout=120)
+        agent.stop()
+        core.delete_node(agent.name)

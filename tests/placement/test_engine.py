@@ -460,3 +460,26 @@ def test_a_named_mig_profile_no_gpu_has_is_refused_naming_the_profile_and_the_mo
     rej = eng.place(Request("e", "exclusive", sm_count=1, mig_profile="4g.40gb"))
     assert isinstance(rej, Rejection)
     assert "4g.40gb slice" in rej.reason and "A100-SXM4-40GB" in rej.reason and "SMs and memory" in rej.reason
+
+
+def test_an_assignment_names_its_gpus_by_uuid_and_is_never_restored_on_another_gpu():
+    """Indexes shift when a GPU leaves a node; an assignment carries its GPUs' UUIDs (persisted,
+    absent from what earlier versions wrote), and restore refuses one whose index now names
+    another GPU instead of counting it there."""
+    view = dataclasses.replace(node("n", n_gpus=2), gpus=tuple(
+        dataclasses.replace(g, uuid=f"GPU-{g.index}") for g in node("n", n_gpus=2).gpus))
+    eng = Engine([view])
+    a = eng.place(Request("a", "whole", gpus=2))
+    assert a.gpu_uuids == tuple(view.gpus[i].uuid for i in a.gpus)
+    assert Assignment.from_dict(a.to_dict()) == a
+    anonymous = Engine([node("n", n_gpus=2)]).place(Request("a", "whole", gpus=1))
+    assert anonymous.gpu_uuids == () and "gpu_uuids" not in anonymous.to_dict()
+    with pytest.raises(InvalidRequest, match="gpu_uuids: must name each of the 1 GPU"):
+        Assignment(fastpod("x"), "n", (0,), gpu_uuids=("GPU-0", "GPU-1"))
+
+    other = Engine([view])
+    with pytest.raises(InvalidRequest, match="GPU 1 of n is GPU-1, not the GPU-9 assignment b holds"):
+        other.restore(Assignment(fastpod("b"), "n", (1,), gpu_uuids=("GPU-9",)))
+    assert not other.assignments and other.usage() == Engine([view]).usage()
+    other.restore(Assignment(fastpod("b"), "n", (1,)))   # no UUIDs (an earlier version's): by index
+    assert other.assignments["b"].gpus == (1,)

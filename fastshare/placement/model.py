@@ -16,6 +16,7 @@ from fastshare.device.api import MigProfile
 
 KINDS = ("fastpod", "mps", "exclusive", "whole")
 MILLI = 1000  # SM share and time quota are tracked in thousandths of a GPU (0.1 % steps)
+FARTHEST_LINK = 9  # the link level of a GPU pair a node's links do not give
 
 
 class InvalidRequest(ValueError):
@@ -197,12 +198,13 @@ class NodeView:
         object.__setattr__(self, "links", tuple(sorted((min(i, j), max(i, j), lv) for i, j, lv in links)))
 
     def link_level(self, i: int, j: int) -> int:
-        """Link level between two GPUs; pairs not given count as the farthest level (9)."""
+        """Link level between two GPUs; pairs not given count as the farthest level
+        (``FARTHEST_LINK``)."""
         a, b = min(i, j), max(i, j)
         for x, y, lv in self.links:
             if x == a and y == b:
                 return lv
-        return 9
+        return FARTHEST_LINK
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,133 @@
+"""Engine behaviour that mutation testing (bench/mutation.py on engine.py) showed no test held:
+large-node link groups, memory best fit for MPS shares, named and ready MIG slices, restore's
+refusals, node changes, and the words of some rejections."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fastshare.placement import Engine, GpuView, InvalidRequest, NodeView, Rejection, Request
+from fastshare.placement.engine import _tightest_group
+from fastshare.placement.model import Assignment, MigSlot
+
+from .conftest import gpu, node
+
+
+def _islands(n_gpus: int, size: int) -> dict[tuple[int, int], int]:
+    """NVLink islands of ``size`` GPUs (level 1 inside); pairs across islands are not given (9)."""
+    return {(a, b): 1 for start in range(0, n_gpus, size)
+            for a, b in itertools.combinations(range(start, start + size), 2)}
+
+
+def test_a_large_node_takes_whole_gpus_from_one_link_island():
+    # 32 GPUs, 4 at a time: too many combinations to try all (the greedy path)
+    view = node("big", n_gpus=32, links=_islands(32, 8))
+    assert _tightest_group(view, list(range(32)), 4) == (0, 1, 2, 3)
+    idle = [5, 6, 9, 10, 11, 12, 13, 30]        # island 0 has 2 idle, island 1 has 5
+    group = _tightest_group(view, idle, 4)
+    assert len(group) == 4 and len(set(group)) == 4 and set(group) <= set(idle)
+    assert list(group) == sorted(group)
+    eng = Engine([view])
+    for i in range(3):                          # take island 0's first 3, then ask for 6
+        assert eng.place(Request(f"w{i}", "whole", gpus=1))
+    six = eng.place(Request("six", "whole", gpus=6))
+    assert six and len(six.gpus) == 6 and all(view.link_level(a, b) == 1
+                                              for a, b in itertools.combinations(six.gpus, 2)), six.gpus
+
+
+def _mps_node(name: str, used_mib: int) -> tuple[NodeView, Assignment | None]:
+    view = node(name, n_gpus=1)
+    if not used_mib:
+        return view, None
+    return view, Assignment(Request(f"{name}-held", "mps", gpu_memory_mib=used_mib), name, (0,))
+
+
+def test_mps_shares_go_to_the_gpu_with_the_least_memory_left_that_fits():
+    roomy, _ = _mps_node("a-roomy", 0)
+    tight, held = _mps_node("b-tight", 30 * 1024)
+    eng = Engine([roomy, tight])
+    eng.restore(held)
+    small = eng.place(Request("small", "mps", gpu_memory_mib=4096))
+    assert small and small.node == "b-tight"   # best fit by memory, not the first node
+    big = eng.place(Request("big", "mps", gpu_memory_mib=20 * 1024))
+    assert big and big.node == "a-roomy"        # only there it fits
+
+
+def test_a_named_mig_profile_is_the_profile_given():
+    # on an A100-40GB the 3g.20gb and the 4g.20gb have the same memory: the name decides
+    eng = Engine([node("n", n_gpus=1)])
+    a = eng.place(Request("a", "exclusive", sm_count=1, mig_profile="4g.20gb"))
+    assert a and a.mig.profile_name == "4g.20gb"
+    b = eng.place(Request("b", "exclusive", sm_count=14))
+    assert b and b.mig.profile_name == "1g.5gb"
+
+
+def test_an_idle_instance_of_the_profile_is_taken_before_a_new_one_is_made():
+    v = node("n", n_gpus=1).gpus[0]
+    gpu = GpuView(v.index, v.model, v.memory_mib, v.sm_count, True, True, v.mig_profiles,
+                  mig_unheld=((19, 6, 1),))    # A100 id 19 = 1g.5gb, left at slice 6
+    eng = Engine([NodeView("n", 64000, 262144, (gpu,))])
+    a = eng.place(Request("a", "exclusive", sm_count=14))
+    assert a and (a.mig.profile_name, a.mig.start) == ("1g.5gb", 6) and not a.enable_mig
+
+
+def test_restore_refuses_what_it_cannot_hold_and_changes_nothing():
+    eng = Engine([node("n", n_gpus=2, cpu=8000)])
+    slot = MigSlot(19, "1g.5gb", 0, 1, 14, 4864)   # A100 id 19 = 1g.5gb
+    eng.restore(Assignment(Request("e0", "exclusive", sm_count=14), "n", (0,), mig=slot, enable_mig=True))
+    before = eng.usage()
+    share = Request("s", "mps", gpu_memory_mib=1024, cpu_milli=1000)
+    hungry = Request("big", "mps", gpu_memory_mib=1, cpu_milli=9000)
+    for assignment, message in [
+        (Assignment(share, "elsewhere", (0,)), "elsewhere is not in the cluster view"),
+        (Assignment(share, "n", (0, 1)), "exactly 1 GPU"),
+        (Assignment(Request("w", "whole", gpus=2), "n", (1, 1)), "GPU 1 appears twice"),
+        (Assignment(share, "n", (2,)), "n has no GPU 2"),
+        (Assignment(Request("e", "exclusive", sm_count=14), "n", (0,), mig=slot), "is not free"),
+        (Assignment(hungry, "n", (1,)), "lacks CPU/memory"),
+    ]:
+        with pytest.raises(InvalidRequest, match=message):
+            eng.restore(assignment)
+        assert eng.usage() == before and set(eng.assignments) == {"e0"}
+    eng.restore(Assignment(hungry, "n", (1,)), check_host=False)   # others' use of the host: kept
+
+
+def test_node_changes_keep_what_is_held():
+    eng = Engine([node("a", n_gpus=1, cpu=8000, mem=8192)])
+    with pytest.raises(InvalidRequest, match="already in the cluster view"):
+        eng.add_node(node("a", n_gpus=1))
+    held = eng.place(Request("h", "mps", gpu_memory_mib=1024, cpu_milli=4000, memory_mib=4096))
+    assert held
+    with pytest.raises(InvalidRequest, match="still holds 1 assignment"):
+        eng.remove_node("a")
+    eng.set_capacity("a", 2000, 2048)            # others took the host's CPU and memory
+    rej = eng.place(Request("more", "mps", gpu_memory_mib=1, cpu_milli=100))
+    assert isinstance(rej, Rejection) and "lack 100 milli-CPU; most free is 0 on a" in rej.reason
+    assert eng.place(Request("none", "mps", gpu_memory_mib=1))   # asks for no CPU or memory
+    eng.set_capacity("a", 8000, 8192)
+    assert eng.place(Request("again", "mps", gpu_memory_mib=1, cpu_milli=3000, memory_mib=3000))
+    for rid in ("h", "none", "again"):
+        eng.release(rid)
+    eng.remove_node("a")
+    assert eng.nodes == [] and "no nodes" in eng.place(Request("x", "mps", gpu_memory_mib=1)).reason
+
+
+def test_rejections_name_the_affinity_binding_and_empty_mig_gpus():
+    eng = Engine([node("n", n_gpus=2)])
+    assert eng.place(Request("a", "fastpod", sm_percent=90, gpu_memory_mib=1024, affinity="team"))
+    rej = eng.place(Request("b", "fastpod", sm_percent=20, gpu_memory_mib=1024, affinity="team"))
+    assert isinstance(rej, Rejection) and "affinity tag 'team' binds it to n GPU" in rej.reason
+    mig = Engine([NodeView("m", 64000, 262144, (gpu(0, mig_enabled=True), gpu(1, mig_enabled=True)))])
+    rej = mig.place(Request("w", "whole", gpus=1))
+    assert isinstance(rej, Rejection) and "2 empty GPU(s) are in MIG mode" in rej.reason
+
+
+@pytest.mark.parametrize(("mib", "text"), [(1023, "1023 MiB"), (1024, "1 GiB"), (1536, "1.5 GiB"),
+                                           (20480, "20 GiB")])
+def test_memory_in_rejections_reads_as_an_operator_would_write_it(mib, text):
+    eng = Engine([node("n", n_gpus=1)])
+    assert eng.place(Request("a", "mps", gpu_memory_mib=40960 - mib))
+    rej = eng.place(Request("b", "mps", gpu_memory_mib=mib + 1))
+    assert isinstance(rej, Rejection) and f"largest free memory is {text} on" in rej.reason

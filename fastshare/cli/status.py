@@ -98,8 +98,15 @@ def _node_state(node) -> str:
     return state
 
 
+OVER_COMMITTED = "over-committed: "   # how the controller starts such an active allocation's reason
+
+
 def render(st) -> None:
     now = time.time()
+    # active allocations whose GPU's view changed under them (MIG mode, memory, oversubscription):
+    # still held, and their GPU takes nothing new until enough is released
+    over = {a.id: a.reason.removeprefix(OVER_COMMITTED) for a in st.allocations
+            if a.reason.startswith(OVER_COMMITTED) and _state(a.state) == "active"}
     print_table("Nodes", ["NODE", "ADDRESS", "STATE", "GPUS", "HEARTBEAT"], [
         (n.name, n.address, _node_state(n), len(n.gpus),
          f"{max(0, now - n.last_heartbeat):.0f}s ago" if n.last_heartbeat else "-") for n in st.nodes])
@@ -123,16 +130,22 @@ def render(st) -> None:
                 use = "shared"
             else:
                 use = "idle"
+            if any(i in over for i in g.allocation_ids):
+                use += ", OVER-COMMITTED"
             rows.append((n.name, g.index, g.model, f"{bar(g.sm_percent_used / 100)} {g.sm_percent_used:3d}%",
                          f"{bar(mem)} {_gib(g.memory_bytes_used)}/{_gib(g.memory_bytes)} GiB", use,
                          len(g.allocation_ids)))
     print_table("GPUs", ["NODE", "GPU", "MODEL", "SM", "MEMORY", "USE", "ALLOCS"], rows)
     print_table("Allocations", ["ID", "KIND", "STATE", "NODE", "GPU", "AMOUNT", "OWNER", "LEASE"], [
         (a.id + (f" [{labels[a.id]}]" if a.id in labels else ""), _kind(a.spec.kind),
-         _state(a.state) + ("" if a.node_available else " (node down)"), a.node,
+         _state(a.state) + (", over-committed" if a.id in over else "")
+         + ("" if a.node_available else " (node down)"), a.node,
          ",".join(str(d.gpu_index) for d in a.devices),
          _amount(a), a.owner, f"{max(0, a.lease_expires_at - now):.0f}s" if a.lease_expires_at else "-")
         for a in st.allocations])
+    if over:
+        print_table("Over-committed: held where the GPU no longer takes them (it takes nothing new until "
+                    "enough is released)", ["ID", "WHY"], sorted(over.items()))
 
 
 COMMANDS = [status]

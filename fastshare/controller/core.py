@@ -50,6 +50,14 @@ _KINDS = {Kind.FASTPOD: common_pb2.SHARE_KIND_FASTPOD, Kind.MPS: common_pb2.SHAR
 
 
 _RENEWABLE = (State.PENDING, State.PREPARED, State.ACTIVE)
+# how an active allocation's reason starts while its GPU no longer takes it
+OVER_COMMITTED = "over-committed: "
+
+
+def overcommit_reason(why: str) -> str:
+    """An active allocation's reason while the GPU it holds no longer takes it (``why``: the ledger's)."""
+    return (f"{OVER_COMMITTED}{why}; the share stays held, and its GPU takes no new work until enough "
+            "is released there")
 
 
 class Rejected(Exception):
@@ -321,13 +329,23 @@ class ControllerCore:
             share.mig_start = mig["start"]
         return share
 
-    def complete(self, allocation: Allocation) -> Allocation:
+    def complete(self, allocation: Allocation, agent_holds: bool = False) -> Allocation:
         """Drive a pending (or prepared) allocation to active; compensate if the agent refuses.
 
-        The caller holds the claim on the allocation.
+        A share its agent does not hold (``agent_holds`` False: a new one, or one the agent
+        lost) is not prepared where its GPU no longer takes it (the view changed under it, see
+        ``Ledger.overcommitted``): the agent must not be given more than the GPU has. It is
+        compensated with the reason instead. The caller holds the claim on the allocation.
         """
         if allocation.state is State.PENDING:
             node = self.node_facts(allocation.node)
+            why = "" if agent_holds else self.ledger.misfit(allocation.id)
+            if why:
+                where = allocation.node
+                reason = (f"its share is gone from node {where} and cannot be prepared again there: "
+                          if allocation.env else f"not prepared on node {where}: ") + \
+                    f"its GPU no longer takes it ({why})"
+                raise AgentFailed(reason, self.compensate(allocation, reason), unreachable=False)
             client = self.agents.get(node.name, node.address)
             try:
                 if allocation.assignment.get("enable_mig"):
@@ -391,7 +409,8 @@ class ControllerCore:
         """The release intent: record ``releasing`` (unless finished or releasing already)."""
         if allocation.state in FINISHED or allocation.state is State.RELEASING:
             return allocation
-        changes = {"reason": reason} if reason else {}
+        # an over-commit note is no reason for the release: cleared unless one is given
+        changes = {"reason": reason} if reason or allocation.reason.startswith(OVER_COMMITTED) else {}
         allocation = self._publish(self.store.transition(
             allocation.id, [State.PENDING, State.PREPARED, State.ACTIVE], State.RELEASING, **changes))
         faults.point("controller.after_release_commit")
@@ -436,6 +455,35 @@ class ControllerCore:
         # updated_at kept: a changed index says nothing about the share (see Reconciler._settled)
         return self._publish(self.store.update(allocation.id, devices=devices, assignment=assignment,
                                                updated_at=allocation.updated_at))
+
+    def overcommit_note(self, allocation: Allocation) -> str | None:
+        """The reason an active allocation's record should carry about its GPU being
+        over-committed (see ``Ledger.overcommitted``), or None when the record says it already."""
+        if allocation.state is not State.ACTIVE:
+            return None
+        why = self.ledger.over(allocation.id)
+        want = overcommit_reason(why) if why else ""
+        if allocation.reason == want or (not why and not allocation.reason.startswith(OVER_COMMITTED)):
+            return None
+        return want
+
+    def note_overcommit(self, allocation: Allocation) -> Allocation:
+        """Record on an active allocation that its GPU no longer takes it and why (or that it
+        does again): `fastshare status`, Get and the FastPod's status show it. The caller holds
+        the claim."""
+        want = self.overcommit_note(allocation)
+        if want is None:
+            return allocation
+        if want:
+            log.warning("allocation %s: %s", allocation.id, want)
+        else:
+            log.info("allocation %s: its GPU on node %s takes it again (no longer over-committed)",
+                     allocation.id, allocation.node)
+        try:   # updated_at kept: the note says nothing about the share (see Reconciler._settled)
+            return self._publish(self.store.transition(allocation.id, [State.ACTIVE], State.ACTIVE,
+                                                       reason=want, updated_at=allocation.updated_at))
+        except Conflict:
+            return self.get(allocation.id)
 
     def finish_release(self, allocation: Allocation) -> Allocation:
         """Free a releasing allocation on its agent, then in the store and the ledger.
@@ -521,9 +569,7 @@ class ControllerCore:
                 self._registered.add(name)
                 self._last_seen[name] = now
             misfits = self.ledger.set_node(node_view(node), True)
-        for assignment, why in misfits:
-            log.error("allocation %s no longer fits node %s after registration: %s",
-                      assignment.request.id, name, why)
+        self._log_misfits(name, misfits)
         log.info("node %s registered at %s with %d GPU(s)", name, address, len(node.gpus))
 
     def heartbeat(self, name: str) -> bool:
@@ -569,9 +615,16 @@ class ControllerCore:
                                  self.store.get_node(node.name) or node)
             self.put_node(fresh)
             misfits = self.ledger.set_node(node_view(fresh), self.is_available(node.name))
-        for assignment, why in misfits:
-            log.error("allocation %s no longer fits node %s: %s", assignment.request.id, node.name, why)
         log.info("node %s: GPU facts changed (e.g. MIG mode); view refreshed", node.name)
+        self._log_misfits(node.name, misfits)
+
+    @staticmethod
+    def _log_misfits(name: str, misfits: list[tuple[Assignment, str]]) -> None:
+        """After a node's view changed: what cannot be counted at all (its GPU is gone: the
+        reconciler ends it). What is counted beyond what its GPU takes now is noted on the
+        allocation (and logged) by the reconciler's next pass, see ``note_overcommit``."""
+        for assignment, why in misfits:
+            log.error("allocation %s cannot be counted on node %s: %s", assignment.request.id, name, why)
 
     def set_schedulable(self, name: str, schedulable: bool, reason: str = "") -> Node:
         """Cordon or uncordon a node: recorded first, then the engine stops (or resumes)

@@ -59,6 +59,10 @@ class Ledger:
         # node -> how many assignments it takes (held ones included), where a caller knows a
         # limit (in-cluster: status.allocatable.pods less the Pods that hold no share there)
         self._room: dict[str, int] = {}
+        # allocation id -> why its GPU cannot take it any more (the view changed under the held
+        # share: MIG mode or layout, memory, the oversubscription factor, MPS on the node). Still
+        # counted, so the GPU is over-committed and takes nothing new until enough is released.
+        self._over: dict[str, str] = {}
 
     # -- cluster view -------------------------------------------------------------------------
     def _view(self, view: NodeView) -> NodeView:
@@ -67,19 +71,37 @@ class Ledger:
                         labels=dict(view.labels), links=view.links)
 
     def _rebuild(self, assignments: Iterable[Assignment]) -> list[tuple[Assignment, str]]:
-        """New engine from the views + assignments (policy kept); returns what did not fit.
-        Host CPU/memory is not checked: a held share's Pod is on its node already, and others
-        may have taken the node's CPU since (see ``set_host``)."""
+        """New engine from the views + assignments (policy kept); returns what cannot be counted
+        (its node or GPU gone). Host CPU/memory is not checked: a held share's Pod is on its
+        node already, and others may have taken the node's CPU since (see ``set_host``).
+        What its GPU no longer takes is counted all the same (see ``overcommitted``)."""
         engine = Engine((self._view(v) for _, v in sorted(self._views.items())),
                         policy=self._engine.policy, mps_oversubscription=self._oversub)
-        failed = []
+        failed, over = [], {}
         for a in assignments:
             try:
-                engine.restore(self._follow(a), check_host=False)
-            except Exception as exc:  # the engine says why (node gone, no longer fits)
+                why = engine.restore(self._follow(a), check_host=False, force=True)
+            except Exception as exc:  # the engine says why (node or GPU gone, another holder)
                 failed.append((a, str(exc)))
+                continue
+            if why:
+                over[a.request.id] = why
         self._engine = engine
+        self._over = over
         return failed
+
+    def _judge(self, allocation_id: str) -> None:
+        """Whether a held assignment fits its GPU beside all else held there now (under the lock)."""
+        a = self._engine.assignments.get(allocation_id)
+        if a is None:
+            self._over.pop(allocation_id, None)
+            return
+        self._engine.release(allocation_id)
+        why = self._engine.restore(a, check_host=False, force=True)
+        if why:
+            self._over[allocation_id] = why
+        else:
+            self._over.pop(allocation_id, None)
 
     def _follow(self, a: Assignment) -> Assignment:
         """``a`` on its GPUs' indexes in the node's current view, found by UUID: when a GPU leaves
@@ -236,13 +258,49 @@ class Ledger:
                 for n, room in self._room.items() if held[n] >= room}
 
     def release(self, allocation_id: str) -> bool:
-        """Give back what an allocation holds; False if the engine did not hold it."""
+        """Give back what an allocation holds; False if the engine did not hold it. The node's
+        over-committed assignments are judged again (one may fit now)."""
         with self._lock:
+            self._over.pop(allocation_id, None)
             try:
-                self._engine.release(allocation_id)
+                released = self._engine.release(allocation_id)
             except KeyError:
                 return False
+            if self._over:
+                held = self._engine.assignments
+                for rid in [rid for rid in self._over if held[rid].node == released.node]:
+                    self._judge(rid)
             return True
+
+    def overcommitted(self, node: str | None = None) -> dict[str, str]:
+        """Allocation id -> why its GPU no longer takes it (only on ``node`` if given): a share
+        still held where the GPU's view changed under it. It is counted, so its GPU takes
+        nothing new; it fits again once enough is released there."""
+        with self._lock:
+            held = self._engine.assignments
+            return {rid: why for rid, why in self._over.items() if node is None or held[rid].node == node}
+
+    def over(self, allocation_id: str) -> str:
+        """Why an allocation's GPU no longer takes it ("" if it does); see ``overcommitted``."""
+        with self._lock:
+            return self._over.get(allocation_id, "")
+
+    def misfit(self, allocation_id: str) -> str:
+        """Why a held assignment does not fit its GPU beside all else held there now ("" if it
+        does, or its GPU is not over-committed): asked before its share is prepared on the
+        agent, which must not be given more than the GPU takes."""
+        with self._lock:
+            if not self._over:   # the common case: nothing is over-committed
+                return ""
+            held = self._engine.assignments
+            a = held.get(allocation_id)
+            if a is None:
+                return ""
+            if allocation_id not in self._over and not any(
+                    held[rid].node == a.node and set(held[rid].gpus) & set(a.gpus) for rid in self._over):
+                return ""
+            self._judge(allocation_id)
+            return self._over.get(allocation_id, "")
 
     def restore(self, assignment: Assignment) -> None:
         with self._lock:

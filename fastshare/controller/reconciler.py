@@ -154,6 +154,8 @@ class Reconciler:
         hundreds of records a fresh read of each was most of a pass."""
         if allocation.state is not State.ACTIVE or not self.core.on_its_gpus(allocation):
             return False
+        if self.core.overcommit_note(allocation) is not None:
+            return False
         if allocation.lease_expires_at and self.core.clock() > allocation.lease_expires_at:
             return False
         return shares is None or allocation.id in shares or allocation.updated_at >= asked_at
@@ -176,6 +178,7 @@ class Reconciler:
                         report.released.append(current.id)
                     if current.state in FINISHED or current.state is State.RELEASING:
                         return   # releasing still: its agent is unreachable, a later pass finishes
+                current = core.note_overcommit(current)
                 if current.state is State.RELEASING:
                     if shares is not None:
                         done = core.finish_release(current)
@@ -188,7 +191,7 @@ class Reconciler:
                 elif shares is None:
                     return
                 elif current.state in (State.PENDING, State.PREPARED):
-                    core.complete(current)
+                    core.complete(current, agent_holds=current.id in shares)
                     report.completed.append(current.id)
                 elif (current.state is State.ACTIVE and current.updated_at < asked_at
                       and current.id not in shares):

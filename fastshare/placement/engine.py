@@ -244,9 +244,16 @@ class Engine:
                 g.whole = None
         return a
 
-    def restore(self, assignment: Assignment, check_host: bool = True) -> None:
+    def restore(self, assignment: Assignment, check_host: bool = True, force: bool = False) -> str | None:
         """Re-apply a persisted assignment (controller restart). Refuses one that no longer fits;
-        ``check_host=False`` skips the host CPU/memory check (see :meth:`set_capacity`)."""
+        ``check_host=False`` skips the host CPU/memory check (see :meth:`set_capacity`).
+
+        ``force``: a share its node still holds, where the GPU's view changed under it (MIG mode
+        or layout changed by hand, less memory reported, the MPS oversubscription factor lowered,
+        MPS gone from the node), is counted all the same: its GPU is then over-committed and
+        takes nothing new until enough is released. Returns why it does not fit (None when it
+        does). What cannot be counted at all (an unknown node or GPU, another GPU's UUID, a GPU
+        held whole by another assignment, shares of the other kind) is refused either way."""
         r = assignment.request
         if r.id in self._assignments:
             raise InvalidRequest(f"id: request {r.id} is already placed")
@@ -262,6 +269,9 @@ class Engine:
         twice = [i for i, c in Counter(assignment.gpus).items() if c > 1]
         if twice:
             raise InvalidRequest(f"gpus: GPU {twice[0]} appears twice in assignment {r.id}")
+        if r.kind == "exclusive" and assignment.mig is None:
+            raise InvalidRequest(f"mig: exclusive assignment {r.id} names no MIG slice")
+        problems = []
         for i in assignment.gpus:
             if not 0 <= i < len(node.gpus):
                 raise InvalidRequest(f"gpus: {node.view.name} has no GPU {i}")
@@ -270,16 +280,31 @@ class Engine:
             if uuid and g.view.uuid and uuid != g.view.uuid:
                 raise InvalidRequest(f"gpus: GPU {i} of {node.view.name} is {g.view.uuid}, not the "
                                      f"{uuid} assignment {r.id} holds")
+            clash = _clash(r, g)
+            if clash:
+                raise InvalidRequest(f"assignment {r.id}: {g.label(node.view.name)} {clash}")
             problem = self._gpu_problem(r, g, node.view.name, check_affinity=False)
             if r.kind == "exclusive":
                 m = assignment.mig
-                prof = next((p for p in g.view.mig_profiles if m and p.profile_id == m.profile_id), None)
+                prof = next((p for p in g.view.mig_profiles if p.profile_id == m.profile_id), None)
                 if prof is None or m.start not in migmath.free_starts(prof, g.view.mig_profiles,
                                                                        list(g.mig.values())):
-                    problem = f"MIG placement {m} is not free on {g.label(node.view.name)}"
-            if problem:
+                    problem = (f"MIG placement {m.profile_name} at memory slice {m.start} is not free on "
+                               f"{g.label(node.view.name)}" if prof is not None else
+                               f"MIG profile {m.profile_name} (id {m.profile_id}) is not offered on "
+                               f"{g.label(node.view.name)}")
+            elif problem == "not idle" and g.view.mig_enabled:
+                problem = "in MIG mode (a whole GPU needs MIG disabled)"
+            elif r.kind == "mps" and problem and problem.startswith("only "):
+                problem += (f" for its {_fmt_mib(r.gpu_memory_mib)} (MPS shares may promise "
+                            f"{self.mps_oversubscription:g} x its {_fmt_mib(g.view.memory_mib)})")
+            if problem and not force:
                 raise InvalidRequest(f"assignment {r.id}: {problem}")
+            if problem:
+                label = g.label(node.view.name)
+                problems.append(problem if label in problem else f"{label}: {problem}")
         self._apply(assignment)
+        return "; ".join(problems) or None
 
     def _apply(self, a: Assignment) -> None:
         r = a.request
@@ -379,15 +404,15 @@ class Engine:
         v = g.view
         if r.kind == "fastpod":
             if g.sm_used + r.sm_milli > MILLI:
-                return f"only {(MILLI - g.sm_used) / 10:g} % SMs free"
+                return f"only {max(0, MILLI - g.sm_used) / 10:g} % SMs free"
             if g.quota_used + r.quota_request > 1 + QUOTA_SLACK:
                 return f"only {max(0.0, 1 - g.quota_used):.2f} of its time quota free"
             if g.mem_used + r.gpu_memory_mib > v.memory_mib:
-                return f"only {_fmt_mib(v.memory_mib - g.mem_used)} free"
+                return f"only {_fmt_mib(max(0, v.memory_mib - g.mem_used))} free"
         elif r.gpu_memory_mib > v.memory_mib:  # oversubscription is for the sum, not one share
             return f"has {_fmt_mib(v.memory_mib)} of memory in all"
         elif g.mem_used + r.gpu_memory_mib > v.memory_mib * self.mps_oversubscription:
-            return f"only {_fmt_mib(v.memory_mib * self.mps_oversubscription - g.mem_used)} free"
+            return f"only {_fmt_mib(max(0, v.memory_mib * self.mps_oversubscription - g.mem_used))} free"
         return None
 
     # ---- per kind ----------------------------------------------------------------------------
@@ -469,7 +494,8 @@ class Engine:
                f"{_fmt_mib(max(0, free(g)))} on {g.label(n.view.name)}")
         if r.kind == "fastpod":
             n2, g2 = min(usable, key=lambda ng: (ng[1].sm_used, ng[1].view.index))
-            msg += f", largest free SM share is {(MILLI - g2.sm_used) / 10:g} % on {g2.label(n2.view.name)}"
+            msg += (f", largest free SM share is {max(0, MILLI - g2.sm_used) / 10:g} % "
+                    f"on {g2.label(n2.view.name)}")
             n3, g3 = min(usable, key=lambda ng: (ng[1].quota_used, ng[1].view.index))
             msg += (f", largest free time quota is {max(0.0, 1 - g3.quota_used):.2f} "
                     f"on {g3.label(n3.view.name)}")
@@ -562,6 +588,22 @@ class Engine:
         n, g, p, s = best
         slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)
+
+
+def _clash(r: Request, g: _Gpu) -> str | None:
+    """Why ``r`` cannot be counted on ``g`` beside what other assignments hold there, however the
+    GPU's view changed (one whole holder and one share kind per GPU)."""
+    if g.whole is not None:
+        return f"is held whole by {g.whole}"
+    if r.kind == "whole" and (g.sharers or g.mig):
+        return "holds shares or MIG slices"
+    if r.kind in ("fastpod", "mps") and g.mig:
+        return "holds MIG slices"
+    if r.kind in ("fastpod", "mps") and g.share_kind not in (None, r.kind):
+        return f"is shared as {g.share_kind}"
+    if r.kind == "exclusive" and g.sharers:
+        return "holds MPS shares"
+    return None
 
 
 def _tightest_group(view: NodeView, idle: list[int], k: int) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
 
 import grpc
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from fastshare.device import simnvml
 from fastshare.v1 import controller_pb2 as pb
 
-from .conftest import GiB, allocate, assert_consistent, states, wait_for
+from .conftest import GiB, allocate, assert_consistent, fastshare_bin, states, wait_for
 
 
 @pytest.fixture
@@ -132,10 +133,6 @@ def test_a_node_taken_out_for_good_can_be_forgotten(cluster):
     the reason and forgets the node; it is refused while the agent still heartbeats. An agent
     that comes back under that name later registers as a new node, and the share it still holds
     is freed as an orphan."""
-    import subprocess
-
-    from .conftest import fastshare_bin
-
     cluster.add_machine("gone", ["L4"])
     cluster.add_machine("stays", ["V100-SXM2-32GB"])
     cluster.start_controller()
@@ -172,3 +169,103 @@ def test_a_node_taken_out_for_good_can_be_forgotten(cluster):
              "the forgotten allocation's share freed as an orphan")
     assert_consistent(cluster)
     assert allocate(client, "fastpod", sm_percent=100, memory_bytes=GiB, models=["L4"]).node == "gone"
+
+
+OVER = "over-committed"
+
+
+def _wide() -> dict[str, str]:
+    """A terminal wide enough that `fastshare status` does not fold a reason."""
+    import os
+
+    return {**os.environ, "COLUMNS": "400"}
+
+
+def _reasons(client, ids) -> dict[str, str]:
+    return {i: client.call("Get", pb.GetAllocationRequest(allocation_id=i)).reason for i in ids}
+
+
+def test_mps_shares_over_a_lowered_oversubscription_stay_held_and_the_gpu_takes_nothing_new(cluster):
+    """The controller restarted with a lower MPS oversubscription factor (2 -> 1) under three
+    20 GiB mps shares on a 32 GiB GPU: the two that no longer fitted were only logged and left
+    out of the placement engine, which then saw 12 GiB free and promised it again (the agent,
+    with its own factor 2, accepted: more over-commit). Now all stay counted, the GPU takes
+    nothing new until enough is released, and the allocations' reason says they are
+    over-committed and why; a share the agent lost is not prepared again over the GPU but ended
+    with the reason."""
+    from fastshare.v1 import agent_pb2
+
+    cluster.add_machine("n1", ["V100-SXM2-32GB"])
+    cluster.start_controller(extra=["--mps-oversubscription", "2"])
+    cluster.start_agent("n1", config={"mps_memory_oversubscription": 2.0})
+    client = cluster.client()
+    held = [allocate(client, "mps", memory_bytes=20 * GiB).id for _ in range(3)]
+
+    cluster.controller.stop()
+    cluster.start_controller()   # the default factor, 1
+    cluster.wait_node("n1", available=True)
+
+    with pytest.raises(grpc.RpcError) as refused:
+        allocate(client, "mps", memory_bytes=4 * GiB)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+    wait_for(lambda: sum(OVER in r for r in _reasons(client, held).values()) == 2, 30,
+             f"two allocations say they are over-committed: {_reasons(client, held)}")
+    over = [i for i, r in _reasons(client, held).items() if OVER in r]
+    reason = _reasons(client, over)[over[0]]
+    assert "n1 GPU 0" in reason and "MPS shares may promise 1 x its 32 GiB" in reason, reason
+    assert all(s == "active" for i, s in states(cluster).items() if i in held)
+
+    # a share the agent lost (dropped behind the controller's back) is not prepared again
+    lost = over[0]
+    agent = cluster.agents["n1"].stub(cluster.pki)
+    agent.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id=lost), timeout=30)
+    wait_for(lambda: states(cluster)[lost] == "released", 30, f"the lost share ended: {states(cluster)}")
+    ended = _reasons(client, [lost])[lost]
+    assert "cannot be prepared again" in ended and "n1 GPU 0" in ended, ended
+    assert lost not in cluster.agents["n1"].share_ids(cluster.pki)
+    with pytest.raises(grpc.RpcError):   # 40 GiB held on 32: still nothing new
+        allocate(client, "mps", memory_bytes=4 * GiB)
+
+    # drained: one more released, the other fits again and says so, and the GPU takes work
+    client.call("Release", pb.ReleaseAllocationRequest(allocation_id=next(i for i in held if i != lost)))
+    left = [i for i in held if states(cluster)[i] == "active"]
+    assert len(left) == 1
+    wait_for(lambda: _reasons(client, left)[left[0]] == "", 30, "the over-commit reason cleared")
+    assert allocate(client, "mps", memory_bytes=4 * GiB).state == pb.ALLOCATION_STATE_ACTIVE
+    assert_consistent(cluster)
+
+
+def test_mig_mode_turned_on_by_hand_under_a_fastpod_share_keeps_the_gpu_held(cluster):
+    """`nvidia-smi -mig 1` on a GPU holding a fastpod share: the controller's next view of the
+    node dropped the share from the placement engine (an error logged, the record still
+    active), so the GPU looked like an empty MIG GPU and an exclusive request was placed on
+    it. Now the share stays counted, the GPU takes nothing new while it is held, the
+    allocation says it is over-committed and why, and once it is released the GPU takes a
+    MIG slice."""
+    cluster.add_machine("n1", ["H100-SXM5-80GB"])
+    cluster.start_controller()
+    cluster.start_agent("n1")
+    client = cluster.client()
+    share = allocate(client, "fastpod", sm_percent=50, memory_bytes=4 * GiB)
+
+    machine = cluster.root / "n1.json"
+    data = json.loads(machine.read_text())
+    data["gpus"][0]["mig_current"] = data["gpus"][0]["mig_pending"] = 1   # as nvidia-smi -mig 1 leaves it
+    machine.write_text(json.dumps(data))
+    wait_for(lambda: cluster.node("n1").gpus[0].mig_enabled, 30, "the controller sees MIG mode on")
+    with pytest.raises(grpc.RpcError) as refused:   # the view the controller sees now
+        allocate(client, "exclusive", mig_profile="1g.10gb")
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+    wait_for(lambda: OVER in _reasons(client, [share.id])[share.id], 30,
+             f"the share says it is over-committed: {_reasons(client, [share.id])}")
+    reason = _reasons(client, [share.id])[share.id]
+    assert "n1 GPU 0" in reason and "in MIG mode" in reason, reason
+    assert states(cluster)[share.id] == "active"
+    table = subprocess.run([fastshare_bin(), "status", "--controller", cluster.address, "--tls-dir",
+                            str(cluster.pki.dir)], capture_output=True, text=True, timeout=60, env=_wide())
+    assert table.returncode == 0, table.stderr
+    assert "active, over-committed" in table.stdout and "in MIG mode" in table.stdout, table.stdout
+
+    client.call("Release", pb.ReleaseAllocationRequest(allocation_id=share.id))
+    assert allocate(client, "exclusive", mig_profile="1g.10gb").state == pb.ALLOCATION_STATE_ACTIVE
+    assert_consistent(cluster)

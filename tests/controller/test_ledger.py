@@ -390,3 +390,66 @@ def test_a_restart_restores_persisted_assignments_on_their_gpus_by_uuid():
     legacy = Ledger()
     assert legacy.reset([(view, True)], [Assignment.from_dict(old)]) == []
     assert _holders(legacy, "n")["GPU-n-2"] == ["last"]
+
+
+def _mig_on(view: NodeView, index: int) -> NodeView:
+    """``view`` after MIG mode was turned on by hand (nvidia-smi -mig 1) on GPU ``index``."""
+    return replace(view, gpus=tuple(replace(g, mig_enabled=True) if g.index == index else g
+                                    for g in view.gpus))
+
+
+def test_a_held_share_whose_gpu_changed_under_it_stays_counted_and_is_reported_over_committed():
+    """MIG mode turned on by hand under a fastpod share: set_node dropped the share from the
+    engine (only reported), so the GPU looked like an empty MIG GPU and took an exclusive slice
+    the agent then refused (or created beside a running share). Now the share stays counted, the
+    ledger says why its GPU is over-committed, and nothing new goes there until it is released."""
+    view = _node("n", ["A100-SXM4-40GB"])
+    ledger = Ledger()
+    ledger.reset([(view, True)], [])
+    held = _place(ledger, "f", Spec(Kind.FASTPOD, sm_percent=50, memory_bytes=4 * GiB))
+    assert held and ledger.overcommitted() == {}
+
+    assert ledger.set_node(_mig_on(view, 0), True) == []   # nothing that cannot be counted
+
+    assert ledger.holds("f") and _holders(ledger, "n") == {"GPU-n-0": ["f"]}
+    over = ledger.overcommitted()
+    assert list(over) == ["f"] and "n GPU 0" in over["f"] and "in MIG mode" in over["f"], over
+    assert ledger.overcommitted("other-node") == {}
+    new = (Spec(Kind.EXCLUSIVE, sm_count=14), Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB),
+           Spec(Kind.WHOLE, gpu_count=1))
+    for i, spec in enumerate(new):
+        assert isinstance(_place(ledger, f"x{i}", spec), Rejection), spec
+    # a controller restart on the changed view: the same
+    fresh = Ledger()
+    assert fresh.reset([(_mig_on(view, 0), True)], [held]) == []
+    assert fresh.holds("f") and list(fresh.overcommitted()) == ["f"]
+    assert isinstance(_place(fresh, "x", Spec(Kind.EXCLUSIVE, sm_count=14)), Rejection)
+    # drained: the GPU takes a slice
+    assert fresh.release("f") and fresh.overcommitted() == {}
+    assert _place(fresh, "x", Spec(Kind.EXCLUSIVE, sm_count=14))
+
+
+def test_mps_shares_over_a_lowered_oversubscription_stay_counted_until_enough_is_released():
+    """Restarted with a lower MPS oversubscription: what no longer fits was left out of the
+    engine, which then promised its memory again (and the agent, with its own factor,
+    accepted). Now all stay counted; which of them are over the GPU is re-judged at every
+    release on the node and by ``misfit`` (asked before a lost share is prepared again)."""
+    view = _node("n", ["A100-SXM4-40GB"])
+    generous = Ledger(mps_oversubscription=2.0)
+    generous.reset([(view, True)], [])
+    held = [_place(generous, f"m{i}", Spec(Kind.MPS, memory_bytes=25 * GiB)) for i in range(3)]
+    assert all(held)
+    ledger = Ledger()
+    assert ledger.reset([(view, True)], held) == []
+    assert all(ledger.holds(a.request.id) for a in held)
+    over = ledger.overcommitted()
+    assert sorted(over) == ["m1", "m2"] and "MPS shares may promise 1 x its 40 GiB" in over["m1"], over
+    assert isinstance(_place(ledger, "x", Spec(Kind.MPS, memory_bytes=GiB)), Rejection)
+    # a share lost on the agent is judged again against everything else held: it does not fit
+    assert "n GPU 0" in ledger.misfit("m0") and sorted(ledger.overcommitted()) == ["m0", "m1", "m2"]
+    assert ledger.release("m0")
+    assert sorted(ledger.overcommitted()) == ["m1", "m2"]   # 50 GiB on 40
+    assert ledger.misfit("nope") == ""
+    assert ledger.release("m1")
+    assert ledger.overcommitted() == {} and ledger.misfit("m2") == ""
+    assert _place(ledger, "x", Spec(Kind.MPS, memory_bytes=15 * GiB))

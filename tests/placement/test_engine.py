@@ -483,3 +483,62 @@ def test_an_assignment_names_its_gpus_by_uuid_and_is_never_restored_on_another_g
     assert not other.assignments and other.usage() == Engine([view]).usage()
     other.restore(Assignment(fastpod("b"), "n", (1,)))   # no UUIDs (an earlier version's): by index
     assert other.assignments["b"].gpus == (1,)
+
+
+def _changed(view: NodeView, **gpu_changes) -> NodeView:
+    """The node's view after something outside fastshare changed its GPU 0."""
+    return dataclasses.replace(view, gpus=(dataclasses.replace(view.gpus[0], **gpu_changes), *view.gpus[1:]))
+
+
+@pytest.mark.parametrize("held, changes, oversub, why", [
+    ([fastpod("a", 50)], {"mig_enabled": True}, 1.0, "in MIG mode (MPS shares need the whole device)"),
+    ([Request("a", "whole", gpus=1)], {"mig_enabled": True}, 1.0, "in MIG mode"),
+    ([fastpod("a", 50, mem=30000)], {"memory_mib": 20480}, 1.0, "only 20 GiB free"),
+    ([Request("a", "mps", gpu_memory_mib=30000), Request("b", "mps", gpu_memory_mib=30000)], {}, 1.0,
+     "MPS shares may promise 1 x its 40 GiB"),
+    ([fastpod("a", 50)], {"no_mps": "MPS control binary not found"}, 1.0, "MPS control binary not found"),
+])
+def test_forced_restore_counts_a_held_share_that_no_longer_fits_until_released(held, changes, oversub, why):
+    """A share held on a GPU whose view changed under it (MIG mode turned on by hand, less memory
+    reported, the oversubscription factor lowered at a restart, MPS gone from the node) was refused
+    by restore, so the controller left it out and the GPU was offered as free. Restored with
+    ``force`` it is counted (the GPU is over-committed and takes nothing new), restore says why,
+    and releasing it gives back exactly what it took."""
+    before = Engine([node("n", n_gpus=1)], mps_oversubscription=2.0)
+    placed = [before.place(r) for r in held]
+    assert all(placed), placed
+    after = Engine([_changed(node("n", n_gpus=1), **changes)], mps_oversubscription=oversub)
+    empty = after.usage()
+    problems = [after.restore(a, force=True) for a in placed]
+    assert problems[-1] is not None and why in problems[-1] and "n GPU 0" in problems[-1], problems
+    strict = Engine([_changed(node("n", n_gpus=1), **changes)], mps_oversubscription=oversub)
+    for a in placed[:-1]:
+        strict.restore(a)
+    with pytest.raises(InvalidRequest, match=r"assignment (a|b)"):   # without force: refused
+        strict.restore(placed[-1])
+    assert set(after.assignments) == {a.request.id for a in placed}
+    for r in (fastpod("x", 1, mem=1), Request("y", "mps", gpu_memory_mib=1), Request("z", "whole", gpus=1),
+              Request("e", "exclusive", sm_count=14)):
+        assert not after.place(r), r
+    for a in reversed(placed):
+        after.release(a)
+    assert after.usage() == empty and not after.assignments
+    assert after.place(Request("w", "whole", gpus=1) if not changes.get("mig_enabled")
+                       else Request("e", "exclusive", sm_count=14))
+
+
+def test_forced_restore_still_refuses_what_cannot_be_counted():
+    """Force counts a share beside a changed view, never two holders that exclude each other
+    (the engine has one whole holder and one share kind per GPU) nor a GPU that is not there."""
+    eng = Engine([node("n", n_gpus=1)])
+    assert eng.place(Request("w", "whole", gpus=1))
+    for a, match in ((Assignment(fastpod("a"), "n", (0,)), "held whole by w"),
+                     (Assignment(Request("v", "whole", gpus=1), "n", (0,)), "held whole by w"),
+                     (Assignment(fastpod("a"), "n", (1,)), "has no GPU 1"),
+                     (Assignment(fastpod("a"), "m", (0,)), "not in the cluster view")):
+        with pytest.raises(InvalidRequest, match=match):
+            eng.restore(a, force=True)
+    eng.release("w")
+    assert eng.place(Request("m", "mps", gpu_memory_mib=10))
+    with pytest.raises(InvalidRequest, match="shared as mps"):
+        eng.restore(Assignment(fastpod("a"), "n", (0,)), force=True)

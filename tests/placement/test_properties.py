@@ -155,3 +155,62 @@ def test_round_trip_keeps_ledger(stream):
     for r in reqs:
         eng.place(r)
     assert Engine.from_dict(eng.to_dict()).usage() == eng.usage()
+
+
+def changed_cluster():
+    """``cluster()`` after changes outside fastshare: MIG mode turned on (by hand) on n1 GPU 0
+    and n3 GPU 0, n2 GPU 1 reporting half its memory."""
+    import dataclasses
+
+    def change(view, i, **kw):
+        gpus = list(view.gpus)
+        gpus[i] = dataclasses.replace(gpus[i], **kw)
+        return dataclasses.replace(view, gpus=tuple(gpus))
+
+    n1, n2, n3 = cluster()
+    return [change(n1, 0, mig_enabled=True), change(n2, 1, memory_mib=n2.gpus[1].memory_mib // 2),
+            change(n3, 0, mig_enabled=True)]
+
+
+def over_committed(eng: Engine) -> set[tuple[str, int]]:
+    """GPUs holding more than their view takes now."""
+    nodes = {n.name: n for n in eng.nodes}
+    out = set()
+    for u in eng.usage():
+        g = nodes[u["node"]].gpus[u["gpu"]]
+        if (u["sm_used_percent"] > 100 or u["memory_used_mib"] > g.memory_mib * eng.mps_oversubscription
+                or (g.mig_enabled and (u["sharers"] or u["whole"] is not None))
+                or (u["share_kind"] == "fastpod" and u["memory_used_mib"] > g.memory_mib)):
+            out.add((u["node"], u["gpu"]))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(streams(), streams())
+def test_a_view_changed_under_held_shares_takes_nothing_new_until_they_drain(stream, more):
+    """Held shares restored with force into a view that changed under them (and a lowered MPS
+    oversubscription): the engine counts them all, places nothing new on a GPU they
+    over-commit, and every release gives back exactly what it took."""
+    before = Engine(cluster(), mps_oversubscription=2.0)
+    for r in stream[0]:
+        before.place(r)
+    eng = Engine(changed_cluster(), mps_oversubscription=1.0)
+    empty = eng.usage()
+    for a in before.assignments.values():
+        eng.restore(a, check_host=False, force=True)
+    assert set(eng.assignments) == set(before.assignments)
+    held = eng.usage()
+    over = over_committed(eng)
+    placed = []
+    for r in more[0]:
+        r = Request.from_dict(dict(r.to_dict(), id=f"new-{r.id}"))
+        res = eng.place(r)
+        if res:
+            assert not over & {(res.node, i) for i in res.gpus}, (res, over)
+            placed.append(res)
+    for res in reversed(placed):
+        eng.release(res)
+    assert eng.usage() == held
+    for rid in list(eng.assignments):
+        eng.release(rid)
+    assert eng.usage() == empty and not eng.assignments

@@ -8,6 +8,7 @@ once; agent down."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -509,6 +510,61 @@ def test_a_gpu_removed_from_a_node_keeps_the_replicas_on_the_others_held_on_thei
     finally:
         with contextlib.suppress(client.ApiException):   # not created
             view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "boards")
+        wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
+                 timeout=120)
+        agent.stop()
+        core.delete_node(agent.name)
+
+
+def test_mig_mode_turned_on_under_a_fastpod_replica_keeps_its_gpu_held_and_says_why(
+        api_client, namespace, controller, pki):
+    """`nvidia-smi -mig 1` on a GPU holding a fastpod replica's share. In-cluster the agent's
+    changed inventory reaches the controller through the reconciler; the share was then dropped
+    from the placement engine (only logged) while its record stayed active, and an exclusive
+    FastPod got a MIG slice on that GPU. Now the share stays counted, the replica's status entry
+    says it is over-committed and why, and the exclusive replica is unschedulable."""
+    root, tls = pki
+    model = "A100-SXM4-80GB"
+    agent = Agent(root, root / "ca", f"a100-{uuid.uuid4().hex[:4]}", [model], mig=False)
+    core = client.CoreV1Api(api_client)
+    agent.start(tls)
+    register_node(core, agent)
+    view = View(api_client, namespace, "shared", {"a100": agent}, tls)
+    sliced = View(api_client, namespace, "sliced", {"a100": agent}, tls)
+    try:
+        controller().start()
+        fastpod = {"kind": "fastpod", "smPercent": 50, "memory": "4Gi", "models": [model]}
+        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                     fastpod_manifest("shared", fastpod, 1))
+        wait_for(lambda: view.settled(1), "the fastpod replica", timeout=180)
+
+        state = json.loads(agent.machine.read_text())
+        state["gpus"][0]["mig_current"] = state["gpus"][0]["mig_pending"] = 1
+        agent.machine.write_text(json.dumps(state))
+
+        def noted():
+            kubelet_step(view.core, namespace)
+            entry = next(iter(view.active().values()), {})
+            return "over-committed" in entry.get("reason", "") and entry["reason"]
+        reason = wait_for(noted, "the replica's entry says it is over-committed", timeout=120)
+        assert "GPU 0" in reason and "in MIG mode" in reason, reason
+
+        exclusive = {"kind": "exclusive", "migProfile": "1g.10gb", "models": [model]}
+        sliced.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                       fastpod_manifest("sliced", exclusive, 1))
+
+        def unschedulable():
+            kubelet_step(view.core, namespace)
+            status = sliced.fastpod().get("status") or {}
+            conditions = {c["type"]: c for c in status.get("conditions") or []}
+            scheduled = conditions.get("Scheduled")
+            return scheduled and scheduled["reason"] == "Unschedulable" and scheduled
+        wait_for(unschedulable, "the exclusive replica unschedulable", timeout=120)
+        assert len(agent.shares(tls)) == 1 and not sliced.records()
+    finally:
+        for name in ("shared", "sliced"):
+            with contextlib.suppress(client.ApiException):   # not created
+                view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
         wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
                  timeout=120)
         agent.stop()

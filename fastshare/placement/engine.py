@@ -623,8 +623,9 @@ def _tightest_group(view: NodeView, idle: list[int], k: int) -> tuple[int, ...]:
         return min(itertools.combinations(idle, k), key=cost)
 
     # Large nodes: grow a group from idle GPUs (always adding the GPU closest to the group so
-    # far), from each not in a group grown already, and keep the closest group; growing from one seed only left a free island unused
-    # (6 of 32 GPUs across two NVLink islands while a whole island was idle).
+    # far), from each not in a group grown already, and keep the closest group. Growing from
+    # one seed only left a free island unused (6 of 32 GPUs across two NVLink islands while a
+    # whole island was idle).
     def grow(seed: int) -> tuple[int, ...]:
         group = [seed]
         reach = {i: link(i, seed) for i in idle if i != seed}   # a candidate's farthest link to the group

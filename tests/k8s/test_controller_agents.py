@@ -508,12 +508,14 @@ def test_a_gpu_removed_from_a_node_keeps_the_replicas_on_the_others_held_on_thei
         assert "idle" in condition["message"], condition
         assert view.shares() == sorted([on[0]["id"], on[2]["id"]])
     finally:
-        with contextlib.suppress(client.ApiException):   # not created
-            view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "boards")
-        wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
-                 timeout=120)
-        agent.stop()
-        core.delete_node(agent.name)
+        try:
+            with contextlib.suppress(client.ApiException):   # not created
+                view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "boards")
+            wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
+                     timeout=120)
+        finally:   # also when the test failed: a leftover agent would outlive the run
+            agent.stop()
+            core.delete_node(agent.name)
 
 
 def test_mig_mode_turned_on_under_a_fastpod_replica_keeps_its_gpu_held_and_says_why(
@@ -562,10 +564,12 @@ def test_mig_mode_turned_on_under_a_fastpod_replica_keeps_its_gpu_held_and_says_
         wait_for(unschedulable, "the exclusive replica unschedulable", timeout=120)
         assert len(agent.shares(tls)) == 1 and not sliced.records()
     finally:
-        for name in ("shared", "sliced"):
-            with contextlib.suppress(client.ApiException):   # not created
-                view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
-                 timeout=120)
-        agent.stop()
-        core.delete_node(agent.name)
+        try:
+            for name in ("shared", "sliced"):
+                with contextlib.suppress(client.ApiException):   # not created
+                    view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
+                     timeout=120)
+        finally:   # also when the test failed: a leftover agent would outlive the run
+            agent.stop()
+            core.delete_node(agent.name)

@@ -20,7 +20,7 @@ import threading
 import grpc
 from cryptography import x509
 
-from fastshare.security.certs import reissue_command, role_of
+from fastshare.security.certs import CONTROLLER_NAME, reissue_command, role_of
 from fastshare.security.tls import PeerIdentity, TlsPaths, mtls_channel, server_certificate
 from fastshare.v1 import controller_pb2 as pb
 from fastshare.v1 import controller_pb2_grpc as pb_grpc
@@ -32,7 +32,7 @@ MAX_BACKOFF = 10.0
 
 class Registrar:
     def __init__(self, controller_address: str, node_name: str, agent_address: str, tls: TlsPaths,
-                 labels: dict[str, str] | None = None, controller_name: str = "controller") -> None:
+                 labels: dict[str, str] | None = None, controller_name: str = CONTROLLER_NAME) -> None:
         self.node_name = node_name
         self.agent_address = agent_address
         self.labels = dict(labels or {})

@@ -56,6 +56,8 @@ _ROLE_PREFIX = "fastshare:"
 _ROLE_EKUS = {"node": [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
               "controller": [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
               "client": [ExtendedKeyUsageOID.CLIENT_AUTH]}
+# The name node agents dial and check the controller by (bare metal: the registrar's server name).
+CONTROLLER_NAME = "controller"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # Clocks on a cluster drift; a certificate valid "from now" fails on a node a few seconds behind.
 _BACKDATE = dt.timedelta(minutes=5)
@@ -244,6 +246,21 @@ def san_entries(values: tuple[str, ...] | list[str]) -> list[x509.GeneralName]:
     return entries
 
 
+def _refuse_controller_name(role: str, name: str, sans: tuple[str, ...] | list[str]) -> None:
+    """Only the controller's certificate may list :data:`CONTROLLER_NAME` (the name agents check
+    the controller by; DNS names match regardless of case): in any other's, its holder could
+    pose as the controller to the agents that dial it (their role check aside)."""
+    if role == "controller":
+        return
+    for field, value in (("--name", name), *(("--san", san) for san in sans)):
+        if value.lower() == CONTROLLER_NAME:
+            raise CertError(
+                f"{field} {value!r} is refused for a {role} certificate: node agents dial and check the "
+                f"controller by the name {CONTROLLER_NAME!r}, so a {role} certificate listing it could pose "
+                "as the controller to them; only the controller's own certificate lists it "
+                f"(`{reissue_command('controller', CONTROLLER_NAME)}`)")
+
+
 def sign_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, name: str,
               public_key: ec.EllipticCurvePublicKey, sans: list[x509.GeneralName], role: str,
               lifetime: dt.timedelta, now: dt.datetime | None = None) -> x509.Certificate:
@@ -290,6 +307,7 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
     _validate_days("--days", days, MAX_LEAF_DAYS)
     if role not in ROLES:
         raise CertError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+    _refuse_controller_name(role, name, sans)
     entries = san_entries((name, *sans))
     ca_cert, ca_key, bundle = _load_ca_bundle(ca_dir)   # one read: the bundle handed out holds the signer
     key = ec.generate_private_key(ec.SECP256R1())

@@ -6,7 +6,7 @@ import subprocess
 
 import grpc
 import pytest
-from security.handmade import issue_client_cert, issue_roleless_cert
+from security.handmade import issue_client_cert, issue_roleless_cert, issue_unchecked
 
 from fastshare.node.client import channel
 from fastshare.security import certs as pki
@@ -73,7 +73,7 @@ def test_only_the_controller_may_change_the_node_over_tcp(agent, tmp_path):
     gpu = _gpu(agent)
     ca = agent.pki / "ca"
     pki.issue(ca, "node-2", tmp_path / "other-node", sans=["127.0.0.1"], role="node", days=1)
-    pki.issue(ca, "controller", tmp_path / "user", role="client", days=1)
+    issue_unchecked(ca, "controller", tmp_path / "user", role="client")   # `certs issue` refuses it now
     issue_roleless_cert(ca, "controller", tmp_path / "old", sans=["127.0.0.1"])
     target = f"127.0.0.1:{agent.ports['listen']}"
     for where, name, role in (("other-node", "node-2", "the node role"),

@@ -84,3 +84,16 @@ def served_certificate(target: str, ca: Path, server_name: str,
     with socket.create_connection((host, int(port)), timeout=10) as sock, \
             context.wrap_socket(sock, server_hostname=server_name) as tls:
         return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
+
+
+def issue_unchecked(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] = (), role: str = "node",
+                    days: int = 1) -> None:
+    """A certificate with ``role`` that `fastshare certs issue` now refuses (a node or client
+    certificate listing "controller"), as it issued them before: what a peer must still see
+    through."""
+    ca_cert, ca_key = pki.load_ca(ca_dir)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = pki.sign_leaf(ca_cert, ca_key, name, key.public_key(), pki.san_entries((name, *sans)), role,
+                         dt.timedelta(days=days))
+    _write(out_dir, name, cert, key)
+    (out_dir / pki.CA_CERT).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))

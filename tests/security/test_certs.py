@@ -294,3 +294,41 @@ def test_a_directory_in_place_of_a_file_is_refused_before_anything_is_written(tm
                                        "--out", str(out)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"--ca {good}: cannot read {good / pki.CA_KEY}" in result.output
+
+
+@pytest.mark.parametrize("role", ["node", "client"])
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"name": "gpu-1", "sans": ["10.0.0.5", "controller"]}, "--san 'controller'"),
+    ({"name": "gpu-1", "sans": ["Controller"]}, "--san 'Controller'"),
+    ({"name": "controller"}, "--name 'controller'"),
+])
+def test_only_the_controller_certificate_may_list_the_name_agents_check_the_controller_by(
+        tmp_path, role, kwargs, field):
+    """Node agents dial the controller by the name "controller"; a node or client certificate
+    listing it could pose as the controller to them (the Kubernetes bootstrap already refuses the
+    controller's names): refused, naming the field and why, and nothing written."""
+    pki.init_ca(tmp_path / "ca")
+    with pytest.raises(pki.CertError) as caught:
+        pki.issue(tmp_path / "ca", out_dir=tmp_path / "out", role=role, **kwargs)
+    message = str(caught.value)
+    assert message.startswith(field), message
+    assert f"a {role} certificate" in message and "pose as the controller" in message, message
+    assert "--role controller --name controller" in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_controller_certificate_lists_its_name(tmp_path):
+    pki.init_ca(tmp_path / "ca")
+    issued = pki.issue(tmp_path / "ca", "controller", tmp_path / "out", sans=["ctl.example"],
+                       role="controller")
+    assert pki.describe(issued.cert_path)["sans"] == ["controller", "ctl.example"]
+
+
+def test_cli_refuses_a_node_certificate_listing_controller(tmp_path):
+    ca = tmp_path / "ca"
+    subprocess.run(["fastshare", "certs", "init", str(ca)], check=True, capture_output=True)
+    done = subprocess.run(["fastshare", "certs", "issue", "--ca", str(ca), "--name", "gpu-1", "--role",
+                           "node", "--san", "controller", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "--san 'controller'" in done.stderr, done.stderr
+    assert not (tmp_path / "o").exists()

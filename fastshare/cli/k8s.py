@@ -176,6 +176,7 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
     from fastshare.k8s.controller import KubeController, KubeSettings, run_with_leader_election
     from fastshare.k8s.leader import LeaderElector
     from fastshare.security.certs import CertError
+    from fastshare.security.rotation import watch_expiry
     from fastshare.stop_signal import stop_on_signals
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -210,6 +211,9 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
     stop_on_signals(stop)
     if own_cert is not None:
         own_cert.start_renewals(issued, stop)
+    else:   # the operator's certificate: nothing renews it, so its end is announced from a week before
+        watch_expiry(tls.cert, controller_cert.ROLE, controller_cert.NAME, logging.getLogger("fastshare.k8s"),
+                     stop)
 
     def on_lost() -> None:
         lost.set()

@@ -831,6 +831,37 @@ def test_the_k8s_controller_needs_ca_key_unless_the_bootstrap_is_off(tmp_path):
     assert "--api-port 0" in result.output
 
 
+def test_the_k8s_controller_warns_of_the_end_of_an_operator_issued_certificate(tmp_path):
+    """Without ca.key the controller serves the controller.crt an operator issued, which nothing
+    renews: like the standalone controller it says so at start (and daily) from 7 days before
+    its end, naming the file and the command; it said nothing, and every agent then refused it."""
+    certs.init_ca(tmp_path / "ca")
+    certs.issue(tmp_path / "ca", "controller", tmp_path / "ctl", sans=["fastshare-controller.x.svc"],
+                role="controller", days=3)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],   # nobody there
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    log = tmp_path / "controller.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(BIN / "fastshare"), "k8s", "controller", "--tls-dir",
+                                 str(tmp_path / "ctl"), "--api-port", "0", "--kubeconfig", str(kubeconfig)],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        cert = tmp_path / "ctl" / "controller.crt"
+        wait_for(lambda: f"certificate {cert} expires on" in log.read_text() or proc.poll() is not None,
+                 "the expiry warning", timeout=30)
+        said = log.read_text()
+        assert f"WARNING fastshare.k8s: certificate {cert} expires on" in said, said
+        assert ("fastshare certs issue --role controller --name controller --san fastshare-controller.x.svc"
+                in said), said
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_the_k8s_controller_names_what_keeps_it_from_issuing_its_own_certificate(tmp_path):
     certs.init_ca(tmp_path / "ca")
     (tmp_path / "file").write_text("")

@@ -4,30 +4,19 @@
 from __future__ import annotations
 
 import click
-import grpc
 
-from fastshare.cli._output import fail, print_json
+from fastshare.cli._controller import call_controller, to_json
+from fastshare.cli._output import print_json
 from fastshare.controller.client import client_options
 
 
 def _set(client_config, node: str, schedulable: bool, reason: str, as_json: bool) -> None:
-    from google.protobuf.json_format import MessageToDict
-
-    from fastshare.controller.client import Client, ClientConfigError, unreachable_hint
     from fastshare.v1 import controller_pb2 as pb
 
-    try:
-        with Client(client_config) as client:
-            status = client.call("SetSchedulable", pb.SetSchedulableRequest(
-                node=node, schedulable=schedulable, reason=reason))
-    except ClientConfigError as exc:
-        fail(str(exc))
-    except grpc.RpcError as exc:
-        fail(f"controller at {client_config.address}: {exc.code().name}: {exc.details()}",
-             unreachable_hint(exc, client_config))
+    status = call_controller(client_config, "SetSchedulable", pb.SetSchedulableRequest(
+        node=node, schedulable=schedulable, reason=reason))
     if as_json:
-        print_json(MessageToDict(status, preserving_proto_field_name=True,
-                                 always_print_fields_with_no_presence=True))
+        print_json(to_json(status))
     elif status.cordoned:
         held = len({a for g in status.gpus for a in g.allocation_ids})
         click.echo(f"node {status.name} cordoned: no new allocations; its existing ones stay "
@@ -67,24 +56,13 @@ def forget_node(client_config, node: str, reason: str, yes: bool, as_json: bool)
     """Forget NODE, taken out for good (decommissioned, renamed, re-installed): its allocations
     end and give back what they held, and it leaves `fastshare status`. Its agent must be stopped
     first (refused while it heartbeats)."""
-    from google.protobuf.json_format import MessageToDict
-
-    from fastshare.controller.client import Client, ClientConfigError, unreachable_hint
     from fastshare.v1 import controller_pb2 as pb
 
     if not yes:
         click.confirm(f"End every allocation on {node} and forget the node?", abort=True)
-    try:
-        with Client(client_config) as client:
-            reply = client.call("ForgetNode", pb.ForgetNodeRequest(node=node, reason=reason))
-    except ClientConfigError as exc:
-        fail(str(exc))
-    except grpc.RpcError as exc:
-        fail(f"controller at {client_config.address}: {exc.code().name}: {exc.details()}",
-             unreachable_hint(exc, client_config))
+    reply = call_controller(client_config, "ForgetNode", pb.ForgetNodeRequest(node=node, reason=reason))
     if as_json:
-        print_json(MessageToDict(reply, preserving_proto_field_name=True,
-                                 always_print_fields_with_no_presence=True))
+        print_json(to_json(reply))
         return
     click.echo(f"node {node} forgotten; {len(reply.ended)} allocation(s) ended"
                + (": " + ", ".join(a.id for a in reply.ended) if reply.ended else ""))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import click
-import grpc
 
-from fastshare.cli._output import fail, print_json, print_table
+from fastshare.cli._controller import call_controller, to_json
+from fastshare.cli._output import print_json, print_table
 from fastshare.controller.client import client_options
 
 GiB = 1024**3
@@ -60,31 +60,17 @@ def _state(value: int) -> str:
     return pb.AllocationState.Name(value).removeprefix("ALLOCATION_STATE_").lower()
 
 
-def _to_json(status) -> dict:
-    from google.protobuf.json_format import MessageToDict
-
-    return MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-
-
 @click.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--all", "include_finished", is_flag=True, help="Also released and failed allocations.")
 @client_options
 def status(client_config, as_json: bool, include_finished: bool) -> None:
     """Cluster view: nodes, per-GPU usage (SM %, memory, MIG slices by placement), allocations."""
-    from fastshare.controller.client import Client, ClientConfigError, unreachable_hint
     from fastshare.v1 import controller_pb2 as pb
 
-    try:
-        with Client(client_config) as client:
-            st = client.call("Status", pb.ClusterStatusRequest(include_finished=include_finished))
-    except ClientConfigError as exc:
-        fail(str(exc))
-    except grpc.RpcError as exc:
-        fail(f"controller at {client_config.address}: {exc.code().name}: {exc.details()}",
-             unreachable_hint(exc, client_config))
+    st = call_controller(client_config, "Status", pb.ClusterStatusRequest(include_finished=include_finished))
     if as_json:
-        print_json(_to_json(st))
+        print_json(to_json(st))
         return
     render(st)
 

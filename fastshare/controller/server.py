@@ -215,6 +215,15 @@ def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> NoRetur
     raise AssertionError("context.abort returned")   # it raises; for the type checker
 
 
+def _check_node_and_reason(node: str, reason: str, action: str) -> None:
+    """The node an operator's call names, and the reason it records (shown in status)."""
+    if not node:
+        raise ValidationError("node", f"name the node to {action}")
+    check_node_name(node)
+    if len(reason) > 256:
+        raise ValidationError("reason", f"at most 256 characters, got {len(reason)}")
+
+
 class ControllerServicer(pb_grpc.ControllerServicer):
     def __init__(self, core: ControllerCore, auth: Authenticator, max_watches: int = 16) -> None:
         self.core = core
@@ -294,11 +303,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     @_guard
     def SetSchedulable(self, request: pb.SetSchedulableRequest, context) -> pb.NodeStatus:
-        if not request.node:
-            raise ValidationError("node", "name the node to cordon or uncordon")
-        check_node_name(request.node)
-        if len(request.reason) > 256:
-            raise ValidationError("reason", f"at most 256 characters, got {len(request.reason)}")
+        _check_node_and_reason(request.node, request.reason, "cordon or uncordon")
         node = self.core.set_schedulable(request.node, request.schedulable, request.reason)
         node.available = self.core.is_available(node.name)
         held = self.core.store.list_allocations(HOLDING, node=node.name)
@@ -306,11 +311,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     @_guard
     def ForgetNode(self, request: pb.ForgetNodeRequest, context) -> pb.ForgetNodeResponse:
-        if not request.node:
-            raise ValidationError("node", "name the node to forget")
-        check_node_name(request.node)
-        if len(request.reason) > 256:
-            raise ValidationError("reason", f"at most 256 characters, got {len(request.reason)}")
+        _check_node_and_reason(request.node, request.reason, "forget")
         ended = self.core.forget_node(request.node, request.reason)
         return pb.ForgetNodeResponse(ended=[self._pb(a) for a in ended])
 

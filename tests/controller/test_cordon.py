@@ -78,3 +78,13 @@ def test_cordon_names_what_is_wrong(two_nodes):
         c.call("SetSchedulable", pb.SetSchedulableRequest(node="node-a", reason="x" * 300))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reason" in exc.value.details()
     assert not two_nodes.node("node-a").cordoned
+    for request, field in ((pb.ForgetNodeRequest(node=""), "node"),
+                           (pb.ForgetNodeRequest(node="n" * 300), "node"),
+                           (pb.ForgetNodeRequest(node="node-a", reason="x" * 257), "reason")):
+        with pytest.raises(grpc.RpcError) as exc:
+            c.call("ForgetNode", request)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:   # its agent heartbeats
+        c.call("ForgetNode", pb.ForgetNodeRequest(node="node-a"))
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION, exc.value.details()
+    assert two_nodes.node("node-a") is not None

@@ -142,7 +142,7 @@ COMMANDS = [mig_group]
 @click.option("--apply", "do_apply", is_flag=True, help="carry the plan out (default: only show it)")
 @click.option("--force", is_flag=True, help="allow destroying instances that are in use")
 @click.option("--agent-journal", type=click.Path(dir_okay=False),
-              help="node agent journal: MIG devices its shares hold count as in use")
+              help="node agent journal: MIG devices and whole GPUs its shares hold count as in use")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name: str, do_apply: bool,
                force: bool, agent_journal: str | None, as_json: bool) -> None:

@@ -216,6 +216,11 @@ def _plan_gpu(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
     shape = _shape(devices, gpu)
     mode_change = not gpu.mig_pending     # pending True while current False: enable already asked
     _refuse_mode_change_in_use(spec, gpu, mode_change)
+    if mode_change and not force and gpu.uuid in held:
+        # Cancelling a pending enable (the disable path) leaves such a share its GPU; this does not.
+        raise ConfigError(f"{spec.where}: GPU {gpu.index} ({gpu.name}) {gpu.uuid} is held whole by a "
+                          "fastshare share; enabling MIG takes the GPU from the share: release the "
+                          "share or force it (`--force`; Ansible: `force: true`)")
     reset_required = not gpu.mig_current and (not mode_change or _waits_for_reset(gpu))
     try:
         wanted = parse_layout(dict(spec.mig_devices), shape)

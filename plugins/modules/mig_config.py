@@ -68,14 +68,16 @@ options:
     type: str
   force:
     description:
-      - Destroy instances held by fastshare shares when the layout needs their place.
+      - Destroy instances held by fastshare shares when the layout needs their place, and turn
+        MIG on for a GPU that a share holds whole (the share loses the GPU).
       - Instances with running processes are never destroyed; stop the processes first.
     type: bool
     default: false
   agent_journal:
     description:
       - Path of the fastshare node agent's journal (C(journal.db) in its state directory).
-      - MIG devices that a share in it holds count as in use. When the file does not exist,
+      - MIG devices that a share in it holds count as in use, and so does a GPU that a share
+        holds whole (MIG is not enabled on it without O(force)). When the file does not exist,
         no device counts as held.
     type: path
 attributes:

@@ -238,6 +238,37 @@ def test_share_held_instance_is_kept_when_the_mig_mode_changes_too(mig, machine,
     assert forced["changed"] is True and layout_on_disk(machine, 0) == [(0, 0)]
 
 
+def test_mig_mode_change_of_a_gpu_a_share_holds_whole_needs_force(tmp_path, collections_path):
+    """A share holding the whole GPU (its GPU UUID in the agent journal) is lost when MIG comes
+    on under it: the node agent refuses that mode change, and so must the module (check mode
+    too), unless forced."""
+    machine = tmp_path / "h100.json"
+    simnvml.create_machine(machine, ["H100-SXM5-80GB"], mig_enabled=False)
+    with open_devices("sim", machine) as devices:
+        gpu_uuid = devices.gpus()[0].uuid
+    journal = tmp_path / "journal.db"
+    _journal_with_share(journal, gpu_uuid)
+    args = {"gpu_backend": "sim", "sim_state": str(machine), "agent_journal": str(journal),
+            "layout": [{"devices": [0], "mig_devices": {"7g.80gb": 1}}]}
+    before = machine.read_bytes()
+    for check in (True, False):
+        refused = run_module(collections_path, MIG_CONFIG, args, check=check)
+        assert refused.get("failed") and gpu_uuid in refused["msg"] and "force" in refused["msg"], refused
+        assert refused["changed"] is False and machine.read_bytes() == before
+    forced = run_module(collections_path, MIG_CONFIG, args | {"force": True})
+    assert forced["changed"] is True and layout_on_disk(machine, 0) == [(0, 0)]
+    # Cancelling a pending enable (Ampere) leaves the share its GPU: no force needed for that.
+    a100 = tmp_path / "a100.json"
+    simnvml.create_machine(a100, ["A100-SXM4-40GB"], mig_enabled=False)
+    with open_devices("sim", a100) as devices:
+        devices.set_mig_mode(0, True)
+    journal.unlink()
+    _journal_with_share(journal, simnvml.load_machine(a100)["gpus"][0]["uuid"])
+    off = {"sim_state": str(a100), "layout": [{"devices": [0], "mig_enabled": False}]}
+    cancel = run_module(collections_path, MIG_CONFIG, args | off)
+    assert cancel["changed"] is True and cancel["gpus"][0]["mig_mode"] == {"current": False, "pending": False}
+
+
 def _journal_with_share(path: Path, device_uuid: str) -> None:
     """A node agent journal holding one exclusive share on ``device_uuid`` (the agent's API)."""
     from fastshare.node.journal import Journal

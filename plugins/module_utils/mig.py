@@ -39,6 +39,8 @@ def layout_targets(layout, gpus):
         for index in indexes:
             if index not in by_index:
                 raise MigConfigError(f"{where}.devices: GPU {index} does not exist (valid: {valid})")
+            if indexes.count(index) > 1:
+                raise MigConfigError(f"{where}.devices: GPU {index} is listed twice")
             if index in targets:
                 raise MigConfigError(f"{where}.devices: GPU {index} is already configured by an "
                                      "earlier layout entry")

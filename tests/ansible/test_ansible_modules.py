@@ -95,6 +95,7 @@ BAD_ARGS = [
     ({"layout": [{"devices": "some"}]}, "layout[0].devices must be 'all' or a non-empty list"),
     ({"layout": [{"devices": [7]}]}, "GPU 7 does not exist (valid: 0..2)"),
     ({"layout": [{"devices": [0]}, {"devices": [0, 1]}]}, "GPU 0 is already configured"),
+    ({"layout": [{"devices": [0, 1, 0]}]}, "layout[0].devices: GPU 0 is listed twice"),
     ({"layout": [{"devices": [0], "mig_devices": {"3g.20gb": -1}}]}, "must be an integer >= 0"),
     # str.isdigit() is true for digits int() cannot read: a clear refusal, not a traceback.
     ({"layout": [{"devices": ["\u00b2"]}]}, "layout[0].devices must be 'all' or a non-empty list"),

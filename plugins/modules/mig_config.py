@@ -364,7 +364,9 @@ def main():
                            mutually_exclusive=[("layout", "config_file")],
                            required_together=[("config_file", "config_name")],
                            supports_check_mode=True)
-    if module.params["layout"] is None and not module.params["config_file"]:
+    if module.params["config_file"] == "":
+        module.fail_json(msg="config_file must be the path of a mig-parted file, got ''", changed=False)
+    if module.params["layout"] is None and module.params["config_file"] is None:
         module.fail_json(msg="one of layout or config_file is needed (layout is null)", changed=False)
     devices = open_backend(module)
     try:

@@ -107,6 +107,7 @@ BAD_ARGS = [
     ({"layout": [{"devices": [0], "mig_enabled": False, "mig_devices": {"1g.5gb": 1}}]},
      "mig_devices requires mig_enabled=true"),
     ({"layout": [], "colour": "blue"}, "Unsupported parameters"),
+    ({"config_file": "", "config_name": "balanced"}, "config_file must be the path of a mig-parted file"),
 ]
 
 

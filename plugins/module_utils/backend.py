@@ -57,14 +57,23 @@ def try_open_backend(module):
         return None, exc
 
 
+# fastshare.device.open_devices' codes for a sim_state that is no simulated machine file
+# (missing, not a file, unreadable as a machine): the task's mistake, not an unreachable NVML.
+SIM_STATE_ERRORS = ("NOT_FOUND", "CORRUPTED")
+
+
+def fail_backend(module, error):
+    """Fail the module naming the backend option and NVML's (or the machine file's) reason."""
+    backend = module.params["gpu_backend"]
+    option = f"sim_state={module.params['sim_state']}" if backend == "sim" else f"gpu_backend={backend}"
+    module.fail_json(msg=f"cannot open the {backend} GPU backend ({option}): {error}", nvml_error=error.code)
+
+
 def open_backend(module):
     """The host's GPUs; fails the module with NVML's reason when they cannot be reached."""
     devices, error = try_open_backend(module)
     if error is not None:
-        backend = module.params["gpu_backend"]
-        option = f"sim_state={module.params['sim_state']}" if backend == "sim" else f"gpu_backend={backend}"
-        module.fail_json(msg=f"cannot open the {backend} GPU backend ({option}): {error}",
-                         nvml_error=error.code)
+        fail_backend(module, error)
     return devices
 
 

@@ -17,6 +17,8 @@ description:
   - Never changes anything. When NVML cannot be reached (no driver loaded yet, for example)
     the module still succeeds and says so in RV(nvml_reachable) and RV(nvml_error), so a
     play can decide what to do.
+  - A O(sim_state) that is no simulated machine file (missing, not a file, not a machine) is a
+    mistake in the task, not an unreachable NVML; the module fails naming it.
 author:
   - fastshare developers (@fastshare)
 extends_documentation_fragment:
@@ -173,8 +175,10 @@ gpus:
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402  (Ansible: imports follow the docs)
 from ansible_collections.fastshare.gpu.plugins.module_utils.backend import (  # noqa: E402
     BACKEND_REQUIRED_IF,
+    SIM_STATE_ERRORS,
     DeviceError,
     backend_argument_spec,
+    fail_backend,
     layout_facts,
     try_open_backend,
 )
@@ -184,6 +188,8 @@ def main():
     module = AnsibleModule(argument_spec=backend_argument_spec(), required_if=BACKEND_REQUIRED_IF,
                            supports_check_mode=True)
     devices, error = try_open_backend(module)
+    if error is not None and module.params["gpu_backend"] == "sim" and error.code in SIM_STATE_ERRORS:
+        fail_backend(module, error)
     if error is not None:
         module.exit_json(changed=False, nvml_reachable=False, nvml_error=error.code, gpus=[])
     try:

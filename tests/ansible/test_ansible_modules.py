@@ -74,6 +74,17 @@ def test_gpu_info_without_a_driver_says_nvml_is_unreachable(collections_path: Pa
     assert info["gpus"] == [] and info["nvml_error"] and not info.get("failed")
 
 
+def test_gpu_info_refuses_a_sim_state_that_is_no_machine_file(collections_path: Path, tmp_path: Path):
+    """A wrong sim_state is the task's mistake, not an unreachable NVML: the module fails naming
+    sim_state and saying why, as mig_config does, instead of reporting an empty host."""
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    for path, why in ((tmp_path / "missing.json", "does not exist"), (tmp_path, "is not a file"),
+                      (garbage, "is not a simulated machine file")):
+        info = run_module(collections_path, GPU_INFO, {"gpu_backend": "sim", "sim_state": str(path)})
+        assert info.get("failed") and f"sim_state={path}" in info["msg"] and why in info["msg"], info
+
+
 def test_modules_fail_cleanly_without_the_fastshare_package(collections_path: Path, machine: Path,
                                                            tmp_path: Path):
     bare = tmp_path / "bare"

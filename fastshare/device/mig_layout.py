@@ -307,8 +307,7 @@ def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], want
     for p in busy:
         if remaining[p.profile_id] == 0:
             raise LayoutError(f"{_name(shape, p)} is in use and the layout has no place for it; "
-                              + ("stop its processes first (NVML cannot destroy it while they run, even with "
-                                 "force)" if p.processes else _STOP_OR_FORCE))
+                              + _what_to_do([p]))
         remaining[p.profile_id] -= 1
     existing = {(p.profile_id, p.start): p for p in now if p not in busy}
     found = _search(shape, busy, +remaining, existing)
@@ -316,8 +315,7 @@ def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], want
         blockers = ", ".join(_name(shape, p) for p in busy)
         raise LayoutError(
             f"the layout fits an empty {shape.label} but not around the instances in use ({blockers}); "
-            + ("stop their processes first (NVML cannot destroy them while they run, even with force)"
-               if all(p.processes for p in busy) else _STOP_OR_FORCE))
+            + _what_to_do(busy))
     final = sorted([*busy, *found], key=lambda p: p.start)
     kept = [p for p in final if (p.profile_id, p.start) in {(q.profile_id, q.start) for q in now}]
     kept_keys = {(p.profile_id, p.start) for p in kept}
@@ -332,7 +330,21 @@ def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], want
     return Plan(tuple(steps), tuple(kept), tuple(final))
 
 
-_STOP_OR_FORCE = "stop its processes or force it (`--force`; Ansible: `force: true`)"
+_FORCE = "force it (`--force`; Ansible: `force: true`)"
+
+
+def _what_to_do(busy: Sequence[Placed]) -> str:
+    """How to free instances in use: processes must stop (NVML refuses to destroy an instance
+    they run on, even forced); an instance only a share holds (no process) can be forced."""
+    if all(p.processes for p in busy):
+        return ("stop its processes first (NVML cannot destroy it while they run, even with force)"
+                if len(busy) == 1 else
+                "stop their processes first (NVML cannot destroy them while they run, even with force)")
+    if not any(p.processes for p in busy):
+        return (f"a fastshare share holds it: release the share or {_FORCE}" if len(busy) == 1 else
+                f"fastshare shares hold them: release the shares or {_FORCE}")
+    return ("stop the processes (NVML cannot destroy an instance while they run, even with force) and "
+            f"release the shares or {_FORCE}")
 
 
 def _step(shape: GpuShape, action: str, p: Placed) -> Step:

@@ -217,6 +217,8 @@ def test_share_held_instance_needs_force(mig, machine, tmp_path):
     _journal_with_share(journal, held)
     refused = mig([{"devices": [1], "mig_devices": {"7g.80gb": 1}}], agent_journal=str(journal))
     assert refused["failed"] and held in refused["msg"] and "force" in refused["msg"]
+    # No process runs on it: the message names the share, not processes to stop.
+    assert "share holds it" in refused["msg"] and "processes" not in refused["msg"], refused["msg"]
     forced = mig([{"devices": [1], "mig_devices": {"7g.80gb": 1}}], agent_journal=str(journal), force=True)
     assert forced["changed"] is True and layout_on_disk(machine, 1) == [(0, 0)]
 

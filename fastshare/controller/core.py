@@ -641,11 +641,11 @@ class ControllerCore:
                  f" ({reason})" if node.cordoned and reason else "")
         return node
 
-    def forget_node(self, name: str, reason: str = "") -> list[Allocation]:
+    def forget_node(self, name: str, reason: str = "", by: str = "an operator") -> list[Allocation]:
         """A node taken out for good: end its held allocations (``failed`` if never handed out,
         else ``released``; nothing is asked of its agent, which is gone) and forget the node.
-        Returns the allocations it ended."""
-        why = f"node {name} was forgotten by an operator" + (f": {reason}" if reason else "")
+        Returns the allocations it ended. ``by``: who decided, for the records' reason."""
+        why = f"node {name} was forgotten by {by}" + (f": {reason}" if reason else "")
         with self._node_changes:
             if self.store.get_node(name) is None:
                 known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"

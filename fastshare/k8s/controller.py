@@ -369,6 +369,33 @@ class KubeController:
                 log.info("node agent %s at %s unreachable: %s", name, address, exc.details)
         self.core.check_liveness()
         self.refresh_host()
+        self._forget_deleted_nodes()   # last: a refusal (Busy) does not keep the rest from running
+
+    def _forget_deleted_nodes(self, also: Iterable[str] = ()) -> None:
+        """Forget the nodes whose Node object is gone (decommissioned, scaled down) and whose agent
+        does not answer: their shares end without asking it (ControllerCore.forget_node), as the
+        Pod GC deletes the Pods bound to such a Node. Otherwise a share there could only be
+        released through that agent: it stayed ``releasing`` for good, retried every pass, and
+        its FastPod's finalizer (and a namespace deletion) waited for it. ``also``: nodes of
+        allocation records that this process does not know (after a restart). A node only
+        stripped of its GPU label, or whose agent still answers, is kept."""
+        known = {node.name: node for node in self.store.list_nodes()}
+        for name in sorted((set(known) | set(also)) - set(self._nodes)):
+            if self.core.is_available(name):
+                continue   # not missed its heartbeats yet
+            listed = self.pods.list_node(field_selector=f"metadata.name={name}").items
+            if listed:
+                continue   # the Node is there, only not (or no longer) labelled
+            if name in known:
+                with contextlib.suppress(AgentError):
+                    self.core.agents.get(name, known[name].address).ping()
+                    continue   # the machine still runs: its agent releases what it holds
+            else:
+                self.core.put_node(Node(name=name, address="", available=False))
+            ended = self.core.forget_node(name, "its Node object was deleted and its agent does not answer",
+                                          by="the controller")
+            for key in sorted({tuple(a.owner.split("/", 1)) for a in ended if "/" in a.owner}):
+                self.queue.add(key)
 
     def refresh_host(self) -> None:
         """Tell the engine each GPU node's CPU/memory: allocatable minus what bound Pods request
@@ -396,7 +423,9 @@ class KubeController:
         """Every FastPod, and the owner of every allocation record: a FastPod gone without its
         finalizer having run leaves records (and shares) that only a pass for it releases."""
         keys = {(fp["metadata"]["namespace"], fp["metadata"]["name"]) for fp in self.store.list_fastpods()}
-        keys.update(tuple(a.owner.split("/", 1)) for a in self.store.list_allocations() if "/" in a.owner)
+        allocations = self.store.list_allocations()
+        keys.update(tuple(a.owner.split("/", 1)) for a in allocations if "/" in a.owner)
+        self._forget_deleted_nodes({a.node for a in allocations if a.state in HOLDING and a.node})
         for key in sorted(keys):
             self.queue.add(key)
 

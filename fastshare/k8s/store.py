@@ -160,6 +160,10 @@ class KubeStateStore(StateStore):
         with self._lock:
             return [copy.deepcopy(self._nodes[n]) for n in sorted(self._nodes)]
 
+    def delete_node(self, name: str) -> None:
+        with self._lock:
+            self._nodes.pop(name, None)
+
     def mark_node(self, name: str, *, available: bool, last_heartbeat: float | None = None) -> None:
         with self._lock:
             node = self._nodes.get(name)

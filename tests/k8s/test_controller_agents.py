@@ -573,3 +573,111 @@ def test_mig_mode_turned_on_under_a_fastpod_replica_keeps_its_gpu_held_and_says_
         finally:   # also when the test failed: a leftover agent would outlive the run
             agent.stop()
             core.delete_node(agent.name)
+
+
+def test_a_replica_on_a_node_deleted_from_the_cluster_is_replaced_and_its_share_ended(
+        api_client, namespace, controller, pki):
+    """A GPU node is decommissioned: its machine goes (the agent with it), its Node object is
+    deleted and the Pod GC deletes the Pods bound to it. The replica's share could only be
+    released through the agent, which is gone: its record stayed ``releasing`` for good, the
+    release was retried every pass, and deleting the FastPod (or its namespace) hung on the
+    finalizer. Now a node whose Node object is gone and whose agent does not answer is
+    forgotten: its shares end (nothing is asked of it), the replica is replaced elsewhere and
+    the FastPod can be deleted."""
+    root, tls = pki
+    doomed = Agent(root, root / "ca", f"gone-{uuid.uuid4().hex[:4]}", ["L4"], mig=False)
+    spare = Agent(root, root / "ca", f"spare-{uuid.uuid4().hex[:4]}", ["L4"], mig=False)
+    core = client.CoreV1Api(api_client)
+    doomed.start(tls)
+    register_node(core, doomed)
+    view = View(api_client, namespace, "nomad", {"doomed": doomed}, tls)
+    try:
+        c = controller()
+        c.start()
+        whole = {"kind": "whole", "count": 1, "models": ["L4"]}
+        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                     fastpod_manifest("nomad", whole, 1))
+        wait_for(lambda: view.settled(1), "the replica on the doomed node", timeout=120)
+        [old] = view.records().values()
+        assert old["node"] == doomed.name
+        spare.start(tls)
+        register_node(core, spare)
+        view.agents = {"spare": spare}
+
+        doomed.stop(kill=True)
+        core.delete_node(doomed.name)
+        for pod in view.pods():   # the Pod GC: Pods bound to a Node that no longer exists
+            core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+
+        def replaced():
+            kubelet_step(view.core, namespace)
+            records = view.records()
+            return (view.settled(1) and old["allocation"] not in {r["allocation"] for r in records.values()}
+                    and [r["node"] for r in records.values()] == [spare.name])
+        wait_for(replaced, "the replica replaced on the spare node, the gone node's share ended", timeout=90)
+        wait_for(lambda: c.store.get_node(doomed.name) is None, "the gone node forgotten")
+
+        view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "nomad")
+
+        def gone():
+            kubelet_step(view.core, namespace)
+            try:
+                view.fastpod()
+                return False
+            except client.ApiException as exc:
+                return exc.status == 404
+        wait_for(gone, "the FastPod deleted", timeout=60)
+        assert spare.shares(tls) == []
+    finally:
+        with contextlib.suppress(client.ApiException):
+            view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "nomad")
+        for agent in (doomed, spare):
+            agent.stop()
+            with contextlib.suppress(client.ApiException):
+                core.delete_node(agent.name)
+
+
+def test_a_node_deleted_while_the_controller_was_down_does_not_hold_its_shares(
+        api_client, namespace, controller, pki):
+    """As above, but the node goes while no controller runs: the new one learns nodes from the
+    labelled Node objects only, so the record's node was unknown to it and its release failed
+    on every pass (no address to ask) while the FastPod's deletion waited. Now it is ended."""
+    root, tls = pki
+    doomed = Agent(root, root / "ca", f"gone-{uuid.uuid4().hex[:4]}", ["L4"], mig=False)
+    core = client.CoreV1Api(api_client)
+    doomed.start(tls)
+    register_node(core, doomed)
+    view = View(api_client, namespace, "lost", {"doomed": doomed}, tls)
+    try:
+        first = controller()
+        first.start()
+        whole = {"kind": "whole", "count": 1, "models": ["L4"]}
+        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                     fastpod_manifest("lost", whole, 1))
+        wait_for(lambda: view.settled(1), "the replica on the doomed node", timeout=120)
+        first.stop()
+        doomed.stop(kill=True)
+        core.delete_node(doomed.name)
+        for pod in view.pods():   # the Pod GC
+            core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+        view.agents = {}
+        view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "lost")
+        second = controller()
+        second.start()
+
+        def gone():
+            kubelet_step(view.core, namespace)
+            try:
+                view.fastpod()
+                return False
+            except client.ApiException as exc:
+                return exc.status == 404
+        wait_for(gone, "the FastPod deleted", timeout=60)
+        wait_for(lambda: view.records() == {}, "its allocation record gone")
+        wait_for(lambda: second.store.get_node(doomed.name) is None, "the gone node not kept")
+    finally:
+        with contextlib.suppress(client.ApiException):
+            view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "lost")
+        doomed.stop()
+        with contextlib.suppress(client.ApiException):
+            core.delete_node(doomed.name)

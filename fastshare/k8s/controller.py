@@ -672,11 +672,18 @@ class KubeController:
                 self._delete_pod(namespace, _meta(pod)["name"])
                 live.remove(pod)
         _, not_before, why = self._ended.get(meta["uid"], (0, 0.0, ""))
+        # The template is checked when a replica is missing, and also when an edit is first seen
+        # (or was refused): an invalid edit of a FastPod whose replicas all run is shown at once,
+        # not once a replica is to be replaced (the running ones are left as they are).
+        status = fastpod.get("status") or {}
+        shown = next((c for c in status.get("conditions") or [] if c.get("type") == "Scheduled"), {})
+        check = (len(live) < desired or status.get("observedGeneration") != meta.get("generation", 0)
+                 or shown.get("reason") in ("Invalid", "PodCreateFailed"))
         if len(live) < desired and (left := not_before - time.monotonic()) > 0:
             condition = {"type": "Scheduled", "status": "False", "reason": "BackOff",
                          "message": f"{why}; its replacement waits {left:.0f} s"}
             wait = left
-        elif len(live) < desired and (refused := self._template_refusal(fastpod)) is not None:
+        elif check and (refused := self._template_refusal(fastpod)) is not None:
             condition = refused
         elif len(live) < desired:
             taken = set(pods) | set(allocations)

@@ -681,3 +681,44 @@ def test_a_node_deleted_while_the_controller_was_down_does_not_hold_its_shares(
         doomed.stop()
         with contextlib.suppress(client.ApiException):
             core.delete_node(doomed.name)
+
+
+def test_an_invalid_template_edit_of_a_running_fastpod_is_refused_by_name(api_client, namespace, controller,
+                                                                          agents, pki):
+    """Its template edited while every replica runs (here: it asks the device plugin for a GPU).
+    The template was checked only when a replica was missing, so the status said the new
+    generation was observed and Scheduled=True until a replica died and could not be replaced.
+    Now the edit is checked when it is seen: Scheduled=False, Invalid, naming the field; the
+    replica running keeps its Pod and share. Put right, it is Scheduled again."""
+    controller().start()
+    view = View(api_client, namespace, "edited", agents, pki[1])
+    mps = {"kind": "mps", "memory": "4Gi"}
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                 fastpod_manifest("edited", mps))
+    wait_for(lambda: view.settled(1), "the replica running", timeout=120)
+    [pod] = view.pods()
+    share = view.shares()
+
+    def scheduled(generation):
+        status = view.fastpod().get("status") or {}
+        condition = next((c for c in status.get("conditions") or [] if c["type"] == "Scheduled"), None)
+        return (status.get("observedGeneration") == generation and condition is not None
+                and condition["observedGeneration"] == generation and condition)
+
+    def container_limits(limits):
+        main = {"name": "main", "image": "busybox", "command": ["sleep", "inf"],
+                "resources": {"limits": limits}}
+        return {"spec": {"template": {"spec": {"containers": [main]}}}}
+
+    edited = view.objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "edited",
+                                                         container_limits({"nvidia.com/gpu": "1"}))
+    condition = wait_for(lambda: scheduled(edited["metadata"]["generation"]), "the edit observed", timeout=60)
+    assert (condition["status"], condition["reason"]) == ("False", "Invalid"), condition
+    assert "spec.template.spec.containers[0].resources.limits" in condition["message"], condition
+    assert [p.metadata.name for p in view.pods()] == [pod.metadata.name] and view.shares() == share
+
+    fixed = view.objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "edited",
+                                                        container_limits({"cpu": "1"}))
+    condition = wait_for(lambda: scheduled(fixed["metadata"]["generation"]), "the fix observed", timeout=60)
+    assert (condition["status"], condition["reason"]) == ("True", "Scheduled"), condition
+    assert [p.metadata.name for p in view.pods()] == [pod.metadata.name] and view.shares() == share

@@ -492,6 +492,10 @@ class ControllerCore:
         reconciler finishes when the node is back.
         """
         node = self.node_facts(allocation.node)
+        if node is None:   # in-cluster: its Node is not (any more) labelled, this process never met it
+            log.warning("allocation %s stays releasing: node %s is not known to this controller (no address "
+                        "to reach its agent)", allocation.id, allocation.node)
+            return allocation
         client = self.agents.get(node.name, node.address)
         try:
             client.release(allocation.id, _KINDS[allocation.spec.kind])

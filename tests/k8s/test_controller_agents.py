@@ -722,3 +722,54 @@ def test_an_invalid_template_edit_of_a_running_fastpod_is_refused_by_name(api_cl
     condition = wait_for(lambda: scheduled(fixed["metadata"]["generation"]), "the fix observed", timeout=60)
     assert (condition["status"], condition["reason"]) == ("True", "Scheduled"), condition
     assert [p.metadata.name for p in view.pods()] == [pod.metadata.name] and view.shares() == share
+
+
+def test_a_release_on_a_node_this_controller_does_not_know_waits_and_the_fastpod_goes_on(
+        api_client, namespace, controller, pki):
+    """A GPU node's label is taken off while a replica runs there, and the controller restarts:
+    the new one knows only labelled nodes, so it has no address for that replica's agent. When
+    the replica is scaled away its release failed with AttributeError on every pass, and the
+    whole FastPod's pass with it (status never written again). Now the share stays releasing,
+    the pass goes on, and once the node is labelled again the release finishes."""
+    root, tls = pki
+    agent = Agent(root, root / "ca", f"unl-{uuid.uuid4().hex[:4]}", ["L4"], mig=False)
+    core = client.CoreV1Api(api_client)
+    agent.start(tls)
+    register_node(core, agent)
+    view = View(api_client, namespace, "unlabelled", {"l4": agent}, tls)
+    try:
+        first = controller()
+        first.start()
+        whole = {"kind": "whole", "count": 1, "models": ["L4"]}
+        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                     fastpod_manifest("unlabelled", whole, 1))
+        wait_for(lambda: view.settled(1), "the replica running", timeout=120)
+        [held] = agent.shares(tls)
+        first.stop()
+        core.patch_node(agent.name, {"metadata": {"labels": {"fastshare.io/gpu": None}}})
+        controller().start()
+        view.scale(0)
+
+        def releasing():
+            kubelet_step(view.core, namespace)
+            status = view.fastpod().get("status") or {}
+            states = [e["state"] for e in status.get("assignments") or []]
+            return view.pods(include_terminating=True) == [] and status.get("replicas") == 0 and states == [
+                "releasing"]
+        wait_for(releasing, "the scale-down shown, the share releasing", timeout=60)
+        assert agent.shares(tls) == [held]
+
+        core.patch_node(agent.name, {"metadata": {"labels": {"fastshare.io/gpu": "true"}}})
+        wait_for(lambda: view.settled(0) and agent.shares(tls) == [], "released once the node is back",
+                 timeout=60)
+    finally:
+        with contextlib.suppress(client.ApiException):
+            core.patch_node(agent.name, {"metadata": {"labels": {"fastshare.io/gpu": "true"}}})
+        with contextlib.suppress(client.ApiException):
+            view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "unlabelled")
+        with contextlib.suppress(Exception):
+            wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
+                     timeout=60)
+        agent.stop()
+        with contextlib.suppress(client.ApiException):
+            core.delete_node(agent.name)

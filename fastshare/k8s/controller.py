@@ -648,7 +648,8 @@ class KubeController:
             held.remove(pod_name)
         if ended:
             rounds = self._ended.get(meta["uid"], (0, 0.0, ""))[0] + 1
-            self._ended[meta["uid"]] = (rounds, time.monotonic() + min(2.0 ** (rounds - 1), 300.0),
+            # the exponent capped: 2.0 ** 1024 overflows (a replica ending for days on end)
+            self._ended[meta["uid"]] = (rounds, time.monotonic() + min(2.0 ** min(rounds - 1, 9), 300.0),
                                         next(iter(ended.values())))
         live = [pods[n] for n in held]
         if deleting:

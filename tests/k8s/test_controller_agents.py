@@ -773,3 +773,37 @@ def test_a_release_on_a_node_this_controller_does_not_know_waits_and_the_fastpod
         agent.stop()
         with contextlib.suppress(client.ApiException):
             core.delete_node(agent.name)
+
+
+def test_a_replica_that_keeps_ending_for_days_still_backs_off(api_client, namespace, controller, agents, pki):
+    """Replicas that end again and again (an exiting command, a kubelet refusing every Pod) wait
+    2^(n-1) s, at most 300 s. The power was taken before the cap: after 1,025 ends in a row
+    (about three and a half days at 300 s) it overflowed, and every pass of the FastPod failed
+    with OverflowError from then on. Now it keeps waiting 300 s."""
+    c = controller()
+    c.start()
+    view = View(api_client, namespace, "looping", agents, pki[1])
+    mps = {"kind": "mps", "memory": "2Gi"}
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                 fastpod_manifest("looping", mps))
+    wait_for(lambda: view.settled(1), "1 replica running", timeout=120)
+    [pod] = view.pods()
+
+    def status(phase, ready):
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        view.core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": {
+            "phase": phase, "conditions": [{"type": "Ready", "status": ready, "lastTransitionTime": now}]}})
+
+    status("Running", "False")   # not ready: no pass forgets the history set below
+    wait_for(lambda: (view.fastpod().get("status") or {}).get("readyReplicas") == 0, "not ready seen")
+    c._ended[view.fastpod()["metadata"]["uid"]] = (1024, 0.0, "pod earlier Failed")
+    status("Failed", "False")
+
+    def backing_off():
+        conditions = (view.fastpod().get("status") or {}).get("conditions") or []
+        scheduled = next(c for c in conditions if c["type"] == "Scheduled")
+        return scheduled["reason"] == "BackOff" and scheduled
+
+    assert "waits 300 s" in wait_for(backing_off, "BackOff", timeout=30)["message"]
+    view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "looping")
+    wait_for(lambda: (kubelet_step(view.core, namespace), view.shares() == [])[1], "released", timeout=120)

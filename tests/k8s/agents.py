@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import yaml
@@ -137,3 +138,14 @@ def kubelet_step(core: client.CoreV1Api, namespace: str) -> None:
             core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": {
                 "phase": "Running",
                 "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}})
+
+
+def started_agent(core: client.CoreV1Api, pki: tuple[Path, TlsPaths], prefix: str, models: list[str],
+                  mig: bool = False) -> Agent:
+    """A node agent on a simulated machine of its own (named ``prefix-XXXX``), started and
+    registered as a Ready GPU Node."""
+    root, tls = pki
+    agent = Agent(root, root / "ca", f"{prefix}-{uuid.uuid4().hex[:4]}", models, mig=mig)
+    agent.start(tls)
+    register_node(core, agent)
+    return agent

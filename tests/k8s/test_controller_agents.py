@@ -33,7 +33,7 @@ from fastshare.k8s.pods import FASTPOD_LABEL, spec_of
 from fastshare.k8s.resources import ALLOCATION_PLURAL, FINALIZER, GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.k8s.store import replica_key
 
-from .agents import Agent, kubelet_step, register_node
+from .agents import Agent, kubelet_step, register_node, started_agent
 from .conftest import wait_for
 
 
@@ -471,11 +471,9 @@ def test_a_gpu_removed_from_a_node_keeps_the_replicas_on_the_others_held_on_thei
     stayed active (naming GPU 2), and the replacement of the replica whose GPU went was placed
     on its GPU, held already. Now the records follow their GPUs by UUID and the replacement is
     unschedulable: no GPU is idle."""
-    root, tls = pki
-    agent = Agent(root, root / "ca", f"l4-{uuid.uuid4().hex[:4]}", ["L4"] * 3, mig=False)
+    tls = pki[1]
     core = client.CoreV1Api(api_client)
-    agent.start(tls)
-    register_node(core, agent)
+    agent = started_agent(core, pki, "l4", ["L4"] * 3)
     view = View(api_client, namespace, "boards", {"l4": agent}, tls)
     try:
         controller().start()
@@ -525,12 +523,10 @@ def test_mig_mode_turned_on_under_a_fastpod_replica_keeps_its_gpu_held_and_says_
     from the placement engine (only logged) while its record stayed active, and an exclusive
     FastPod got a MIG slice on that GPU. Now the share stays counted, the replica's status entry
     says it is over-committed and why, and the exclusive replica is unschedulable."""
-    root, tls = pki
+    tls = pki[1]
     model = "A100-SXM4-80GB"
-    agent = Agent(root, root / "ca", f"a100-{uuid.uuid4().hex[:4]}", [model], mig=False)
     core = client.CoreV1Api(api_client)
-    agent.start(tls)
-    register_node(core, agent)
+    agent = started_agent(core, pki, "a100", [model])
     view = View(api_client, namespace, "shared", {"a100": agent}, tls)
     sliced = View(api_client, namespace, "sliced", {"a100": agent}, tls)
     try:
@@ -585,11 +581,9 @@ def test_a_replica_on_a_node_deleted_from_the_cluster_is_replaced_and_its_share_
     forgotten: its shares end (nothing is asked of it), the replica is replaced elsewhere and
     the FastPod can be deleted."""
     root, tls = pki
-    doomed = Agent(root, root / "ca", f"gone-{uuid.uuid4().hex[:4]}", ["L4"], mig=False)
     spare = Agent(root, root / "ca", f"spare-{uuid.uuid4().hex[:4]}", ["L4"], mig=False)
     core = client.CoreV1Api(api_client)
-    doomed.start(tls)
-    register_node(core, doomed)
+    doomed = started_agent(core, pki, "gone", ["L4"])
     view = View(api_client, namespace, "nomad", {"doomed": doomed}, tls)
     try:
         c = controller()
@@ -642,11 +636,9 @@ def test_a_node_deleted_while_the_controller_was_down_does_not_hold_its_shares(
     """As above, but the node goes while no controller runs: the new one learns nodes from the
     labelled Node objects only, so the record's node was unknown to it and its release failed
     on every pass (no address to ask) while the FastPod's deletion waited. Now it is ended."""
-    root, tls = pki
-    doomed = Agent(root, root / "ca", f"gone-{uuid.uuid4().hex[:4]}", ["L4"], mig=False)
+    tls = pki[1]
     core = client.CoreV1Api(api_client)
-    doomed.start(tls)
-    register_node(core, doomed)
+    doomed = started_agent(core, pki, "gone", ["L4"])
     view = View(api_client, namespace, "lost", {"doomed": doomed}, tls)
     try:
         first = controller()
@@ -731,11 +723,9 @@ def test_a_release_on_a_node_this_controller_does_not_know_waits_and_the_fastpod
     the replica is scaled away its release failed with AttributeError on every pass, and the
     whole FastPod's pass with it (status never written again). Now the share stays releasing,
     the pass goes on, and once the node is labelled again the release finishes."""
-    root, tls = pki
-    agent = Agent(root, root / "ca", f"unl-{uuid.uuid4().hex[:4]}", ["L4"], mig=False)
+    tls = pki[1]
     core = client.CoreV1Api(api_client)
-    agent.start(tls)
-    register_node(core, agent)
+    agent = started_agent(core, pki, "unl", ["L4"])
     view = View(api_client, namespace, "unlabelled", {"l4": agent}, tls)
     try:
         first = controller()

@@ -278,7 +278,11 @@ def test_agent_still_starts_when_journaled_gpus_disappeared(agent, sim_machine):
     agent.start()
     inv = agent.unix().GetInventory(INV, timeout=30)
     assert len(inv.gpus) == 2 and not {g.uuid for g in inv.gpus} & set(uuids)
-    assert "FAILED" in agent.log.read_text() or "cannot start" in agent.log.read_text()
+    # the shares on the GPUs that went are dropped (nothing can use them), each named in the log
+    assert not inv.shares
+    log = agent.log.read_text()
+    assert all(f"share {sid}: GPU {uuid} is no longer on this node" in log
+               for sid, uuid in (("fp", uuids[GPU_A]), ("ex", uuids[GPU_MIG]))), log
     assert agent.unix().PrepareShare(fastpod("new", inv.gpus[GPU_A].uuid), timeout=60).created
 
 

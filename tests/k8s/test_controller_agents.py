@@ -462,6 +462,14 @@ def test_a_share_stays_held_while_its_orphaned_pod_still_exists(
              "the controller's finalizer removed", timeout=60)
 
 
+def _whole_l4_fastpod(view, namespace: str, name: str, replicas: int, what: str, timeout: float) -> None:
+    """A FastPod of ``replicas`` replicas of one whole L4 each, created and waited for until they run."""
+    whole = {"kind": "whole", "count": 1, "models": ["L4"]}
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                 fastpod_manifest(name, whole, replicas))
+    wait_for(lambda: view.settled(replicas), what, timeout=timeout)
+
+
 def test_a_gpu_removed_from_a_node_keeps_the_replicas_on_the_others_held_on_their_gpus(
         api_client, namespace, controller, pki):
     """One of a node's three GPUs is taken out and the host boots without it: NVML numbers the
@@ -477,10 +485,7 @@ def test_a_gpu_removed_from_a_node_keeps_the_replicas_on_the_others_held_on_thei
     view = View(api_client, namespace, "boards", {"l4": agent}, tls)
     try:
         controller().start()
-        whole = {"kind": "whole", "count": 1, "models": ["L4"]}
-        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                     fastpod_manifest("boards", whole, 3))
-        wait_for(lambda: view.settled(3), "3 whole-GPU replicas", timeout=180)
+        _whole_l4_fastpod(view, namespace, "boards", 3, "3 whole-GPU replicas", timeout=180)
         on = {r["record"]["devices"][0]["gpu_index"]: r["record"] for r in view.records().values()}
         assert sorted(on) == [0, 1, 2]
 
@@ -588,10 +593,7 @@ def test_a_replica_on_a_node_deleted_from_the_cluster_is_replaced_and_its_share_
     try:
         c = controller()
         c.start()
-        whole = {"kind": "whole", "count": 1, "models": ["L4"]}
-        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                     fastpod_manifest("nomad", whole, 1))
-        wait_for(lambda: view.settled(1), "the replica on the doomed node", timeout=120)
+        _whole_l4_fastpod(view, namespace, "nomad", 1, "the replica on the doomed node", timeout=120)
         [old] = view.records().values()
         assert old["node"] == doomed.name
         spare.start(tls)
@@ -643,10 +645,7 @@ def test_a_node_deleted_while_the_controller_was_down_does_not_hold_its_shares(
     try:
         first = controller()
         first.start()
-        whole = {"kind": "whole", "count": 1, "models": ["L4"]}
-        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                     fastpod_manifest("lost", whole, 1))
-        wait_for(lambda: view.settled(1), "the replica on the doomed node", timeout=120)
+        _whole_l4_fastpod(view, namespace, "lost", 1, "the replica on the doomed node", timeout=120)
         first.stop()
         doomed.stop(kill=True)
         core.delete_node(doomed.name)
@@ -730,10 +729,7 @@ def test_a_release_on_a_node_this_controller_does_not_know_waits_and_the_fastpod
     try:
         first = controller()
         first.start()
-        whole = {"kind": "whole", "count": 1, "models": ["L4"]}
-        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                     fastpod_manifest("unlabelled", whole, 1))
-        wait_for(lambda: view.settled(1), "the replica running", timeout=120)
+        _whole_l4_fastpod(view, namespace, "unlabelled", 1, "the replica running", timeout=120)
         [held] = agent.shares(tls)
         first.stop()
         core.patch_node(agent.name, {"metadata": {"labels": {"fastshare.io/gpu": None}}})

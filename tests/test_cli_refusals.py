@@ -410,3 +410,24 @@ def test_controller_names_a_damaged_or_mismatched_tls_file(tmp_path, damage, say
     assert says.format(pki=pki, name="controller") in result.output, result.output
     assert "Failed to bind" not in result.output
     assert not state.exists()
+
+
+def test_bench_placement_refuses_a_malformed_published_curves_file_before_any_run(tmp_path, monkeypatch):
+    # the curves were read after each trace's replays: a bad value ended the benchmark (hours
+    # on the openb traces) with a traceback after printing its runs
+    from fastshare.sim import benchmarks
+
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\n"
+                                                           "n0,1000,1000,1,T4\n")
+    (tmp_path / "openb_pod_list_tiny.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\n"
+                                                      "p0,1,1,1,500\n")
+    curves = tmp_path / "published_alloc_curves.csv"
+    curves.write_text("workload,sc_policy,tune,seed,total_gpus," + ",".join(map(str, range(131))) + "\n"
+                      "openb_pod_list_tiny,06-FGD,1.3,42,1," + ",".join(["1.0"] * 130 + ["x"]) + "\n")
+    monkeypatch.setattr(benchmarks.Experiment, "run",
+                        lambda *a, **k: pytest.fail("replayed before the check"))
+    result = CliRunner().invoke(main, ["bench", "placement", "--data", str(tmp_path), "--no-speed",
+                                       "--seeds", "1"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"{curves} line 2: 130 must be a number (got 'x')" in result.output
+    assert result.stdout == ""

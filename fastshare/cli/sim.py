@@ -10,8 +10,8 @@ import click
 from fastshare.cli._output import fail, print_json, print_table, progress_bar
 from fastshare.cli._types import Number
 from fastshare.placement.policies import POLICY_NAMES
-from fastshare.sim.experiment import Experiment, default_data_dir, load, published_curves
-from fastshare.sim.trace import SimNode, TraceError, read_nodes
+from fastshare.sim.experiment import Experiment, default_data_dir, load, published_curves, read_published
+from fastshare.sim.trace import CURVE_POINTS, SimNode, TraceError, read_nodes
 
 
 def _default(name: str) -> str | None:
@@ -49,22 +49,16 @@ def sim(pods: str | None, nodes: str | None, policy: str, tune: float, seed: int
         fail(str(e))
     if not any(n.gpus for n in node_list):
         fail(f"{nodes}: the node list has no GPUs", "give a node list with GPU nodes (column gpu > 0)")
+    ref, label = None, ""
+    if plot:   # the published curve too is read before the replay, which can take minutes
+        try:
+            ref, label = _published_fgd(Path(pods).resolve().parent, trace, node_list, seed, tune)
+        except TraceError as e:
+            fail(str(e))
     exp = Experiment(node_list, pod_list, policy.lower(), seed, tune, trace)
     with progress_bar(f"{policy} {trace} seed {seed}") as progress:
         _res, summary = exp.run(progress)
-    data_dir = Path(pods).resolve().parent
     if plot:
-        # the published curves are of the openb GPU cluster at tune 1.3: any other run gets none
-        published_nodes = data_dir / "openb_node_list_gpu_node.csv"
-        same = tune == 1.3 and published_nodes.is_file() and _same_nodes(published_nodes, node_list)
-        curves = published_curves(data_dir, trace, "fgd") if same else {}
-        if seed in curves:
-            ref, label = curves[seed], "FGD (published, same seed)"
-        elif curves:  # another seed: the mean published curve
-            ref = [sum(c[x] for c in curves.values()) / len(curves) for x in range(131)]
-            label = f"FGD (published, mean of {len(curves)} seeds)"
-        else:
-            ref, label = None, ""
         _plot(plot, summary, ref, label)
     if as_json:
         print_json(summary)
@@ -93,6 +87,23 @@ def zoom_window(curves: list[Curve], margin: float = 0.5) -> tuple[float, float,
     x0 = max(0.0, min(left) - 10)
     ys = [y for curve in curves for x, y in curve if x >= min(left)]
     return x0, min(ys) - margin, max(ys) + margin
+
+
+def _published_fgd(data_dir: Path, trace: str, nodes: list[SimNode], seed: int,
+                   tune: float) -> tuple[list[float] | None, str]:
+    """The published FGD curve to draw beside this run, and its label: of the same seed, else
+    the mean over the published seeds; none unless the run is of the published setting (the
+    openb GPU cluster at tune 1.3) and the data directory has the curves."""
+    published_nodes = data_dir / "openb_node_list_gpu_node.csv"
+    if tune != 1.3 or not published_nodes.is_file() or not _same_nodes(published_nodes, nodes):
+        return None, ""
+    curves = published_curves(read_published(data_dir), trace, "fgd")
+    if seed in curves:
+        return curves[seed], "FGD (published, same seed)"
+    if curves:
+        mean = [sum(c[x] for c in curves.values()) / len(curves) for x in range(CURVE_POINTS)]
+        return mean, f"FGD (published, mean of {len(curves)} seeds)"
+    return None, ""
 
 
 def _same_nodes(path: Path, nodes: list[SimNode]) -> bool:

@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from fastshare.sim.experiment import Experiment, load, published_mean
+from fastshare.sim.experiment import Experiment, load, published_mean, read_published
 from fastshare.sim.trace import SimNode
 
 NODES_FILE = "openb_node_list_gpu_node.csv"
@@ -22,10 +22,11 @@ def traces_in(data_dir: Path) -> list[str]:
 def quality(data_dir: Path, traces: list[str], policies: list[str], seeds: list[int],
             on_run: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Mean final allocation per (trace, policy) over ``seeds``, beside the published mean."""
+    published = read_published(data_dir)   # before the replays: a bad file fails at once
     rows = []
     for trace in traces:
         nodes, pods, name = load(data_dir / f"openb_pod_list_{trace}.csv", data_dir / NODES_FILE)
-        fgd_pub = published_mean(data_dir, name, "fgd")
+        fgd_pub = published_mean(published, name, "fgd")
         for policy in policies:
             finals, walls = [], []
             for seed in seeds:
@@ -34,7 +35,7 @@ def quality(data_dir: Path, traces: list[str], policies: list[str], seeds: list[
                 walls.append(s["wall_s"])
                 if on_run:
                     on_run(s)
-            pub = published_mean(data_dir, name, policy)
+            pub = published_mean(published, name, policy)
             mean = round(statistics.fmean(finals), 2)
             rows.append({
                 "trace": name, "policy": policy, "seeds": len(seeds), "mean": mean,

@@ -6,7 +6,6 @@ figure in BENCHMARKS.md comes from the same code path.
 
 from __future__ import annotations
 
-import csv
 import math
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from fastshare.placement import make_policy
 from fastshare.placement.policies import MILLI, Task, typical_shapes
 from fastshare.sim.replay import SimResult, simulate
 from fastshare.sim.trace import (
+    PublishedCurves,
     SimNode,
     SimPod,
     TraceError,
@@ -26,8 +26,10 @@ from fastshare.sim.trace import (
     node_tie_order,
     read_nodes,
     read_pods,
+    read_published_curves,
 )
 
+CURVES_FILE = "published_alloc_curves.csv"
 PUBLISHED_POLICY = {"random": "01-Random", "dotprod": "02-DotProd", "gpuclustering": "03-GpuClustering",
                     "gpupacking": "04-GpuPacking", "bestfit": "05-BestFit", "fgd": "06-FGD"}
 
@@ -100,23 +102,21 @@ def load(pods_path: str | Path, nodes_path: str | Path) -> tuple[list[SimNode], 
     return nodes, pods, name
 
 
-def published_curves(data_dir: Path, trace: str, policy: str) -> dict[int, list[float]]:
-    """seed -> published curve (y values for x = 0..130) from published_alloc_curves.csv."""
-    path = data_dir / "published_alloc_curves.csv"
+def read_published(data_dir: Path) -> PublishedCurves:
+    """published_alloc_curves.csv beside the traces, read and checked whole; {} without one."""
+    path = data_dir / CURVES_FILE
+    return read_published_curves(path) if path.is_file() else {}
+
+
+def published_curves(published: PublishedCurves, trace: str, policy: str) -> dict[int, list[float]]:
+    """seed -> published curve (y values for x = 0..130) of ``trace`` and ``policy`` at tune 1.3."""
     label = PUBLISHED_POLICY.get(policy)
-    if label is None or not path.is_file():
-        return {}
-    out = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row["workload"] == f"openb_pod_list_{trace}" and row["sc_policy"] == label \
-                    and float(row["tune"]) == 1.3:
-                out[int(row["seed"])] = [float(row[str(x)]) for x in range(131)]
-    return out
+    return {seed: curve for (workload, sc_policy, tune, seed), curve in published.items()
+            if workload == f"openb_pod_list_{trace}" and sc_policy == label and tune == 1.3}
 
 
-def published_mean(data_dir: Path, trace: str, policy: str) -> float | None:
-    curves = published_curves(data_dir, trace, policy)
+def published_mean(published: PublishedCurves, trace: str, policy: str) -> float | None:
+    curves = published_curves(published, trace, policy)
     if not curves:
         return None
     return round(sum(c[-1] for c in curves.values()) / len(curves), 2)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 MILLI = 1000
 MAX_TASK_GPUS = 1024   # bounds a typo, not a cluster: more than any node has just fails
+CURVE_POINTS = 131     # a published curve: the allocation % at x = 0..130 % of GPU capacity arrived
 
 
 class TraceError(ValueError):
@@ -94,6 +95,17 @@ def _int(path: Path, line: int, row: dict[str, str], col: str, lo: int, hi: int 
     if v < lo or (hi is not None and v > hi):
         rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
         raise TraceError(f"{path} line {line}: {col} must be {rng} (got {v})")
+    return v
+
+
+def _number(path: Path, line: int, row: dict[str, str], col: str, lo: float, hi: float) -> float:
+    raw = (row.get(col) or "").strip()
+    try:
+        v = float(raw)
+    except ValueError:
+        raise TraceError(f"{path} line {line}: {col} must be a number (got {raw!r})") from None
+    if not lo <= v <= hi:   # NaN too
+        raise TraceError(f"{path} line {line}: {col} must be {lo:g}..{hi:g} (got {raw})")
     return v
 
 
@@ -215,6 +227,31 @@ def arrival_order(pods: list[SimPod], seed: int, tune: float, capacity_milli: in
         if len(copies) > 50 * len(order) + 1000:  # a trace of CPU-only tasks never reaches the target
             break
     return order + copies
+
+
+PublishedCurves = dict[tuple[str, str, float, int], list[float]]
+
+
+def read_published_curves(path: str | Path) -> PublishedCurves:
+    """published_alloc_curves.csv: ``(workload, sc_policy, tune, seed)`` -> the allocation %
+    at x = 0..130 % of GPU capacity arrived (columns ``0`` .. ``130``)."""
+    path = Path(path)
+    points = [str(x) for x in range(CURVE_POINTS)]
+    out: PublishedCurves = {}
+    seen: dict[tuple[str, str, float, int], int] = {}
+    for line, r in _rows(path, ("workload", "sc_policy", "tune", "seed", *points)):
+        workload, policy = (r["workload"] or "").strip(), (r["sc_policy"] or "").strip()
+        for col, value in (("workload", workload), ("sc_policy", policy)):
+            if not value:
+                raise TraceError(f"{path} line {line}: {col} is empty")
+        tune, seed = _number(path, line, r, "tune", 0, 10), _int(path, line, r, "seed", 0)
+        key = (workload, policy, tune, seed)
+        if key in seen:
+            raise TraceError(f"{path} line {line}: {workload} {policy} tune {tune:g} seed {seed} appears "
+                             f"twice (also line {seen[key]})")
+        seen[key] = line
+        out[key] = [_number(path, line, r, x, 0, 100) for x in points]
+    return out
 
 
 def read_reference_order(path: str | Path) -> list[SimPod]:

@@ -341,3 +341,63 @@ def test_cli_sim_plot_shows_the_published_curve_only_for_the_published_setting(t
         out = CliRunner().invoke(main, ["sim", *pods, "--nodes", str(tmp_path / nodes), "--tune", tune])
         assert out.exit_code == 0, out.output
     assert drawn == [[1.0] * 131, None, None]
+
+
+def _published_setting(tmp_path, curves: str | None):
+    """The published node list and a pod file beside it, and (unless None) the curves file."""
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\n"
+                                                           "n1,32000,65536,2,T4\n")
+    (tmp_path / "openb_pod_list_default.csv").write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1024,1,500\n")
+    if curves is not None:
+        (tmp_path / "published_alloc_curves.csv").write_text(
+            "workload,sc_policy,tune,seed,total_gpus," + ",".join(map(str, range(131))) + "\n" + curves)
+    return ["--pods", str(tmp_path / "openb_pod_list_default.csv"),
+            "--nodes", str(tmp_path / "openb_node_list_gpu_node.csv")]
+
+
+def _curve_row(seed: str = "42", tune: str = "1.3", values: list[str] | None = None) -> str:
+    return f"openb_pod_list_default,06-FGD,{tune},{seed},2," + ",".join(values or ["1.0"] * 131) + "\n"
+
+
+@pytest.mark.parametrize(("rows", "says"), [
+    (_curve_row() + _curve_row(seed="43", values=["1.0"] * 57 + ["abc"] + ["1.0"] * 73),
+     "line 3: 57 must be a number (got 'abc')"),
+    (_curve_row(values=["1.0"] * 130 + ["130.5"]), "line 2: 130 must be 0..100 (got 130.5)"),
+    (_curve_row(values=["1.0"] * 130 + ["nan"]), "line 2: 130 must be 0..100 (got nan)"),
+    (_curve_row(values=["1.0"] * 130), "line 2: 130 must be a number (got '')"),
+    (_curve_row(seed="x"), "line 2: seed must be an integer (got 'x')"),
+    (_curve_row(tune=""), "line 2: tune must be a number (got '')"),
+    (_curve_row() + _curve_row(), "line 3: openb_pod_list_default 06-FGD tune 1.3 seed 42 appears twice "
+                                  "(also line 2)"),
+])
+def test_cli_sim_plot_refuses_a_malformed_published_curves_file_before_the_replay(tmp_path, monkeypatch,
+                                                                                  rows, says):
+    # the curves file was read only after the replay (minutes on the openb traces), and a bad
+    # value ended the run with a ValueError or KeyError traceback and no plot
+    pytest.importorskip("matplotlib")
+    from fastshare.cli import sim as sim_cli
+
+    args = _published_setting(tmp_path, rows)
+    monkeypatch.setattr(sim_cli.Experiment, "run", lambda *a, **k: pytest.fail("replayed before the check"))
+    png = tmp_path / "c.png"
+    out = CliRunner().invoke(main, ["sim", *args, "--plot", str(png)])
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output
+    assert f"{tmp_path / 'published_alloc_curves.csv'} {says}" in out.output, out.output
+    assert out.stdout == "" and not png.exists()
+
+
+def test_cli_sim_plot_without_a_published_curves_file_draws_none(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from fastshare.cli import sim as sim_cli
+
+    drawn = []
+    monkeypatch.setattr(sim_cli, "_plot", lambda path, summary, ref, label: drawn.append(ref))
+    out = CliRunner().invoke(main, ["sim", *_published_setting(tmp_path, None), "--plot",
+                                    str(tmp_path / "c.png")])
+    assert out.exit_code == 0, out.output
+    assert drawn == [None]
+    # without --plot the curves are not needed: a bad file there does not stop the run
+    args = _published_setting(tmp_path, _curve_row(seed="x"))
+    out = CliRunner().invoke(main, ["sim", *args, "--json"])
+    assert out.exit_code == 0, out.output

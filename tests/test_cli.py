@@ -1,7 +1,10 @@
 """The installed `fastshare` entry point works and the generated protobuf code imports."""
 
+import os
+import signal
 import subprocess
 
+import pytest
 from click.testing import CliRunner
 
 from fastshare import __version__
@@ -40,3 +43,26 @@ def test_help_describes_every_option():
             for param in command.params
             if isinstance(param, click.Option) and param.opts[0] != "--help" and not param.help]
     assert not bare, f"options without help text: {', '.join(bare)}"
+
+
+@pytest.mark.parametrize("unbuffered", ["1", None])
+def test_a_reader_that_closed_the_pipe_ends_the_command_quietly(tmp_path, unbuffered):
+    """`fastshare ... | head -1`: once the reader is gone, the command stops as `yes | head -1`
+    does, without a word on stderr, with the status of a process SIGPIPE ended (128 + 13), so
+    `set -o pipefail` sees it as it sees any other writer cut short. It exited 1 (click's own
+    EPIPE handling, as a failure) or 0 with a write error at exit, by how stdout was buffered."""
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,65536,2,T4\n")
+    (tmp_path / "p.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1024,1,500\n")
+    sim = ["sim", "--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--tune", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    for args in (["--help"], sim, [*sim, "--json"]):
+        read, write = os.pipe()
+        os.close(read)   # the reader has gone before the first write
+        try:
+            out = subprocess.run(["fastshare", *args], stdout=write, stderr=subprocess.PIPE, env=env,
+                                 text=True, timeout=120)
+        finally:
+            os.close(write)
+        assert (out.returncode, out.stderr) == (128 + signal.SIGPIPE, ""), args

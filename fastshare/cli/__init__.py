@@ -8,15 +8,51 @@ this file.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import pkgutil
+import signal
+import sys
+from typing import Any, NoReturn
 
 import click
 
 from fastshare import __version__
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Cli(click.Group):
+    """The top-level group: a reader that closed stdout (`fastshare status | head -1`) ends the
+    command quietly, whatever was writing, for every command."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:   # --help and --version print here
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError:
+            _reader_gone()
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            result = super().invoke(ctx)
+            sys.stdout.flush()   # here, not at exit, where a broken pipe cannot be handled
+            return result
+        except BrokenPipeError:
+            _reader_gone()
+
+
+def _reader_gone() -> NoReturn:
+    """Python's "Note on SIGPIPE": stdout on /dev/null, so that nothing more (not the final
+    flush either) fails, and the status of a process SIGPIPE ended, as `yes | head -1` has:
+    not 0, which would say all was written, nor 1, a failure of the command, and what
+    `set -o pipefail` already expects from any writer cut short. (Not SIGPIPE's default action:
+    a broken gRPC socket would then end the process too.)"""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    with contextlib.suppress(OSError, ValueError):   # no file descriptor behind a test runner's stdout
+        os.dup2(devnull, sys.stdout.fileno())
+    raise click.exceptions.Exit(128 + signal.SIGPIPE)
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="fastshare")
 def main() -> None:
     """Share NVIDIA GPUs safely: MPS fractions, on-demand MIG slices and whole GPUs."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
@@ -13,6 +15,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """Rich's own answer is exit 1; the CLI ends every command the same way when its reader
+        went away (fastshare.cli)."""
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 def print_json(data: Any) -> None:
@@ -28,7 +38,7 @@ def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequen
     space apart (headers wrap at spaces); when neither fits, rich folds long cells instead of
     overflowing. The title is a line of its own, so a narrow table does not fold it."""
     cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
-    console = Console()
+    console = _Console()
 
     def widest(i: int, header_parts: list[str]) -> int:
         return max(len(part) for part in [*header_parts, *(row[i] for row in cells if i < len(row)), "-"])
@@ -63,7 +73,7 @@ def progress_bar(label: str, *, timed: bool = False) -> Iterator[Callable[[int, 
     timed steps), not by a thread that would take the interpreter in the middle of one."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
+    console = _Console(stderr=True)
     if not console.is_terminal:   # a pipe or a file: rich would still leave an empty line there
         yield lambda done, total: None
         return

@@ -232,6 +232,8 @@ import ctypes, os, signal, sys
 ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGTERM when fastshare run dies
 if os.getppid() != int(sys.argv[1]):                 # it died before that
     sys.exit(128 + signal.SIGTERM)
+for sig in (signal.SIGPIPE, signal.SIGXFSZ):         # Python ignores them; CMD must not inherit that
+    signal.signal(sig, signal.SIG_DFL)
 try:
     os.execvp(sys.argv[2], sys.argv[2:])
 except OSError as exc:

@@ -178,3 +178,18 @@ def test_an_allocation_run_cannot_use_is_released_not_left_behind(cluster):
     cluster.start_agent("node-a")
     wait_for(lambda: states(cluster)[alloc_id] == "failed", 60, "the release to finish once the node is back")
     assert_consistent(cluster)
+
+
+def test_the_command_starts_with_sigpipe_and_sigxfsz_at_their_defaults():
+    # the exec wrapper is Python, which ignores SIGPIPE and SIGXFSZ, and an ignored signal stays
+    # ignored across exec: under `fastshare run`, `yes | head -1` printed "yes: standard output:
+    # Broken pipe" and a writer whose reader had gone ran on
+    from fastshare.cli.run import _argv
+
+    out = subprocess.run(_argv(["sh", "-c", "yes | head -1; grep SigIgn /proc/self/status"]),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    line, ignored = out.stdout.split("\n", 1)
+    assert line == "y"
+    mask = int(ignored.split()[1], 16)
+    assert not mask & (1 << (signal.SIGPIPE - 1) | 1 << (signal.SIGXFSZ - 1)), ignored

@@ -3,8 +3,10 @@
 Allocates (with a lease and an idempotency key, so a retry after a controller restart finds
 the same allocation), runs CMD with the allocation's environment, forwards signals, renews
 the lease while CMD runs, releases when CMD exits (also when it crashes or is killed) and
-exits with CMD's status. If `fastshare run` itself is killed with SIGKILL, CMD gets SIGTERM
-(Linux: the parent-death signal), the lease expires and the controller releases the allocation.
+exits with CMD's status; what CMD leaves running is ended first. If `fastshare run` itself is
+killed with SIGKILL, CMD and every process under it are ended (Linux: a supervisor with the
+parent-death signal, see _SUPERVISOR), the lease expires and the controller releases the
+allocation.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fastshare.controller.validation import MAX_GPUS_PER_NODE, MAX_LEASE_TTL, MA
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 NO_LEASE_CHECK_S = 5.0   # how often a run without a lease checks that its allocation still stands
+KILL_GRACE_S = 5.0       # from SIGTERM to SIGKILL for what CMD leaves running when it ends
 
 
 def _quota(text: str | None) -> tuple[float, float]:
@@ -225,30 +228,112 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
     return status if status >= 0 else 128 - status
 
 
-# CMD is started through this: PR_SET_PDEATHSIG in the parent (a preexec_fn) would make
-# subprocess fork() beside gRPC's threads, which can break the child before its exec.
-_EXEC_WITH_PARENT = """
-import ctypes, os, signal, sys
-ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGTERM when fastshare run dies
-if os.getppid() != int(sys.argv[1]):                 # it died before that
+# On Linux CMD is started under this small supervisor. It is the subreaper of CMD's processes
+# (PR_SET_CHILD_SUBREAPER: what CMD starts and leaves, a worker a shell script put in the
+# background or a daemon, comes to it rather than to init) and gets SIGTERM when fastshare run
+# dies, also by SIGKILL (PR_SET_PDEATHSIG). When CMD exits, or fastshare run dies, it ends every
+# process left under it (SIGTERM, SIGKILL after KILL_GRACE_S), then exits with CMD's status: no
+# process runs on after the release, or on capacity the lease's expiry hands to the next
+# workload. CMD stays in fastshare run's process group (the terminal's, for Ctrl-C and reads);
+# of the signals the supervisor gets from there, it passes on to CMD only those fastshare run
+# forwards, which CMD would otherwise get twice. (A preexec_fn doing this in fastshare run would
+# make subprocess fork() beside gRPC's threads, which can break the child before its exec.)
+_SUPERVISOR = """
+import ctypes, os, signal, sys, time
+parent, grace = int(sys.argv[1]), float(sys.argv[2])
+waited = {signal.SIGCHLD, *(signal.Signals(int(s)) for s in sys.argv[3].split(","))}
+libc = ctypes.CDLL(None)
+signal.pthread_sigmask(signal.SIG_BLOCK, waited)   # taken by sigwaitinfo below, none by a handler
+libc.prctl(36, 1, 0, 0, 0)                         # PR_SET_CHILD_SUBREAPER
+libc.prctl(1, signal.SIGTERM, 0, 0, 0)             # PR_SET_PDEATHSIG: SIGTERM when fastshare run dies
+
+def reap(cmd):
+    status = None
+    while True:
+        try:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status
+        if pid == 0:
+            return status
+        if pid == cmd:
+            status = os.waitstatus_to_exitcode(wait_status)
+
+def left():
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:   # ended
+            continue
+        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+        if state != "Z":   # ended, waiting for its parent to reap it
+            children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+def end_all(cmd):
+    deadline, termed = time.monotonic() + grace, set()
+    while True:
+        reap(cmd)
+        pids = left()
+        if not pids:
+            return
+        late = time.monotonic() > deadline
+        for pid in pids:
+            if late or pid not in termed:
+                termed.add(pid)
+                for sig in (signal.SIGKILL,) if late else (signal.SIGTERM, signal.SIGCONT):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+        time.sleep(0.05)
+
+if os.getppid() != parent:                         # it died before the prctl
     sys.exit(128 + signal.SIGTERM)
-for sig in (signal.SIGPIPE, signal.SIGXFSZ):         # Python ignores them; CMD must not inherit that
-    signal.signal(sig, signal.SIG_DFL)
-try:
-    os.execvp(sys.argv[2], sys.argv[2:])
-except OSError as exc:
-    print(f"fastshare: cannot run {sys.argv[2]!r}: {exc.strerror}", file=sys.stderr)
-    sys.exit(127 if isinstance(exc, FileNotFoundError) else 126)
+cmd = os.fork()
+if cmd == 0:
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)         # and CMD, should the supervisor itself be killed
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):   # Python ignores them; CMD must not inherit that
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        os.execvp(sys.argv[4], sys.argv[4:])
+    except OSError as exc:
+        print(f"fastshare: cannot run {sys.argv[4]!r}: {exc.strerror}", file=sys.stderr)
+        os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
+status = None
+while status is None:
+    info = signal.sigwaitinfo(waited)
+    if info.si_signo == signal.SIGCHLD:
+        status = reap(cmd)
+    elif os.getppid() != parent:                   # fastshare run died
+        break
+    elif info.si_pid == parent:                    # forwarded by fastshare run
+        try:
+            os.kill(cmd, info.si_signo)
+        except ProcessLookupError:
+            pass
+end_all(cmd)
+sys.exit(128 + signal.SIGTERM if status is None else status if status >= 0 else 128 - status)
 """
 
 
 def _argv(command: tuple[str, ...] | list[str]) -> list[str]:
-    """CMD, on Linux through a tiny exec wrapper that makes it get SIGTERM when this process dies,
-    also by SIGKILL: CMD must not run on, unsupervised, on capacity that the lease's expiry hands
-    to the next workload."""
+    """CMD, on Linux under a small supervisor that ends CMD and every process CMD left behind
+    when CMD exits or this process dies, also by SIGKILL: none may run on, unsupervised, on
+    capacity that the release or the lease's expiry hands to the next workload."""
     if not sys.platform.startswith("linux"):
         return list(command)
-    return [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PARENT, str(os.getpid()), *command]
+    forwarded = ",".join(str(int(sig)) for sig in FORWARDED)
+    return [sys.executable, "-I", "-S", "-c", _SUPERVISOR, str(os.getpid()), str(KILL_GRACE_S), forwarded,
+            *command]
 
 
 def _release(client, allocation_id: str, quiet: bool) -> None:

@@ -193,3 +193,48 @@ def test_the_command_starts_with_sigpipe_and_sigxfsz_at_their_defaults():
     assert line == "y"
     mask = int(ignored.split()[1], 16)
     assert not mask & (1 << (signal.SIGPIPE - 1) | 1 << (signal.SIGXFSZ - 1)), ignored
+
+
+def _running(pid: int) -> bool:
+    """``pid`` runs (a zombie, ended but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_kill_9_of_run_ends_what_the_command_started_too(cluster, env):
+    # the parent-death signal reached CMD, here a shell, and not the worker it started: the
+    # worker ran on with its GPU share gone once the lease lapsed
+    script = "sleep 1000 >/dev/null 2>&1 & echo $!; wait"
+    args = [fastshare_bin(), "run", "--kind", "mps", "--mem", "1GiB", "--lease-ttl", "5", "--",
+            "sh", "-c", script]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        worker = int(proc.stdout.readline())
+        assert _running(worker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        wait_for(lambda: not _running(worker), 5, "the shell's worker to end with fastshare run")
+        wait_for(lambda: set(states(cluster).values()) == {"released"}, 60, "the lease to lapse")
+    finally:
+        proc.stdout.close()
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_what_the_command_leaves_running_ends_before_the_release(cluster, env):
+    # a shell that put a worker in the background and exited: `run` released the allocation
+    # and the worker ran on, on the GPU share it no longer had
+    out = _run(env, "run", "--kind", "mps", "--mem", "1GiB", "--", "sh", "-c",
+               "sleep 1000 >/dev/null 2>&1 & echo $!; exit 4")
+    try:
+        assert out.returncode == 4, out.stderr
+        assert not _running(int(out.stdout))
+        assert _active(cluster) == []
+    finally:
+        if _running(int(out.stdout)):
+            os.kill(int(out.stdout), signal.SIGKILL)

@@ -431,3 +431,22 @@ def test_bench_placement_refuses_a_malformed_published_curves_file_before_any_ru
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"{curves} line 2: 130 must be a number (got 'x')" in result.output
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize("args", [["--traces", "a,b", "--no-speed"], ["--traces", "a"]])
+def test_bench_placement_reads_every_trace_before_the_first_run(tmp_path, monkeypatch, args):
+    # trace b (or the default trace of the speed part) was read only after the replays of the
+    # traces before it: a malformed one ended the benchmark after its runs, not before them
+    from fastshare.sim import benchmarks
+
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\n"
+                                                           "n0,1000,1000,1,T4\n")
+    header = "name,cpu_milli,memory_mib,num_gpu,gpu_milli\n"
+    (tmp_path / "openb_pod_list_a.csv").write_text(header + "p0,1,1,1,500\n")
+    for bad in ("b", "default"):
+        (tmp_path / f"openb_pod_list_{bad}.csv").write_text(header + "p0,1,1,1,5000\n")
+    monkeypatch.setattr(benchmarks.Experiment, "run",
+                        lambda *a, **k: pytest.fail("replayed before the check"))
+    result = CliRunner().invoke(main, ["bench", "placement", "--data", str(tmp_path), *args, "--seeds", "1"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "line 2: gpu_milli must be 0..1000 (got 5000)" in result.output

@@ -77,6 +77,8 @@ def _placement(d: Path, names: list[str], pols: list[str], seeds: list[int], spe
     from fastshare.sim import benchmarks
 
     out: dict = {}
+    if quality and speed:   # the speed part's trace too, before the quality runs
+        benchmarks.load_trace(d, benchmarks.SPEED_TRACE)
     if quality:
         def note(s: dict) -> None:
             print(f"{s['trace']:>12} {s['policy']:>10} seed {s['seed']}: {s['gpu_alloc_ratio']:.2f} % "

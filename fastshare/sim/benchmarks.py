@@ -10,22 +10,28 @@ from pathlib import Path
 from typing import Any
 
 from fastshare.sim.experiment import Experiment, load, published_mean, read_published
-from fastshare.sim.trace import SimNode
+from fastshare.sim.trace import SimNode, SimPod
 
 NODES_FILE = "openb_node_list_gpu_node.csv"
+SPEED_TRACE = "default"
 
 
 def traces_in(data_dir: Path) -> list[str]:
     return sorted(p.stem.removeprefix("openb_pod_list_") for p in data_dir.glob("openb_pod_list_*.csv"))
 
 
+def load_trace(data_dir: Path, trace: str) -> tuple[list[SimNode], list[SimPod], str]:
+    return load(data_dir / f"openb_pod_list_{trace}.csv", data_dir / NODES_FILE)
+
+
 def quality(data_dir: Path, traces: list[str], policies: list[str], seeds: list[int],
             on_run: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Mean final allocation per (trace, policy) over ``seeds``, beside the published mean."""
-    published = read_published(data_dir)   # before the replays: a bad file fails at once
+    # every file read before the first replay: a bad one fails at once, not hours in
+    published = read_published(data_dir)
+    loaded = [load_trace(data_dir, trace) for trace in traces]
     rows = []
-    for trace in traces:
-        nodes, pods, name = load(data_dir / f"openb_pod_list_{trace}.csv", data_dir / NODES_FILE)
+    for nodes, pods, name in loaded:
         fgd_pub = published_mean(published, name, "fgd")
         for policy in policies:
             finals, walls = [], []
@@ -56,13 +62,13 @@ def synthetic_nodes(nodes: list[SimNode], count: int) -> list[SimNode]:
 
 
 def speed(data_dir: Path, sizes: list[int], policy: str = "fastshare", seed: int = 42,
-          trace: str = "default",
+          trace: str = SPEED_TRACE,
           progress: Callable[[int], AbstractContextManager[Callable[[int, int], None]]] | None = None,
           ) -> list[dict[str, Any]]:
     """Decision time percentiles for the default trace (tune 1.3, so the task count grows with
     the cluster) on clusters of the given node counts; the first size should be 1,213.
     ``progress(nodes)``, if given, makes the ``update(done, total)`` of each size's replay."""
-    base, pods, name = load(data_dir / f"openb_pod_list_{trace}.csv", data_dir / NODES_FILE)
+    base, pods, name = load_trace(data_dir, trace)
     rows = []
     for n in sizes:
         nodes = base if n == len(base) else synthetic_nodes(base, n)

@@ -85,6 +85,7 @@ def _node_state(node) -> str:
 
 
 OVER_COMMITTED = "over-committed: "   # how the controller starts such an active allocation's reason
+ADOPTED = "adopted: "   # ... and one rebuilt from a share the state database had no record of
 
 
 def render(st) -> None:
@@ -129,6 +130,12 @@ def render(st) -> None:
          ",".join(str(d.gpu_index) for d in a.devices),
          _amount(a), a.owner, f"{max(0, a.lease_expires_at - now):.0f}s" if a.lease_expires_at else "-")
         for a in st.allocations])
+    adopted = sorted((a.id, a.node, a.owner, a.reason.removeprefix(ADOPTED)) for a in st.allocations
+                     if a.reason.startswith(ADOPTED) and _state(a.state) == "active")
+    if adopted:
+        print_table("Adopted: held on their node, unknown to the state database (restored from an older "
+                    "backup?); `fastshare release ID` ends one nothing uses", ["ID", "NODE", "OWNER", "WHY"],
+                    adopted)
     if over:
         print_table("Over-committed: held where the GPU no longer takes them (it takes nothing new until "
                     "enough is released)", ["ID", "WHY"], sorted(over.items()))

@@ -28,7 +28,19 @@ from fastshare.controller import faults
 from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool
 from fastshare.controller.events import EventHub
 from fastshare.controller.ledger import Ledger, gpu_view, gpus_gone
-from fastshare.controller.model import FINISHED, HOLDING, Allocation, Device, Gpu, Kind, Node, State
+from fastshare.controller.model import (
+    FINISHED,
+    HOLDING,
+    ID_PREFIX,
+    Allocation,
+    Device,
+    Gpu,
+    Kind,
+    Node,
+    Spec,
+    State,
+    sequence_of,
+)
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore
 from fastshare.controller.validation import (
     MAX_LEASE_TTL,
@@ -39,12 +51,11 @@ from fastshare.controller.validation import (
     validate,
 )
 from fastshare.device import catalog
-from fastshare.placement.model import Assignment, NodeView, Rejection
+from fastshare.placement.model import Assignment, MigSlot, NodeView, Rejection
 from fastshare.v1 import agent_pb2, common_pb2
 
 log = logging.getLogger("fastshare.controller")
 
-ID_PREFIX = "fs-"   # allocation ids = agent share ids; the reconciler only frees shares it made
 _KINDS = {Kind.FASTPOD: common_pb2.SHARE_KIND_FASTPOD, Kind.MPS: common_pb2.SHARE_KIND_MPS,
           Kind.EXCLUSIVE: common_pb2.SHARE_KIND_EXCLUSIVE, Kind.WHOLE: common_pb2.SHARE_KIND_WHOLE}
 
@@ -58,6 +69,25 @@ def overcommit_reason(why: str) -> str:
     """An active allocation's reason while the GPU it holds no longer takes it (``why``: the ledger's)."""
     return (f"{OVER_COMMITTED}{why}; the share stays held, and its GPU takes no new work until enough "
             "is released there")
+
+
+def new_id(sequence: int | None) -> str:
+    """An allocation id (= the agent's share id; the reconciler only frees shares it made)."""
+    if sequence is None:
+        return ID_PREFIX + secrets.token_hex(8)
+    return f"{ID_PREFIX}{sequence:x}-{secrets.token_hex(4)}"
+
+
+# how an allocation's reason starts when it was rebuilt from a share its agent held but the state
+# store had no record of (see ``ControllerCore.adopt``)
+ADOPTED = "adopted: "
+# why a node holding such shares takes nothing new meanwhile (worded after "N node(s)")
+HELD_OUT = ("hold shares the controller's state database has no record of (newer than the database: restored "
+            "from an older backup?); see the controller's log")
+
+
+class AdoptFailed(Exception):
+    """A share newer than the state store could not be adopted; the message says why."""
 
 
 class Rejected(Exception):
@@ -163,6 +193,7 @@ class ControllerCore:
         self._node_changes = threading.Lock()
         self._gpus: tuple[list[Gpu], int] | None = None
         self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through put_node
+        self._unadopted: dict[str, dict[str, str]] = {}   # node -> share -> why it could not be adopted
 
     # -- per-allocation exclusion ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -271,7 +302,7 @@ class ControllerCore:
             existing = self.store.find_by_key(request.idempotency_key)
             if existing is not None:
                 return self._same_request(existing, request), None
-        allocation_id = ID_PREFIX + secrets.token_hex(8)
+        allocation_id = new_id(self.store.next_sequence())
         engine_request = self.ledger.to_request(allocation_id, request.spec)
         if isinstance(engine_request, Rejection):
             raise Rejected(engine_request.reason)
@@ -560,10 +591,127 @@ class ControllerCore:
                 continue   # the state moved on: decide again on the fresh record
         raise Busy(f"allocation {allocation_id} is being changed by another call; retry")
 
+    # -- shares newer than the state store ----------------------------------------------------------
+    def newer_than_store(self, inventory: agent_pb2.Inventory) -> list[agent_pb2.Share]:
+        """The shares an agent holds that this store never numbered and has no record of: made
+        by a controller whose records the store lost (restored from an older backup, or its
+        last commits lost to a power loss). Not orphans: workloads may run on them."""
+        return [s for s in inventory.shares if (seq := sequence_of(s.id)) is not None
+                and self.store.never_issued(seq) and self.store.get_allocation(s.id) is None]
+
+    def take_over(self, node: str, shares: list[agent_pb2.Share],
+                  inventory: agent_pb2.Inventory) -> list[str]:
+        """Adopt a node's shares that are newer than the store (see ``adopt``); returns the ids
+        adopted. One that cannot be is kept (never freed), said once in the log, and keeps its node
+        from new work until it is adopted or gone; an empty ``shares`` lets the node take work again."""
+        adopted, failed = [], {}
+        for share in shares:
+            try:
+                adopted.append(self.adopt(node, share, inventory).id)
+            except AdoptFailed as exc:
+                failed[share.id] = str(exc)
+                if self._unadopted.get(node, {}).get(share.id) != str(exc):
+                    log.error("node %s holds share %s (owner %r) that the state database has no record of "
+                              "and never issued: the database went back in time (restored from an older "
+                              "backup, or its last commits lost). It is not freed, and the node takes no new "
+                              "work meanwhile, but it cannot be adopted: %s. Fix that (adoption is retried "
+                              "every pass), or if nothing uses the share, free it on the node with "
+                              "`fastshare node release %s`", node, share.id, share.owner, exc, share.id)
+        if failed:
+            self._unadopted[node] = failed
+        else:
+            self._unadopted.pop(node, None)
+        self.ledger.set_held_out(node, HELD_OUT if failed else "")
+        return adopted
+
+    def adopt(self, node_name: str, share: agent_pb2.Share, inventory: agent_pb2.Inventory) -> Allocation:
+        """Record an active allocation for a share its agent holds that the store has no record
+        of (see ``newer_than_store``), rebuilt from the share: kind, sizes, GPUs, MIG slice, owner;
+        the env from the agent (PrepareShare again, with the share as the agent holds it, hands
+        back what it gave out, changing nothing). Placement constraints, lease and idempotency
+        key are not in the share: the record has none. `fastshare release` ends it as usual.
+
+        Crash-safe: nothing is written before the record, in one commit; until then the next pass
+        finds the share unrecorded again. Raises AdoptFailed."""
+        node = self.node_facts(node_name)
+        if node is None:
+            raise AdoptFailed(f"node {node_name} is not known to this controller")
+        with self.claim(share.id) as got:
+            if not got or self.store.get_allocation(share.id) is not None:
+                raise AdoptFailed("another call is working on it")
+            spec, assignment = self._rebuild(node, share, inventory)
+            try:
+                reply = self.agents.get(node.name, node.address).prepare(share)
+            except AgentError as exc:
+                raise AdoptFailed(f"its agent did not confirm it: {exc.code.name}: {exc.details}") from None
+            try:
+                over = self.ledger.adopt(assignment)
+            except ValueError as exc:
+                raise AdoptFailed(f"its capacity cannot be counted: {exc}") from None
+            try:
+                now = self.clock()
+                draft = Allocation(id=share.id, spec=spec, owner=share.owner, state=State.ACTIVE,
+                                   node=node.name, devices=_devices(assignment, node),
+                                   assignment=assignment.to_dict(), created_at=now, updated_at=now)
+                record = replace(draft, env=_env(draft, reply), devices=_prepared_devices(draft, reply),
+                                 reason=f"{ADOPTED}the state database had no record of this share "
+                                        f"on node {node.name} (restored from an older backup?); rebuilt from "
+                                        "the share (no lease, placement constraints or idempotency key). "
+                                        "Release it if nothing uses it")
+                self.store.create_allocation(record)
+            except BaseException:
+                self.ledger.release(share.id)
+                raise
+        log.error("node %s holds share %s (owner %r) that the state database has no record of and never "
+                  "issued: the database went back in time (restored from an older backup, or its last "
+                  "commits lost). Not freed: adopted as an active %s allocation%s. Check it with `fastshare "
+                  "status`; if nothing uses it, end it with `fastshare release %s`", node.name, share.id,
+                  share.owner, spec.kind.value, f" (its GPU is over-committed: {over})" if over else "",
+                  share.id)
+        return self._publish(record)
+
+    def _rebuild(self, node: Node, share: agent_pb2.Share,
+                 inventory: agent_pb2.Inventory) -> tuple[Spec, Assignment]:
+        """The spec and the engine's reservation of a share as its agent holds it."""
+        kind = next((k for k, v in _KINDS.items() if v == share.kind), None)
+        if kind is None:
+            raise AdoptFailed(f"its kind {share.kind} is not one this controller makes")
+        spec = {Kind.FASTPOD: Spec(kind, sm_percent=share.sm_percent, memory_bytes=share.memory_bytes,
+                                   quota_request=share.quota_request, quota_limit=share.quota_limit),
+                Kind.MPS: Spec(kind, memory_bytes=share.memory_bytes),
+                Kind.EXCLUSIVE: Spec(kind, mig_profile=share.mig_profile),
+                Kind.WHOLE: Spec(kind, gpu_count=len(share.device_uuids))}[kind]
+        gpus = {g.uuid: g for g in node.gpus}
+        missing = [u for u in share.device_uuids if u not in gpus]
+        if missing or not share.device_uuids:
+            raise AdoptFailed(f"its device(s) {missing or list(share.device_uuids)} are not GPUs of node "
+                              f"{node.name}")
+        mig = None
+        if kind is Kind.EXCLUSIVE:
+            gpu = gpus[share.device_uuids[0]]
+            held = next((d for g in inventory.gpus for d in g.mig_devices if d.share_id == share.id), None)
+            known = catalog.find_model(gpu.model)
+            profile = next((p for p in (known.profiles if known else ())
+                            if held and p.profile_id == held.profile_id), None)
+            if held is None or profile is None:
+                raise AdoptFailed(f"its MIG slice on GPU {gpu.uuid} is not in the agent's inventory")
+            mig = MigSlot(profile.profile_id, profile.name, held.start, profile.memory_slices,
+                          profile.sm_count, profile.memory_mib)
+        request = self.ledger.to_request(share.id, spec)
+        if isinstance(request, Rejection):
+            raise AdoptFailed(request.reason)
+        assignment = Assignment(request, node.name, tuple(gpus[u].index for u in share.device_uuids), mig=mig,
+                                gpu_uuids=tuple(share.device_uuids))
+        return spec, assignment
+
     # -- nodes -----------------------------------------------------------------------------------
     def register_node(self, name: str, address: str, labels: dict[str, str]) -> None:
-        """An agent (re)announced itself: pull its inventory, refresh the ledger, reconcile it."""
+        """An agent (re)announced itself: pull its inventory, refresh the ledger, reconcile it.
+        A node holding shares newer than the store takes no new work until they are adopted
+        (the reconciler pass the registration starts does it)."""
         inventory = self.agents.get(name, address).inventory()
+        if self.newer_than_store(inventory):
+            self.ledger.set_held_out(name, HELD_OUT)
         now = self.clock()
         with self._node_changes:
             node = _keep_cordon(node_from_inventory(name, address, labels, inventory, now),

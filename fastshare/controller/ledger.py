@@ -63,6 +63,9 @@ class Ledger:
         # share: MIG mode or layout, memory, the oversubscription factor, MPS on the node). Still
         # counted, so the GPU is over-committed and takes nothing new until enough is released.
         self._over: dict[str, str] = {}
+        # node -> why it takes nothing new: it holds shares the state store has no record of
+        # (newer than the store, see ``Reconciler``) until they are adopted
+        self._held_out: dict[str, str] = {}
 
     # -- cluster view -------------------------------------------------------------------------
     def _view(self, view: NodeView) -> NodeView:
@@ -156,6 +159,25 @@ class Ledger:
             else:
                 self._cordoned.pop(name, None)
 
+    def set_held_out(self, name: str, reason: str) -> None:
+        """Keep a node from new work with ``reason`` (worded after "N node(s)"); "" lets it take
+        work again. Unknown names are remembered."""
+        with self._lock:
+            if reason:
+                self._held_out[name] = reason
+            else:
+                self._held_out.pop(name, None)
+
+    def adopt(self, assignment: Assignment) -> str:
+        """Count a share its node holds already (see ``Engine.restore``'s ``force``): returns why
+        its GPU does not take it ("": it does; it is then over-committed). Raises ValueError
+        when it cannot be counted at all (unknown GPU, held whole, shares of the other kind)."""
+        with self._lock:
+            why = self._engine.restore(self._follow(assignment), check_host=False, force=True) or ""
+            if why:
+                self._over[assignment.request.id] = why
+            return why
+
     def set_host(self, name: str, cpu_milli: int, memory_mib: int) -> None:
         """The host CPU/memory a node has for the engine's assignments (held ones included);
         no rebuild, so it may change often. Unknown names are remembered."""
@@ -247,6 +269,7 @@ class Ledger:
                for n, why in self._cordoned.items() if n in self._views}
         down = "are unavailable (their agent does not answer)"
         out.update({n: down for n, ok in self._available.items() if not ok})
+        out.update({n: why for n, why in self._held_out.items() if n in self._views})
         return out
 
     def _full(self) -> dict[str, str]:

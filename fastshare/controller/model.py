@@ -7,8 +7,23 @@ API in-cluster) can persist them without knowing the protobuf or the engine type
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+# Allocation ids are the agents' share ids: "fs-", the allocation's sequence number in hex, "-" and
+# 8 random hex digits. The sequence grows with every allocation (it starts from the clock in
+# microseconds, so a database restored from a backup issues numbers above any it lost), and the
+# state store keeps the highest it recorded: a share numbered above it is newer than the
+# database (see ``Reconciler``). Ids made before the sequence ("fs-" and 16 hex digits) have none.
+ID_PREFIX = "fs-"
+_SEQUENCED = re.compile(r"fs-([0-9a-f]{1,16})-[0-9a-f]{8}")
+
+
+def sequence_of(allocation_id: str) -> int | None:
+    """The sequence number an allocation id carries (None: not one this controller numbered)."""
+    found = _SEQUENCED.fullmatch(allocation_id)
+    return int(found.group(1), 16) if found else None
 
 
 class Kind(enum.StrEnum):

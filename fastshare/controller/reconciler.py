@@ -2,7 +2,10 @@
 
 Order matters: agents' inventories are read BEFORE the store, so a share an agent reports
 always has its record committed already (records are committed before prepare); a share
-without a holding record is therefore a true orphan (prepare without record) and is freed.
+without a holding record is therefore a true orphan (prepare without record) and is freed,
+unless its id carries a sequence number the store never issued (see ``model.sequence_of``):
+then the store went back in time (restored from an older backup), the share may well be in
+use, and it is adopted instead (``ControllerCore.take_over``).
 
 Per allocation, by state (skipping allocations another thread is working on):
 - pending   -> prepare again (idempotent by share id) and activate; refused -> compensate;
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 from fastshare.controller.agent_client import AgentError
 from fastshare.controller.core import ID_PREFIX, AgentFailed, ControllerCore, assignment_of, node_view
-from fastshare.controller.model import FINISHED, HOLDING, Allocation, State
+from fastshare.controller.model import FINISHED, HOLDING, Allocation, State, sequence_of
 from fastshare.v1 import agent_pb2
 
 log = logging.getLogger("fastshare.controller.reconciler")
@@ -39,6 +42,7 @@ class Report:
     released: list[str] = field(default_factory=list)
     compensated: list[str] = field(default_factory=list)
     orphans_freed: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)   # shares newer than the store, recorded now
     unreachable: list[str] = field(default_factory=list)
     pruned: int = 0   # finished records forgotten (past the retention)
 
@@ -131,12 +135,17 @@ class Reconciler:
         for node, inventory in inventories.items():
             if inventory is None:
                 continue
+            newer = []
             for share in inventory.shares:
                 if not share.id.startswith(ID_PREFIX) or share.id in records or share.id in busy:
                     continue
                 record = self.core.store.get_allocation(share.id)
                 if record is not None and (record.state not in FINISHED or record.updated_at >= asked_at):
                     continue   # still held, or released since the inventory was taken (not an orphan)
+                sequence = sequence_of(share.id)
+                if record is None and sequence is not None and self.core.store.never_issued(sequence):
+                    newer.append(share)   # newer than the store: adopted below, never freed
+                    continue
                 stored = self.core.store.get_node(node)
                 if stored is None:
                     continue   # forgotten since the inventories were read
@@ -146,6 +155,8 @@ class Reconciler:
                     log.warning("freed orphan share %s on %s (no allocation holds it)", share.id, node)
                 except AgentError as exc:
                     log.warning("could not free orphan share %s on %s: %s", share.id, node, exc)
+            if self.core.store.get_node(node) is not None:
+                report.adopted += self.core.take_over(node, newer, inventory)
         return report
 
     def _settled(self, allocation: Allocation, shares: set[str] | None, asked_at: float) -> bool:

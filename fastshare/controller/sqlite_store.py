@@ -34,11 +34,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fastshare.controller.model import Allocation, Device, Gpu, Node, Spec, State
+from fastshare.controller.model import Allocation, Device, Gpu, Node, Spec, State, sequence_of
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore, StoreError
 from fastshare.sqlite_file import GroupSync, open_state_file
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -89,6 +89,14 @@ _MIGRATIONS: dict[int, str] = {
     3: """
     ALTER TABLE gpus ADD COLUMN mig_unheld TEXT NOT NULL DEFAULT '[]'
     """,
+    # The allocation sequence's high-water mark (the highest number a recorded allocation had),
+    # and the numbers no controller issued: each process numbers from the clock on, skipping
+    # (mark, its first number). See ``SqliteStore.never_issued``.
+    4: """
+    CREATE TABLE sequence (id INTEGER PRIMARY KEY CHECK (id = 1), mark INTEGER NOT NULL);
+    INSERT INTO sequence (id, mark) VALUES (1, 0);
+    CREATE TABLE sequence_gaps (after INTEGER NOT NULL, before INTEGER NOT NULL)
+    """,
 }
 
 _JSON_FIELDS = {"devices", "env", "assignment", "spec"}
@@ -132,6 +140,12 @@ class SqliteStore(StateStore):
         self._db.row_factory = sqlite3.Row
         self._group = GroupSync(self.path, self._db)
         self._migrate()
+        self._mark: int = self._db.execute("SELECT mark FROM sequence").fetchone()[0]
+        self._gaps = [tuple(r) for r in self._db.execute("SELECT after, before FROM sequence_gaps")]
+        # this process numbers from here on; (mark, _start) is a gap, written with the first record
+        self._start = max(self._mark + 1, time.time_ns() // 1000)
+        self._gap = (self._mark, self._start)
+        self._issued = self._start - 1
 
     def _migrate(self) -> None:
         with self._lock:
@@ -236,13 +250,40 @@ class SqliteStore(StateStore):
             self._group.committed()
 
     # -- allocations ---------------------------------------------------------------------------
+    def next_sequence(self) -> int:
+        with self._lock:
+            self._issued = max(self._issued + 1, time.time_ns() // 1000)
+            return self._issued
+
+    def never_issued(self, sequence: int) -> bool:
+        with self._lock:
+            return sequence > self._mark or any(a < sequence < b for a, b in (*self._gaps, self._gap))
+
     def create_allocation(self, allocation: Allocation) -> None:
+        """One commit: the record and the high-water mark (and this process's gap, first time)."""
         values = [_encode(c, getattr(allocation, c)) if c != "kind" else allocation.spec.kind.value
                   for c in _COLUMNS]
+        sequence = sequence_of(allocation.id)
         with self._lock:
             try:
-                self._db.execute(f"INSERT INTO allocations ({', '.join(_COLUMNS)}) "
-                                 f"VALUES ({', '.join('?' * len(_COLUMNS))})", values)
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute(f"INSERT INTO allocations ({', '.join(_COLUMNS)}) "
+                                     f"VALUES ({', '.join('?' * len(_COLUMNS))})", values)
+                    write_gap = (sequence is not None and self._gap not in self._gaps
+                                 and self._gap[1] > self._gap[0] + 1)
+                    if write_gap:
+                        self._db.execute("INSERT INTO sequence_gaps (after, before) VALUES (?, ?)", self._gap)
+                    if sequence is not None and sequence > self._mark:
+                        self._db.execute("UPDATE sequence SET mark = ?", (sequence,))
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                if write_gap:
+                    self._gaps.append(self._gap)
+                if sequence is not None:
+                    self._mark = max(self._mark, sequence)
                 self._group.committed()
             except sqlite3.IntegrityError as exc:
                 existing = self._by_key(allocation.idempotency_key) if allocation.idempotency_key else None

@@ -83,6 +83,17 @@ class StateStore(abc.ABC):
     def list_allocations(self, states: Iterable[State] | None = None,
                          node: str | None = None) -> list[Allocation]: ...
 
+    def next_sequence(self) -> int | None:
+        """The sequence number for a new allocation id (see ``model.sequence_of``); None: this
+        store keeps no high-water mark, ids carry no number and every unrecorded share is an orphan."""
+        return None
+
+    def never_issued(self, sequence: int) -> bool:
+        """True when no allocation recorded in this store's history (or ever issued by it) had
+        ``sequence``: a share with it is newer than the store, which went back in time (restored
+        from a backup, or its last commits lost), not an orphan. Atomic with ``create_allocation``."""
+        return False
+
     def prune_finished(self, before: float) -> int:
         """Forget released and failed allocations last changed before ``before`` (unix seconds);
         returns how many. Stores whose finished records go away by themselves keep the default."""

@@ -1,0 +1,147 @@
+"""Restoring the controller's state.db from an older backup (real controller, real agent on a
+simulated machine): the shares allocated after the backup are still running on the agent, so
+the controller must neither free them as orphans nor hand their capacity out again. It adopts
+them (a record rebuilt from the agent's share, `fastshare release` ends it as usual) and says
+so; a true orphan (a share whose record this database did have, or never committed) is still
+freed. And `fastshare controller backup` takes a consistent copy of the live state."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+
+import grpc
+import pytest
+
+from fastshare.controller.core import sequence_of
+from fastshare.controller.model import Node
+from fastshare.controller.sqlite_store import SqliteStore
+from fastshare.v1 import agent_pb2, common_pb2
+from fastshare.v1 import controller_pb2 as pb
+
+from .conftest import GiB, allocate, fastshare_bin, wait_for
+
+L4_HALF = dict(sm_percent=50, memory_bytes=4 * GiB, models=["L4"])
+
+
+def backup(state: str, out: str) -> subprocess.CompletedProcess:
+    return subprocess.run([fastshare_bin(), "controller", "backup", "--state", state, "--out", out],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def node(cluster):
+    cluster.add_machine("node-a", ["A100-SXM4-40GB", "L4"], mig_enabled=True)
+    cluster.start_controller()
+    cluster.start_agent("node-a")
+    return cluster
+
+
+def test_restoring_an_older_backup_adopts_the_newer_shares_instead_of_freeing_them(node):
+    cluster = node
+    client = cluster.client()
+    old = allocate(client, "fastpod", owner="team/old", **L4_HALF)
+    state = cluster.state_dir / "state.db"
+    copy = cluster.root / "backup.db"
+    done = backup(str(state), str(copy))   # the controller is running
+    assert done.returncode == 0, done.stderr
+    assert "integrity check ok" in done.stderr
+    newer = allocate(client, "fastpod", owner="team/newer", **L4_HALF)          # the L4 is full now
+    sliced = allocate(client, "exclusive", owner="team/sliced", mig_profile="3g.20gb")
+    agent = cluster.agents["node-a"]
+    assert {old.id, newer.id, sliced.id} <= agent.share_ids(cluster.pki)
+
+    cluster.controller.stop()   # the operator restores the backup
+    for leftover in ("state.db", "state.db-wal", "state.db-shm"):
+        (cluster.state_dir / leftover).unlink(missing_ok=True)
+    copy.rename(state)
+    cluster.start_controller()
+    cluster.wait_node("node-a", available=True)
+
+    # The newer shares are still on the agent (the controller started without them on record).
+    held = agent.share_ids(cluster.pki)
+    assert {old.id, newer.id, sliced.id} <= held, cluster.controller.output()
+    records = {a.id: a for a in cluster.status().allocations}
+    for before in (newer, sliced):
+        adopted = records[before.id]
+        assert adopted.state == pb.ALLOCATION_STATE_ACTIVE, adopted
+        assert adopted.reason.startswith("adopted: "), adopted.reason
+        assert (adopted.node, adopted.owner) == (before.node, before.owner)
+        assert adopted.spec.kind == before.spec.kind
+        assert [d.gpu_uuid for d in adopted.devices] == [d.gpu_uuid for d in before.devices]
+        assert dict(adopted.env) == dict(before.env)
+    assert records[sliced.id].devices[0].mig_uuid == sliced.devices[0].mig_uuid
+    log = cluster.controller.output()
+    assert f"ERROR fastshare.controller: node node-a holds share {newer.id}" in log, log
+    assert log.count(f"holds share {newer.id}") == 1
+    # Reported by `fastshare status`, and its capacity is not handed out again.
+    shown = subprocess.run([fastshare_bin(), "status", "--controller", cluster.address, "--tls-dir",
+                            str(cluster.pki.dir)], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "250"})
+    assert shown.returncode == 0, shown.stderr
+    assert "Adopted" in shown.stdout and newer.id in shown.stdout, shown.stdout
+    with pytest.raises(grpc.RpcError) as refused:
+        allocate(client, "fastpod", sm_percent=10, memory_bytes=GiB, models=["L4"])
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+
+    # A true orphan is still freed: a share with a sequence this database has issued (the
+    # backup holds `old`), or one in the old id format, that no record holds.
+    stub = agent.stub(cluster.pki)
+    seq = sequence_of(old.id)
+    assert seq is not None
+    orphans = [f"fs-{seq:x}-00000000", "fs-0123456789abcdef"]
+    a100 = next(g.uuid for g in stub.GetInventory(agent_pb2.GetInventoryRequest(), timeout=30).gpus
+                if g.mig_enabled)
+    for orphan in orphans:   # made on the agent behind the controller's back
+        stub.PrepareShare(agent_pb2.PrepareShareRequest(share=agent_pb2.Share(
+            id=orphan, kind=common_pb2.SHARE_KIND_EXCLUSIVE, device_uuids=[a100], mig_profile="1g.5gb",
+            owner="nobody")), timeout=60)
+    wait_for(lambda: not set(orphans) & agent.share_ids(cluster.pki), 60, "the true orphans freed")
+    assert {old.id, newer.id, sliced.id} <= agent.share_ids(cluster.pki)
+
+    # Recovery: the adopted allocations end like any other, and survive another restart first.
+    cluster.controller.stop()
+    cluster.start_controller()
+    cluster.wait_node("node-a", available=True)
+    for before in (newer, sliced):
+        ended = subprocess.run([fastshare_bin(), "release", before.id, "--controller", cluster.address,
+                                "--tls-dir", str(cluster.pki.dir)],
+                               capture_output=True, text=True, timeout=60)
+        assert ended.returncode == 0, ended.stderr
+        assert f"allocation {before.id} on node node-a: released" in ended.stdout, ended.stdout
+    assert not {newer.id, sliced.id} & agent.share_ids(cluster.pki)
+    again = allocate(client, "fastpod", sm_percent=10, memory_bytes=GiB, models=["L4"])
+    assert again.state == pb.ALLOCATION_STATE_ACTIVE
+
+
+def test_backup_refuses_to_overwrite_and_checks_the_copy(tmp_path):
+    state = tmp_path / "state.db"
+    store = SqliteStore(state)   # open, as the controller keeps it
+    store.put_node(Node(name="n1", address="127.0.0.1:1"))
+    out = tmp_path / "copy.db"
+    out.write_text("keep me")
+    refused = backup(str(state), str(out))
+    assert refused.returncode != 0, refused.stderr
+    assert "--out" in refused.stderr and "exists" in refused.stderr, refused.stderr
+    assert out.read_text() == "keep me"
+
+    missing = backup(str(tmp_path / "nope.db"), str(tmp_path / "new.db"))
+    assert missing.returncode != 0 and "--state" in missing.stderr, missing.stderr
+    assert not (tmp_path / "new.db").exists() and not (tmp_path / "nope.db").exists()
+
+    not_state = tmp_path / "other.db"
+    sqlite3.connect(not_state).close()
+    wrong = backup(str(not_state), str(tmp_path / "new.db"))
+    assert wrong.returncode != 0 and "not a fastshare controller state" in wrong.stderr, wrong.stderr
+    assert not (tmp_path / "new.db").exists()
+
+    done = backup(str(state), str(tmp_path / "new.db"))
+    assert done.returncode == 0, done.stderr
+    assert "1 node(s); integrity check ok" in done.stderr, done.stderr
+    assert (tmp_path / "new.db").stat().st_mode & 0o777 == 0o600
+    assert not (tmp_path / "new.db-wal").exists()
+    store.close()
+    restored = SqliteStore(tmp_path / "new.db")
+    assert [n.name for n in restored.list_nodes()] == ["n1"]
+    restored.close()

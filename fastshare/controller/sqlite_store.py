@@ -278,7 +278,8 @@ class SqliteStore(StateStore):
                         self._db.execute("UPDATE sequence SET mark = ?", (sequence,))
                     self._db.execute("COMMIT")
                 except BaseException:
-                    self._db.execute("ROLLBACK")
+                    if self._db.in_transaction:   # a failed COMMIT (disk full) may have rolled back
+                        self._db.execute("ROLLBACK")
                     raise
                 if write_gap:
                     self._gaps.append(self._gap)

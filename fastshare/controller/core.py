@@ -194,6 +194,7 @@ class ControllerCore:
         self._gpus: tuple[list[Gpu], int] | None = None
         self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through put_node
         self._unadopted: dict[str, dict[str, str]] = {}   # node -> share -> why it could not be adopted
+        self._held_out: set[str] = set()   # nodes kept from new work until their newer shares are adopted
 
     # -- per-allocation exclusion ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -621,8 +622,19 @@ class ControllerCore:
             self._unadopted[node] = failed
         else:
             self._unadopted.pop(node, None)
-        self.ledger.set_held_out(node, HELD_OUT if failed else "")
+        self._hold_out(node, bool(failed))
         return adopted
+
+    def held_out(self, node: str) -> bool:
+        """The node takes no new work until its shares newer than the store are adopted."""
+        return node in self._held_out
+
+    def _hold_out(self, node: str, hold: bool) -> None:
+        if hold:
+            self._held_out.add(node)
+        else:
+            self._held_out.discard(node)
+        self.ledger.set_held_out(node, HELD_OUT if hold else "")
 
     def adopt(self, node_name: str, share: agent_pb2.Share, inventory: agent_pb2.Inventory) -> Allocation:
         """Record an active allocation for a share its agent holds that the store has no record
@@ -711,7 +723,7 @@ class ControllerCore:
         (the reconciler pass the registration starts does it)."""
         inventory = self.agents.get(name, address).inventory()
         if self.newer_than_store(inventory):
-            self.ledger.set_held_out(name, HELD_OUT)
+            self._hold_out(name, True)
         now = self.clock()
         with self._node_changes:
             node = _keep_cordon(node_from_inventory(name, address, labels, inventory, now),

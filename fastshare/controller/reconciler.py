@@ -155,7 +155,7 @@ class Reconciler:
                     log.warning("freed orphan share %s on %s (no allocation holds it)", share.id, node)
                 except AgentError as exc:
                     log.warning("could not free orphan share %s on %s: %s", share.id, node, exc)
-            if self.core.store.get_node(node) is not None:
+            if (newer or self.core.held_out(node)) and self.core.store.get_node(node) is not None:
                 report.adopted += self.core.take_over(node, newer, inventory)
         return report
 

@@ -184,7 +184,10 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
         while not stop.wait(max(1.0, lease_ttl / 3) if lease_ttl else NO_LEASE_CHECK_S):
             try:
                 if lease_ttl:
-                    client.call("RenewLease", pb.RenewLeaseRequest(allocation_id=allocation.id), timeout=10)
+                    # with its own ttl: a record that lost its lease (adopted after a restore of
+                    # the controller's state) gets it back instead of refusing every renewal
+                    client.call("RenewLease", pb.RenewLeaseRequest(allocation_id=allocation.id,
+                                                                   ttl_seconds=lease_ttl), timeout=10)
                     continue
                 released = client.call("Get", pb.GetAllocationRequest(allocation_id=allocation.id),
                                        timeout=10).state in gone

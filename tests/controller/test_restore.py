@@ -145,3 +145,39 @@ def test_backup_refuses_to_overwrite_and_checks_the_copy(tmp_path):
     restored = SqliteStore(tmp_path / "new.db")
     assert [n.name for n in restored.list_nodes()] == ["n1"]
     restored.close()
+
+
+def test_a_run_under_a_lease_survives_a_restore_and_its_lease_comes_back(node):
+    """`fastshare run` renews with its own ttl: the adopted record (the share holds no lease)
+    gets the run's lease back at the next renewal instead of refusing every renewal."""
+    cluster = node
+    state, copy = cluster.state_dir / "state.db", cluster.root / "backup.db"
+    assert backup(str(state), str(copy)).returncode == 0
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")},
+           "FASTSHARE_CONTROLLER": cluster.address, "FASTSHARE_TLS_DIR": str(cluster.pki.dir)}
+    run = subprocess.Popen([fastshare_bin(), "run", "--kind", "mps", "--mem", "1GiB", "--lease-ttl", "6",
+                            "--", "sleep", "300"], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any(a.state == pb.ALLOCATION_STATE_ACTIVE for a in cluster.status().allocations),
+                 60, "the run's allocation")
+        (made,) = [a for a in cluster.status().allocations if a.state == pb.ALLOCATION_STATE_ACTIVE]
+        cluster.controller.stop()
+        for leftover in ("state.db", "state.db-wal", "state.db-shm"):
+            (cluster.state_dir / leftover).unlink(missing_ok=True)
+        copy.rename(state)
+        cluster.start_controller()
+        cluster.wait_node("node-a", available=True)
+
+        def leased():
+            record = {a.id: a for a in cluster.status().allocations}.get(made.id)
+            return record is not None and record.lease_expires_at > 0 and record
+        adopted = wait_for(leased, 60, "the adopted allocation's lease renewed by the run")
+        assert adopted.reason.startswith("adopted: ") and adopted.state == pb.ALLOCATION_STATE_ACTIVE
+        assert run.poll() is None, "the run must go on"
+    finally:
+        run.terminate()
+        _, stderr = run.communicate(timeout=60)
+    assert "INVALID_ARGUMENT" not in stderr, stderr   # "the allocation has no lease", every renewal
+    assert "released" in stderr, stderr                # and the run ended the adopted allocation itself
+    assert made.id not in cluster.agents["node-a"].share_ids(cluster.pki)

@@ -90,9 +90,9 @@ ADOPTED = "adopted: "   # ... and one rebuilt from a share the state database ha
 
 def render(st) -> None:
     now = time.time()
-    # active allocations whose GPU's view changed under them (MIG mode, memory, oversubscription):
-    # still held, and their GPU takes nothing new until enough is released
-    over = {a.id: a.reason.removeprefix(OVER_COMMITTED) for a in st.allocations
+    # active allocations whose record says their GPU's view changed under them (MIG mode, memory,
+    # oversubscription): still held, and their GPU takes nothing new until enough is released
+    over = {a.id for a in st.allocations
             if a.reason.startswith(OVER_COMMITTED) and _state(a.state) == "active"}
     print_table("Nodes", ["NODE", "ADDRESS", "STATE", "GPUS", "HEARTBEAT"], [
         (n.name, n.address, _node_state(n), len(n.gpus),
@@ -117,7 +117,7 @@ def render(st) -> None:
                 use = "shared"
             else:
                 use = "idle"
-            if any(i in over for i in g.allocation_ids):
+            if g.over_committed:
                 use += ", OVER-COMMITTED"
             rows.append((n.name, g.index, g.model, f"{bar(g.sm_percent_used / 100)} {g.sm_percent_used:3d}%",
                          f"{bar(mem)} {_gib(g.memory_bytes_used)}/{_gib(g.memory_bytes)} GiB", use,
@@ -136,9 +136,11 @@ def render(st) -> None:
         print_table("Adopted: held on their node, unknown to the state database (restored from an older "
                     "backup?); `fastshare release ID` ends one nothing uses", ["ID", "NODE", "OWNER", "WHY"],
                     adopted)
-    if over:
-        print_table("Over-committed: held where the GPU no longer takes them (it takes nothing new until "
-                    "enough is released)", ["ID", "WHY"], sorted(over.items()))
+    over_gpus = [(n.name, g.index, g.over_commit_reason)
+                 for n in st.nodes for g in n.gpus if g.over_committed]
+    if over_gpus:
+        print_table("Over-committed GPUs: they hold shares they no longer take, and take nothing new until "
+                    "enough is released", ["NODE", "GPU", "WHY"], over_gpus)
 
 
 COMMANDS = [status]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastshare.controller.model import HOLDING, Allocation, Device, Kind, Node, Spec, State
 from fastshare.device import catalog
 from fastshare.v1 import common_pb2
@@ -50,13 +52,18 @@ def _memory_slices(model: str) -> int:
     return known.memory_slices if known and known.mig_capable else 0
 
 
-def cluster_status(nodes: list[Node], allocations: list[Allocation]) -> pb.ClusterStatus:
-    """Per-GPU usage computed from the allocations that hold capacity (the state of record)."""
+def cluster_status(nodes: list[Node], allocations: list[Allocation],
+                   over: Mapping[str, str] | None = None) -> pb.ClusterStatus:
+    """Per-GPU usage computed from the allocations that hold capacity (the state of record).
+    ``over``: allocation id -> why its GPU no longer takes it (``Ledger.overcommitted``); the
+    GPUs such an allocation holds are marked over-committed, with the why."""
     out = pb.ClusterStatus()
     # a GPU by UUID: its index shifts when another GPU leaves the node, and the allocation's
     # record may not say the new one yet (by index only where a record names no UUID)
     usage: dict[tuple[str, int | str], pb.GpuUsage] = {}
     available = {n.name: n.available for n in nodes}
+    # over-committed GPUs: why, per allocation
+    whys: dict[tuple[str, int], tuple[pb.GpuUsage, list[str]]] = {}
     for n in nodes:
         ns = out.nodes.add(name=n.name, address=n.address, available=n.available,
                            last_heartbeat=n.last_heartbeat, labels=n.labels, cordoned=n.cordoned,
@@ -75,6 +82,8 @@ def cluster_status(nodes: list[Node], allocations: list[Allocation]) -> pb.Clust
             if gpu is None:
                 continue
             gpu.allocation_ids.append(a.id)
+            if over and a.id in over:
+                whys.setdefault((a.node, gpu.index), (gpu, []))[1].append(over[a.id])
             if a.spec.kind is Kind.FASTPOD:
                 gpu.sm_percent_used += a.spec.sm_percent
                 gpu.memory_bytes_used += a.spec.memory_bytes
@@ -89,4 +98,8 @@ def cluster_status(nodes: list[Node], allocations: list[Allocation]) -> pb.Clust
                 gpu.whole_held = True
                 gpu.memory_bytes_used = gpu.memory_bytes
                 gpu.sm_percent_used = 100
+    for gpu, said in whys.values():   # short: the first allocation's why, and how many more there are
+        gpu.over_committed = True
+        more = f" (and {len(said) - 1} more allocation(s))" if len(said) > 1 else ""
+        gpu.over_commit_reason = said[0] + more
     return out

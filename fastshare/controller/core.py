@@ -195,6 +195,8 @@ class ControllerCore:
         self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through put_node
         self._unadopted: dict[str, dict[str, str]] = {}   # node -> share -> why it could not be adopted
         self._held_out: set[str] = set()   # nodes kept from new work until their newer shares are adopted
+        # node -> the agent's MPS oversubscription factor last warned about (it differs from ours)
+        self._oversub_warned: dict[str, float] = {}
 
     # -- per-allocation exclusion ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -734,7 +736,30 @@ class ControllerCore:
                 self._last_seen[name] = now
             misfits = self.ledger.set_node(node_view(node), True)
         self._log_misfits(name, misfits)
+        self._check_oversubscription(name, inventory.mps_memory_oversubscription)
         log.info("node %s registered at %s with %d GPU(s)", name, address, len(node.gpus))
+
+    def _check_oversubscription(self, name: str, agent: float) -> None:
+        """Warn (once per node and value) when the node's agent lets MPS shares promise another
+        multiple of a GPU's memory than this controller places: the lower factor governs. An
+        agent that does not report its factor (0) is not judged."""
+        ours = self.ledger.mps_oversubscription
+        if not agent or agent == ours:
+            self._oversub_warned.pop(name, None)
+            return
+        if self._oversub_warned.get(name) == agent:
+            return
+        self._oversub_warned[name] = agent
+        if agent < ours:
+            effect = (f"the agent's ({agent:g}) governs: the controller places MPS shares up to {ours:g} x a "
+                      f"GPU's memory there and the agent refuses those beyond {agent:g} x at prepare")
+        else:
+            effect = (f"the controller's ({ours:g}) governs: it places MPS shares only up to {ours:g} x a "
+                      "GPU's memory there")
+        log.warning("node %s: its agent's MPS memory oversubscription factor (%g, its config's "
+                    "mps_memory_oversubscription) differs from the controller's (%g); %s. Make them equal "
+                    "(the agent's config, or the standalone controller's --mps-oversubscription)",
+                    name, agent, ours, effect)
 
     def heartbeat(self, name: str) -> bool:
         """False tells the agent to register again (unknown to this controller process)."""

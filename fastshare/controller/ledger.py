@@ -67,6 +67,11 @@ class Ledger:
         # (newer than the store, see ``Reconciler``) until they are adopted
         self._held_out: dict[str, str] = {}
 
+    @property
+    def mps_oversubscription(self) -> float:
+        """The memory factor MPS shares of a GPU may promise here (see ``Engine``)."""
+        return self._oversub
+
     # -- cluster view -------------------------------------------------------------------------
     def _view(self, view: NodeView) -> NodeView:
         cpu, memory = self._host.get(view.name, (view.cpu_milli, view.memory_mib))

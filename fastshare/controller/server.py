@@ -299,7 +299,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         nodes = self.core.store.list_nodes()
         for n in nodes:
             n.available = self.core.is_available(n.name)
-        return convert.cluster_status(nodes, self.core.store.list_allocations(states))
+        return convert.cluster_status(nodes, self.core.store.list_allocations(states),
+                                      self.core.ledger.overcommitted())
 
     @_guard
     def SetSchedulable(self, request: pb.SetSchedulableRequest, context) -> pb.NodeStatus:
@@ -307,7 +308,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         node = self.core.set_schedulable(request.node, request.schedulable, request.reason)
         node.available = self.core.is_available(node.name)
         held = self.core.store.list_allocations(HOLDING, node=node.name)
-        return convert.cluster_status([node], held).nodes[0]
+        return convert.cluster_status([node], held, self.core.ledger.overcommitted(node.name)).nodes[0]
 
     @_guard
     def ForgetNode(self, request: pb.ForgetNodeRequest, context) -> pb.ForgetNodeResponse:

@@ -885,7 +885,8 @@ class Agent:
                         boot_id=self.boot_id, gpus=gpus, profiles=dict(self._profiles),
                         agent_migs=migs, share_of_device=share_of_device, mps_daemons=daemons,
                         shares=shares, share_files=files, links=self._links(len(gpus)),
-                        mps_unavailable=self.mps.unavailable())
+                        mps_unavailable=self.mps.unavailable(),
+                        mps_memory_oversubscription=self.config.mps_memory_oversubscription)
 
     def _links(self, gpu_count: int) -> tuple[tuple[int, int, int], ...]:
         """Every GPU pair's link (read once: the wiring does not change while the agent runs); none
@@ -919,6 +920,7 @@ class Snapshot:
     share_files: list[tuple[str, str, str, int]]
     links: tuple[tuple[int, int, int], ...] = ()   # (gpu a, gpu b, NVML level; -1 NVLink)
     mps_unavailable: str = ""   # why MPS shares cannot run here; "" when they can
+    mps_memory_oversubscription: float = 1.0   # the memory factor MPS shares of a GPU may promise here
 
 
 @contextlib.contextmanager

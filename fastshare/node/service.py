@@ -335,7 +335,7 @@ def inventory_proto(snap: Snapshot) -> agent_pb2.Inventory:
         share_files=[agent_pb2.ShareFile(device_uuid=d, config_path=c, port_path=p, entries=n)
                      for d, c, p, n in snap.share_files],
         links=[agent_pb2.GpuLink(gpu_a=a, gpu_b=b, level=level) for a, b, level in snap.links],
-        mps_unavailable=snap.mps_unavailable)
+        mps_unavailable=snap.mps_unavailable, mps_memory_oversubscription=snap.mps_memory_oversubscription)
 
 
 def _share_in_inventory(row: ShareRow) -> agent_pb2.Share:

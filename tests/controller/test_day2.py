@@ -269,3 +269,67 @@ def test_mig_mode_turned_on_by_hand_under_a_fastpod_share_keeps_the_gpu_held(clu
     client.call("Release", pb.ReleaseAllocationRequest(allocation_id=share.id))
     assert allocate(client, "exclusive", mig_profile="1g.10gb").state == pb.ALLOCATION_STATE_ACTIVE
     assert_consistent(cluster)
+
+
+def test_status_says_which_gpu_is_over_committed_in_its_usage(cluster):
+    """The status API's per-GPU usage had no over-commit mark: `fastshare status` guessed it by
+    parsing the allocations' reasons (and saw nothing until the reconciler wrote them). Now each
+    GPU's usage says whether it is over-committed and why, from the controller's ledger, and
+    `fastshare status` (table and --json) shows that."""
+    cluster.add_machine("n1", ["H100-SXM5-80GB", "H100-SXM5-80GB"])
+    cluster.start_controller()
+    cluster.start_agent("n1")
+    client = cluster.client()
+    share = allocate(client, "fastpod", sm_percent=50, memory_bytes=4 * GiB)
+    over_gpu = share.devices[0].gpu_index
+
+    machine = cluster.root / "n1.json"
+    data = json.loads(machine.read_text())
+    data["gpus"][over_gpu]["mig_current"] = data["gpus"][over_gpu]["mig_pending"] = 1   # nvidia-smi -mig 1
+    machine.write_text(json.dumps(data))
+    wait_for(lambda: cluster.node("n1").gpus[over_gpu].over_committed, 30, "the GPU's usage says so")
+    gpus = {g.index: g for g in cluster.node("n1").gpus}
+    why = gpus[over_gpu].over_commit_reason
+    assert f"n1 GPU {over_gpu}" in why and "in MIG mode" in why, why
+    assert (gpus[1 - over_gpu].over_committed, gpus[1 - over_gpu].over_commit_reason) == (False, "")
+
+    def cli(*args: str) -> str:
+        out = subprocess.run([fastshare_bin(), "status", *args, "--controller", cluster.address, "--tls-dir",
+                              str(cluster.pki.dir)], capture_output=True, text=True, timeout=60, env=_wide())
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    shown = {g["index"]: g for g in json.loads(cli("--json"))["nodes"][0]["gpus"]}
+    assert shown[over_gpu]["over_committed"] is True and shown[over_gpu]["over_commit_reason"] == why
+    assert shown[1 - over_gpu]["over_committed"] is False
+    table = cli()
+    [row] = [line for line in table.splitlines() if "OVER-COMMITTED" in line]
+    assert f" {over_gpu} " in row, table
+    assert "in MIG mode" in table.split("Over-committed")[-1], table
+
+    client.call("Release", pb.ReleaseAllocationRequest(allocation_id=share.id))
+    wait_for(lambda: not cluster.node("n1").gpus[over_gpu].over_committed, 30, "the mark gone once released")
+
+
+def test_an_agent_with_another_mps_oversubscription_factor_is_warned_about_once(cluster):
+    """The controller (--mps-oversubscription 2) and an agent (mps_memory_oversubscription 1, the
+    default) disagreed without a word: the controller placed MPS shares up to twice a GPU's
+    memory and the agent refused those beyond once it at prepare. Now the agent reports its
+    factor with its inventory and the controller logs a WARNING once per node naming both and
+    the one that governs; a node whose agent agrees gets none."""
+    cluster.add_machine("n1", ["V100-SXM2-32GB"])
+    cluster.add_machine("n2", ["V100-SXM2-32GB"])
+    cluster.start_controller(extra=["--mps-oversubscription", "2"])
+    cluster.start_agent("n1")
+    cluster.start_agent("n2", config={"mps_memory_oversubscription": 2.0})
+
+    def warnings() -> list[str]:
+        return [line for line in cluster.controller.output().splitlines()
+                if "WARNING" in line and "oversubscription" in line]
+    wait_for(warnings, 30, "a warning about n1's factor")
+    [line] = warnings()
+    assert "node n1" in line and "1" in line and "2" in line and "the agent's (1) governs" in line, line
+    cluster.agents["n1"].stop()   # the agent starts again and registers again: no second warning
+    cluster.start_agent("n1")
+    wait_for(lambda: cluster.controller.output().count("node n1 registered") == 2, 30, "n1 registered again")
+    assert len(warnings()) == 1, warnings()

@@ -96,6 +96,23 @@ def _fmt_mib(mib: float) -> str:
         f"{int(mib // 1024)} GiB" if mib >= 1024 else f"{int(mib)} MiB")
 
 
+def _foreign_overlap(m: MigSlot, g: _Gpu, node: str) -> str:
+    """Why a held MIG slice cannot be had at its placement: instances no assignment holds (made
+    outside fastshare, e.g. by hand after the slice's own instance was destroyed) lie on its
+    memory slices ("" when none do). Its own instance, not yet shown as held, is not one."""
+    own = (m.profile_id, m.start, m.size)
+    mask = migmath.used_mask([own])
+    names = {p.profile_id: p.name for p in g.view.mig_profiles}
+    foreign = [f"a {names.get(i[0], f'profile {i[0]}')} at memory slice {i[1]}"
+               for i in g.view.mig_unheld if i != own and mask & migmath.used_mask([i])]
+    if not foreign:
+        return ""
+    return (f"MIG placement {m.profile_name} at memory slice {m.start} on {g.label(node)} overlaps "
+            f"{' and '.join(foreign)} that fastshare did not create (laid out by hand?): destroy "
+            f"{'it' if len(foreign) == 1 else 'them'} (nvidia-smi mig -dci, -dgi) to give the slice back, "
+            "or release this allocation")
+
+
 class Engine:
     """Placement over a cluster view. Deterministic: same view + same calls = same answers.
 
@@ -293,6 +310,8 @@ class Engine:
                                f"{g.label(node.view.name)}" if prof is not None else
                                f"MIG profile {m.profile_name} (id {m.profile_id}) is not offered on "
                                f"{g.label(node.view.name)}")
+                else:
+                    problem = _foreign_overlap(m, g, node.view.name) or problem
             elif problem == "not idle" and g.view.mig_enabled:
                 problem = "in MIG mode (a whole GPU needs MIG disabled)"
             elif r.kind == "mps" and problem and problem.startswith("only "):
@@ -549,13 +568,15 @@ class Engine:
                 continue
             unheld = g.unheld()
             inst = [*g.mig.values(), *unheld]
+            held = migmath.used_mask(g.mig.values())   # an unheld instance on a held slice is not offered
             by_id = {p.profile_id: p for p in v.mig_profiles}
             free_slices = migmath.compute_slices_total(v.mig_profiles) - sum(
                 by_id[pid].slices for pid, _s, _z in inst if pid in by_id)
             for p in profs:
                 # an instance of this profile that is already there costs no MIG change and no
                 # future shape: taken first (then the lowest start)
-                ready = [s for pid, s, _z in unheld if pid == p.profile_id]
+                ready = [s for pid, s, z in unheld
+                         if pid == p.profile_id and not held & migmath.used_mask([(pid, s, z)])]
                 starts = ready or migmath.free_starts(p, v.mig_profiles, inst)
                 if not starts:
                     continue

@@ -333,3 +333,42 @@ def test_an_agent_with_another_mps_oversubscription_factor_is_warned_about_once(
     cluster.start_agent("n1")
     wait_for(lambda: cluster.controller.output().count("node n1 registered") == 2, 30, "n1 registered again")
     assert len(warnings()) == 1, warnings()
+
+
+def test_a_mig_slice_replaced_by_hand_with_an_overlapping_one_is_over_committed(cluster):
+    """An exclusive allocation's MIG slice destroyed by hand (nvidia-smi mig -dci/-dgi) and a
+    smaller one laid out over its memory slices: the controller saw the new instance in the
+    agent's inventory but judged the held slice by the other held ones only, so the allocation
+    stayed active as if nothing had happened, and once the agent dropped the share (its device
+    gone) it was prepared again and ended with the agent's raw NVML error. Now the allocation
+    is over-committed with a reason naming the foreign slice and what to do, and a share the
+    agent lost is not prepared again over it but ended with that reason."""
+    from fastshare.device import open_devices
+
+    cluster.add_machine("n1", ["A100-SXM4-40GB"], mig_enabled=True)
+    cluster.start_controller()
+    cluster.start_agent("n1")
+    client = cluster.client()
+    held = allocate(client, "exclusive", mig_profile="3g.20gb")
+    start = held.devices[0].mig_start
+    with open_devices("sim", cluster.root / "n1.json") as devices:
+        devices.destroy_mig_instance(0, start)
+        foreign = devices.create_mig_instance(0, 19, start + 1)   # a 1g.5gb inside the 3g's slices
+    wait_for(lambda: OVER in _reasons(client, [held.id])[held.id], 30,
+             f"the allocation says it is over-committed: {_reasons(client, [held.id])}")
+    reason = _reasons(client, [held.id])[held.id]
+    assert f"1g.5gb at memory slice {start + 1}" in reason and "n1 GPU 0" in reason, reason
+    assert "destroy" in reason, reason
+    assert states(cluster)[held.id] == "active"
+    assert cluster.node("n1").gpus[0].over_committed
+
+    cluster.agents["n1"].stop()   # its start drops the share (its MIG device is gone)
+    cluster.start_agent("n1")
+    wait_for(lambda: states(cluster)[held.id] in ("released", "failed"), 60,
+             f"the lost share ended: {states(cluster)}")
+    ended = _reasons(client, [held.id])[held.id]
+    assert "cannot be prepared again" in ended and f"1g.5gb at memory slice {start + 1}" in ended, ended
+    assert "RESOURCE_EXHAUSTED" not in ended, ended
+    with open_devices("sim", cluster.root / "n1.json") as devices:   # the foreign slice left alone
+        assert [m.uuid for m in devices.mig_instances(0)] == [foreign.uuid]
+    assert_consistent(cluster)

@@ -542,3 +542,21 @@ def test_forced_restore_still_refuses_what_cannot_be_counted():
     assert eng.place(Request("m", "mps", gpu_memory_mib=10))
     with pytest.raises(InvalidRequest, match="shared as mps"):
         eng.restore(Assignment(fastpod("a"), "n", (0,)), force=True)
+
+
+def test_a_held_slice_overlapped_by_a_foreign_instance_is_over_committed_and_that_instance_not_offered():
+    """A held 3g.20gb at slice 4 whose instance was destroyed by hand and a 1g.5gb (id 19) laid
+    out at slice 5 in its place: restoring the held slice found nothing wrong (only the other
+    held slices were looked at), and the foreign 1g.5gb was offered as a ready slice to the next
+    small request, on top of the held one. Now the restore says why the slice does not fit
+    (naming the foreign instance) and new slices go beside both."""
+    held = Engine([_with_layout(())]).place(Request("held", "exclusive", sm_count=42))
+    assert held and held.mig.start == 4
+    eng = Engine([_with_layout(((19, 5, 1),))])
+    why = eng.restore(held, force=True)
+    assert why and "3g.20gb at memory slice 4 on n GPU 0 overlaps a 1g.5gb at memory slice 5" in why, why
+    assert "destroy it" in why
+    small = eng.place(Request("small", "exclusive", sm_count=14))
+    assert small and small.mig.start < 4, small
+    # its own instance, not yet shown as held, is no foreign one
+    assert Engine([_with_layout(((9, 4, 4),))]).restore(held, force=True) is None

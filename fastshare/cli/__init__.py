@@ -20,6 +20,27 @@ import click
 
 from fastshare import __version__
 
+# The commands that serve (their gRPC log is an operator's; a client's TLS failure shows there too).
+SERVERS = (("controller", "serve"), ("node", "serve"), ("k8s", "controller"))
+
+
+def _quiet_grpc(argv: list[str]) -> None:
+    """gRPC's C core logs a failed TLS handshake to stderr itself ("Handshake failed with error
+    SSL_ERROR_SSL ..."), before a client command prints its own error and what to check. It reads
+    GRPC_VERBOSITY once, when grpc is imported: set to NONE for that import in client commands (a
+    value the user set is left alone), then taken out again, so that the command `fastshare run`
+    starts does not inherit it."""
+    if "GRPC_VERBOSITY" in os.environ or "grpc" in sys.modules or tuple(argv[1:3]) in SERVERS:
+        return
+    os.environ["GRPC_VERBOSITY"] = "NONE"
+    try:
+        import grpc  # noqa: F401 - read now, with the variable set
+    finally:
+        del os.environ["GRPC_VERBOSITY"]
+
+
+_quiet_grpc(sys.argv)
+
 
 class _Cli(click.Group):
     """The top-level group: a reader that closed stdout (`fastshare status | head -1`) ends the

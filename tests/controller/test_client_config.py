@@ -208,3 +208,43 @@ def test_a_controller_with_an_expired_certificate_is_named_as_such(cluster):
     assert "hint: the controller's certificate has expired" in out, out
     assert "fastshare certs issue --role controller --name controller" in out, out
     assert "put the cluster CA's ca.crt there" not in out, out
+
+
+def test_a_cli_call_that_fails_tls_prints_only_fastshares_message(cluster, tmp_path):
+    """A CLI call whose TLS handshake failed printed gRPC's own C-core log line first
+    ("I1126 ... ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL ..."),
+    then fastshare's error and hint. Now the CLI's stderr holds only fastshare's message; a
+    GRPC_VERBOSITY the user set is left as it is."""
+    import os
+    import subprocess
+
+    from .conftest import fastshare_bin, wait_for
+
+    cluster.start_controller()
+    certs.init_ca(tmp_path / "other-ca")
+    mixed = tmp_path / "mixed"   # a ca.crt of another CA: the client cannot verify the controller
+    mixed.mkdir()
+    shutil.copy(tmp_path / "other-ca" / "ca.crt", mixed / "ca.crt")
+    for name in ("client.crt", "client.key"):
+        shutil.copy(cluster.pki.dir / name, mixed / name)
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+
+    def status(env: dict[str, str]) -> str:
+        out = subprocess.run([fastshare_bin(), "status", "--controller", cluster.address, "--tls-dir",
+                              str(mixed)], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 1, out
+        return out.stderr
+
+    lines = status(env).splitlines()
+    assert lines[0].startswith("Error: controller at ") and "CERTIFICATE_VERIFY_FAILED" in lines[0], lines
+    assert [line.split(":")[0] for line in lines[1:]] == ["hint"], lines
+    assert "Handshake failed" in status({**env, "GRPC_VERBOSITY": "INFO"})
+    # a client certificate of another CA: the controller refuses it, and (a server) logs gRPC's line
+    certs.issue(tmp_path / "other-ca", "client", tmp_path / "foreign", role="client")
+    shutil.copy(cluster.pki.dir / "ca.crt", mixed / "ca.crt")
+    for name in ("client.crt", "client.key"):
+        shutil.copy(tmp_path / "foreign" / name, mixed / name)
+    lines = status(env).splitlines()
+    assert lines[0].startswith("Error: controller at ") and "Socket closed" in lines[0], lines
+    assert [line.split(":")[0] for line in lines[1:]] == ["hint"], lines
+    wait_for(lambda: "Handshake failed" in cluster.controller.output(), 10, "the controller's gRPC log line")

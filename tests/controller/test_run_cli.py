@@ -238,3 +238,15 @@ def test_what_the_command_leaves_running_ends_before_the_release(cluster, env):
     finally:
         if _running(int(out.stdout)):
             os.kill(int(out.stdout), signal.SIGKILL)
+
+
+def test_the_command_run_does_not_inherit_the_cli_s_grpc_verbosity(cluster, env):
+    """The CLI quiets gRPC's own log for itself (GRPC_VERBOSITY=NONE while grpc is imported);
+    the user's command, maybe a gRPC program, gets the environment the user gave."""
+    env = {k: v for k, v in env.items() if k != "GRPC_VERBOSITY"}
+    out = _run(env, "run", "--kind", "mps", "--mem", "1GiB", "--", "sh", "-c",
+               'echo "${GRPC_VERBOSITY-unset}"')
+    assert out.returncode == 0 and out.stdout.split() == ["unset"], out
+    out = _run({**env, "GRPC_VERBOSITY": "DEBUG"}, "run", "--kind", "mps", "--mem", "1GiB", "--", "sh", "-c",
+               'echo "$GRPC_VERBOSITY"')
+    assert out.returncode == 0 and out.stdout.split() == ["DEBUG"], out

@@ -431,39 +431,72 @@ class KubeController:
 
     def _stream(self, list_fn: Callable[..., Any], on_event: Callable[[str, dict[str, Any]], None],
                 on_list: Callable[[dict[str, Any]], None] | None = None, page: int = 0,
-                **kwargs: Any) -> None:
+                on_progress: Callable[[str], None] | None = None, **kwargs: Any) -> None:
         """List (``on_list``, then each item as "LISTED"), then watch from the list's
-        resourceVersion (``on_event(type, object)``); start over on any error or expiry.
+        resourceVersion (``on_event(type, object)``). A watch that ends (its timeout, a network
+        blip, an API server restart) is renewed from the last resourceVersion it saw (an event's
+        or a bookmark's): listing a big cluster again every ``watch_timeout`` was a steady load on
+        the API server. Only a version the API server no longer has (410 Gone, "too old resource
+        version") lists again. ``on_progress(version)``: every event up to ``version`` was handled
+        (at each renewal; the caches forget their tombstones up to it there, see WatchCache).
         ``page`` > 0: list in pages of that many, and ``on_list`` gets the items as an iterator
         that fetches them page by page (each item goes to ``on_event`` as it is read)."""
+        version: str | None = None
         while not self._stop.is_set():
             try:
-                if page > 0:
-                    listing = self._paged(list_fn, page, on_event, **kwargs)
-                    if on_list is not None:
-                        on_list(listing)
-                    for _ in listing["items"]:   # what on_list did not read
-                        pass
-                else:
-                    listing = _raw(list_fn(**kwargs, _preload_content=False))
-                    if on_list is not None:
-                        on_list(listing)
-                    for item in listing["items"]:
-                        on_event("LISTED", item)
-                stream = watch.Watch()
-                for event in stream.stream(list_fn, resource_version=listing["metadata"]["resourceVersion"],
-                                           timeout_seconds=self.settings.watch_timeout, deserialize=False,
-                                           **kwargs):
-                    if self._stop.is_set():
-                        stream.stop()
-                        return
-                    if event["type"] == "ERROR":
-                        break
-                    on_event(event["type"], event["object"])
-            except Exception as exc:  # the API server restarted, 410 Gone, a network blip: relist
+                if version is None:
+                    version = self._list_into(list_fn, on_event, on_list, page, **kwargs)
+                with contextlib.closing(self._watch(list_fn, version, **kwargs)) as events:
+                    for event in events:
+                        if self._stop.is_set():
+                            return
+                        obj = event["object"]
+                        if event["type"] == "ERROR":   # a Status: 410 when the version is too old
+                            raise client.ApiException(status=obj.get("code"),
+                                                      reason=f"{obj.get('reason')}: {obj.get('message')}")
+                        if event["type"] != "BOOKMARK":
+                            on_event(event["type"], obj)
+                        version = obj["metadata"]["resourceVersion"]
+                if on_progress is not None:
+                    on_progress(version)
+            except Exception as exc:  # the API server restarted, a network blip: resume; 410 Gone: relist
+                if isinstance(exc, client.ApiException) and exc.status == 410:
+                    version = None
                 if not self._stop.is_set():
-                    log.info("watch %s restarts: %s", getattr(list_fn, "__name__", "?"), exc)
+                    log.info("watch %s %s: %s", getattr(list_fn, "__name__", "?"),
+                             "lists again" if version is None else f"resumes from {version}", exc)
                     self._stop.wait(1.0)
+
+    def _list_into(self, list_fn: Callable[..., Any], on_event: Callable[[str, dict[str, Any]], None],
+                   on_list: Callable[[dict[str, Any]], None] | None, page: int, **kwargs: Any) -> str:
+        """One full listing handed on (see _stream); its resourceVersion."""
+        if page > 0:
+            listing = self._paged(list_fn, page, on_event, **kwargs)
+            if on_list is not None:
+                on_list(listing)
+            for _ in listing["items"]:   # what on_list did not read
+                pass
+        else:
+            listing = _raw(list_fn(**kwargs, _preload_content=False))
+            if on_list is not None:
+                on_list(listing)
+            for item in listing["items"]:
+                on_event("LISTED", item)
+        return listing["metadata"]["resourceVersion"]
+
+    def _watch(self, list_fn: Callable[..., Any], since: str, /, **kwargs: Any) -> Iterator[dict[str, Any]]:
+        """The events (bookmarks and errors included) of one watch request from ``since``,
+        until its timeout. Not the client's Watch: without deserializing, it raises KeyError on
+        the ERROR event that says 410 Gone."""
+        response = list_fn(**kwargs, watch=True, resource_version=since, allow_watch_bookmarks=True,
+                           timeout_seconds=self.settings.watch_timeout, _preload_content=False)
+        try:
+            for line in watch.watch.iter_resp_lines(response):
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            response.close()
+            response.release_conn()
 
     @staticmethod
     def _paged(list_fn: Callable[..., Any], page: int, on_event: Callable[[str, dict[str, Any]], None],
@@ -510,10 +543,11 @@ class KubeController:
                 self.queue.add((_meta(pod)["namespace"], owner))
 
         if self.settings.namespace:
-            self._stream(self.pods.list_namespaced_pod, on_pod, on_list, namespace=self.settings.namespace,
-                         label_selector=FASTPOD_LABEL)
+            self._stream(self.pods.list_namespaced_pod, on_pod, on_list, on_progress=self.podcache.caught_up,
+                         namespace=self.settings.namespace, label_selector=FASTPOD_LABEL)
         else:
-            self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, label_selector=FASTPOD_LABEL)
+            self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list,
+                         on_progress=self.podcache.caught_up, label_selector=FASTPOD_LABEL)
 
     def _watch_node_pods(self) -> None:
         """Every namespace's bound Pods (the kubelet counts them all), for node usage."""
@@ -530,8 +564,12 @@ class KubeController:
                 self.usage.put(pod)
                 self.peers.put(pod)
 
+        def on_progress(version: str) -> None:
+            self.usage.caught_up(version)
+            self.peers.caught_up(version)
+
         self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, page=self.settings.list_page,
-                     field_selector=FIELD_SELECTOR)
+                     on_progress=on_progress, field_selector=FIELD_SELECTOR)
 
     def _housekeeping(self) -> None:
         s = self.settings

@@ -10,6 +10,10 @@ that a Pod it just deleted is still live (it would delete another one on scale-d
 - an event older than what is held (resourceVersion) is ignored, and a deleted Pod leaves a
   tombstone so that a late reply cannot bring it back;
 - a relist replaces the contents but keeps what is newer than the list (written meanwhile);
+- the watch is renewed from its last version, not by a relist (only after 410 Gone): what it
+  has handled up to a version (``caught_up``) is as good as a listing for the tombstones and
+  notes, which are forgotten up to it, so they do not pile up; a change of a Pod not held that
+  is no newer than that is stale (the watch showed the Pod, or its deletion) and ignored;
 - until the first list arrived the cache is not ``synced`` and passes wait.
 """
 
@@ -27,6 +31,13 @@ def resource_version(pod: dict[str, Any]) -> int:
     """resourceVersions are etcd revisions; compared only between versions of one Pod."""
     try:
         return int(pod["metadata"].get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
+def _as_int(version: str) -> int:
+    try:
+        return int(version)
     except ValueError:
         return 0
 
@@ -66,18 +77,25 @@ class WatchCache:
         """Under the lock: ``fresh`` (a listing as of ``list_version``) with the changes noted
         after it applied; the notes it covers are then forgotten (the newer ones still guard
         against older changes arriving late)."""
-        try:
-            as_of = int(list_version)
-        except ValueError:
-            as_of = 0
+        as_of = _as_int(list_version)
         for key, (version, entry) in self._since.items():
             if version > as_of:
                 fresh.pop(key, None)
                 if entry is not None:
                     fresh[key] = entry
-        self._since = {k: noted for k, noted in self._since.items() if noted[0] > as_of}
-        self._as_of = as_of
+        self._forget_through(as_of)
         return fresh
+
+    def _forget_through(self, as_of: int) -> None:
+        """Under the lock: every change up to ``as_of`` is known; what is noted up to it goes
+        (a change that old is ignored from now on anyway)."""
+        self._since = {k: noted for k, noted in self._since.items() if noted[0] > as_of}
+        self._as_of = max(self._as_of, as_of)
+
+    def caught_up(self, version: str) -> None:
+        """The watch has handled every change up to ``version`` (it is renewed from there)."""
+        with self._lock:
+            self._forget_through(_as_int(version))
 
     @property
     def synced(self) -> bool:
@@ -95,26 +113,31 @@ class PodCache(WatchCache):
 
     def replace(self, pods: list[dict[str, Any]], list_version: str) -> None:
         """A fresh list (as of ``list_version``) replaces everything older than it."""
-        try:
-            as_of = int(list_version)
-        except ValueError:
-            as_of = 0
+        as_of = _as_int(list_version)
         fresh = {pod_key(p): p for p in pods}
         with self._lock:
             for key, pod in self._pods.items():
                 if resource_version(pod) > as_of:
                     fresh[key] = pod  # created or changed (our delete's reply) after the list was taken
-            self._gone = {k: v for k, v in self._gone.items() if v > as_of}
-            for key in self._gone:
-                fresh.pop(key, None)
+            for key, version in self._gone.items():
+                if version > as_of:
+                    fresh.pop(key, None)
             self._pods = fresh
+            self._forget_through(as_of)
         self._synced.set()
+
+    def _forget_through(self, as_of: int) -> None:
+        """Under the lock: the tombstones up to ``as_of`` go (see put)."""
+        self._gone = {k: v for k, v in self._gone.items() if v > as_of}
+        self._as_of = max(self._as_of, as_of)
 
     def put(self, pod: dict[str, Any]) -> None:
         """An added or changed Pod (watch event or our own create/delete reply)."""
         key, version = pod_key(pod), resource_version(pod)
         with self._lock:
             held = self._pods.get(key)
+            if held is None and version <= self._as_of:
+                return   # the watch (or a listing) went past it and holds no such Pod: it is gone
             if (held is not None and resource_version(held) > version) or self._gone.get(key, -1) >= version:
                 return
             self._pods[key] = pod

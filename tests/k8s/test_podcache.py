@@ -114,3 +114,31 @@ def test_a_late_create_reply_does_not_bring_back_a_pod_the_watch_saw_end(kind):
     assert _held(cache) == []
     cache.put(_bound("a", 30))                    # a new Pod of the same name
     assert len(_held(cache)) == 1
+
+
+def test_a_watch_caught_up_forgets_tombstones_but_a_late_reply_still_does_not_bring_a_pod_back():
+    """Watches are renewed from their last version, not relisted: the tombstones go once the
+    watch is past them, and a reply older than that for a Pod not held is stale."""
+    cache = PodCache()
+    cache.replace([], "1")
+    cache.put(_pod("a", 10))                       # ADDED
+    cache.remove(_pod("a", 12))                    # DELETED
+    cache.caught_up("15")
+    assert cache._gone == {}
+    cache.put(_pod("a", 10))                       # the create's reply, very late
+    assert _names(cache) == []
+    cache.put(_pod("b", 16))                       # a new Pod's reply before the watch shows it
+    cache.put(_pod("a", 20))                       # re-created under the same name
+    assert _names(cache) == ["a", "b"]
+
+
+@pytest.mark.parametrize("kind", [NodeUsage, PodPeers])
+def test_a_watch_caught_up_forgets_its_notes_and_older_changes(kind):
+    cache = kind()
+    _relist(cache, [], "5")
+    cache.put(_bound("a", 10))
+    cache.remove(_bound("b", 11))
+    cache.caught_up("12")
+    assert cache._since == {}
+    cache.put(_bound("b", 9))                     # the create's reply, late: the watch saw it go
+    assert len(_held(cache)) == 1

@@ -215,6 +215,14 @@ class AgentPool:
                 self._clients[node] = client
             return client
 
+    def drop(self, node: str) -> None:
+        """Close and forget ``node``'s channel (the node was forgotten for good); a later
+        ``get`` for it makes a new one."""
+        with self._lock:
+            client = self._clients.pop(node, None)
+        if client is not None:
+            client.close()
+
     def close(self) -> None:
         with self._lock:
             for client in self._clients.values():

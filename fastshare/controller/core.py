@@ -863,6 +863,7 @@ class ControllerCore:
                 self._registered.discard(name)
                 self._last_seen.pop(name, None)
             self.ledger.remove_node(name)
+            self.agents.drop(name)   # its channel, kept (and its connection retried) for good otherwise
         log.warning("node %s forgotten (%s); %d allocation(s) ended: %s", name, reason or "no reason given",
                     len(ended), ", ".join(a.id for a in ended) or "none")
         return ended

@@ -236,6 +236,9 @@ class FencedAgents:
     def get(self, node: str, address: str) -> FencedAgent:
         return FencedAgent(self._pool.get(node, address), self._fence)
 
+    def drop(self, node: str) -> None:
+        self._pool.drop(node)
+
     def close(self) -> None:
         self._pool.close()
 

@@ -315,3 +315,22 @@ def test_a_refusal_too_long_for_a_condition_is_shown_clipped_not_lost(api_client
     message = scheduled["message"]
     assert len(message) <= 32768 and "env[0].name" in message
     assert message.endswith("characters left out]"), message[-200:]
+
+
+def test_a_forgotten_node_has_its_agent_channel_closed_and_dropped(api_client, namespace, make_controller):
+    """A GPU node whose Node object is deleted and whose agent does not answer is forgotten; its
+    gRPC channel in the agent pool went with it, not kept (and retried) for good: one per node
+    ever seen, on a cluster whose nodes come and go (autoscaling)."""
+    node = f"gpu-{uuid.uuid4().hex[:6]}"
+    core = client.CoreV1Api(api_client)
+    core.create_node(client.V1Node(metadata=client.V1ObjectMeta(
+        name=node, labels={"fastshare.io/gpu": "true"}, annotations={ENDPOINT_ANNOTATION: _dead_endpoint()})))
+    controller = make_controller(namespace)
+    controller.start()
+    pool = controller.core.agents._pool
+    channel = pool._clients[node]   # the registration tried it
+    core.delete_node(node)
+    wait_for(lambda: controller.store.get_node(node) is None, "the deleted node forgotten")
+    assert node not in pool._clients
+    with pytest.raises(ValueError, match="closed channel"):
+        channel.ping()

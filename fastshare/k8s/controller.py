@@ -94,6 +94,13 @@ from fastshare.v1 import agent_pb2, common_pb2
 log = logging.getLogger("fastshare.k8s.controller")
 
 ENDPOINT_ANNOTATION = "fastshare.io/agent-endpoint"
+# A FastPod's status.assignments lists at most this many replicas, of at most this much JSON (the
+# CRD's maxItems): each costs ~185 bytes (~300 with MIG) plus ~120 of managedFields, and etcd
+# stores at most 1.5 MiB per object, so listing every replica of a FastPod of some 5,000 made
+# each status write fail. The rest are counted (status.assignmentsOmitted); each replica's
+# FastShareAllocation object shows the same summary.
+ASSIGNMENTS_LISTED = 1000
+ASSIGNMENTS_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,24 @@ def _lost_race(exc: Exception) -> bool:
 
 def _meta(pod: dict[str, Any]) -> dict[str, Any]:
     return pod["metadata"]
+
+
+def listed_assignments(entries: list[dict[str, Any]], ready: set[str]) -> tuple[list[dict[str, Any]], int]:
+    """The ``status.assignments`` to write, by pod name, and how many replicas it leaves out:
+    every one, unless that passes ASSIGNMENTS_LISTED items or ASSIGNMENTS_BYTES of JSON; then
+    those worth a look go first (their share not active, a reason given, or their Pod not
+    ``ready``)."""
+    def fine(entry: dict[str, Any]) -> bool:
+        return entry["state"] == State.ACTIVE.value and "reason" not in entry and entry["pod"] in ready
+
+    listed: list[dict[str, Any]] = []
+    size = 0
+    for entry in sorted(entries, key=lambda e: (fine(e), e["pod"])):
+        size += len(json.dumps(entry).encode()) + 2
+        if len(listed) == ASSIGNMENTS_LISTED or size > ASSIGNMENTS_BYTES:
+            break
+        listed.append(entry)
+    return sorted(listed, key=lambda e: e["pod"]), len(entries) - len(listed)
 
 
 def selector_string(selector: dict[str, Any]) -> str:
@@ -1083,9 +1108,11 @@ class KubeController:
     def _write_status(self, fastpod: dict[str, Any], live: list[dict[str, Any]],
                       allocations: dict[str, Allocation], scheduled: dict[str, str]) -> None:
         """The FastPod's status, once per pass (and only if it changed): counts, conditions, and
-        where each replica runs (summaries of its allocation records)."""
+        where each replica runs (summaries of its allocation records; as many as fit, see
+        listed_assignments)."""
         meta, spec = fastpod["metadata"], fastpod["spec"]
-        ready = sum(1 for p in live if is_ready(p))
+        ready_pods = {_meta(p)["name"] for p in live if is_ready(p)}
+        ready = len(ready_pods)
         desired = int(spec.get("replicas", 1))
         old = {c["type"]: c for c in (fastpod.get("status") or {}).get("conditions") or []}
         conditions = []
@@ -1101,9 +1128,10 @@ class KubeController:
                                "observedGeneration": meta.get("generation", 0),
                                "lastTransitionTime": previous["lastTransitionTime"] if same else _now()})
         selector = selector_string(spec["selector"])
+        listed, omitted = listed_assignments([summary(pod, a) for pod, a in allocations.items()], ready_pods)
         status = {"replicas": len(live), "readyReplicas": ready, "selector": selector,
                   "observedGeneration": meta.get("generation", 0), "conditions": conditions,
-                  "assignments": [summary(pod, allocations[pod]) for pod in sorted(allocations)]}
+                  "assignments": listed, "assignmentsOmitted": omitted}
         current = fastpod.get("status") or {}
         if all(current.get(k) == v for k, v in status.items()):
             return

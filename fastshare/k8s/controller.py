@@ -22,7 +22,8 @@ replica) before any agent is asked to prepare it. What is Kubernetes-specific li
   PlacementLock); a template with ResourceClaims is refused (nothing would allocate them);
 - a finalizer keeps a deleted FastPod until every share is released;
 - on start (and on every leadership change) it rebuilds its view from FastPods, their Pods
-  and the agents; it never deletes and re-creates a running Pod to change it.
+  and the agents; it never deletes and re-creates a running Pod to change it (a template edit
+  goes to new replicas only; the status counts the outdated ones, see pods.template_hash).
 """
 
 from __future__ import annotations
@@ -67,12 +68,14 @@ from fastshare.k8s.pods import (
     MPS_PATH_ENV,
     TEMPLATE_SPEC,
     fastpod_field,
+    is_outdated,
     is_ready,
     is_terminated,
     replica_constraints,
     replica_host_ports,
     replica_pod,
     spec_of,
+    template_hash,
 )
 from fastshare.k8s.resources import FINALIZER, GROUP, PLURAL, VERSION, clip
 from fastshare.k8s.scheduling import (
@@ -1107,9 +1110,10 @@ class KubeController:
 
     def _write_status(self, fastpod: dict[str, Any], live: list[dict[str, Any]],
                       allocations: dict[str, Allocation], scheduled: dict[str, str]) -> None:
-        """The FastPod's status, once per pass (and only if it changed): counts, conditions, and
-        where each replica runs (summaries of its allocation records; as many as fit, see
-        listed_assignments)."""
+        """The FastPod's status, once per pass (and only if it changed): counts (outdated: live
+        replicas not made from the current template, which is not rolled out to them),
+        conditions, and where each replica runs (summaries of its allocation records; as many
+        as fit, see listed_assignments)."""
         meta, spec = fastpod["metadata"], fastpod["spec"]
         ready_pods = {_meta(p)["name"] for p in live if is_ready(p)}
         ready = len(ready_pods)
@@ -1129,11 +1133,14 @@ class KubeController:
                                "lastTransitionTime": previous["lastTransitionTime"] if same else _now()})
         selector = selector_string(spec["selector"])
         listed, omitted = listed_assignments([summary(pod, a) for pod, a in allocations.items()], ready_pods)
+        current = template_hash(fastpod)
+        outdated = sum(1 for p in live if is_outdated(p, current))
         status = {"replicas": len(live), "readyReplicas": ready, "selector": selector,
+                  "templateHash": current, "outdatedReplicas": outdated,
                   "observedGeneration": meta.get("generation", 0), "conditions": conditions,
                   "assignments": listed, "assignmentsOmitted": omitted}
-        current = fastpod.get("status") or {}
-        if all(current.get(k) == v for k, v in status.items()):
+        written = fastpod.get("status") or {}
+        if all(written.get(k) == v for k, v in status.items()):
             return
         self.fence.check()
         self.objects.patch_namespaced_custom_object_status(GROUP, VERSION, meta["namespace"], PLURAL,

@@ -10,6 +10,8 @@ that tie the Pod to its allocation.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
 from typing import Any
 
@@ -29,6 +31,9 @@ from fastshare.k8s.scheduling import (
 
 FASTPOD_LABEL = "fastshare.io/fastpod"
 ALLOCATION_ANNOTATION = "fastshare.io/allocation"
+# The hash of the template a replica Pod was made from (template_hash): a template edit is not
+# rolled out to running replicas, and the FastPod's status counts those of an older one.
+TEMPLATE_HASH_LABEL = "fastshare.io/template-hash"
 # The MPS directories the agent hands out in the environment; mounted from the host as they are.
 MPS_PATH_ENV = {
     "CUDA_MPS_PIPE_DIRECTORY": "fastshare-mps-pipe",
@@ -113,6 +118,18 @@ def _with_env(container: dict[str, Any], env: dict[str, str]) -> None:
     container["env"] = kept + [{"name": k, "value": v} for k, v in sorted(env.items())]
 
 
+def template_hash(fastpod: dict[str, Any]) -> str:
+    """A short hash of ``fastpod``'s Pod template (a label value)."""
+    text = json.dumps(fastpod["spec"]["template"], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def is_outdated(pod: dict[str, Any], current: str) -> bool:
+    """The replica Pod was not made from the template whose hash is ``current`` (one made before
+    the hash was recorded counts as outdated: which template it has is not known)."""
+    return (pod["metadata"].get("labels") or {}).get(TEMPLATE_HASH_LABEL) != current
+
+
 def replica_pod(fastpod: dict[str, Any], pod_name: str, allocation: Allocation,
                 gpu_node_label: str = "fastshare.io/gpu") -> dict[str, Any]:
     """The Pod for one replica, holding ``allocation`` on ``allocation.node``."""
@@ -122,7 +139,8 @@ def replica_pod(fastpod: dict[str, Any], pod_name: str, allocation: Allocation,
     metadata.update({
         "name": pod_name,
         "namespace": meta["namespace"],
-        "labels": {**(metadata.get("labels") or {}), FASTPOD_LABEL: meta["name"]},
+        "labels": {**(metadata.get("labels") or {}), FASTPOD_LABEL: meta["name"],
+                   TEMPLATE_HASH_LABEL: template_hash(fastpod)},
         "annotations": {**(metadata.get("annotations") or {}), ALLOCATION_ANNOTATION: allocation.id},
         "ownerReferences": [{
             "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],

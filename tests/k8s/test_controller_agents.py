@@ -29,7 +29,7 @@ from fastshare.controller.store import StoreError
 from fastshare.controller.validation import Request
 from fastshare.device import simnvml
 from fastshare.k8s.controller import KubeController, KubeSettings
-from fastshare.k8s.pods import FASTPOD_LABEL, spec_of
+from fastshare.k8s.pods import FASTPOD_LABEL, TEMPLATE_HASH_LABEL, spec_of
 from fastshare.k8s.resources import ALLOCATION_PLURAL, FINALIZER, GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.k8s.store import replica_key
 
@@ -460,6 +460,41 @@ def test_a_share_stays_held_while_its_orphaned_pod_still_exists(
              timeout=60)
     wait_for(lambda: FINALIZER not in (view.fastpod()["metadata"].get("finalizers") or []),
              "the controller's finalizer removed", timeout=60)
+
+
+def test_a_template_edit_is_not_rolled_out_but_the_status_counts_the_outdated_replicas(
+        api_client, namespace, controller, agents, pki):
+    """Running replicas keep the template they were made from (a template edit is not rolled
+    out), but nothing said which ones run an old one: each replica Pod now carries its
+    template's hash (label fastshare.io/template-hash), the status the current one and how many
+    live replicas run another (outdatedReplicas)."""
+    controller().start()
+    view = View(api_client, namespace, "edited", agents, pki[1])
+    manifest = fastpod_manifest("edited", {"kind": "mps", "memory": "2Gi"}, 2)
+    view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    wait_for(lambda: view.settled(2), "2 replicas running", timeout=120)
+    status = view.fastpod()["status"]
+    assert status["outdatedReplicas"] == 0
+    assert {p.metadata.labels[TEMPLATE_HASH_LABEL] for p in view.pods()} == {status["templateHash"]}
+    first = sorted(p.metadata.name for p in view.pods())
+
+    view.objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "edited", {
+        "spec": {"template": {"metadata": {"annotations": {"example.com/edited": "yes"}}}}})
+
+    def seen():
+        fp = view.fastpod()
+        return fp["status"].get("observedGeneration") == fp["metadata"]["generation"] and fp["status"]
+    edited = wait_for(seen, "the edit seen")
+    assert edited["templateHash"] != status["templateHash"]
+    assert edited["outdatedReplicas"] == 2
+    assert sorted(p.metadata.name for p in view.pods()) == first   # not rolled out
+
+    view.scale(3)
+    wait_for(lambda: view.settled(3), "3 replicas running", timeout=120)
+    assert view.fastpod()["status"]["outdatedReplicas"] == 2
+    [new] = [p for p in view.pods() if p.metadata.name not in first]
+    assert new.metadata.labels[TEMPLATE_HASH_LABEL] == edited["templateHash"]
+    assert new.metadata.annotations["example.com/edited"] == "yes"
 
 
 def _whole_l4_fastpod(view, namespace: str, name: str, replicas: int, what: str, timeout: float) -> None:

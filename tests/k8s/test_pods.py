@@ -13,7 +13,14 @@ from kubernetes import client
 
 from fastshare.controller.model import Allocation, Device, Kind, Spec, State
 from fastshare.controller.validation import Request, ValidationError, validate
-from fastshare.k8s.pods import ALLOCATION_ANNOTATION, FASTPOD_LABEL, replica_pod, spec_of
+from fastshare.k8s.pods import (
+    ALLOCATION_ANNOTATION,
+    FASTPOD_LABEL,
+    TEMPLATE_HASH_LABEL,
+    replica_pod,
+    spec_of,
+    template_hash,
+)
 from fastshare.k8s.resources import GROUP, PLURAL, VERSION, fastpod_manifest
 from fastshare.k8s.store import replica_key
 
@@ -132,7 +139,8 @@ def test_replica_pod_keeps_the_template_and_adds_the_gpu_share(api_client, fastp
     owner = pod["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("FastPod", "full",
                                                                                  fp["metadata"]["uid"], True)
-    assert pod["metadata"]["labels"] == {"app": "full", "tier": "train", FASTPOD_LABEL: "full"}
+    assert pod["metadata"]["labels"] == {"app": "full", "tier": "train", FASTPOD_LABEL: "full",
+                                         TEMPLATE_HASH_LABEL: template_hash(fp)}
     assert pod["metadata"]["annotations"] == {"note": "kept", ALLOCATION_ANNOTATION: "alloc-1"}
     for container in spec["initContainers"] + spec["containers"]:
         env = {e["name"]: e.get("value") for e in container["env"]}

@@ -125,9 +125,11 @@ def template_hash(fastpod: dict[str, Any]) -> str:
 
 
 def is_outdated(pod: dict[str, Any], current: str) -> bool:
-    """The replica Pod was not made from the template whose hash is ``current`` (one made before
-    the hash was recorded counts as outdated: which template it has is not known)."""
-    return (pod["metadata"].get("labels") or {}).get(TEMPLATE_HASH_LABEL) != current
+    """The replica Pod was made from another template than the one whose hash is ``current``.
+    One made before the hash was recorded (an upgrade) is not counted: its template is not
+    known, and counting it would call every replica of every FastPod outdated at once."""
+    made_from = (pod["metadata"].get("labels") or {}).get(TEMPLATE_HASH_LABEL)
+    return made_from is not None and made_from != current
 
 
 def replica_pod(fastpod: dict[str, Any], pod_name: str, allocation: Allocation,

@@ -17,6 +17,7 @@ from fastshare.k8s.pods import (
     ALLOCATION_ANNOTATION,
     FASTPOD_LABEL,
     TEMPLATE_HASH_LABEL,
+    is_outdated,
     replica_pod,
     spec_of,
     template_hash,
@@ -228,3 +229,13 @@ def test_a_node_selector_the_controller_refuses_is_refused_at_create_naming_it(
             GROUP, VERSION, namespace, PLURAL, body, dry_run="All")
     assert refused.value.status == 422
     assert "spec.template.spec.nodeSelector" in refused.value.body
+
+
+def test_a_replica_is_outdated_only_when_its_recorded_template_hash_differs():
+    def pod(labels):
+        return {"metadata": {"name": "p", "labels": labels}}
+    assert not is_outdated(pod({TEMPLATE_HASH_LABEL: "abc"}), "abc")
+    assert is_outdated(pod({TEMPLATE_HASH_LABEL: "old"}), "abc")
+    # made by a version that recorded no hash (an upgrade): unknown, not counted
+    assert not is_outdated(pod({"app": "x"}), "abc")
+    assert not is_outdated({"metadata": {"name": "p"}}, "abc")

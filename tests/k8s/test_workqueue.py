@@ -64,3 +64,95 @@ def test_an_earlier_delayed_add_wins_over_a_later_one():
     assert queue.get(timeout=2) == "k"
     queue.done("k")
     assert len(queue) == 0
+
+
+def _get_in_thread(queue: WorkQueue, timeout: float | None = None) -> tuple[threading.Thread, list]:
+    """A worker blocked in get() (no timeout unless given): what it got lands in the list."""
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(queue.get(timeout)), daemon=True)
+    thread.start()
+    time.sleep(0.1)   # let it block
+    return thread, got
+
+
+def test_a_worker_blocked_without_a_timeout_wakes_for_an_add_a_due_key_and_a_done():
+    queue = WorkQueue()
+    thread, got = _get_in_thread(queue)
+    queue.add("now")
+    thread.join(2)
+    assert got == ["now"]
+
+    thread, got = _get_in_thread(queue)   # waits for the delayed key's time, not for ever
+    queue.add("later", delay=0.2)
+    thread.join(2)
+    assert got == ["later"]
+
+    queue.add("now")                      # "now" is still held: dirty, not ready
+    thread, got = _get_in_thread(queue)
+    assert got == []
+    queue.done("now")                     # its second run is handed to the waiting worker
+    thread.join(2)
+    assert got == ["now"]
+
+
+def test_close_wakes_the_waiting_workers_and_later_adds_are_ignored():
+    queue = WorkQueue()
+    thread, got = _get_in_thread(queue)
+    queue.close()
+    thread.join(2)
+    assert got == [None] and not thread.is_alive()
+    queue.add("k")
+    queue.add("k", delay=0.01)
+    assert len(queue) == 0
+    assert queue.get(timeout=0.2) is None
+
+
+def test_a_due_key_that_is_being_processed_runs_again_after_done_not_beside_it():
+    queue = WorkQueue()
+    queue.add("k")
+    assert queue.get(timeout=1) == "k"
+    queue.add("k", delay=0.05)
+    time.sleep(0.1)
+    assert queue.get(timeout=0.1) is None   # due, but held
+    queue.done("k")
+    assert queue.get(timeout=1) == "k"
+    queue.done("k")
+    assert queue.get(timeout=0.2) is None   # once, not twice
+
+
+def test_a_later_delayed_add_neither_delays_nor_repeats_a_waiting_key():
+    queue = WorkQueue()
+    queue.add("k", delay=0.1)
+    queue.add("k", delay=0.5)               # the earlier time wins ...
+    started = time.monotonic()
+    assert queue.get(timeout=2) == "k"
+    assert time.monotonic() - started < 0.4
+    queue.done("k")
+    assert queue.get(timeout=0.8) is None   # ... and the later one does not come as well
+
+    queue.add("j", delay=0.5)
+    queue.add("j", delay=0.1)               # an earlier time supersedes the waiting one
+    assert queue.get(timeout=2) == "j"
+    queue.done("j")
+    assert queue.get(timeout=0.8) is None   # the superseded entry is skipped
+
+
+def test_a_delayed_key_already_ready_is_not_queued_twice_and_len_counts_both_kinds():
+    queue = WorkQueue()
+    queue.add("a")
+    queue.add("b", delay=30)
+    assert len(queue) == 2
+    queue.add("a", delay=0.05)
+    time.sleep(0.1)
+    assert queue.get(timeout=1) == "a"
+    queue.done("a")
+    assert queue.get(timeout=0.2) is None   # "a" was ready when its delayed add fell due: once
+    assert len(queue) == 1                  # "b" still waits
+
+
+def test_get_with_a_timeout_returns_none_once_it_has_passed_even_with_a_later_key_waiting():
+    queue = WorkQueue()
+    queue.add("k", delay=5)
+    started = time.monotonic()
+    assert queue.get(timeout=0.2) is None
+    assert 0.15 < time.monotonic() - started < 2

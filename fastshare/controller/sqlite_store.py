@@ -9,7 +9,9 @@ Durability: ``synchronous=NORMAL`` plus a group-commit barrier (:meth:`SqliteSto
   WAL file); the crash tests cover each step of allocate and release.
 - power loss / OS crash: only commits made after the last barrier can be lost. A lost
   commit leaves what a kill -9 just before it leaves, which the reconciler finishes: a lost
-  ``pending`` record makes the agent's share an orphan (prepare without record: freed); a
+  ``pending`` record leaves the agent a share whose number this database never issued: it is
+  adopted, not freed (it cannot be told from a share a restored backup lost, see
+  ``ControllerCore.adopt``), and held until released, though its client was never answered; a
   lost ``active`` step leaves ``pending``, prepared again (idempotent by share id: the
   agent, which syncs before it answers, hands back the same share); a lost ``released``
   step leaves ``releasing``, released again (idempotent); a lost ``releasing`` leaves the

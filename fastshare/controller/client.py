@@ -117,10 +117,18 @@ def _check_files(ca: Path, cert: Path, key: Path, have_cert: bool) -> None:
 
 def unreachable_hint(exc: grpc.RpcError, config: ClientConfig) -> str | None:
     """What to check when the controller could not be reached or trusted: gRPC reports all of it
-    as UNAVAILABLE, with the TLS library's words at the end of its details."""
+    as UNAVAILABLE, with the TLS library's words at the end of its details. Also a certificate
+    client on the port for bearer tokens, which never asks for its certificate."""
+    details = exc.details() or ""
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        cert = Path(config.tls_dir or ".") / f"{config.tls_name}.crt"
+        if config.token_file is None and cert.is_file() and "requires a client certificate" in details:
+            return (f"{config.address} did not ask for your client certificate: it is the controller's port "
+                    "for bearer tokens (--token-listen); give its main port (--listen) instead, or a token "
+                    "with --token-file")
+        return None
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
         return None
-    details = exc.details() or ""
     ca = Path(config.tls_dir or ".") / "ca.crt"
     if "Connection refused" in details:
         return (f"nothing listens at {config.address}: is the controller running there? (the address is "
@@ -141,6 +149,9 @@ def unreachable_hint(exc: grpc.RpcError, config: ClientConfig) -> str | None:
     if "Socket closed" in details and config.token_file is None:
         return ("the controller closed the TLS handshake, as it does for a client certificate its cluster "
                 f"CA did not sign: issue yours from that CA (`{reissue_command('client', config.tls_name)}`)")
+    if "Socket closed" in details:
+        return ("the controller closed the TLS handshake: this port asks for a client certificate of the "
+                "cluster CA; a bearer token (--token-file) goes to the controller's --token-listen port")
     return None
 
 

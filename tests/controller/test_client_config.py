@@ -248,3 +248,31 @@ def test_a_cli_call_that_fails_tls_prints_only_fastshares_message(cluster, tmp_p
     assert lines[0].startswith("Error: controller at ") and "Socket closed" in lines[0], lines
     assert [line.split(":")[0] for line in lines[1:]] == ["hint"], lines
     wait_for(lambda: "Handshake failed" in cluster.controller.output(), 10, "the controller's gRPC log line")
+
+
+def test_a_client_on_the_wrong_port_is_told_which_port_takes_its_credential(cluster, tmp_path):
+    """The main port takes client certificates, --token-listen bearer tokens (README, Auth). A
+    token client given the main port got 'UNAVAILABLE: ... Socket closed' and no hint; a
+    certificate client given the token port was told the controller 'requires a client
+    certificate or a bearer token' although it had presented one. Each now names the port to use."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    tokens.chmod(0o600)
+    token_port = free_port()
+    cluster.start_controller(extra=["--client-auth", "any", "--token-file", str(tokens), "--token-listen",
+                                    f"127.0.0.1:{token_port}"])
+    ca_only = tmp_path / "ca-only"
+    ca_only.mkdir()
+    shutil.copy(cluster.pki.dir / "ca.crt", ca_only / "ca.crt")
+
+    def status(*args: str) -> str:
+        result = CliRunner().invoke(main, ["status", *args])
+        assert result.exit_code == 1, result.output
+        assert isinstance(result.exception, SystemExit)
+        return result.output
+
+    out = status("--controller", cluster.address, "--tls-dir", str(ca_only), "--token-file", str(tokens))
+    assert "Socket closed" in out and "hint:" in out and "--token-listen" in out, out
+    assert "s3cret" not in out
+    out = status("--controller", f"127.0.0.1:{token_port}", "--tls-dir", str(cluster.pki.dir))
+    assert "UNAUTHENTICATED" in out and "hint:" in out and "--listen" in out and "--token-file" in out, out

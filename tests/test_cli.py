@@ -66,3 +66,13 @@ def test_a_reader_that_closed_the_pipe_ends_the_command_quietly(tmp_path, unbuff
         finally:
             os.close(write)
         assert (out.returncode, out.stderr) == (128 + signal.SIGPIPE, ""), args
+
+
+def test_run_help_says_what_lease_ttl_0_does():
+    # --lease-ttl takes 0..604800, and 0 is no lease at all: an allocation `fastshare run` held is
+    # then kept for good if the run is killed with SIGKILL; the help said only "covers kill -9"
+    from click.testing import CliRunner
+
+    out = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    line = " ".join(out.split("--lease-ttl", 1)[1].split("--key", 1)[0].split())
+    assert "0 = no lease" in line and "5" in line, line

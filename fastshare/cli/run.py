@@ -26,7 +26,7 @@ import grpc
 
 from fastshare.cli._output import fail
 from fastshare.controller.client import client_options
-from fastshare.controller.validation import MAX_GPUS_PER_NODE, MAX_LEASE_TTL, MAX_SM_COUNT
+from fastshare.controller.validation import MAX_GPUS_PER_NODE, MAX_LEASE_TTL, MAX_SM_COUNT, MIN_LEASE_TTL
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -110,7 +110,8 @@ def _describe(a) -> str:
 @click.option("--exclusion", default="", help="Only share a GPU with others carrying this tag.")
 @click.option("--owner", default=None, help="Owner recorded with the allocation [user@host].")
 @click.option("--lease-ttl", type=click.IntRange(0, MAX_LEASE_TTL), default=30, show_default=True,
-              help="Seconds the allocation survives without renewal (covers kill -9 of this command).")
+              help="Seconds the allocation survives without renewal (covers kill -9 of this command): "
+              f"{MIN_LEASE_TTL} or more; 0 = no lease, held until released.")
 @click.option("--key", "idempotency_key", default=None, help="Idempotency key [random per invocation].")
 @click.option("--quiet", "-q", is_flag=True, help="No allocation summary on stderr.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)

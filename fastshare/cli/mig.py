@@ -34,7 +34,7 @@ def _show_plan(gpu: int, layout: str, shape_label: str, plan_dict: dict, as_json
         return
     steps = plan_dict["steps"]
     if not steps:
-        click.echo(f"GPU {gpu} ({shape_label}) already has layout {layout!r}: nothing to do")
+        click.echo(f"{shape_label} already has layout {layout!r}: nothing to do")
         return
     print_table(title, ["#", "step"], [[n + 1, s["description"]] for n, s in enumerate(steps)])
 

@@ -59,6 +59,7 @@ def test_mig_plan_apply_and_list(env):
     assert names == ["1g.5gb", "1g.5gb", "2g.10gb", "3g.20gb"]
     out = run(["mig", "apply", "--gpu", "0", "--layout", "9,14,19,19"], env).output
     assert "nothing to do" in out
+    assert out.startswith("GPU 0 (NVIDIA ") and "GPU 0 (GPU 0" not in out, out   # named once
     shown = json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][0]["mig_instances"]
     assert len(shown) == 4 and all(i["uuid"].startswith("MIG-") for i in shown)
 

@@ -76,3 +76,20 @@ def test_run_help_says_what_lease_ttl_0_does():
     out = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
     line = " ".join(out.split("--lease-ttl", 1)[1].split("--key", 1)[0].split())
     assert "0 = no lease" in line and "5" in line, line
+
+
+def test_status_says_node_down_only_of_allocations_still_held(capsys):
+    # after `fastshare forget-node`, `status --all` listed the ended allocations as
+    # "released (node down)": the node was forgotten, not down, and a finished allocation holds
+    # nothing there; an allocation still held on an unreachable node keeps the note
+    from fastshare.cli.status import render
+    from fastshare.v1 import controller_pb2 as pb
+
+    st = pb.ClusterStatus(allocations=[
+        pb.Allocation(id="fs-1", node="n1", state=pb.ALLOCATION_STATE_RELEASED, node_available=False),
+        pb.Allocation(id="fs-2", node="n1", state=pb.ALLOCATION_STATE_FAILED, node_available=False),
+        pb.Allocation(id="fs-3", node="n2", state=pb.ALLOCATION_STATE_ACTIVE, node_available=False)])
+    render(st)
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("fs-")}
+    assert "node down" not in rows["fs-1"] + rows["fs-2"], rows
+    assert "active (node down)" in rows["fs-3"], rows

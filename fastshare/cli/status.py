@@ -86,6 +86,7 @@ def _node_state(node) -> str:
 
 OVER_COMMITTED = "over-committed: "   # how the controller starts such an active allocation's reason
 ADOPTED = "adopted: "   # ... and one rebuilt from a share the state database had no record of
+FINISHED = ("released", "failed")   # hold nothing on their node: whether it is up says nothing of them
 
 
 def render(st) -> None:
@@ -126,7 +127,7 @@ def render(st) -> None:
     print_table("Allocations", ["ID", "KIND", "STATE", "NODE", "GPU", "AMOUNT", "OWNER", "LEASE"], [
         (a.id + (f" [{labels[a.id]}]" if a.id in labels else ""), _kind(a.spec.kind),
          _state(a.state) + (", over-committed" if a.id in over else "")
-         + ("" if a.node_available else " (node down)"), a.node,
+         + ("" if a.node_available or _state(a.state) in FINISHED else " (node down)"), a.node,
          ",".join(str(d.gpu_index) for d in a.devices),
          _amount(a), a.owner, f"{max(0, a.lease_expires_at - now):.0f}s" if a.lease_expires_at else "-")
         for a in st.allocations])

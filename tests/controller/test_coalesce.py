@@ -140,3 +140,25 @@ def test_a_call_still_queued_at_its_deadline_fails_unsent_and_the_coalescer_goes
 def test_max_wait_must_be_positive():
     with pytest.raises(ValueError, match="max_wait must be more than 0"):
         Coalescer(Recorder(), max_wait=0)
+
+
+def test_a_refused_call_raises_its_own_error_rather_than_returning_it():
+    coalescer = Coalescer(Recorder(fail_item=1), max_in_flight=1)
+    with pytest.raises(ValueError, match="item 1 refused"):
+        coalescer.call(1)
+    assert coalescer.call(2) == 20
+
+
+def test_a_send_that_answers_a_batch_with_the_wrong_number_of_results_fails_each_call():
+    coalescer = Coalescer(lambda items: [0] * (len(items) + 1), max_in_flight=1)
+    with pytest.raises(RuntimeError, match="a batch of 1 calls got 2 results"):
+        coalescer.call(1)
+    assert coalescer._in_flight == 0
+
+
+def test_limits_of_one_are_allowed_and_a_batch_of_one_sends_calls_one_by_one():
+    send, outcomes = Recorder(), {}
+    coalescer = Coalescer(send, max_in_flight=1, max_batch=1)
+    _behind_a_blocked_call(send, coalescer, [2, 3], outcomes)
+    assert [len(b) for b in send.batches] == [1, 1, 1]
+    assert outcomes == {1: 10, 2: 20, 3: 30}

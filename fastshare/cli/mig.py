@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 
 import click
 
@@ -17,10 +18,32 @@ from fastshare.device.mig_layout import (
     apply_plan,
     format_layout,
     plan_for_gpu,
+    refuse_enable_under_share,
     shape_of,
 )
+from fastshare.node.config import NodeConfig
 
 _LAYOUT_HELP = "profiles and counts, e.g. '3g.20gb=1,2g.10gb=1,1g.5gb=2' or profile ids '9,19,14,19'"
+_AGENT_JOURNAL = str(Path(NodeConfig.state_dir) / "journal.db")
+_journal_option = click.option(
+    "--agent-journal", type=click.Path(dir_okay=False), default=_AGENT_JOURNAL, show_default=True,
+    help="the node agent's journal (journal.db in its state_dir): MIG devices and whole GPUs its shares "
+         "hold count as in use; a missing file means no agent on this host")
+_layout_force_option = click.option(
+    "--force", is_flag=True,
+    help="also destroy MIG instances that fastshare shares hold (the shares lose them); an instance "
+         "with running processes is never destroyed")
+
+
+def _held(agent_journal: str | None) -> dict[str, list[str]]:
+    """Devices the node agent's shares hold (none without an agent journal)."""
+    from fastshare.node.journal import held_device_uuids
+    from fastshare.sqlite_file import StateFileError
+
+    try:
+        return held_device_uuids(agent_journal)
+    except StateFileError as exc:
+        fail(f"--agent-journal: {exc}")
 
 
 @click.group("mig")
@@ -45,16 +68,18 @@ def _layout_options(command: Callable[..., None]) -> Callable[..., None]:
         backend_options,
         click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index"),
         click.option("--layout", required=True, help=_LAYOUT_HELP),
-        click.option("--force", is_flag=True, help="allow destroying instances that are in use"),
+        _layout_force_option,
+        _journal_option,
         click.option("--json", "as_json", is_flag=True, help="machine-readable output"),
     ]):
         command = option(command)
     return command
 
 
-def _planned(devices: Devices, gpu_index: int, layout: str, force: bool) -> tuple[GpuShape, Plan]:
+def _planned(devices: Devices, gpu_index: int, layout: str, force: bool,
+             held: dict[str, list[str]]) -> tuple[GpuShape, Plan]:
     try:
-        return plan_for_gpu(devices, gpu_index, layout, force=force)
+        return plan_for_gpu(devices, gpu_index, layout, force=force, held=held)
     except LayoutError as exc:
         fail(f"GPU {gpu_index}: {exc}")
 
@@ -62,20 +87,24 @@ def _planned(devices: Devices, gpu_index: int, layout: str, force: bool) -> tupl
 @mig_group.command("plan")
 @_layout_options
 def mig_plan(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
-             as_json: bool) -> None:
+             agent_journal: str | None, as_json: bool) -> None:
     """Show the steps that would turn the current layout into LAYOUT (changes nothing)."""
+    held = _held(agent_journal)
     with devices_from(gpu_backend, sim_state) as devices:
-        shape, plan = _planned(devices, gpu_index, layout, force)
+        shape, plan = _planned(devices, gpu_index, layout, force, held)
     _show_plan(gpu_index, layout, shape.label, plan.to_dict(), as_json, f"plan for GPU {gpu_index}")
 
 
 @mig_group.command("apply")
 @_layout_options
 def mig_apply(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
-              as_json: bool) -> None:
-    """Create/destroy MIG instances so GPU IDX has exactly LAYOUT."""
+              agent_journal: str | None, as_json: bool) -> None:
+    """Create/destroy MIG instances so GPU IDX has exactly LAYOUT (instances that processes run on
+    or that node agent shares hold are kept; refused, before any change, if LAYOUT has no place
+    for them)."""
+    held = _held(agent_journal)
     with devices_from(gpu_backend, sim_state) as devices:
-        shape, plan = _planned(devices, gpu_index, layout, force)
+        shape, plan = _planned(devices, gpu_index, layout, force, held)
         instances = apply_plan(devices, gpu_index, plan)
     if as_json:
         print_json({"gpu": gpu_index, "layout": layout, **plan.to_dict(),
@@ -105,8 +134,11 @@ def mig_profiles(gpu_backend: str | None, sim_state: str | None, gpu_index: int,
                   ",".join(map(str, p.placements))] for p in shape.profiles])
 
 
-def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, enabled: bool) -> None:
+def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, enabled: bool,
+              held: dict[str, list[str]] | None = None, force: bool = False) -> None:
     with devices_from(gpu_backend, sim_state) as devices:
+        if enabled and (reason := refuse_enable_under_share(devices.gpu(gpu_index), held or {}, force)):
+            fail(reason)
         pending = devices.set_mig_mode(gpu_index, enabled)
     state = "enabled" if enabled else "disabled"
     if pending:
@@ -118,9 +150,14 @@ def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, en
 @mig_group.command("enable")
 @backend_options
 @click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
-def mig_enable(gpu_backend: str | None, sim_state: str | None, gpu_index: int) -> None:
-    """Enable MIG mode (Ampere: pending until the GPU is reset)."""
-    _set_mode(gpu_backend, sim_state, gpu_index, True)
+@click.option("--force", is_flag=True,
+              help="enable MIG although a fastshare share holds the GPU whole (the share loses the GPU)")
+@_journal_option
+def mig_enable(gpu_backend: str | None, sim_state: str | None, gpu_index: int, force: bool,
+               agent_journal: str | None) -> None:
+    """Enable MIG mode (Ampere: pending until the GPU is reset); refused while a node agent share
+    holds the GPU whole."""
+    _set_mode(gpu_backend, sim_state, gpu_index, True, _held(agent_journal), force)
 
 
 @mig_group.command("disable")
@@ -140,21 +177,18 @@ COMMANDS = [mig_group]
               help="mig-parted style YAML (version: v1, mig-configs: ...)")
 @click.option("--select", "name", required=True, help="name of the config under mig-configs")
 @click.option("--apply", "do_apply", is_flag=True, help="carry the plan out (default: only show it)")
-@click.option("--force", is_flag=True, help="allow destroying instances that are in use")
-@click.option("--agent-journal", type=click.Path(dir_okay=False),
-              help="node agent journal: MIG devices and whole GPUs its shares hold count as in use")
+@click.option("--force", is_flag=True,
+              help="also destroy MIG instances that fastshare shares hold, and enable MIG on a GPU a share "
+                   "holds whole (the shares lose them); an instance with running processes is never "
+                   "destroyed")
+@_journal_option
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name: str, do_apply: bool,
                force: bool, agent_journal: str | None, as_json: bool) -> None:
     """Make the host's GPUs match a named mig-parted config (plan, or --apply)."""
     from fastshare.device.mig_parted import ConfigError, apply_host, parse_config, plan_host, resolve
-    from fastshare.node.journal import held_device_uuids
-    from fastshare.sqlite_file import StateFileError
 
-    try:
-        held = held_device_uuids(agent_journal)
-    except StateFileError as exc:
-        fail(f"--agent-journal: {exc}")
+    held = _held(agent_journal)
     with devices_from(gpu_backend, sim_state) as devices:
         try:
             text = config_file.read()

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from fastshare.device.api import DeviceError, Devices, MigInstance, MigProfile
+from fastshare.device.api import DeviceError, Devices, GpuInfo, MigInstance, MigProfile
 from fastshare.device.catalog import GpuModel, find_profile, known_profiles
 
 
@@ -75,6 +75,7 @@ class Placed:
     in_use: bool = False
     label: str = ""          # e.g. the MIG UUID, for messages
     processes: int = 0
+    shares: tuple[str, ...] = ()   # ids of the fastshare shares that hold it, when known
 
     @classmethod
     def of(cls, item: _HasPlacement | Placed) -> Placed:
@@ -83,6 +84,18 @@ class Placed:
         if isinstance(item, MigInstance):
             return cls(item.profile_id, item.start, item.processes > 0, item.uuid or "", item.processes)
         return cls(item.profile_id, item.start)
+
+
+def placed_instances(instances: Iterable[MigInstance], held: Collection[str] = ()) -> list[Placed]:
+    """The instances as the planner sees them: in use when processes run on one or a fastshare
+    share holds it (its UUID in ``held``, the node agent journal's devices; a mapping UUID ->
+    share ids, as :func:`fastshare.node.journal.held_device_uuids` gives, names the shares)."""
+    return [Placed(m.profile_id, m.start, m.processes > 0 or (m.uuid or "") in held, m.uuid or "",
+                   m.processes, _shares_on(held, m.uuid or "")) for m in instances]
+
+
+def _shares_on(held: Collection[str], uuid: str) -> tuple[str, ...]:
+    return tuple(held.get(uuid, ())) if isinstance(held, Mapping) else ()
 
 
 @dataclass(frozen=True)
@@ -340,11 +353,33 @@ def _what_to_do(busy: Sequence[Placed]) -> str:
         return ("stop its processes first (NVML cannot destroy it while they run, even with force)"
                 if len(busy) == 1 else
                 "stop their processes first (NVML cannot destroy them while they run, even with force)")
+    release = _release_hint([s for p in busy for s in p.shares], many=len(busy) > 1)
     if not any(p.processes for p in busy):
-        return (f"a fastshare share holds it: release the share or {_FORCE}" if len(busy) == 1 else
-                f"fastshare shares hold them: release the shares or {_FORCE}")
+        return (f"a fastshare share holds it: {release} or {_FORCE}" if len(busy) == 1 else
+                f"fastshare shares hold them: {release} or {_FORCE}")
     return ("stop the processes (NVML cannot destroy an instance while they run, even with force) and "
-            f"release the shares or {_FORCE}")
+            f"{release} or {_FORCE}")
+
+
+def _release_hint(share_ids: Sequence[str], many: bool = False) -> str:
+    """What frees shares: their allocations ended (share id = allocation id), new work kept off."""
+    ids = list(dict.fromkeys(share_ids))
+    if not ids:
+        return "release the shares" if many else "release the share"
+    return (f"release {'them' if many or len(ids) > 1 else 'it'} first (`fastshare release "
+            f"{' '.join(ids)}`, after `fastshare cordon NODE` so that nothing new is placed here; "
+            "on Kubernetes cordon and drain the node)")
+
+
+def refuse_enable_under_share(gpu: GpuInfo, held: Collection[str], force: bool) -> str | None:
+    """Why MIG must not be turned on for ``gpu`` (None: it may): a share holds the GPU whole and
+    would lose it (at once, or at the next GPU reset on Ampere); ``force`` overrides."""
+    if force or gpu.mig_pending or gpu.uuid not in held:
+        return None              # MIG already on (or asked): no change of mode
+    shares = _shares_on(held, gpu.uuid)
+    by = f"fastshare share {', '.join(shares)}" if shares else "a fastshare share"
+    return (f"GPU {gpu.index} ({gpu.name}) {gpu.uuid} is held whole by {by}; enabling MIG takes the GPU "
+            f"from the share: {_release_hint(shares)} or {_FORCE}")
 
 
 def _step(shape: GpuShape, action: str, p: Placed) -> Step:
@@ -353,7 +388,10 @@ def _step(shape: GpuShape, action: str, p: Placed) -> Step:
 
 
 def _name(shape: GpuShape, p: Placed) -> str:
-    label = f" ({p.label})" if p.label else ""
+    what = [p.label] if p.label else []
+    if p.shares:
+        what.append(f"held by fastshare share {', '.join(p.shares)}")
+    label = f" ({', '.join(what)})" if what else ""
     return f"{shape.profile(p.profile_id).name} at start {p.start}{label}"
 
 
@@ -387,10 +425,12 @@ def shape_of(devices: Devices, gpu_index: int) -> GpuShape:
 
 
 def plan_for_gpu(devices: Devices, gpu_index: int, layout: str | dict[str, int], *,
-                 force: bool = False) -> tuple[GpuShape, Plan]:
+                 force: bool = False, held: Collection[str] = ()) -> tuple[GpuShape, Plan]:
+    """``held``: devices fastshare shares hold (see :func:`placed_instances`)."""
     shape = shape_of(devices, gpu_index)
     wanted = parse_layout(layout, shape)
-    return shape, plan_layout(shape, devices.mig_instances(gpu_index), wanted, force=force)
+    return shape, plan_layout(shape, placed_instances(devices.mig_instances(gpu_index), held), wanted,
+                              force=force)
 
 
 def apply_plan(devices: Devices, gpu_index: int, plan: Plan) -> list[MigInstance]:

@@ -30,14 +30,15 @@ from fastshare.device.catalog import find_model
 from fastshare.device.mig_layout import (
     GpuShape,
     LayoutError,
-    Placed,
     Plan,
     Step,
     apply_plan,
     check_layout,
     format_layout,
     parse_layout,
+    placed_instances,
     plan_layout,
+    refuse_enable_under_share,
 )
 
 
@@ -216,11 +217,9 @@ def _plan_gpu(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
     shape = _shape(devices, gpu)
     mode_change = not gpu.mig_pending     # pending True while current False: enable already asked
     _refuse_mode_change_in_use(spec, gpu, mode_change)
-    if mode_change and not force and gpu.uuid in held:
+    if reason := refuse_enable_under_share(gpu, held, force):
         # Cancelling a pending enable (the disable path) leaves such a share its GPU; this does not.
-        raise ConfigError(f"{spec.where}: GPU {gpu.index} ({gpu.name}) {gpu.uuid} is held whole by a "
-                          "fastshare share; enabling MIG takes the GPU from the share: release the "
-                          "share or force it (`--force`; Ansible: `force: true`)")
+        raise ConfigError(f"{spec.where}: {reason}")
     reset_required = not gpu.mig_current and (not mode_change or _waits_for_reset(gpu))
     try:
         wanted = parse_layout(dict(spec.mig_devices), shape)
@@ -264,8 +263,7 @@ def _refuse_mode_change_in_use(spec: DeviceSpec, gpu: GpuInfo, mode_change: bool
 def _checked_plan(shape: GpuShape, gpu: GpuInfo, wanted: Counter[int], force: bool,
                   held: Collection[str]) -> Plan:
     current = gpu.mig_instances if gpu.mig_current else ()
-    placed = [Placed(m.profile_id, m.start, m.processes > 0 or (m.uuid or "") in held, m.uuid or "",
-                     m.processes) for m in current]
+    placed = placed_instances(current, held)
     return plan_layout(shape, placed, wanted, force=force)   # refuses to destroy running instances
 
 

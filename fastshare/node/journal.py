@@ -335,18 +335,22 @@ def _share_row(row: tuple) -> ShareRow:
                     Prepared.from_json(prepared) if prepared else None)
 
 
-def held_device_uuids(path: Path | str | None) -> set[str]:
-    """UUIDs of the devices fastshare shares hold, from a node agent's journal (none if absent).
+def held_device_uuids(path: Path | str | None) -> dict[str, list[str]]:
+    """The devices fastshare shares hold, from a node agent's journal (none if absent): each
+    device's UUID (a MIG device's, or a GPU's held whole) -> the ids of the shares on it.
 
-    MIG reconfiguration (``fastshare mig config``, the mig_config module) treats these as in use.
+    MIG reconfiguration (``fastshare mig``, the mig_config module) treats these as in use.
     The journal is only read (SQLite read-only mode): a file that is not a journal is reported,
     never turned into one, and a running agent is not disturbed."""
     if not path or not Path(path).exists():
-        return set()
+        return {}
     try:
         db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
         try:
-            return {row[0] for row in db.execute("SELECT device_uuid FROM shares")}
+            held: dict[str, list[str]] = {}
+            for share_id, uuid in db.execute("SELECT id, device_uuid FROM shares ORDER BY id"):
+                held.setdefault(uuid, []).append(share_id)
+            return held
         finally:
             db.close()
     except sqlite3.Error as exc:

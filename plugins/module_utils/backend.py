@@ -109,7 +109,7 @@ class JournalError(Exception):
 
 
 def held_device_uuids(journal_path):
-    """UUIDs of the devices that fastshare shares hold, from the node agent's journal."""
+    """The devices that fastshare shares hold (UUID -> share ids), from the node agent's journal."""
     from fastshare.node.journal import held_device_uuids as held  # only needed here
     from fastshare.sqlite_file import StateFileError
 

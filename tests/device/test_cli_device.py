@@ -284,3 +284,66 @@ def test_sim_machine_remove_gpu(env, machine: Path):
     assert [g["uuid"] for g in simnvml.load_machine(machine)["gpus"]] == [g["uuid"] for g in before[1:]]
     bad = run(["sim-machine", "remove-gpu", "--gpu", "7"], env, ok=False)
     assert bad.exit_code == 1 and "remove-gpu: gpu index 7 out of range" in bad.output
+
+
+def _journal_holding(path: Path, *holds: tuple[str, str]) -> Path:
+    """A real node agent journal whose shares (id, device UUID) hold those devices."""
+    from fastshare.node.journal import Journal
+    from fastshare.node.model import ShareSpec
+
+    journal = Journal(path)
+    for share_id, uuid in holds:
+        journal.begin_share(ShareSpec(id=share_id, kind="exclusive", device_uuids=(uuid,)), uuid, None)
+    journal.close()
+    return path
+
+
+def test_mig_plan_and_apply_keep_instances_agent_shares_hold_unless_forced(env, machine: Path,
+                                                                            tmp_path: Path):
+    """`mig plan/apply` ignored the agent journal: an instance a share holds (its workload has its
+    environment but no process yet) was destroyed by a layout with no place for it."""
+    run(["mig", "apply", "--gpu", "0", "--layout", "3g.20gb=2"], env)
+    held = next(i["uuid"] for i in json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][0]
+                ["mig_instances"] if i["start"] == 0)
+    journal = _journal_holding(tmp_path / "journal.db", ("alloc-7", held))
+    before = machine.read_bytes()
+    for command in ("plan", "apply"):
+        refused = run(["mig", command, "--gpu", "0", "--layout", "7g.40gb=1",
+                       "--agent-journal", str(journal)], env, ok=False)
+        assert refused.exit_code == 1, refused.output
+        for says in ("GPU 0", held, "alloc-7", "fastshare release alloc-7", "fastshare cordon", "--force"):
+            assert says in refused.output, (says, refused.output)
+        assert "processes" not in refused.output          # none run on it: the share is what holds it
+        assert machine.read_bytes() == before
+    # A layout with a place for it keeps it where it is.
+    kept = json.loads(run(["mig", "apply", "--gpu", "0", "--layout", "3g.20gb=1,2g.10gb=1,1g.5gb=1",
+                           "--agent-journal", str(journal), "--json"], env).output)
+    assert held in {i["uuid"] for i in kept["instances"]}
+    assert all(s["start"] != 0 for s in kept["steps"] if s["action"] == "destroy")
+    # --force overrides the share (and only that: see test_mig_enable_disable_and_in_use).
+    forced = json.loads(run(["mig", "apply", "--gpu", "0", "--layout", "7g.40gb=1", "--agent-journal",
+                             str(journal), "--force", "--json"], env).output)
+    assert [i["profile_name"] for i in forced["instances"]] == ["7g.40gb"]
+
+
+def test_mig_commands_read_the_agents_journal_by_default():
+    """Like `mig config`, the default is the node agent's own journal; its absence means no agent."""
+    for command in ("plan", "apply", "config", "enable"):
+        out = run(["mig", command, "--help"], {"COLUMNS": "200"}).output
+        assert "--agent-journal" in out and "/var/lib/fastshare/node/journal.db" in out, (command, out)
+        assert "--force" in out and "instances that are in use" not in out, (command, out)
+
+
+def test_mig_enable_refuses_a_gpu_an_agent_share_holds_whole_unless_forced(env, machine: Path,
+                                                                            tmp_path: Path):
+    """`mig enable` took a whole GPU from the share that holds it (at the next reset on Ampere)."""
+    gpu = json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][2]
+    journal = _journal_holding(tmp_path / "journal.db", ("alloc-9", gpu["uuid"]))
+    before = machine.read_bytes()
+    refused = run(["mig", "enable", "--gpu", "2", "--agent-journal", str(journal)], env, ok=False)
+    assert refused.exit_code == 1, refused.output
+    for says in ("GPU 2", gpu["uuid"], "alloc-9", "fastshare release alloc-9", "--force"):
+        assert says in refused.output, (says, refused.output)
+    assert machine.read_bytes() == before
+    assert "pending" in run(["mig", "enable", "--gpu", "2", "--agent-journal", str(journal), "--force"],
+                            env).output

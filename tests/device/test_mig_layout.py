@@ -360,9 +360,9 @@ def test_plan_to_dict_lists_steps_keep_and_final():
                    "description": "destroy 1g.5gb (id 19) at start 6 (memory slices 6..6)"},
                   {"action": "create", "profile_id": 9, "profile_name": "3g.20gb", "start": 4, "size": 4,
                    "description": "create 3g.20gb (id 9) at start 4 (memory slices 4..7)"}],
-        "keep": [{"profile_id": 19, "start": 0, "in_use": False, "label": "", "processes": 0}],
-        "final": [{"profile_id": 19, "start": 0, "in_use": False, "label": "", "processes": 0},
-                  {"profile_id": 9, "start": 4, "in_use": False, "label": "", "processes": 0}],
+        "keep": [{"profile_id": 19, "start": 0, "in_use": False, "label": "", "processes": 0, "shares": ()}],
+        "final": [{"profile_id": 19, "start": 0, "in_use": False, "label": "", "processes": 0, "shares": ()},
+                  {"profile_id": 9, "start": 4, "in_use": False, "label": "", "processes": 0, "shares": ()}],
     }
     assert not plan_layout(A100, plan.final, parse_layout("1g.5gb,3g.20gb", A100)).to_dict()["changed"]
 

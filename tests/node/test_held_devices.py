@@ -15,11 +15,13 @@ def test_lists_the_devices_shares_hold_without_writing(tmp_path: Path):
     path = tmp_path / "journal.db"
     journal = Journal(path)
     journal.begin_share(ShareSpec(id="s1", kind="exclusive", device_uuids=("MIG-a",)), "MIG-a", None)
+    journal.begin_share(ShareSpec(id="s3", kind="mps", device_uuids=("GPU-b",)), "GPU-b", None)
+    journal.begin_share(ShareSpec(id="s2", kind="mps", device_uuids=("GPU-b",)), "GPU-b", None)
     journal.close()
     before = path.read_bytes()
-    assert held_device_uuids(path) == {"MIG-a"}
+    assert held_device_uuids(path) == {"MIG-a": ["s1"], "GPU-b": ["s2", "s3"]}   # the shares, for messages
     assert path.read_bytes() == before
-    assert held_device_uuids(None) == set() and held_device_uuids(tmp_path / "absent.db") == set()
+    assert held_device_uuids(None) == {} and held_device_uuids(tmp_path / "absent.db") == {}
 
 
 @pytest.mark.parametrize("content", [b"", b"not a database at all" * 10])

@@ -315,11 +315,14 @@ def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], want
         raise LayoutError(f"the current layout is inconsistent: {reason}")
     if reason := check_layout(shape, wanted):
         raise LayoutError(f"impossible layout: {reason}")
-    busy = [p for p in now if p.in_use] if not force else []
+    # Kept in place: instances processes run on (NVML cannot destroy them), then those shares hold
+    # (unless force), in that order, so a refusal names the share when only it is in the way.
+    busy = sorted((p for p in now if p.processes or (p.in_use and not force)), key=lambda p: not p.processes)
     remaining = Counter(wanted)
     for p in busy:
         if remaining[p.profile_id] == 0:
-            raise LayoutError(f"{_name(shape, p)} is in use and the layout has no place for it; "
+            raise LayoutError(_running(shape, p) if force else
+                              f"{_name(shape, p)} is in use and the layout has no place for it; "
                               + _what_to_do([p]))
         remaining[p.profile_id] -= 1
     existing = {(p.profile_id, p.start): p for p in now if p not in busy}
@@ -333,14 +336,16 @@ def plan_layout(shape: GpuShape, current: Sequence[_HasPlacement | Placed], want
     kept = [p for p in final if (p.profile_id, p.start) in {(q.profile_id, q.start) for q in now}]
     kept_keys = {(p.profile_id, p.start) for p in kept}
     destroy = [p for p in now if (p.profile_id, p.start) not in kept_keys]
-    if running := [p for p in destroy if p.processes]:   # only with force: else they are kept above
-        raise LayoutError(f"{_name(shape, running[0])} has {running[0].processes} running process(es); NVML "
-                          "cannot destroy it even with force: stop the processes first")
     create = [p for p in final if (p.profile_id, p.start) not in {(q.profile_id, q.start) for q in now}]
     create.sort(key=lambda p: (-shape.profile(p.profile_id).memory_slices, p.start))
     steps = [_step(shape, "destroy", p) for p in sorted(destroy, key=lambda p: p.start)]
     steps += [_step(shape, "create", p) for p in create]
     return Plan(tuple(steps), tuple(kept), tuple(final))
+
+
+def _running(shape: GpuShape, p: Placed) -> str:
+    return (f"{_name(shape, p)} has {p.processes} running process(es); NVML cannot destroy it even with "
+            "force: stop the processes first")
 
 
 _FORCE = "force it (`--force`; Ansible: `force: true`)"

@@ -30,9 +30,10 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
             raise AgentError("INVALID_ARGUMENT", f"profiles: {exc}") from None
         except DeviceError as exc:
             raise _device_error(exc, f"listing MIG instances of GPU {gpu_uuid}") from None
-        held = {r.device_uuid for r in agent.journal.shares()}
-        placed = [mig_layout.Placed(m.profile_id, m.start, m.processes > 0 or (m.uuid in held),
-                                    m.uuid or "", m.processes) for m in current]
+        held: dict[str, list[str]] = {}
+        for r in agent.journal.shares():
+            held.setdefault(r.device_uuid, []).append(r.spec.id)
+        placed = mig_layout.placed_instances(current, held)
         try:
             plan = mig_layout.plan_layout(shape, placed, wanted, force=force)
         except mig_layout.LayoutError as exc:

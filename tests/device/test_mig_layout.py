@@ -382,3 +382,23 @@ def test_apply_reports_the_steps_already_done(devices, machine: Path):
     with pytest.raises(DeviceError, match=r"step 'destroy 1g.5gb \(id 19\) at start 1 .*already done: "
                                           r"destroy 1g.5gb \(id 19\) at start 0 \(memory slices 0..0\)\)"):
         apply_plan(devices, 0, plan)
+
+
+def test_force_keeps_an_instance_with_processes_where_another_plan_frees_only_held_ones():
+    """--force frees instances that only shares hold; those with processes stay fixed. With both
+    merely 'in use' the search kept the held 3g.20gb at 4 (it leaves a 1g.5gb free) and then refused
+    the plan for the running one at 0 ("NVML cannot destroy it even with force"), though keeping the
+    running one and destroying the held one fits the same layout."""
+    held = Placed(9, 4, in_use=True, label="MIG-held", shares=("alloc-1",))
+    running = Placed(9, 0, in_use=True, label="MIG-run", processes=1)
+    wanted = parse_layout("3g.20gb=1,1g.5gb=3", A100)
+    # Without force, the share is what is in the way: named, with force as the way out.
+    with pytest.raises(LayoutError, match=r"MIG-held, held by fastshare share alloc-1\) is in use.*force it"):
+        plan_layout(A100, [held, running], wanted)
+    plan = plan_layout(A100, [held, running], wanted, force=True)
+    assert [(s.action, s.start) for s in plan.steps] == [("destroy", 4), ("create", 4), ("create", 5),
+                                                        ("create", 6)]
+    assert running in plan.keep
+    # With no place for the running one, force is refused as before, naming its processes.
+    with pytest.raises(LayoutError, match=r"MIG-run.*NVML cannot destroy it even with force"):
+        plan_layout(A100, [held, running], parse_layout("7g.40gb=1", A100), force=True)

@@ -65,6 +65,11 @@ _RENEWABLE = (State.PENDING, State.PREPARED, State.ACTIVE)
 OVER_COMMITTED = "over-committed: "
 
 
+# how the reason of an allocation starts when it ended because its device went away under it (a
+# MIG slice destroyed outside fastshare, a GPU gone from its node): it ends failed, not released
+DEVICE_GONE = "device gone: "
+
+
 def overcommit_reason(why: str) -> str:
     """An active allocation's reason while the GPU it holds no longer takes it (``why``: the ledger's)."""
     return (f"{OVER_COMMITTED}{why}; the share stays held, and its GPU takes no new work until enough "
@@ -470,15 +475,15 @@ class ControllerCore:
         return not why and devices == allocation.devices
 
     def follow_gpus(self, allocation: Allocation) -> Allocation:
-        """After a node's GPU set changed: an allocation whose GPU is gone is released with the
+        """After a node's GPU set changed: an allocation whose GPU is gone ends failed with the
         reason (nothing can use it; its share is dropped by the agent); one whose GPUs were
         renumbered gets their new indexes recorded. The caller holds the claim."""
         why, devices = self._on_gpus(allocation)
         if why:
             if allocation.state in FINISHED or allocation.state is State.RELEASING:
                 return allocation
-            log.warning("allocation %s: %s; releasing it", allocation.id, why)
-            return self.release_claimed(allocation, reason=why)
+            log.warning("allocation %s: %s; ending it", allocation.id, why)
+            return self.release_claimed(allocation, reason=DEVICE_GONE + why)
         if devices == allocation.devices:
             return allocation
         assignment = dict(allocation.assignment, gpus=[d.gpu_index for d in devices])
@@ -489,6 +494,15 @@ class ControllerCore:
         # updated_at kept: a changed index says nothing about the share (see Reconciler._settled)
         return self._publish(self.store.update(allocation.id, devices=devices, assignment=assignment,
                                                updated_at=allocation.updated_at))
+
+    def end_lost(self, allocation: Allocation, why: str) -> Allocation:
+        """An allocation whose share its agent dropped because the device went away under it
+        (``why``: the agent's words, naming the device) ends failed with that reason: preparing it
+        again would hand the holder another device than the one its workload was given. The
+        release makes the agent forget the lost share. The caller holds the claim."""
+        reason = f"{DEVICE_GONE}{why}; node {allocation.node}'s agent dropped its share"
+        log.warning("allocation %s: %s; ending it", allocation.id, reason)
+        return self.release_claimed(allocation, reason=reason)
 
     def overcommit_note(self, allocation: Allocation) -> str | None:
         """The reason an active allocation's record should carry about its GPU being
@@ -537,8 +551,10 @@ class ControllerCore:
             log.warning("allocation %s stays releasing: %s", allocation.id, exc)
             return allocation
         faults.point("controller.after_agent_release")
-        # failed = it never became usable (never prepared, so no environment was handed out).
-        final = State.RELEASED if allocation.env else State.FAILED
+        # failed = it never became usable (never prepared, so no environment was handed out), or
+        # its device went away under it.
+        failed = not allocation.env or allocation.reason.startswith(DEVICE_GONE)
+        final = State.FAILED if failed else State.RELEASED
         try:
             allocation = self.store.transition(allocation.id, [State.RELEASING], final,
                                                lease_expires_at=0.0)

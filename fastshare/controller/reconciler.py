@@ -10,8 +10,11 @@ use, and it is adopted instead (``ControllerCore.take_over``).
 Per allocation, by state (skipping allocations another thread is working on):
 - pending   -> prepare again (idempotent by share id) and activate; refused -> compensate;
 - prepared  -> activate (written by earlier versions only);
-- active    -> lease expired: release; agent lost the share: prepare again (roll forward) - only
-               if the record is older than the inventory (a share prepared after the agent
+- active    -> its agent dropped the share because the device went away under it (the
+               inventory's lost_shares): end it failed with the agent's reason (prepared again,
+               it would sit on another device than the one its workload was given); lease
+               expired: release; agent lost the share otherwise: prepare again (roll forward) -
+               only if the record is older than the inventory (a share prepared after the agent
                answered is not in it);
 - releasing -> release on the agent again, then mark released/failed.
 Nodes that cannot be reached are left alone: their allocations keep their capacity and
@@ -43,6 +46,7 @@ class Report:
     compensated: list[str] = field(default_factory=list)
     orphans_freed: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)   # shares newer than the store, recorded now
+    lost: list[str] = field(default_factory=list)   # ended failed: their device went away under them
     unreachable: list[str] = field(default_factory=list)
     pruned: int = 0   # finished records forgotten (past the retention)
 
@@ -122,10 +126,13 @@ class Reconciler:
                 self.core.refresh_node(node, inventories[node.name])
         holding_all = self.core.store.list_allocations(HOLDING)
         holding = [a for a in holding_all if only is None or a.node in only]
-        shares = {n: {s.id for s in inv.shares} for n, inv in inventories.items() if inv is not None}
+        reached = {n: inv for n, inv in inventories.items() if inv is not None}
+        shares = {n: {s.id for s in inv.shares} for n, inv in reached.items()}
+        lost = {n: {s.id: s.reason for s in inv.lost_shares} for n, inv in reached.items()}
         for allocation in holding:
-            if not self._settled(allocation, shares.get(allocation.node), asked_at):
-                self._allocation(allocation, shares.get(allocation.node), report, asked_at)
+            why_lost = lost.get(allocation.node, {}).get(allocation.id, "")
+            if why_lost or not self._settled(allocation, shares.get(allocation.node), asked_at):
+                self._allocation(allocation, shares.get(allocation.node), report, asked_at, why_lost)
         # Orphans: shares on a reachable agent that no holding record explains. The listing
         # above is enough: it was read after the inventories, so it holds every record a share
         # in them can have (records are committed before prepare); a share not in it is
@@ -136,14 +143,16 @@ class Reconciler:
             if inventory is None:
                 continue
             newer = []
-            for share in inventory.shares:
+            # a lost share (dropped with its device) no record holds is forgotten the same way
+            for share in [*inventory.shares, *inventory.lost_shares]:
                 if not share.id.startswith(ID_PREFIX) or share.id in records or share.id in busy:
                     continue
                 record = self.core.store.get_allocation(share.id)
                 if record is not None and (record.state not in FINISHED or record.updated_at >= asked_at):
                     continue   # still held, or released since the inventory was taken (not an orphan)
                 sequence = sequence_of(share.id)
-                if record is None and sequence is not None and self.core.store.never_issued(sequence):
+                if (record is None and sequence is not None and isinstance(share, agent_pb2.Share)
+                        and self.core.store.never_issued(sequence)):
                     newer.append(share)   # newer than the store: adopted below, never freed
                     continue
                 stored = self.core.store.get_node(node)
@@ -172,8 +181,9 @@ class Reconciler:
         return shares is None or allocation.id in shares or allocation.updated_at >= asked_at
 
     def _allocation(self, allocation: Allocation, shares: set[str] | None,
-                    report: Report, asked_at: float = 0.0) -> None:
-        """``shares``: what the allocation's agent holds (None: unreachable)."""
+                    report: Report, asked_at: float = 0.0, why_lost: str = "") -> None:
+        """``shares``: what the allocation's agent holds (None: unreachable); ``why_lost``: why its
+        agent dropped its share with its device ("": it did not)."""
         core = self.core
         with core.claim(allocation.id) as got:
             if not got:
@@ -195,6 +205,10 @@ class Reconciler:
                         done = core.finish_release(current)
                         if done.state in FINISHED:
                             report.released.append(done.id)
+                elif why_lost and current.state in (State.ACTIVE, State.PREPARED):
+                    done = core.end_lost(current, why_lost)
+                    if done.state in FINISHED:
+                        report.lost.append(done.id)
                 elif expired:
                     log.info("allocation %s: lease expired, releasing", current.id)
                     done = core.release_claimed(current, reason="lease expired")

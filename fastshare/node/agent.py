@@ -28,7 +28,7 @@ from fastshare.device.api import DeviceError, Devices, GpuInfo, MigInstance, Mig
 from fastshare.mps.control import MpsControl, MpsError
 from fastshare.node import faults, sharefiles
 from fastshare.node.config import NodeConfig
-from fastshare.node.journal import Journal, MpsRow, ShareRow
+from fastshare.node.journal import Journal, LostShare, MpsRow, ShareRow
 from fastshare.node.model import InvalidShare, Prepared, ShareSpec
 
 log = logging.getLogger("fastshare.node")
@@ -237,6 +237,8 @@ class Agent:
         except InvalidShare as exc:
             raise AgentError("INVALID_ARGUMENT", str(exc)) from None
         with self._share_locks.hold(spec.id, deadline):
+            if self.journal.forget_lost(spec.id):   # the controller prepares a pending record again
+                log.info("share %s was lost with its device; preparing it anew", spec.id)
             row = self.journal.share(spec.id)
             if row is not None:
                 if row.spec != spec:
@@ -560,11 +562,15 @@ class Agent:
         with self._share_locks.hold(share_id, deadline):
             row = self.journal.share(share_id)
             if row is None:
-                return ReleaseResult(False)
+                lost = self.journal.forget_lost(share_id)   # dropped with its device: now forgotten
+                if lost:
+                    self._changed()
+                return ReleaseResult(lost)
             if row.state == "ready" and self._release_fast(row, deadline):
                 destroyed, stopped = [], []
             else:
                 destroyed, stopped = self._release_slow(row, deadline)
+            self.journal.forget_lost(share_id)   # a drop a crash interrupted
         self._changed()
         return ReleaseResult(True, tuple(destroyed), tuple(stopped))
 
@@ -711,32 +717,15 @@ class Agent:
         return actions
 
     def _reconcile_share(self, row: ShareRow, deadline: Deadline) -> list[str]:
-        present = {g.uuid for g in self._gpus}
-        gone = [u for u in row.spec.device_uuids if not u.startswith("MIG-") and u not in present]
-        if gone:
-            # The GPU was replaced (same slot, new UUID) or removed while the agent was down: the
-            # share can never be used again. Kept, it looked ready to the controller for good
-            # (holding the new board's capacity there); dropped, the controller cannot prepare
-            # it again and ends its allocation with NVML's answer.
-            for m in self.journal.migs(gone[0]):
-                if m.share_id == row.spec.id:
-                    self.journal.delete_mig(m.gpu_uuid, m.start)
-            self._undo(row, deadline)
-            self.journal.delete_share(row.spec.id)
-            return [f"share {row.spec.id}: GPU {', '.join(gone)} is no longer on this node (replaced or "
-                    "removed?); dropped"]
+        why = self._vanished(row)
+        if why is not None:
+            # Its GPU was replaced (same slot, new UUID) or removed, or its MIG device ended
+            # (a reboot or a GPU reset ends them; new ones get new UUIDs) while the agent was
+            # down: the share can never be used again. Kept, it looked ready to the controller
+            # for good (holding the new board's capacity there).
+            self._drop(row, why, deadline)
+            return [f"share {row.spec.id}: {why}; dropped"]
         if row.state == "ready":
-            if row.spec.kind == "exclusive" and not self._exclusive_still_there(row):
-                self._undo(row, deadline)
-                self.journal.delete_share(row.spec.id)
-                return [f"share {row.spec.id}: its MIG device is gone (reboot?); dropped"]
-            if row.device_uuid.startswith("MIG-") and not any(
-                    m.uuid == row.device_uuid for g in self._gpus for m in g.mig_instances):
-                # MIG devices never come back (a reboot or a GPU reset ends them; new ones get
-                # new UUIDs): an MPS share on one that is gone can only be dropped.
-                self._undo(row, deadline)
-                self.journal.delete_share(row.spec.id)
-                return [f"share {row.spec.id}: its MIG device {row.device_uuid} is gone (reboot?); dropped"]
             return []
         if row.state == "preparing" and row.spec.kind == "exclusive" and self._adopt_preparing(row):
             return [f"share {row.spec.id}: MIG device in use, adopted as prepared"]
@@ -746,9 +735,71 @@ class Agent:
                 + (f", destroyed {destroyed}" if destroyed else "")
                 + (f", stopped MPS {stopped}" if stopped else "")]
 
-    def _exclusive_still_there(self, row: ShareRow) -> bool:
-        gpu = self._gpu(row.spec.device_uuids[0])
-        return any(m.uuid == row.device_uuid for m in gpu.mig_instances)
+    def _vanished(self, row: ShareRow) -> str | None:
+        """Why the device ``row`` lives on is gone, naming it (None: it is there), by the last
+        read of the devices. A 'preparing' exclusive share lives on its GPU until its instance
+        is made."""
+        present = {g.uuid for g in self._gpus}
+        gone = [u for u in row.spec.device_uuids if not u.startswith("MIG-") and u not in present]
+        if gone:
+            return ("; ".join(f"GPU {u} is no longer on this node" for u in gone)
+                    + " (removed, replaced or fallen off the bus)")
+        if row.device_uuid.startswith("MIG-") and not any(
+                m.uuid == row.device_uuid for g in self._gpus for m in g.mig_instances):
+            start = row.prepared.mig_start if row.spec.kind == "exclusive" and row.prepared else None
+            where = f" (slice {start} of GPU {row.spec.device_uuids[0]})" if start is not None else ""
+            return (f"its MIG device {row.device_uuid}{where} is gone: destroyed outside fastshare (by hand, "
+                    "e.g. nvidia-smi mig -dci/-dgi, or by a GPU reset or a reboot)")
+        return None
+
+    def _drop(self, row: ShareRow, why: str, deadline: Deadline) -> None:
+        """Forget a share whose device is gone and free what it still holds (its MPS daemon, its
+        entries in the share files, its port). A ready one is recorded as lost first, with why,
+        until its id is released: the controller then ends its allocation with that reason
+        instead of preparing it again on another device (see the Inventory's lost_shares)."""
+        if row.state == "ready":
+            self.journal.lose_share(LostShare(row.spec.id, row.device_uuid, why, row.spec.owner))
+        if row.spec.kind == "exclusive":
+            # Its instance is gone: the journal rows of it are forgotten, never destroyed (an
+            # instance laid out there since, even of the same profile, is not ours). Under the
+            # GPU's lock, under which a prepare records an instance at the same place.
+            gpu_uuid = row.spec.device_uuids[0]
+            with self._device_locks.hold(gpu_uuid, deadline):
+                for m in self.journal.migs(gpu_uuid):
+                    if m.share_id == row.spec.id:
+                        self.journal.delete_mig(gpu_uuid, m.start)
+            self._free_port(row.port)
+        else:
+            self._undo(row, deadline)
+        self.journal.delete_share(row.spec.id)
+
+    def _drop_vanished(self) -> bool:
+        """Housekeeping: drop the ready shares whose device went away while the agent ran (a MIG
+        device destroyed by hand, a GPU fallen off the bus), as the start does. True if any was."""
+        suspects = [r for r in self.journal.shares() if r.state == "ready" and self._vanished(r)]
+        if not suspects:
+            return False
+        # Read the devices again, after those rows: the last read may predate the device of a
+        # share prepared since (a device of a ready share existed when it became ready).
+        self.refresh_devices()
+        dropped = False
+        for suspect in suspects:
+            share_id = suspect.spec.id
+            try:
+                with self._share_locks.hold(share_id, Deadline(1.0)):   # busy: the next round
+                    if self.journal.share(share_id) != suspect:
+                        continue   # released (or released and prepared again) meanwhile
+                    why = self._vanished(suspect)
+                    if why is None:
+                        continue
+                    log.warning("share %s (owner %r): %s; dropped (reported as lost until its id is "
+                                "released)", share_id, suspect.spec.owner, why)
+                    self._drop(suspect, why, Deadline(self.config.mps_timeout_s * 4))
+                    dropped = True
+            except (AgentError, DeviceError, MpsError, OSError) as exc:
+                log.error("share %s: its device is gone, but dropping it failed (%s); retried by the next "
+                          "housekeeping", share_id, exc)
+        return dropped
 
     def _adopt_preparing(self, row: ShareRow) -> bool:
         """A half-prepared exclusive share whose new MIG device already runs work: keep it."""
@@ -805,15 +856,17 @@ class Agent:
         return actions
 
     def housekeeping(self) -> None:
-        """Periodic: refresh devices, destroy idle orphan MIG instances, restart dead MPS daemons."""
+        """Periodic: refresh devices, drop shares whose device went away, destroy idle orphan MIG
+        instances, restart dead MPS daemons."""
         deadline = Deadline(self.config.mps_timeout_s * 4)
         before = self._gpus
         self.refresh_devices()
+        dropped = self._drop_vanished()
         # MIG rows first: a share is journaled before its instance, so a row read here whose
         # share is missing from the shares read next is a real orphan, not one just prepared.
         migs = self.journal.migs()
         live = {r.spec.id for r in self.journal.shares()}
-        changed = before != self._gpus
+        changed = dropped or before != self._gpus
         for m in migs:
             if m.purpose == "share" and m.state == "ready" and m.share_id not in live:
                 changed |= self._destroy_agent_mig(m.gpu_uuid, m.start, m.profile_id, deadline)
@@ -865,6 +918,7 @@ class Agent:
     def snapshot(self) -> Snapshot:
         gpus = self.refresh_devices()
         shares = self.journal.shares()
+        lost = self.journal.lost_shares()   # after the shares: one dropped between is in one or both
         migs = {(m.gpu_uuid, m.start): m for m in self.journal.migs()}
         share_of_device = {r.device_uuid: r.spec.id for r in shares if r.spec.kind == "exclusive"}
         files = []
@@ -884,7 +938,7 @@ class Agent:
                         driver_version=self.devices.driver_version(), generation=self.generation,
                         boot_id=self.boot_id, gpus=gpus, profiles=dict(self._profiles),
                         agent_migs=migs, share_of_device=share_of_device, mps_daemons=daemons,
-                        shares=shares, share_files=files, links=self._links(len(gpus)),
+                        shares=shares, lost_shares=lost, share_files=files, links=self._links(len(gpus)),
                         mps_unavailable=self.mps.unavailable(),
                         mps_memory_oversubscription=self.config.mps_memory_oversubscription)
 
@@ -917,6 +971,7 @@ class Snapshot:
     share_of_device: dict[str, str]
     mps_daemons: list
     shares: list[ShareRow]
+    lost_shares: list[LostShare]
     share_files: list[tuple[str, str, str, int]]
     links: tuple[tuple[int, int, int], ...] = ()   # (gpu a, gpu b, NVML level; -1 NVLink)
     mps_unavailable: str = ""   # why MPS shares cannot run here; "" when they can

@@ -35,7 +35,7 @@ from pathlib import Path
 from fastshare.node.model import Prepared, ShareSpec
 from fastshare.sqlite_file import GroupSync, StateFileError, open_state_file
 
-SCHEMA_VERSION = 1   # tables added since (leader_term) are ones an older agent ignores
+SCHEMA_VERSION = 1   # tables added since (leader_term, lost_shares) are ones an older agent ignores
 _SHARE_COLUMNS = "spec, state, device_uuid, port, prepared"
 _MPS_COLUMNS = "device_uuid, gpu_uuid, state, pid, compute_mode_set, sm_ceiling, mem_ceiling"
 _SELECT = object()   # Journal._write: read the share's row back
@@ -70,6 +70,13 @@ CREATE TABLE IF NOT EXISTS mps_daemons (
     mem_ceiling INTEGER,
     updated REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS lost_shares (
+    id TEXT PRIMARY KEY,           -- a share dropped because its device went away while held
+    device_uuid TEXT NOT NULL,     -- the GPU or MIG device that is gone
+    reason TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    updated REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS leader_term (
     id INTEGER PRIMARY KEY CHECK (id = 0),   -- one row
     term INTEGER NOT NULL,         -- highest controller leader term seen (fencing token)
@@ -85,6 +92,16 @@ class ShareRow:
     device_uuid: str
     port: int | None
     prepared: Prepared | None
+
+
+@dataclass(frozen=True)
+class LostShare:
+    """A share dropped because its device went away while it was held (see ``Agent``)."""
+
+    id: str
+    device_uuid: str
+    reason: str
+    owner: str
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,9 @@ class Journal:
             self._on_device: dict[str, set[str]] = {}   # device UUID -> ids of the shares that touch it
             for r in self._db.execute(f"SELECT id, {_SHARE_COLUMNS} FROM shares").fetchall():
                 self._cache(r[0], _share_row(r[1:]))
+            self._lost: dict[str, LostShare] = {
+                r[0]: LostShare(*r) for r in self._db.execute(
+                    "SELECT id, device_uuid, reason, owner FROM lost_shares")}
             self._mps: dict[str, MpsRow] = {
                 r[0]: _mps_row(r) for r in self._db.execute(f"SELECT {_MPS_COLUMNS} FROM mps_daemons")}
 
@@ -244,6 +264,32 @@ class Journal:
         for), from an index: capacity checks must not scan every share of the node."""
         with self._view:
             return [self._shares[k] for k in sorted(self._on_device.get(device_uuid, ()))]
+
+    # shares lost with their device ---------------------------------------------------------
+
+    def lose_share(self, lost: LostShare) -> None:
+        """Record why a share is being dropped, before it is (kept until its id is released)."""
+        self._write("INSERT INTO lost_shares (id, device_uuid, reason, owner, updated) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET device_uuid=excluded.device_uuid, "
+                    "reason=excluded.reason, owner=excluded.owner, updated=excluded.updated",
+                    (lost.id, lost.device_uuid, lost.reason, lost.owner, time.time()))
+        with self._view:
+            self._lost[lost.id] = lost
+
+    def forget_lost(self, share_id: str) -> bool:
+        """Forget a lost share (its id was released or prepared again); False if none was (no
+        commit then: every prepare asks)."""
+        with self._view:
+            if share_id not in self._lost:
+                return False
+        self._write("DELETE FROM lost_shares WHERE id=?", (share_id,))
+        with self._view:
+            self._lost.pop(share_id, None)
+        return True
+
+    def lost_shares(self) -> list[LostShare]:
+        with self._view:
+            return [self._lost[k] for k in sorted(self._lost)]
 
     # MIG instances ------------------------------------------------------------------------
 

@@ -332,6 +332,8 @@ def inventory_proto(snap: Snapshot) -> agent_pb2.Inventory:
                                          pid=row.pid or 0, share_ids=ids, healthy=healthy)
                      for row, pipe, logd, ids, healthy in snap.mps_daemons],
         shares=[_share_in_inventory(r) for r in snap.shares if r.state == "ready"],
+        lost_shares=[agent_pb2.LostShare(id=x.id, device_uuid=x.device_uuid, reason=x.reason, owner=x.owner)
+                     for x in snap.lost_shares],
         share_files=[agent_pb2.ShareFile(device_uuid=d, config_path=c, port_path=p, entries=n)
                      for d, c, p, n in snap.share_files],
         links=[agent_pb2.GpuLink(gpu_a=a, gpu_b=b, level=level) for a, b, level in snap.links],

@@ -283,3 +283,97 @@ def test_an_mps_share_whose_mig_device_is_gone_is_dropped_at_start(agent, tmp_pa
     assert restarted.journal.shares() == [] and restarted.journal.mps_daemons() == []
     assert restarted.mps.running_devices() == []
     assert sharefiles.devices(restarted.config.share_root) == []
+
+
+def _lost(agent: Agent) -> dict[str, str]:
+    return {x.id: x.reason for x in agent.journal.lost_shares()}
+
+
+def test_a_fastpod_share_on_a_mig_device_destroyed_by_hand_is_dropped_while_the_agent_runs(agent):
+    """Only a start noticed that a held share's device was gone: meanwhile the share stayed ready,
+    its MPS daemon and share files stayed, and the controller was told nothing. Now housekeeping
+    drops it, frees what it held and records it as lost with why, until its id is released."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    apply_layout(agent, gpu, {"3g.40gb": 1}, False, True, Deadline(60))
+    (instance,) = agent.devices.mig_instances(GPU_MIG)
+    mig = instance.uuid
+    spec = ShareSpec("fp", "fastpod", (mig,), sm_percent=50, memory_bytes=1 << 30, quota_request=0.5,
+                     quota_limit=1.0, owner="team/a")
+    prepared, _ = agent.prepare(spec, Deadline(60))
+    assert agent.mps.running_devices() == [mig] and sharefiles.devices(agent.config.share_root) == [mig]
+    generation = agent.generation
+
+    agent.devices.destroy_mig_instance(GPU_MIG, instance.start)   # nvidia-smi mig -dci/-dgi
+    agent.housekeeping()
+    assert agent.journal.shares() == [] and agent.journal.mps_daemons() == []
+    assert agent.mps.running_devices() == [] and sharefiles.devices(agent.config.share_root) == []
+    assert agent.generation > generation                    # Watch wakes up
+    (lost,) = agent.snapshot().lost_shares
+    assert (lost.id, lost.device_uuid, lost.owner) == ("fp", mig, "team/a")
+    assert mig in lost.reason and "destroyed outside fastshare" in lost.reason, lost.reason
+    # its port is free again, and a release of its id forgets it
+    other = agent.devices.gpus()[GPU_A].uuid
+    again, _ = agent.prepare(ShareSpec("fp-2", "fastpod", (other,), sm_percent=50, memory_bytes=1 << 30,
+                                       quota_request=0.5, quota_limit=1.0), Deadline(60))
+    assert again.port == prepared.port
+    assert agent.release("fp", Deadline(60)).released and _lost(agent) == {}
+    assert not agent.release("fp", Deadline(60)).released
+
+
+def test_a_lost_exclusive_share_leaves_an_instance_laid_out_in_its_place_alone(agent):
+    """The slice of an exclusive share destroyed by hand and one of the same profile created at the
+    same place: the share is dropped and its journal rows forgotten, but the new instance, not the
+    agent's, is not destroyed (a rollback destroyed whatever idle instance sat at the place)."""
+    gpu = agent.devices.gpus()[GPU_MIG]
+    spec = ShareSpec("ex", "exclusive", (gpu.uuid,), mig_profile="3g.40gb", mig_start=0)
+    prepared, _ = agent.prepare(spec, Deadline(60))
+    agent.devices.destroy_mig_instance(gpu.index, 0)
+    foreign = agent.devices.create_mig_instance(gpu.index, prepared_profile(agent, gpu.uuid), 0)
+
+    agent.housekeeping()
+    assert agent.journal.shares() == [] and agent.journal.migs() == []
+    assert [m.uuid for m in agent.devices.mig_instances(gpu.index)] == [foreign.uuid]
+    reason = _lost(agent)["ex"]
+    assert prepared.device_uuids[0] in reason and f"slice 0 of GPU {gpu.uuid}" in reason, reason
+    # the controller prepares a pending record again: the lost record goes, a share is made
+    again, created = agent.prepare(ShareSpec("ex", "exclusive", (gpu.uuid,), mig_profile="3g.40gb"),
+                                   Deadline(60))
+    assert created and _lost(agent) == {} and again.device_uuids != prepared.device_uuids
+
+
+def prepared_profile(agent: Agent, gpu_uuid: str) -> int:
+    return next(p.profile_id for p in agent._profiles[gpu_uuid] if p.name == "3g.40gb")
+
+
+def test_housekeeping_does_not_drop_a_share_prepared_after_it_read_the_devices(agent):
+    """An exclusive share whose instance was made after housekeeping read the devices: by that
+    read its MIG device does not exist. It must be read again, not the share dropped."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    spec = ShareSpec("ex", "exclusive", (gpu,), mig_profile="1g.10gb")
+    refresh = agent.refresh_devices
+
+    def prepare_after_the_read():
+        agent.refresh_devices = refresh        # once: the prepare runs right after this read
+        before = refresh()
+        agent.prepare(spec, Deadline(60))
+        agent._gpus = before                   # as housekeeping read them
+        return before
+
+    agent.refresh_devices = prepare_after_the_read
+    agent.housekeeping()
+    assert agent.journal.share("ex").state == "ready" and _lost(agent) == {}
+    assert len(agent.devices.mig_instances(GPU_MIG)) == 1
+
+
+def test_a_share_lost_at_start_is_recorded_as_lost(agent, tmp_path):
+    """The start drops a ready share whose device went away while the agent was down, as
+    housekeeping does, and records why: the controller ends its allocation instead of preparing
+    it again on another device than its workload was given."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    agent.prepare(ShareSpec("ex", "exclusive", (gpu,), mig_profile="1g.10gb"), Deadline(60))
+    agent.journal.close()
+    simnvml.reboot(agent.config.sim_state)
+    restarted = in_process_agent(tmp_path, Path(agent.config.run_dir), Path(agent.config.sim_state))
+    agent.journal = restarted.journal           # the fixture closes this one
+    assert restarted.journal.shares() == [] and restarted.journal.migs() == []
+    assert "destroyed outside fastshare" in _lost(restarted)["ex"]

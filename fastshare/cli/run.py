@@ -11,6 +11,7 @@ allocation.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import signal
@@ -199,7 +200,8 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
             if released and child is not None and child.poll() is None:
                 # The command must not keep using capacity that may already belong to another
                 # workload.
-                click.echo("fastshare: the allocation was released; stopping the command", err=True)
+                ended = _how_it_ended(client, allocation.id)
+                click.echo(f"fastshare: {ended}; stopping the command", err=True)
                 child.terminate()
                 return
 
@@ -230,6 +232,17 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
             signal.signal(sig, handler)
         _release(client, allocation.id, quiet)
     return status if status >= 0 else 128 - status
+
+
+def _how_it_ended(client, allocation_id: str) -> str:
+    """"the allocation was released", or why it failed (e.g. its device went away under it)."""
+    from fastshare.v1 import controller_pb2 as pb
+
+    with contextlib.suppress(grpc.RpcError):
+        ended = client.call("Get", pb.GetAllocationRequest(allocation_id=allocation_id), timeout=10)
+        if ended.state == pb.ALLOCATION_STATE_FAILED:
+            return f"the allocation failed: {ended.reason or 'no reason recorded'}"
+    return "the allocation was released"
 
 
 # On Linux CMD is started under this small supervisor. It is the subreaper of CMD's processes

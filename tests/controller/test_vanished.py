@@ -89,3 +89,34 @@ def test_a_gpu_removed_under_whole_and_fastpod_shares_ends_their_allocations(clu
     assert not inventory.mps_daemons and not inventory.share_files
     assert allocate(client, "fastpod", sm_percent=100, memory_bytes=GiB).devices[0].gpu_index == 1
     assert_consistent(cluster)
+
+
+def test_fastshare_run_stops_its_command_saying_why_when_its_slice_is_destroyed(cluster):
+    """`fastshare run` on an exclusive slice destroyed by hand: the command is stopped with why
+    (it said "the allocation was released", and before that nothing ended it at all)."""
+    import os
+    import signal
+    import subprocess
+
+    from .conftest import fastshare_bin
+
+    cluster.add_machine("n1", ["A100-SXM4-40GB"], mig_enabled=True)
+    cluster.start_controller()
+    cluster.start_agent("n1", config=FAST)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")},
+           "FASTSHARE_CONTROLLER": cluster.address, "FASTSHARE_TLS_DIR": str(cluster.pki.dir)}
+    args = [fastshare_bin(), "run", "--kind", "exclusive", "--mig-profile", "3g.20gb", "--lease-ttl", "6",
+            "--", "sleep", "300"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        (held,) = wait_for(lambda: [a for a in cluster.status().allocations
+                                    if a.state == pb.ALLOCATION_STATE_ACTIVE], 60, "the allocation")
+        with open_devices("sim", cluster.root / "n1.json") as devices:
+            devices.destroy_mig_instance(0, held.devices[0].mig_start)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert f"the allocation failed: device gone: its MIG device {held.devices[0].mig_uuid}" in stderr, stderr
+    assert "stopping the command" in stderr, stderr

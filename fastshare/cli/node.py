@@ -182,6 +182,9 @@ def status(unix_socket: str, as_json: bool) -> None:
                   ", ".join(s.device_uuids), s.owner] for s in inv.shares])
     print_table("MPS daemons", ["device", "pid", "healthy", "shares"],
                 [[d.device_uuid, d.pid, d.healthy, ", ".join(d.share_ids)] for d in inv.mps_daemons])
+    if inv.lost_shares:   # dropped with their device; listed until their id is released
+        print_table("lost shares (device gone; listed until released)", ["id", "owner", "why"],
+                    [[s.id, s.owner, s.reason] for s in inv.lost_shares])
 
 
 @node.command("release")

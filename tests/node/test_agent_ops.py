@@ -11,9 +11,10 @@ from importlib import resources
 import grpc
 import pytest
 
+from fastshare.device import simnvml
 from fastshare.v1 import agent_pb2
 
-from .harness import BIN, GPU_A, GPU_MIG, fastpod, rpc_error, share
+from .harness import BIN, GPU_A, GPU_B, GPU_MIG, fastpod, rpc_error, share, wait_for
 
 INV = agent_pb2.GetInventoryRequest()
 
@@ -120,3 +121,27 @@ def test_unit_template_passes_systemd_analyze_verify(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "fastshare-node.service" not in out.stderr, out.stderr
+
+
+def test_cli_status_lists_a_share_lost_with_its_gpu_until_it_is_released(agent, sim_machine):
+    """A whole-GPU share whose GPU fell off the bus while the agent ran: dropped by housekeeping,
+    `fastshare node status` lists it with why, and `fastshare node release` forgets it."""
+    agent.settings["reconcile_interval_s"] = 1
+    agent.start()
+    gpu = agent.unix().GetInventory(INV, timeout=30).gpus[GPU_B].uuid
+    agent.unix().PrepareShare(share("gone", "whole", [gpu], owner="team/b"), timeout=60)
+    simnvml.remove_gpu(sim_machine, GPU_B)
+    wait_for(lambda: agent.unix().GetInventory(INV, timeout=30).lost_shares, what="the share dropped")
+    inv = agent.unix().GetInventory(INV, timeout=30)
+    assert not inv.shares
+    assert [(s.id, s.device_uuid, s.owner) for s in inv.lost_shares] == [("gone", gpu, "team/b")]
+    log = agent.log.read_text()
+    assert "WARNING" in log and f"GPU {gpu} is no longer on this node" in log, log
+    fastshare = str(BIN / "fastshare")
+    table = subprocess.run([fastshare, "node", "status", "--unix-socket", agent.unix_socket],
+                           capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "lost shares" in table and "gone" in table and "team/b" in table, table
+    out = subprocess.run([fastshare, "node", "release", "--unix-socket", agent.unix_socket, "gone"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert "released gone" in out.stdout
+    assert not agent.unix().GetInventory(INV, timeout=30).lost_shares

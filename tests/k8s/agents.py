@@ -41,6 +41,7 @@ class Agent:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.settings: dict = {}   # node.yaml settings over the defaults below
 
     def start(self, controller_tls: TlsPaths) -> None:
         config = self.root / "node.yaml"
@@ -52,6 +53,7 @@ class Agent:
             "tls": {"cert": str(self.root / "pki" / f"{self.name}.crt"),
                     "key": str(self.root / "pki" / f"{self.name}.key"),
                     "ca": str(self.root / "pki" / "ca.crt")},
+            **self.settings,
         }))
         env = {k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")}
         env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
@@ -141,11 +143,12 @@ def kubelet_step(core: client.CoreV1Api, namespace: str) -> None:
 
 
 def started_agent(core: client.CoreV1Api, pki: tuple[Path, TlsPaths], prefix: str, models: list[str],
-                  mig: bool = False) -> Agent:
+                  mig: bool = False, settings: dict | None = None) -> Agent:
     """A node agent on a simulated machine of its own (named ``prefix-XXXX``), started and
-    registered as a Ready GPU Node."""
+    registered as a Ready GPU Node; ``settings``: node.yaml settings over the defaults."""
     root, tls = pki
     agent = Agent(root, root / "ca", f"{prefix}-{uuid.uuid4().hex[:4]}", models, mig=mig)
+    agent.settings.update(settings or {})
     agent.start(tls)
     register_node(core, agent)
     return agent

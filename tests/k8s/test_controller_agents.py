@@ -828,3 +828,49 @@ def test_a_replica_that_keeps_ending_for_days_still_backs_off(api_client, namesp
     assert "waits 300 s" in wait_for(backing_off, "BackOff", timeout=30)["message"]
     view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "looping")
     wait_for(lambda: (kubelet_step(view.core, namespace), view.shares() == [])[1], "released", timeout=120)
+
+
+def test_an_exclusive_replica_whose_mig_slice_is_destroyed_by_hand_is_replaced(
+        api_client, namespace, controller, pki, caplog):
+    """A replica's MIG slice destroyed by hand (nvidia-smi mig -dci/-dgi) while its agent runs: the
+    share stayed ready and the replica kept running on a device that no longer existed. Now the
+    agent drops the share, the controller ends the allocation failed naming the slice, and the
+    replica is replaced on a new slice (its Pod, whose env names the old slice, deleted)."""
+    import logging
+
+    from fastshare.device import open_devices
+
+    tls = pki[1]
+    core = client.CoreV1Api(api_client)
+    agent = started_agent(core, pki, "sliced", ["A100-SXM4-80GB"], mig=True,
+                          settings={"reconcile_interval_s": 1})
+    view = View(api_client, namespace, "sliced", {"sliced": agent}, tls)
+    caplog.set_level(logging.WARNING, logger="fastshare.controller")
+    try:
+        controller().start()
+        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fastpod_manifest(
+            "sliced", {"kind": "exclusive", "migProfile": "3g.40gb", "models": ["A100-SXM4-80GB"]}, 1))
+        wait_for(lambda: view.settled(1), "the exclusive replica", timeout=180)
+        ((pod_name, old),) = view.active().items()
+        with open_devices("sim", agent.machine) as devices:
+            (instance,) = [m for m in devices.mig_instances(0) if m.uuid == old["migUUID"]]
+            devices.destroy_mig_instance(0, instance.start)
+
+        def replaced():
+            if not view.settled(1):
+                return False
+            ((name, entry),) = view.active().items()
+            return name != pod_name and entry["allocation"] != old["allocation"] and entry
+        new = wait_for(replaced, "the replica replaced on a new slice", timeout=120)
+        assert new["migUUID"] != old["migUUID"] and view.shares() == [new["allocation"]]
+        assert any(old["allocation"] in r.getMessage() and "device gone" in r.getMessage()
+                   and old["migUUID"] in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        try:
+            with contextlib.suppress(client.ApiException):
+                view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "sliced")
+            wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
+                     timeout=120)
+        finally:
+            agent.stop()
+            core.delete_node(agent.name)

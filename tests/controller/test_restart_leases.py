@@ -12,37 +12,19 @@ from fastshare.controller.core import ControllerCore
 from fastshare.controller.model import Allocation, Kind, Spec, State
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.sqlite_store import SqliteStore
-from fastshare.v1 import agent_pb2
+
+from .recording_agent import RecordingAgent
 
 GiB = 1024**3
 
 
-class _Agent:
-    def __init__(self) -> None:
-        self.shares: dict[str, agent_pb2.Share] = {}
-
-    def get(self, node: str, address: str) -> _Agent:
-        return self
-
-    def inventory(self) -> agent_pb2.Inventory:
-        return agent_pb2.Inventory(
-            gpus=[agent_pb2.Gpu(index=0, uuid="GPU-0", name="NVIDIA L4", memory_bytes=22 * GiB, sm_count=58)],
-            shares=list(self.shares.values()))
-
-    def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
-        self.shares[share.id] = share
-        return agent_pb2.PrepareShareReply(share=share, env={"X": "1"}, device_uuids=list(share.device_uuids))
-
-    def release(self, share_id: str, kind: int = 0) -> agent_pb2.ReleaseShareReply:
-        self.shares.pop(share_id, None)
-        return agent_pb2.ReleaseShareReply(released=True)
 
 
 @pytest.fixture
 def before_crash(tmp_path):
     """The recording agent, a real store, and the controller core that ran before a crash two
     minutes ago (node n1 registered); the spec and creation time of the allocations it made."""
-    agent = _Agent()
+    agent = RecordingAgent()
     store = SqliteStore(tmp_path / "state.db")
     before = ControllerCore(store, agent)
     before.register_node("n1", "127.0.0.1:1", {})

@@ -16,6 +16,8 @@ from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.v1 import agent_pb2, common_pb2
 
+from .recording_agent import RecordingAgent
+
 GiB = 1024**3
 
 
@@ -65,27 +67,6 @@ def test_a_restored_database_still_knows_what_it_never_issued(tmp_path):
     again.close()
 
 
-class _Agent:
-    """One L4; holds what it is given (prepare is idempotent by id, as the real agent)."""
-
-    def __init__(self) -> None:
-        self.shares: dict[str, agent_pb2.Share] = {}
-
-    def get(self, node: str, address: str) -> _Agent:
-        return self
-
-    def inventory(self) -> agent_pb2.Inventory:
-        return agent_pb2.Inventory(
-            gpus=[agent_pb2.Gpu(index=0, uuid="GPU-0", name="NVIDIA L4", memory_bytes=22 * GiB, sm_count=58)],
-            shares=list(self.shares.values()))
-
-    def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
-        self.shares[share.id] = share
-        return agent_pb2.PrepareShareReply(share=share, env={"X": "1"}, device_uuids=list(share.device_uuids))
-
-    def release(self, share_id: str, kind: int = 0) -> agent_pb2.ReleaseShareReply:
-        self.shares.pop(share_id, None)
-        return agent_pb2.ReleaseShareReply(released=True)
 
 
 def test_a_node_the_restored_database_does_not_know_takes_no_work_until_its_shares_are_adopted(tmp_path):
@@ -99,7 +80,7 @@ def test_a_node_the_restored_database_does_not_know_takes_no_work_until_its_shar
     store.close()
     shutil.copy(tmp_path / "backup.db", path)                 # restored: n1 and `lost` unknown
 
-    agent = _Agent()
+    agent = RecordingAgent()
     agent.prepare(agent_pb2.Share(id=lost, kind=common_pb2.SHARE_KIND_FASTPOD, device_uuids=["GPU-0"],
                                   sm_percent=100, memory_bytes=20 * GiB, quota_request=1.0, quota_limit=1.0,
                                   owner="team/lost"))

@@ -95,11 +95,17 @@ def _dead_endpoint() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
 
 
-def test_a_gpu_node_whose_agent_is_down_is_unschedulable(api_client, namespace, make_controller):
+def _gpu_node_with_dead_agent(api_client) -> tuple[str, client.CoreV1Api]:
+    """A GPU Node whose agent endpoint answers nothing; its name and the core API."""
     node = f"gpu-{uuid.uuid4().hex[:6]}"
     core = client.CoreV1Api(api_client)
     core.create_node(client.V1Node(metadata=client.V1ObjectMeta(
         name=node, labels={"fastshare.io/gpu": "true"}, annotations={ENDPOINT_ANNOTATION: _dead_endpoint()})))
+    return node, core
+
+
+def test_a_gpu_node_whose_agent_is_down_is_unschedulable(api_client, namespace, make_controller):
+    node, core = _gpu_node_with_dead_agent(api_client)
     controller = make_controller(namespace)
     controller.start()
     assert controller.store.get_node(node).available is False
@@ -321,10 +327,7 @@ def test_a_forgotten_node_has_its_agent_channel_closed_and_dropped(api_client, n
     """A GPU node whose Node object is deleted and whose agent does not answer is forgotten; its
     gRPC channel in the agent pool went with it, not kept (and retried) for good: one per node
     ever seen, on a cluster whose nodes come and go (autoscaling)."""
-    node = f"gpu-{uuid.uuid4().hex[:6]}"
-    core = client.CoreV1Api(api_client)
-    core.create_node(client.V1Node(metadata=client.V1ObjectMeta(
-        name=node, labels={"fastshare.io/gpu": "true"}, annotations={ENDPOINT_ANNOTATION: _dead_endpoint()})))
+    node, core = _gpu_node_with_dead_agent(api_client)
     controller = make_controller(namespace)
     controller.start()
     pool = controller.core.agents._pool

@@ -187,7 +187,8 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
             try:
                 if lease_ttl:
                     # with its own ttl: a record that lost its lease (adopted after a restore of
-                    # the controller's state) gets it back instead of refusing every renewal
+                    # the controller's state, from a share made before shares carried the lease)
+                    # gets it back instead of refusing every renewal
                     client.call("RenewLease", pb.RenewLeaseRequest(allocation_id=allocation.id,
                                                                    ttl_seconds=lease_ttl), timeout=10)
                     continue

@@ -340,7 +340,9 @@ class ControllerCore:
 
     def _same_request(self, existing: Allocation, request: Request) -> Allocation:
         """A retry: the same allocation, driven to active if a crash left it half-done."""
-        if existing.spec != request.spec or existing.owner != request.owner:
+        same = (_carried(existing.spec) == _carried(request.spec) if existing.reason.startswith(ADOPTED)
+                else existing.spec == request.spec)
+        if not same or existing.owner != request.owner:
             raise KeyConflict(f"idempotency key {request.idempotency_key!r} was used by allocation "
                               f"{existing.id} with a different request")
         if existing.state not in (State.PENDING, State.PREPARED):
@@ -354,7 +356,12 @@ class ControllerCore:
     def share_for(self, allocation: Allocation) -> agent_pb2.Share:
         spec = allocation.spec
         share = agent_pb2.Share(id=allocation.id, kind=_KINDS[spec.kind], owner=allocation.owner,
-                                device_uuids=[d.gpu_uuid for d in allocation.devices])
+                                device_uuids=[d.gpu_uuid for d in allocation.devices],
+                                idempotency_key=allocation.idempotency_key,
+                                # a ttl an older RenewLease stored out of range is left out: the
+                                # agent would refuse the share over the controller's bookkeeping
+                                lease_ttl_seconds=allocation.lease_ttl
+                                if MIN_LEASE_TTL <= allocation.lease_ttl <= MAX_LEASE_TTL else 0)
         if spec.kind is Kind.FASTPOD:
             share.sm_percent = spec.sm_percent
             share.memory_bytes = spec.memory_bytes
@@ -658,8 +665,11 @@ class ControllerCore:
         """Record an active allocation for a share its agent holds that the store has no record
         of (see ``newer_than_store``), rebuilt from the share: kind, sizes, GPUs, MIG slice, owner;
         the env from the agent (PrepareShare again, with the share as the agent holds it, hands
-        back what it gave out, changing nothing). Placement constraints, lease and idempotency
-        key are not in the share: the record has none. `fastshare release` ends it as usual.
+        back what it gave out, changing nothing), and the idempotency key and lease ttl the
+        controller gave the share: the client's retry with the same key gets this allocation
+        (see ``_same_request``), and its lease runs from now (a live client renews it, an
+        abandoned one expires). Placement constraints are not in the share: the record has none.
+        `fastshare release` ends it as usual.
 
         Crash-safe: nothing is written before the record, in one commit; until then the next pass
         finds the share unrecorded again. Raises AdoptFailed."""
@@ -679,16 +689,24 @@ class ControllerCore:
             except ValueError as exc:
                 raise AdoptFailed(f"its capacity cannot be counted: {exc}") from None
             try:
-                now = self.clock()
+                now, ttl = self.clock(), share.lease_ttl_seconds
                 draft = Allocation(id=share.id, spec=spec, owner=share.owner, state=State.ACTIVE,
                                    node=node.name, devices=_devices(assignment, node),
-                                   assignment=assignment.to_dict(), created_at=now, updated_at=now)
+                                   assignment=assignment.to_dict(), created_at=now, updated_at=now,
+                                   idempotency_key=share.idempotency_key, lease_ttl=ttl,
+                                   lease_expires_at=now + ttl if ttl else 0.0)
                 record = replace(draft, env=_env(draft, reply), devices=_prepared_devices(draft, reply),
                                  reason=f"{ADOPTED}the state database had no record of this share "
-                                        f"on node {node.name} (restored from an older backup?); rebuilt from "
-                                        "the share (no lease, placement constraints or idempotency key). "
-                                        "Release it if nothing uses it")
-                self.store.create_allocation(record)
+                                        f"on node {node.name} (restored from an older backup, or its "
+                                        "last commits lost); rebuilt from the share (no placement "
+                                        "constraints). Release it if nothing uses it")
+                try:
+                    self.store.create_allocation(record)
+                except DuplicateKey as dup:   # a retry of its Allocate came first and made another
+                    record = replace(record, idempotency_key="",
+                                     reason=f"{record.reason}; its idempotency key is held by "
+                                            f"allocation {dup.existing.id}")
+                    self.store.create_allocation(record)
             except BaseException:
                 self.ledger.release(share.id)
                 raise
@@ -911,6 +929,21 @@ def assignment_of(allocation: Allocation) -> Assignment:
     if not assignment.gpu_uuids and all(uuids) and len(uuids) == len(assignment.gpus):
         assignment = replace(assignment, gpu_uuids=uuids)
     return assignment
+
+
+def _carried(spec: Spec) -> Spec:
+    """What of a (normalised) spec its share carries, so what an adopted record's spec was rebuilt
+    from (``ControllerCore._rebuild``): a retry of an adopted allocation's Allocate is the same
+    request when these agree. Placement constraints and host resources are not in the share, and
+    an exclusive slice may have been asked for by profile name or id, sm_count or sm_percent."""
+    if spec.kind is Kind.FASTPOD:
+        return Spec(spec.kind, sm_percent=spec.sm_percent, memory_bytes=spec.memory_bytes,
+                    quota_request=spec.quota_request or 1.0, quota_limit=spec.quota_limit or 1.0)
+    if spec.kind is Kind.MPS:
+        return Spec(spec.kind, memory_bytes=spec.memory_bytes)
+    if spec.kind is Kind.WHOLE:
+        return Spec(spec.kind, gpu_count=spec.gpu_count)
+    return Spec(spec.kind)
 
 
 def _devices(assignment: Assignment, node: Node | None) -> list[Device]:

@@ -11,7 +11,9 @@ Durability: ``synchronous=NORMAL`` plus a group-commit barrier (:meth:`SqliteSto
   commit leaves what a kill -9 just before it leaves, which the reconciler finishes: a lost
   ``pending`` record leaves the agent a share whose number this database never issued: it is
   adopted, not freed (it cannot be told from a share a restored backup lost, see
-  ``ControllerCore.adopt``), and held until released, though its client was never answered; a
+  ``ControllerCore.adopt``), with the idempotency key and lease the share carries: the
+  client, never answered, retries with its key and gets that allocation; an abandoned one's
+  lease expires (one without a lease is held until released); a
   lost ``active`` step leaves ``pending``, prepared again (idempotent by share id: the
   agent, which syncs before it answers, hands back the same share); a lost ``released``
   step leaves ``releasing``, released again (idempotent); a lost ``releasing`` leaves the

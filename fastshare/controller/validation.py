@@ -35,7 +35,7 @@ TAG_PATTERN = r"^[A-Za-z0-9._/-]{1,63}$"
 # Keys fit an in-cluster replica's key: namespace/fastpod/pod is up to 63+1+63+1+70 characters
 # (fastshare.k8s.store.replica_key), all of which the FastPod CRD accepts.
 MAX_KEY_LENGTH = 256
-_KEY_RE = re.compile(rf"^[A-Za-z0-9._:/-]{{1,{MAX_KEY_LENGTH}}}$")
+KEY_RE = re.compile(rf"^[A-Za-z0-9._:/-]{{1,{MAX_KEY_LENGTH}}}$")   # also checked by the node agent
 _TAG_RE = re.compile(TAG_PATTERN)
 _LABEL_VALUE_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
@@ -215,7 +215,7 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
     if not request.owner.isprintable():   # it is shown in `fastshare status` and in logs
         raise ValidationError("owner", "printable characters only (no newlines, tabs or control "
                                        "characters), e.g. a user or job name")
-    if request.idempotency_key and not _KEY_RE.fullmatch(request.idempotency_key):
+    if request.idempotency_key and not KEY_RE.fullmatch(request.idempotency_key):
         raise ValidationError("idempotency_key",
                               f"must be 1-{MAX_KEY_LENGTH} characters of letters, digits, "
                               "'.', '_', ':', '/', '-'")

@@ -241,7 +241,7 @@ class Agent:
                 log.info("share %s was lost with its device; preparing it anew", spec.id)
             row = self.journal.share(spec.id)
             if row is not None:
-                if row.spec != spec:
+                if not row.spec.same_share(spec):
                     raise AgentError("ALREADY_EXISTS", f"share {spec.id} already exists with a different "
                                                        "spec; release it first or use another id")
                 if row.state == "ready" and row.prepared is not None:

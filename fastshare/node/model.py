@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from fastshare.controller.validation import KEY_RE, MAX_KEY_LENGTH, MAX_LEASE_TTL, MIN_LEASE_TTL
 
 KINDS = ("fastpod", "mps", "exclusive", "whole")
 # \Z, not $: "$" also matches before a final newline ("fp\n" passed, then broke the share files)
@@ -40,6 +42,18 @@ class ShareSpec:
     quota_request: float = 0.0
     quota_limit: float = 0.0
     owner: str = ""
+    # The controller's bookkeeping of the allocation (see agent.proto Share); defaults: journals
+    # written before these fields load as "none"
+    idempotency_key: str = ""
+    lease_ttl_seconds: int = 0
+
+    def same_share(self, other: ShareSpec) -> bool:
+        """Whether ``other`` asks for this very share. The key and the lease ttl are the
+        controller's bookkeeping, not what the share is: a share journaled by an older agent
+        (without them) is the same share when an upgraded controller prepares it again with
+        them, and so is one whose lease the client renewed with another ttl."""
+        return replace(self, idempotency_key="", lease_ttl_seconds=0) == \
+            replace(other, idempotency_key="", lease_ttl_seconds=0)
 
     def validate(self) -> None:
         """Shape checks only (no device knowledge): raise InvalidShare naming the field."""
@@ -88,6 +102,12 @@ class ShareSpec:
                                "(the device's memory comes with it)")
         if self.memory_bytes < 0:
             raise InvalidShare("share.memory_bytes must be >= 0")
+        if self.idempotency_key and not KEY_RE.fullmatch(self.idempotency_key):
+            raise InvalidShare(f"share.idempotency_key must be empty or 1-{MAX_KEY_LENGTH} characters of "
+                               "letters, digits, '.', '_', ':', '/', '-'")
+        if self.lease_ttl_seconds and not MIN_LEASE_TTL <= self.lease_ttl_seconds <= MAX_LEASE_TTL:
+            raise InvalidShare(f"share.lease_ttl_seconds must be 0 (no lease) or in {MIN_LEASE_TTL}.."
+                               f"{MAX_LEASE_TTL}, got {self.lease_ttl_seconds}")
 
     def to_json(self) -> str:
         return _flat_json(self)

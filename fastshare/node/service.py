@@ -285,14 +285,16 @@ def spec_from_proto(share: agent_pb2.Share) -> ShareSpec:
                      mig_profile=share.mig_profile,
                      mig_start=share.mig_start if share.HasField("mig_start") else None,
                      sm_percent=share.sm_percent, memory_bytes=share.memory_bytes,
-                     quota_request=share.quota_request, quota_limit=share.quota_limit, owner=share.owner)
+                     quota_request=share.quota_request, quota_limit=share.quota_limit, owner=share.owner,
+                     idempotency_key=share.idempotency_key, lease_ttl_seconds=share.lease_ttl_seconds)
 
 
 def share_proto(spec: ShareSpec, prepared: Prepared | None = None) -> agent_pb2.Share:
     share = agent_pb2.Share(id=spec.id, kind=KIND_TO_PROTO[spec.kind], device_uuids=spec.device_uuids,
                             mig_profile=spec.mig_profile, sm_percent=spec.sm_percent,
                             memory_bytes=spec.memory_bytes, quota_request=spec.quota_request,
-                            quota_limit=spec.quota_limit, owner=spec.owner)
+                            quota_limit=spec.quota_limit, owner=spec.owner,
+                            idempotency_key=spec.idempotency_key, lease_ttl_seconds=spec.lease_ttl_seconds)
     start = prepared.mig_start if prepared and prepared.mig_start is not None else spec.mig_start
     if start is not None:
         share.mig_start = start

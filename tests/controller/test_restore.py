@@ -1,9 +1,10 @@
 """Restoring the controller's state.db from an older backup (real controller, real agent on a
 simulated machine): the shares allocated after the backup are still running on the agent, so
 the controller must neither free them as orphans nor hand their capacity out again. It adopts
-them (a record rebuilt from the agent's share, `fastshare release` ends it as usual) and says
-so; a true orphan (a share whose record this database did have, or never committed) is still
-freed. And `fastshare controller backup` takes a consistent copy of the live state."""
+them (a record rebuilt from the agent's share, with the idempotency key and lease it carries;
+`fastshare release` ends it as usual) and says so; a true orphan (a share whose record this
+database did have, or never committed) is still freed. And `fastshare controller backup` takes
+a consistent copy of the live state."""
 
 from __future__ import annotations
 
@@ -148,8 +149,7 @@ def test_backup_refuses_to_overwrite_and_checks_the_copy(tmp_path):
 
 
 def test_a_run_under_a_lease_survives_a_restore_and_its_lease_comes_back(node):
-    """`fastshare run` renews with its own ttl: the adopted record (the share holds no lease)
-    gets the run's lease back at the next renewal instead of refusing every renewal."""
+    """The adopted record gets its lease back (from the share) and the run keeps renewing it."""
     cluster = node
     state, copy = cluster.state_dir / "state.db", cluster.root / "backup.db"
     assert backup(str(state), str(copy)).returncode == 0
@@ -181,3 +181,89 @@ def test_a_run_under_a_lease_survives_a_restore_and_its_lease_comes_back(node):
     assert "INVALID_ARGUMENT" not in stderr, stderr   # "the allocation has no lease", every renewal
     assert "released" in stderr, stderr                # and the run ended the adopted allocation itself
     assert made.id not in cluster.agents["node-a"].share_ids(cluster.pki)
+
+
+def _restore(cluster, copy) -> None:
+    """The operator (or a power loss) takes the state.db back to ``copy``; the controller restarts."""
+    cluster.controller.stop()
+    state = cluster.state_dir / "state.db"
+    for leftover in ("state.db", "state.db-wal", "state.db-shm"):
+        (cluster.state_dir / leftover).unlink(missing_ok=True)
+    copy.rename(state)
+    cluster.start_controller()
+    cluster.wait_node("node-a", available=True)
+
+
+def test_a_retry_with_the_same_key_gets_the_adopted_allocation_back(node):
+    """Power-loss shape: the record of an answered-or-not Allocate is lost, its share is adopted
+    (the share carries the key), and the client's retry with the same key gets that allocation,
+    not a second share next to it."""
+    cluster = node
+    client = cluster.client()
+    state, copy = cluster.state_dir / "state.db", cluster.root / "backup.db"
+    assert backup(str(state), str(copy)).returncode == 0
+    first = allocate(client, "fastpod", key="job-7/attempt-1", owner="team/job", ttl=600, **L4_HALF)
+    _restore(cluster, copy)
+
+    adopted = {a.id: a for a in cluster.status().allocations}[first.id]
+    assert adopted.reason.startswith("adopted: ") and adopted.state == pb.ALLOCATION_STATE_ACTIVE
+    assert adopted.lease_expires_at > 0, adopted   # its lease came back with it
+    again = allocate(cluster.client(), "fastpod", key="job-7/attempt-1", owner="team/job", ttl=600,
+                     **L4_HALF)
+    assert again.id == first.id, (again, cluster.controller.output())
+    assert dict(again.env) == dict(first.env)
+    assert cluster.agents["node-a"].share_ids(cluster.pki) == {first.id}
+    assert [a.id for a in cluster.status().allocations] == [first.id]
+    # The key still guards the request: a different one under it is refused, as for any record.
+    with pytest.raises(grpc.RpcError) as refused:
+        allocate(cluster.client(), "fastpod", key="job-7/attempt-1", owner="team/job", ttl=600,
+                 sm_percent=25, memory_bytes=GiB, models=["L4"])
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS, refused.value.details()
+
+
+def test_an_adopted_allocation_whose_client_is_gone_is_released_when_its_lease_expires(node):
+    cluster = node
+    state, copy = cluster.state_dir / "state.db", cluster.root / "backup.db"
+    assert backup(str(state), str(copy)).returncode == 0
+    made = allocate(cluster.client(), "mps", key="gone-client", ttl=6, memory_bytes=GiB)
+    _restore(cluster, copy)   # nobody renews it from here on
+
+    def ended():
+        record = {a.id: a for a in cluster.status().allocations}.get(made.id)
+        return record is not None and record.state == pb.ALLOCATION_STATE_RELEASED and record
+    released = wait_for(ended, 60, f"the adopted allocation released\n{cluster.controller.output()}")
+    assert released.reason == "lease expired", released.reason
+    assert made.id not in cluster.agents["node-a"].share_ids(cluster.pki)
+
+
+def test_a_retry_answered_before_the_adoption_keeps_the_key_and_the_share_is_still_adopted(cluster):
+    """The share's node is down when the client retries: the retry makes a new allocation on
+    another node and holds the key; the share, adopted when its node is back, is recorded without
+    the key (saying which allocation holds it) instead of failing adoption every pass."""
+    for name in ("node-a", "node-b"):
+        cluster.add_machine(name, ["L4"])
+    cluster.start_controller()
+    for name in ("node-a", "node-b"):
+        cluster.start_agent(name)
+    state, copy = cluster.state_dir / "state.db", cluster.root / "backup.db"
+    assert backup(str(state), str(copy)).returncode == 0
+    first = allocate(cluster.client(), "mps", key="early-retry", ttl=600, memory_bytes=GiB)
+    down, other = first.node, ({"node-a", "node-b"} - {first.node}).pop()
+    cluster.agents[down].stop()
+    cluster.controller.stop()
+    for leftover in ("state.db", "state.db-wal", "state.db-shm"):
+        (cluster.state_dir / leftover).unlink(missing_ok=True)
+    copy.rename(state)
+    cluster.start_controller()
+    cluster.wait_node(down, available=False)
+    retry = allocate(cluster.client(), "mps", key="early-retry", ttl=600, memory_bytes=GiB)
+    assert retry.node == other and retry.id != first.id
+
+    cluster.start_agent(down)
+    records = {a.id: a for a in cluster.status().allocations}
+    adopted = records[first.id]
+    assert adopted.state == pb.ALLOCATION_STATE_ACTIVE and adopted.reason.startswith("adopted: ")
+    assert f"its idempotency key is held by allocation {retry.id}" in adopted.reason, adopted.reason
+    assert adopted.lease_expires_at > 0
+    again = allocate(cluster.client(), "mps", key="early-retry", ttl=600, memory_bytes=GiB)
+    assert again.id == retry.id

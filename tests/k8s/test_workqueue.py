@@ -156,3 +156,28 @@ def test_get_with_a_timeout_returns_none_once_it_has_passed_even_with_a_later_ke
     started = time.monotonic()
     assert queue.get(timeout=0.2) is None
     assert 0.15 < time.monotonic() - started < 2
+
+
+def test_adds_of_a_queued_key_collapse_and_a_done_key_is_ready_again_at_once():
+    queue = WorkQueue()
+    queue.add("a")
+    queue.add("a")
+    started = time.monotonic()
+    assert queue.get(timeout=2) == "a"
+    assert time.monotonic() - started < 0.5   # an add without delay is ready at once
+    queue.done("a")
+    assert queue.get(timeout=0.2) is None     # the second add collapsed into the first
+    queue.add("a")                            # no longer held: ready, not marked for later
+    assert queue.get(timeout=0.5) == "a"
+
+
+def test_a_delayed_key_made_ready_is_not_queued_again_by_a_plain_add():
+    queue = WorkQueue()
+    queue.add("a")
+    queue.add("b", delay=0.05)
+    time.sleep(0.1)
+    assert queue.get(timeout=1) == "a"        # "b" fell due and is ready behind it
+    queue.add("b")
+    assert queue.get(timeout=1) == "b"
+    queue.done("b")
+    assert queue.get(timeout=0.2) is None     # once

@@ -156,4 +156,19 @@ def sim_remove_gpu(state: str, gpu_index: int) -> None:
                + ", ".join(f"{g['index']}={g['uuid']}" for g in left))
 
 
+@sim_group.command("lose-gpu")
+@_state_option
+@click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+@click.option("--handle-ok", is_flag=True,
+              help="its handle can still be acquired; only calls on it fail (default: that fails too)")
+def sim_lose_gpu(state: str, gpu_index: int, handle_ok: bool) -> None:
+    """Let a GPU fall off the bus (Xid 79): it stays listed, calls on it raise NVML_ERROR_GPU_IS_LOST
+    until a `reset` or `reboot`."""
+    try:
+        lost = simnvml.lose_gpu(state, gpu_index, handle=not handle_ok)
+    except (ValueError, simnvml.NVMLError) as exc:
+        fail(f"lose-gpu: {exc}")
+    click.echo(f"GPU {gpu_index} ({lost}) is lost: NVML calls on it raise NVML_ERROR_GPU_IS_LOST")
+
+
 COMMANDS = [sim_group]

@@ -67,6 +67,10 @@ class GpuInfo:
     mig_instances: tuple[MigInstance, ...] = field(default_factory=tuple)
     model: str | None = None  # catalog key ("A100-SXM4-40GB") when the catalog knows the GPU
     pci_device_id: int = 0    # e.g. 0x20B010DE (device id << 16 | vendor id), mig-parted filters on it
+    # "" while it works; else the NVML error its calls raise ("GPU_IS_LOST": fallen off the bus,
+    # Xid 79 / 48). A lost GPU keeps its place (index) and, once read, its identity; the rest is
+    # as last read (or empty) and must not be relied on.
+    lost: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,8 @@ class Devices(abc.ABC):
     def driver_version(self) -> str: ...
 
     @abc.abstractmethod
-    def gpus(self) -> list[GpuInfo]: ...
+    def gpus(self) -> list[GpuInfo]:
+        """Every GPU NVML counts, in index order; a lost one is listed with ``lost`` set."""
 
     @abc.abstractmethod
     def topology(self) -> Topology: ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,9 @@ from fastshare.device.api import (
 
 _MIB = 1024 * 1024
 _MIG_READ_ATTEMPTS = 5   # MIG devices read again when one vanished mid-read (see _settled_instances)
+# What the calls on a GPU raise once it is lost (fallen off the bus, Xid 79; double-bit ECC or a
+# hang, Xid 48): GPU_IS_LOST, or UNKNOWN from some drivers. NVML still counts the GPU.
+LOST_CODES = ("GPU_IS_LOST", "UNKNOWN")
 
 
 def error_names(nvml: Any) -> dict[int, str]:
@@ -50,6 +54,7 @@ class NvmlDevices(Devices):
         self._profiles: dict[str, list[MigProfile]] = {}
         self._ci_profiles: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
         self._errors = error_names(nvml)
+        self._last_read: dict[int, GpuInfo] = {}   # index -> the GPU as last read (for a lost one)
         with self._nvml_errors(f"initialising {label}"):
             nvml.nvmlInit()
         self._open = True
@@ -62,7 +67,9 @@ class NvmlDevices(Devices):
             yield
         except self._nvml.NVMLError as exc:
             code = error_code(self._nvml, exc, self._errors)
-            raise DeviceError(f"{what} failed: NVML_ERROR_{code}", code) from exc
+            hint = " (the GPU fell off the bus or is otherwise lost: reset it or reboot)" \
+                if code == "GPU_IS_LOST" else ""
+            raise DeviceError(f"{what} failed: NVML_ERROR_{code}{hint}", code) from exc
 
     def _is(self, exc: BaseException, *codes: str) -> bool:
         return isinstance(exc, self._nvml.NVMLError) and error_code(self._nvml, exc, self._errors) in codes
@@ -87,8 +94,25 @@ class NvmlDevices(Devices):
             return _text(self._nvml.nvmlSystemGetDriverVersion())
 
     def gpus(self) -> list[GpuInfo]:
+        """One lost GPU does not fail the listing: it is listed as lost, the others as read."""
         with self._nvml_errors("listing GPUs"):
-            return [self._gpu_info(i) for i in range(self._nvml.nvmlDeviceGetCount())]
+            out = []
+            for i in range(self._nvml.nvmlDeviceGetCount()):
+                try:
+                    info = self._gpu_info(i)
+                except self._nvml.NVMLError as exc:
+                    if not self._is(exc, *LOST_CODES):
+                        raise
+                    code = error_code(self._nvml, exc, self._errors)
+                    last = self._last_read.get(i)
+                    info = (dataclasses.replace(last, lost=code, processes=0) if last is not None else
+                            GpuInfo(index=i, uuid="", name="", memory_mib=0, sm_count=0, pci_bus_id="",
+                                    mig_capable=False, mig_current=False, mig_pending=False,
+                                    compute_mode="DEFAULT", lost=code))
+                else:
+                    self._last_read[i] = info
+                out.append(info)
+            return out
 
     def gpu(self, gpu_index: int) -> GpuInfo:
         with self._nvml_errors(f"reading GPU {gpu_index}"):
@@ -145,14 +169,17 @@ class NvmlDevices(Devices):
         levels: dict[tuple[int, int], int] = {}
         nvlink = set()
         with self._nvml_errors("reading the GPU topology"):
-            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+            handles = [self._handle_or_lost(i) for i in range(nvml.nvmlDeviceGetCount())]
             for i, a in enumerate(handles):
                 for j in range(i + 1, len(handles)):
                     b = handles[j]
+                    if a is None or b is None:   # a lost GPU: its links cannot be read
+                        levels[(i, j)] = nvml.NVML_TOPOLOGY_SYSTEM
+                        continue
                     try:
                         levels[(i, j)] = int(nvml.nvmlDeviceGetTopologyCommonAncestor(a, b))
                     except nvml.NVMLError as exc:
-                        if not self._is(exc, "NOT_SUPPORTED"):
+                        if not self._is(exc, "NOT_SUPPORTED", *LOST_CODES):
                             raise
                         levels[(i, j)] = nvml.NVML_TOPOLOGY_SYSTEM
                     try:
@@ -162,6 +189,15 @@ class NvmlDevices(Devices):
                     if status == nvml.NVML_P2P_STATUS_OK:
                         nvlink.add((i, j))
         return Topology(levels=levels, nvlink=frozenset(nvlink))
+
+    def _handle_or_lost(self, index: int) -> Any:
+        """GPU ``index``'s handle; None when it is lost (acquiring the handle raises that too)."""
+        try:
+            return self._nvml.nvmlDeviceGetHandleByIndex(index)
+        except self._nvml.NVMLError as exc:
+            if self._is(exc, *LOST_CODES):
+                return None
+            raise
 
     # --- MIG mode -----------------------------------------------------------------------------
     def set_mig_mode(self, gpu_index: int, enabled: bool) -> bool:

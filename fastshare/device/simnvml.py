@@ -21,7 +21,7 @@ Handles are ctypes pointers of pynvml's handle types whose *address* encodes wha
 point at (never dereferenced), so callers can store them in pynvml's ctypes arrays.
 
 Test-only knobs (no NVML equivalent): :func:`create_machine`, :func:`add_process`,
-:func:`remove_process`, :func:`reset_gpu`, :func:`reboot`, :func:`remove_gpu`.
+:func:`remove_process`, :func:`reset_gpu`, :func:`reboot`, :func:`remove_gpu`, :func:`lose_gpu`.
 """
 
 from __future__ import annotations
@@ -174,10 +174,15 @@ class _Store:
 
 
 # --- helpers over the state dict --------------------------------------------------------------
-def _gpu(state: dict[str, Any], index: int) -> dict[str, Any]:
+def _gpu(state: dict[str, Any], index: int, *, handle: bool = False) -> dict[str, Any]:
+    """GPU ``index``; a lost GPU (see :func:`lose_gpu`) answers NVML_ERROR_GPU_IS_LOST, and
+    when ``handle`` (acquiring its handle) only if it was lost with its handle too."""
     gpus = state["gpus"]
     if not 0 <= index < len(gpus):
         raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    lost = gpus[index].get("lost")
+    if lost == "handle" or (lost and not handle):
+        raise _err(_pynvml.NVML_ERROR_GPU_IS_LOST)
     return gpus[index]
 
 
@@ -310,7 +315,7 @@ class SimNvml:
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         with self._store().read() as st:
-            _gpu(st, index)
+            _gpu(st, index, handle=True)
         return _make(_pynvml.c_nvmlDevice_t, _GPU, index)
 
     def nvmlDeviceGetHandleByUUID(self, device_uuid: str | bytes) -> Any:
@@ -318,6 +323,7 @@ class SimNvml:
         with self._store().read() as st:
             for gpu in st["gpus"]:
                 if gpu["uuid"] == text:
+                    _gpu(st, gpu["index"], handle=True)
                     return _make(_pynvml.c_nvmlDevice_t, _GPU, gpu["index"])
                 for gi, ci in _mig_devices(gpu):
                     if ci["uuid"] == text:
@@ -329,6 +335,7 @@ class SimNvml:
         with self._store().read() as st:
             for gpu in st["gpus"]:
                 if _bus_id(gpu).upper() == text:
+                    _gpu(st, gpu["index"], handle=True)
                     return _make(_pynvml.c_nvmlDevice_t, _GPU, gpu["index"])
         raise _err(_pynvml.NVML_ERROR_NOT_FOUND)
 
@@ -870,6 +877,8 @@ _GPU_FIELDS = {"index": int, "model": str, "uuid": str, "pci_bus_id": str, "mig_
                "nvlink_domain": (str, type(None)), "gpu_instances": list, "processes": list}
 _GI_FIELDS = {"id": int, "profile_id": int, "start": int, "size": int, "compute_instances": list}
 _CI_FIELDS = {"id": int, "profile_id": int, "slices": int, "start": int, "uuid": str}
+# optional "lost" of a GPU (see lose_gpu): absent or null while it works
+_LOST = (None, "handle", "calls")
 _PROCESS_FIELDS = {"pid": int, "used_mib": int, "gi": (int, type(None)), "ci": (int, type(None))}
 
 
@@ -905,6 +914,8 @@ def check_machine(state: Any) -> None:
                 _check_record(f"gpus[{i}].gpu_instances[{j}].compute_instances[{k}]", ci, _CI_FIELDS)
         for j, proc in enumerate(gpu["processes"]):
             _check_record(f"gpus[{i}].processes[{j}]", proc, _PROCESS_FIELDS)
+        if gpu.get("lost") not in _LOST:
+            raise ValueError(f"gpus[{i}].lost: {gpu['lost']!r}, expected null, \"handle\" or \"calls\"")
 
 
 def load_machine(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -962,6 +973,21 @@ def reset_gpu(path: str | os.PathLike[str], gpu_index: int) -> None:
             raise _err(_pynvml.NVML_ERROR_IN_USE)
         gpu["mig_current"] = gpu["mig_pending"]
         gpu["gpu_instances"] = []
+        gpu.pop("lost", None)
+
+
+def lose_gpu(path: str | os.PathLike[str], gpu_index: int, *, handle: bool = True) -> str:
+    """GPU ``gpu_index`` falls off the bus (Xid 79), or is lost to a double-bit ECC error or a
+    hang (Xid 48): it stays in NVML's device list (the count does not change), but calls on it
+    raise ``NVMLError_GpuIsLost``, and with ``handle`` so does acquiring its handle by index,
+    UUID or PCI bus id (nvidia-smi: "Unable to determine the device handle for GPU ...: GPU is
+    lost"). A GPU reset or a reboot brings it back. Returns its UUID."""
+    with _Store(Path(path)).write() as st:
+        if not 0 <= gpu_index < len(st["gpus"]):
+            raise ValueError(f"gpu index {gpu_index} out of range 0..{len(st['gpus']) - 1}")
+        gpu = st["gpus"][gpu_index]
+        gpu["lost"] = "handle" if handle else "calls"
+        return gpu["uuid"]
 
 
 def remove_gpu(path: str | os.PathLike[str], gpu_index: int) -> str:
@@ -989,3 +1015,4 @@ def reboot(path: str | os.PathLike[str]) -> None:
             gpu["gpu_instances"] = []
             gpu["mig_current"] = gpu["mig_pending"]
             gpu["compute_mode"] = _pynvml.NVML_COMPUTEMODE_DEFAULT
+            gpu.pop("lost", None)

@@ -352,12 +352,14 @@ def gpus_gone(node: str, gone: Iterable[tuple[str, int]]) -> str:
 
 def gpu_view(index: int, uuid: str, model: str, memory_bytes: int, sm_count: int, mig_capable: bool,
              mig_enabled: bool, mig_unheld: tuple[tuple[int, int, int], ...] = (),
-             no_mps: str = "") -> GpuView:
+             no_mps: str = "", lost: str = "") -> GpuView:
     """A GPU for the engine; MIG profiles from the catalog (the engine needs max_instances).
-    ``no_mps``: why its node cannot run MPS shares (the agent's inventory says)."""
+    ``no_mps``: why its node cannot run MPS shares (the agent's inventory says). ``lost``: the
+    NVML error a lost GPU answers (GPU_IS_LOST), "" while it works; a lost GPU takes no shares."""
     known = catalog.find_model(model)
     profiles = known.profiles if (known is not None and mig_capable) else ()
     return GpuView(index=index, model=model, memory_mib=memory_bytes // MiB, sm_count=sm_count,
                    mig_capable=mig_capable and bool(profiles), mig_enabled=mig_enabled,
                    mig_profiles=profiles, uuid=uuid, mig_unheld=mig_unheld if profiles else (),
-                   no_mps=no_mps)
+                   no_mps=no_mps,
+                   lost=f"lost (fell off the bus?): NVML_ERROR_{lost}" if lost else "")

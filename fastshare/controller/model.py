@@ -133,6 +133,7 @@ class Gpu:
     # MIG instances that no share holds, as (profile id, start, memory slices): a static layout
     # or an instance kept while busy. Placement goes around them or takes one as it is.
     mig_unheld: tuple[tuple[int, int, int], ...] = ()
+    lost: str = ""   # "" while it works; else the NVML error it answers (GPU_IS_LOST): it takes no shares
 
 
 @dataclass

@@ -42,7 +42,7 @@ from fastshare.controller.model import Allocation, Device, Gpu, Node, Spec, Stat
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore, StoreError
 from fastshare.sqlite_file import GroupSync, open_state_file
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -100,6 +100,9 @@ _MIGRATIONS: dict[int, str] = {
     CREATE TABLE sequence (id INTEGER PRIMARY KEY CHECK (id = 1), mark INTEGER NOT NULL);
     INSERT INTO sequence (id, mark) VALUES (1, 0);
     CREATE TABLE sequence_gaps (after INTEGER NOT NULL, before INTEGER NOT NULL)
+    """,
+    5: """
+    ALTER TABLE gpus ADD COLUMN lost TEXT NOT NULL DEFAULT ''
     """,
 }
 
@@ -203,9 +206,10 @@ class SqliteStore(StateStore):
                 self._db.execute("DELETE FROM gpus WHERE node = ?", (node.name,))
                 self._db.executemany(
                     "INSERT INTO gpus (node, idx, uuid, model, memory_bytes, sm_count, mig_capable, "
-                    "mig_enabled, mig_unheld) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "mig_enabled, mig_unheld, lost) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [(node.name, g.index, g.uuid, g.model, g.memory_bytes, g.sm_count,
-                      int(g.mig_capable), int(g.mig_enabled), json.dumps(g.mig_unheld)) for g in node.gpus])
+                      int(g.mig_capable), int(g.mig_enabled), json.dumps(g.mig_unheld), g.lost)
+                     for g in node.gpus])
                 self._db.execute("COMMIT")
                 self._group.committed()
             except BaseException:
@@ -216,7 +220,7 @@ class SqliteStore(StateStore):
         gpus = [Gpu(index=g["idx"], uuid=g["uuid"], model=g["model"], memory_bytes=g["memory_bytes"],
                     sm_count=g["sm_count"], mig_capable=bool(g["mig_capable"]),
                     mig_enabled=bool(g["mig_enabled"]),
-                    mig_unheld=tuple(tuple(i) for i in json.loads(g["mig_unheld"])))
+                    mig_unheld=tuple(tuple(i) for i in json.loads(g["mig_unheld"])), lost=g["lost"])
                 for g in self._db.execute("SELECT * FROM gpus WHERE node = ? ORDER BY idx", (row["name"],))]
         return Node(name=row["name"], address=row["address"], labels=json.loads(row["labels"]),
                     gpus=gpus, available=bool(row["available"]), last_heartbeat=row["last_heartbeat"],

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid as uuidlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from fastshare import __version__
@@ -142,6 +142,7 @@ class Agent:
         self._state = threading.Condition()
         self._generation = 1
         self._gpus: list[GpuInfo] = []
+        self._lost_logged: set[int] = set()   # indexes of the lost GPUs already logged
         self._profiles: dict[str, list[MigProfile]] = {}
         self._topology: tuple[tuple[int, int, int], ...] | None = None   # see _links
         self._mps_health: dict[str, bool] = {}
@@ -175,8 +176,11 @@ class Agent:
         """Re-read GPUs and MIG devices (after MIG changes and periodically)."""
         with self._refresh_lock:
             gpus = self.devices.gpus()
+            self._log_lost(gpus)
             mode = {g.uuid: g.mig_current for g in self._gpus}
             for gpu in gpus:
+                if gpu.lost:
+                    continue
                 # Read again when the MIG mode changed: with MIG off NVML reports no profiles
                 # (the catalog's stand in, none for a model it lacks); with MIG on, NVML's own.
                 if gpu.mig_capable and (gpu.uuid not in self._profiles
@@ -184,6 +188,29 @@ class Agent:
                     self._profiles[gpu.uuid] = self.devices.mig_profiles(gpu.index)
             self._gpus = gpus
             return gpus
+
+    def _log_lost(self, gpus: list[GpuInfo]) -> None:
+        """Once per GPU that became lost: an ERROR saying what happened and what to do."""
+        for gpu in gpus:
+            if gpu.lost and gpu.index not in self._lost_logged:
+                log.error("GPU %d (%s) is lost (fell off the bus?): NVML answers NVML_ERROR_%s. It takes no "
+                          "new shares and the shares on it are dropped; the other GPUs keep working. Drain "
+                          "the node (`fastshare cordon %s`), then reset the GPU (nvidia-smi -r -i %d) or "
+                          "reboot; check the kernel log for its Xid (79: fallen off the bus, 48: "
+                          "double-bit ECC)", gpu.index, gpu.uuid or "UUID unknown", gpu.lost,
+                          self.config.node_name, gpu.index)
+            elif not gpu.lost and gpu.index in self._lost_logged:
+                log.warning("GPU %d (%s) answers again", gpu.index, gpu.uuid)
+        self._lost_logged = {g.index for g in gpus if g.lost}
+
+    def _lost_gpu(self, device_uuids: Iterable[str]) -> GpuInfo | None:
+        """The lost GPU one of ``device_uuids`` (GPUs or MIG devices, by the last read) is on."""
+        wanted = set(device_uuids)
+        for gpu in self._gpus:
+            if gpu.lost and gpu.uuid and (gpu.uuid in wanted or any(m.uuid in wanted
+                                                                      for m in gpu.mig_instances)):
+                return gpu
+        return None
 
     def _gpu(self, gpu_uuid: str) -> GpuInfo:
         for attempt in range(2):
@@ -236,6 +263,11 @@ class Agent:
             spec.validate()
         except InvalidShare as exc:
             raise AgentError("INVALID_ARGUMENT", str(exc)) from None
+        lost = self._lost_gpu(spec.device_uuids)
+        if lost is not None:
+            raise AgentError("FAILED_PRECONDITION", f"GPU {lost.index} ({lost.uuid}) of node "
+                                                    f"{self.config.node_name} is lost (fell off the bus?): "
+                                                    f"NVML_ERROR_{lost.lost}; it takes no shares")
         with self._share_locks.hold(spec.id, deadline):
             if self.journal.forget_lost(spec.id):   # the controller prepares a pending record again
                 log.info("share %s was lost with its device; preparing it anew", spec.id)
@@ -739,6 +771,10 @@ class Agent:
         """Why the device ``row`` lives on is gone, naming it (None: it is there), by the last
         read of the devices. A 'preparing' exclusive share lives on its GPU until its instance
         is made."""
+        lost = self._lost_gpu((*row.spec.device_uuids, row.device_uuid))
+        if lost is not None:
+            return (f"GPU {lost.uuid} (GPU {lost.index}) is lost (fell off the bus?): NVML answers "
+                    f"NVML_ERROR_{lost.lost}")
         present = {g.uuid for g in self._gpus}
         gone = [u for u in row.spec.device_uuids if not u.startswith("MIG-") and u not in present]
         if gone:

@@ -321,7 +321,7 @@ def inventory_proto(snap: Snapshot) -> agent_pb2.Inventory:
         gpus.append(agent_pb2.Gpu(
             index=g.index, uuid=g.uuid, name=g.name, memory_bytes=g.memory_mib * _MIB, sm_count=g.sm_count,
             pci_bus_id=g.pci_bus_id, mig_capable=g.mig_capable, mig_enabled=g.mig_current,
-            mig_pending=g.mig_pending, compute_mode=g.compute_mode, processes=g.processes,
+            mig_pending=g.mig_pending, compute_mode=g.compute_mode, processes=g.processes, lost=g.lost,
             mig_devices=[_mig_proto(m, snap.agent_migs, snap.share_of_device) for m in g.mig_instances],
             mig_profiles=[agent_pb2.MigProfileInfo(
                 profile_id=p.profile_id, name=p.name, slices=p.slices, memory_slices=p.memory_slices,

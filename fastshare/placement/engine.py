@@ -385,6 +385,8 @@ class Engine:
     def _gpu_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
         """Why GPU ``g`` cannot take a share ``r`` (None when it can)."""
         v = g.view
+        if v.lost:
+            return v.lost
         if r.gpu_models and v.model not in r.gpu_models:
             return f"model {v.model} not in {list(r.gpu_models)}"
         if r.kind in ("fastpod", "mps"):
@@ -473,7 +475,7 @@ class Engine:
         usable, no_mps = [], {}
         for n in nodes:
             for g in n.gpus:
-                if r.gpu_models and g.view.model not in r.gpu_models:
+                if (r.gpu_models and g.view.model not in r.gpu_models) or g.view.lost:
                     continue
                 if g.view.no_mps:
                     no_mps.setdefault(n.view.name, g.view.no_mps)

@@ -150,6 +150,8 @@ class GpuView:
     # why MPS shares (fastpod, mps) cannot run on it, e.g. its node has no MPS control binary;
     # "" when they can
     no_mps: str = ""
+    # why it takes no share at all, e.g. "lost (fell off the bus?): NVML_ERROR_GPU_IS_LOST"; "" when usable
+    lost: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mig_unheld", tuple(sorted(tuple(i) for i in self.mig_unheld)))

@@ -137,7 +137,7 @@ def test_nodes_with_gpus(store):
     node = Node(name="n1", address="127.0.0.1:1", labels={"zone": "a"},
                 gpus=[Gpu(0, "GPU-a", "NVIDIA A100-SXM4-40GB", 40 * 2**30, 108, True, True,
                           mig_unheld=((9, 0, 4), (19, 6, 1))),
-                      Gpu(1, "GPU-b", "NVIDIA L4", 22 * 2**30, 58)],
+                      Gpu(1, "GPU-b", "NVIDIA L4", 22 * 2**30, 58, lost="GPU_IS_LOST")],
                 available=True, last_heartbeat=5.0, registered_at=4.0, inventory={"x": [1]})
     store.put_node(node)
     assert store.get_node("n1") == node

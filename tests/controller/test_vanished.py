@@ -120,3 +120,40 @@ def test_fastshare_run_stops_its_command_saying_why_when_its_slice_is_destroyed(
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert f"the allocation failed: device gone: its MIG device {held.devices[0].mig_uuid}" in stderr, stderr
     assert "stopping the command" in stderr, stderr
+
+
+def test_a_gpu_lost_while_shares_are_held_on_both_gpus_ends_only_its_share(cluster):
+    """GPU 1 of two falls off the bus (NVML keeps counting it, calls on it raise GPU_IS_LOST) while
+    a fastpod share is held on each. The whole inventory failed: the node's housekeeping and
+    inventory failed every round, so the controller saw the node broken and the share on the lost
+    GPU stayed active. Now the share on GPU 1 ends failed naming the GPU, GPU 0's stays active,
+    new requests go to GPU 0 only, and the agent logs the loss once, saying what to do."""
+    cluster.add_machine("n1", ["V100-SXM2-32GB"] * 2)
+    cluster.start_controller()
+    cluster.start_agent("n1", config=FAST)
+    client = cluster.client()
+    kept = allocate(client, "fastpod", sm_percent=60, memory_bytes=4 * GiB)
+    lost = allocate(client, "fastpod", sm_percent=60, memory_bytes=4 * GiB)
+    assert [a.devices[0].gpu_index for a in (kept, lost)] == [0, 1]
+    lost_uuid = lost.devices[0].gpu_uuid
+
+    simnvml.lose_gpu(cluster.root / "n1.json", 1)
+
+    _ended_failed(cluster, lost.id)
+    reason = _get(client, lost.id).reason
+    assert lost_uuid in reason and "lost (fell off the bus?)" in reason, reason
+    assert states(cluster)[kept.id] == "active"
+    inventory = _inventory(cluster, "n1")
+    assert [(g.index, g.lost) for g in inventory.gpus] == [(0, ""), (1, "GPU_IS_LOST")]
+    assert {s.id for s in inventory.shares} == {kept.id}
+    # new work goes to the healthy GPU only
+    assert allocate(client, "fastpod", sm_percent=40, memory_bytes=GiB).devices[0].gpu_index == 0
+    for kind, args in (("fastpod", {"sm_percent": 60, "memory_bytes": GiB}), ("whole", {"gpu_count": 1})):
+        with pytest.raises(grpc.RpcError) as refused:
+            allocate(client, kind, **args)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    assert states(cluster)[kept.id] == "active"
+    output = cluster.agents["n1"].output()
+    assert output.count(f"GPU 1 ({lost_uuid}) is lost (fell off the bus?)") == 1, output
+    assert "Drain the node" in output and "reboot" in output
+    assert_consistent(cluster)

@@ -131,3 +131,21 @@ def test_memory_in_rejections_reads_as_an_operator_would_write_it(mib, text):
     assert eng.place(Request("a", "mps", gpu_memory_mib=40960 - mib))
     rej = eng.place(Request("b", "mps", gpu_memory_mib=mib + 1))
     assert isinstance(rej, Rejection) and f"largest free memory is {text} on" in rej.reason
+
+
+def test_a_lost_gpu_takes_no_share_of_any_kind():
+    """A GPU fallen off the bus stays in its node's view (the indexes stay 0..n-1) but takes
+    nothing: every kind goes to the healthy GPU, or is refused when that one is full."""
+    from fastshare.controller.ledger import gpu_view
+
+    gpus = (gpu_view(0, "GPU-0", "A100-SXM4-40GB", 40 << 30, 108, True, False),
+            gpu_view(1, "GPU-1", "A100-SXM4-40GB", 40 << 30, 108, True, False, lost="GPU_IS_LOST"))
+    assert gpus[1].lost == "lost (fell off the bus?): NVML_ERROR_GPU_IS_LOST"
+    eng = Engine([NodeView("n1", 8000, 65536, gpus)])
+    assert eng.place(Request("w1", kind="whole", gpus=1)).gpus == (0,)   # placing holds it
+    for request in (Request("w2", kind="whole", gpus=1), Request("e1", kind="exclusive", gpu_memory_mib=4096),
+                    Request("f1", kind="fastpod", sm_percent=10, gpu_memory_mib=1024),
+                    Request("m1", kind="mps", gpu_memory_mib=1024)):
+        assert isinstance(eng.place(request), Rejection), request
+    eng.release("w1")
+    assert eng.place(Request("f2", kind="fastpod", sm_percent=10, gpu_memory_mib=1024)).gpus == (0,)

@@ -55,7 +55,8 @@ def gpu_list(gpu_backend: str | None, sim_state: str | None, as_json: bool) -> N
     mig = {True: "on", False: "off"}
     print_table(f"GPUs (driver {driver})",
                 ["idx", "name", "memory MiB", "SMs", "MIG", "compute mode", "procs", "UUID"],
-                [[g.index, g.name, g.memory_mib, g.sm_count,
+                [[g.index, f"LOST (NVML_ERROR_{g.lost}): reset the GPU or reboot" if g.lost else g.name,
+                  g.memory_mib, g.sm_count,
                   (mig[g.mig_current] + (f" (pending {mig[g.mig_pending]})" if g.mig_pending != g.mig_current
                                          else "")) if g.mig_capable else "n/a",
                   g.compute_mode, g.processes, g.uuid] for g in gpus])

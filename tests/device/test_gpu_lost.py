@@ -4,6 +4,7 @@ and reports that one as lost instead of failing the whole listing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pynvml
@@ -73,3 +74,13 @@ def test_cli_lose_gpu(machine: Path):
     assert simnvml.load_machine(machine)["gpus"][3]["lost"] == "handle"
     bad = CliRunner().invoke(cli, ["sim-machine", "lose-gpu", "--state", str(machine), "--gpu", "4"])
     assert bad.exit_code != 0 and "out of range 0..3" in bad.output
+
+
+def test_gpu_list_shows_a_lost_gpu_and_the_others(machine: Path):
+    simnvml.lose_gpu(machine, 1)
+    env = {"FASTSHARE_GPU_BACKEND": "sim", "FASTSHARE_SIM_STATE": str(machine)}
+    result = CliRunner().invoke(cli, ["gpu", "list"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "LOST" in result.output and "NVIDIA L4" in result.output   # the table wraps long cells
+    listed = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"], env=env).output)["gpus"]
+    assert [g["lost"] for g in listed] == ["", "GPU_IS_LOST", "", ""]

@@ -377,3 +377,40 @@ def test_a_share_lost_at_start_is_recorded_as_lost(agent, tmp_path):
     agent.journal = restarted.journal           # the fixture closes this one
     assert restarted.journal.shares() == [] and restarted.journal.migs() == []
     assert "destroyed outside fastshare" in _lost(restarted)["ex"]
+
+
+def test_a_lost_gpu_drops_its_shares_only_and_is_logged_once(agent, tmp_path, caplog):
+    """GPU 0 falls off the bus (NVML_ERROR_GPU_IS_LOST) with an MPS share on one of its MIG devices,
+    while GPU 1 holds a fastpod share. The device read failed as a whole, so housekeeping failed
+    every round and nothing was dropped. Now the share on the lost GPU is dropped as lost naming
+    the GPU, GPU 1's stays and takes new shares, a prepare on the lost GPU is refused, the loss is
+    logged once, and an agent started while the GPU is lost starts."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    apply_layout(agent, gpu, {"3g.40gb": 1}, False, True, Deadline(60))
+    (mig,) = [m.uuid for m in agent.devices.mig_instances(GPU_MIG)]
+    agent.prepare(ShareSpec("on-lost", "mps", (mig,), memory_bytes=1 << 30, owner="team/a"), Deadline(60))
+    agent.prepare(_fastpod(agent, "kept"), Deadline(60))
+
+    simnvml.lose_gpu(agent.config.sim_state, GPU_MIG)
+    agent.housekeeping()
+    agent.housekeeping()
+    assert [r.spec.id for r in agent.journal.shares()] == ["kept"]
+    reason = _lost(agent)["on-lost"]
+    assert gpu in reason and "lost (fell off the bus?)" in reason and "GPU_IS_LOST" in reason, reason
+    assert agent.mps.running_devices() == [agent.devices.gpus()[GPU_A].uuid]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and f"GPU 0 ({gpu}) is lost" in errors[0] and "reboot" in errors[0], errors
+    snapshot = agent.snapshot()
+    assert [g.lost for g in snapshot.gpus] == ["GPU_IS_LOST", ""]
+    for spec in (ShareSpec("new", "mps", (mig,), memory_bytes=1 << 30),
+                 ShareSpec("ex", "exclusive", (gpu,), mig_profile="1g.10gb")):
+        with pytest.raises(AgentError) as refused:
+            agent.prepare(spec, Deadline(60))
+        assert refused.value.code == "FAILED_PRECONDITION" and "is lost" in str(refused.value), refused.value
+    agent.prepare(_fastpod(agent, "more"), Deadline(60))
+
+    agent.journal.close()
+    restarted = in_process_agent(tmp_path, Path(agent.config.run_dir), Path(agent.config.sim_state))
+    agent.journal = restarted.journal           # the fixture closes this one
+    assert sorted(r.spec.id for r in restarted.journal.shares()) == ["kept", "more"]
+    assert [g.lost for g in restarted.snapshot().gpus] == ["GPU_IS_LOST", ""]

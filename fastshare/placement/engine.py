@@ -548,6 +548,10 @@ class Engine:
             if mig:  # empty, yet not idle: say why, and what would make them usable
                 where += (f"; {mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
                           "until MIG is disabled on them")
+            lost = [g.label(n.view.name) for n in nodes for g in n.gpus
+                    if g.view.lost and (not r.gpu_models or g.view.model in r.gpu_models)]
+            if lost:
+                where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
             return Rejection(f"no node has {r.gpus} idle{models} GPU(s){where}")
         n, idle = best
         return Assignment(r, n.view.name, _tightest_group(n.view, idle, r.gpus))

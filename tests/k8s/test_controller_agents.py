@@ -874,3 +874,46 @@ def test_an_exclusive_replica_whose_mig_slice_is_destroyed_by_hand_is_replaced(
         finally:
             agent.stop()
             core.delete_node(agent.name)
+
+
+def test_a_gpu_lost_under_a_replica_ends_its_share_and_the_replacement_waits_saying_so(
+        api_client, namespace, controller, pki, caplog):
+    """GPU 1 of two falls off the bus while a whole-GPU replica holds each: NVML keeps counting it
+    but calls on it raise GPU_IS_LOST. The agent's whole device read failed, so its inventory and
+    housekeeping failed every round. Now its share ends failed naming the GPU, the replica on
+    GPU 0 keeps running, and the replacement is unschedulable saying a GPU is lost."""
+    import logging
+
+    tls = pki[1]
+    core = client.CoreV1Api(api_client)
+    agent = started_agent(core, pki, "lostbus", ["L4"] * 2, settings={"reconcile_interval_s": 1})
+    view = View(api_client, namespace, "lostbus", {"lostbus": agent}, tls)
+    caplog.set_level(logging.WARNING, logger="fastshare.controller")
+    try:
+        controller().start()
+        _whole_l4_fastpod(view, namespace, "lostbus", 2, "2 whole-GPU replicas", timeout=180)
+        on = {r["record"]["devices"][0]["gpu_index"]: r["record"] for r in view.records().values()}
+        assert sorted(on) == [0, 1]
+        lost_uuid = simnvml.lose_gpu(agent.machine, 1)
+        assert lost_uuid == on[1]["devices"][0]["gpu_uuid"]
+
+        def unschedulable():
+            kubelet_step(view.core, namespace)
+            conditions = {c["type"]: c for c in (view.fastpod().get("status") or {}).get("conditions") or []}
+            scheduled = conditions.get("Scheduled")
+            return scheduled and scheduled["reason"] == "Unschedulable" and scheduled
+        condition = wait_for(unschedulable, "the replacement replica unschedulable", timeout=120)
+        assert "lost (fell off the bus?)" in condition["message"], condition
+        assert view.shares() == [on[0]["id"]]
+        assert any(on[1]["id"] in r.getMessage() and "device gone" in r.getMessage()
+                   and lost_uuid in r.getMessage() and "lost (fell off the bus?)" in r.getMessage()
+                   for r in caplog.records), caplog.text
+    finally:
+        try:
+            with contextlib.suppress(client.ApiException):
+                view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "lostbus")
+            wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
+                     timeout=120)
+        finally:
+            agent.stop()
+            core.delete_node(agent.name)

@@ -147,5 +147,7 @@ def test_a_lost_gpu_takes_no_share_of_any_kind():
                     Request("f1", kind="fastpod", sm_percent=10, gpu_memory_mib=1024),
                     Request("m1", kind="mps", gpu_memory_mib=1024)):
         assert isinstance(eng.place(request), Rejection), request
+    refused = eng.place(Request("w3", kind="whole", gpus=1))
+    assert "1 GPU(s) are lost (fell off the bus?): n1 GPU 1" in refused.reason, refused.reason
     eng.release("w1")
     assert eng.place(Request("f2", kind="fastpod", sm_percent=10, gpu_memory_mib=1024)).gpus == (0,)

@@ -27,8 +27,10 @@ from fastshare.device.api import (
 _MIB = 1024 * 1024
 _MIG_READ_ATTEMPTS = 5   # MIG devices read again when one vanished mid-read (see _settled_instances)
 # What the calls on a GPU raise once it is lost (fallen off the bus, Xid 79; double-bit ECC or a
-# hang, Xid 48): GPU_IS_LOST, or UNKNOWN from some drivers. NVML still counts the GPU.
-LOST_CODES = ("GPU_IS_LOST", "UNKNOWN")
+# hang, Xid 48). NVML still counts the GPU. Not UNKNOWN, which some drivers give for a lost GPU
+# too: it is also what one passing failure (and any error value this module cannot name) reads as,
+# and a GPU taken for lost has its shares dropped for good; such a GPU fails the listing instead.
+LOST_CODES = ("GPU_IS_LOST",)
 
 
 def error_names(nvml: Any) -> dict[int, str]:

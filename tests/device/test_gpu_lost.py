@@ -84,3 +84,21 @@ def test_gpu_list_shows_a_lost_gpu_and_the_others(machine: Path):
     assert "LOST" in result.output and "NVIDIA L4" in result.output   # the table wraps long cells
     listed = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"], env=env).output)["gpus"]
     assert [g["lost"] for g in listed] == ["", "GPU_IS_LOST", "", ""]
+
+
+def test_an_unknown_error_on_one_gpu_is_not_taken_for_a_lost_gpu(machine: Path, monkeypatch):
+    """UNKNOWN is also what one passing failure reads as: a GPU taken for lost has its shares
+    dropped for good, so only GPU_IS_LOST counts; UNKNOWN fails the listing, as before."""
+    with open_devices("sim", machine) as devices:
+        nvml = devices._nvml
+        real = nvml.nvmlDeviceGetMigMode
+
+        def flaky(handle):
+            if nvml.nvmlDeviceGetIndex(handle) == 1:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+            return real(handle)
+
+        monkeypatch.setattr(nvml, "nvmlDeviceGetMigMode", flaky)
+        with pytest.raises(DeviceError) as exc:
+            devices.gpus()
+        assert exc.value.code == "UNKNOWN"

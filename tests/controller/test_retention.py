@@ -9,12 +9,12 @@ import time
 import pytest
 
 from fastshare.controller.core import ControllerCore, NotFound, Settings
-from fastshare.controller.model import State
+from fastshare.controller.model import Kind, Spec, State
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.validation import Request
 
-from .test_restart_leases import GiB, Kind, Spec, _Agent
+from .recording_agent import GiB, RecordingAgent
 
 DAY = 86400.0
 
@@ -25,7 +25,7 @@ def test_finished_allocations_are_forgotten_after_the_retention(tmp_path):
     grew with every job. Now a record finished longer ago than the retention is deleted by
     the reconciler; held ones stay whatever their age, and so do recent finished ones."""
     store = SqliteStore(tmp_path / "state.db")
-    core = ControllerCore(store, _Agent(), Settings(finished_retention=7 * DAY))
+    core = ControllerCore(store, RecordingAgent(), Settings(finished_retention=7 * DAY))
     core.register_node("n1", "127.0.0.1:1", {})
     spec = Spec(Kind.MPS, memory_bytes=GiB)
     old = [core.allocate(Request(spec=spec, owner="me", idempotency_key=f"k{i}")) for i in range(3)]

@@ -658,7 +658,12 @@ class Agent:
             try:
                 current = next((m for m in self.devices.mig_instances(gpu.index) if m.start == start), None)
             except DeviceError as exc:
-                raise _device_error(exc, f"listing MIG instances of GPU {gpu_uuid}") from None
+                if exc.code != "GPU_IS_LOST":
+                    raise _device_error(exc, f"listing MIG instances of GPU {gpu_uuid}") from None
+                # A lost GPU's instances go with it: only a reset or a reboot brings it back,
+                # and both end them. Kept, the row failed every release and housekeeping.
+                self.journal.delete_mig(gpu_uuid, start)
+                return True
             if current is None or current.profile_id != profile_id:
                 self.journal.delete_mig(gpu_uuid, start)  # already gone (or never created)
                 return current is None

@@ -414,3 +414,35 @@ def test_a_lost_gpu_drops_its_shares_only_and_is_logged_once(agent, tmp_path, ca
     agent.journal = restarted.journal           # the fixture closes this one
     assert sorted(r.spec.id for r in restarted.journal.shares()) == ["kept", "more"]
     assert [g.lost for g in restarted.snapshot().gpus] == ["GPU_IS_LOST", ""]
+
+
+def test_an_exclusive_share_released_while_its_gpu_is_lost_is_released(agent):
+    """The release of an exclusive share whose GPU fell off the bus before housekeeping dropped it
+    tried to list the GPU's MIG instances and failed (NVML_ERROR_GPU_IS_LOST) at every retry: the
+    share stayed 'releasing' (never dropped by housekeeping, which takes ready shares only) and its
+    allocation stuck releasing until the agent restarted. A lost GPU's instances go with it (only a
+    reset or a reboot brings it back, and both end them): the release forgets them and completes."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    agent.prepare(ShareSpec("ex", "exclusive", (gpu,), mig_profile="1g.10gb"), Deadline(60))
+    simnvml.lose_gpu(agent.config.sim_state, GPU_MIG)
+    agent.refresh_devices()
+    assert agent.release("ex", Deadline(60)).released
+    assert agent.journal.shares() == [] and agent.journal.migs() == [] and _lost(agent) == {}
+
+
+def test_a_busy_instance_kept_on_a_gpu_that_is_then_lost_does_not_stop_housekeeping(agent):
+    """An instance kept because it was busy at its share's release, on a GPU that then fell off the
+    bus: housekeeping failed every round trying to list the GPU's instances, so it never got to
+    restart a dead MPS daemon on another GPU. Now the instance is forgotten with its GPU."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    prepared, _ = agent.prepare(ShareSpec("ex", "exclusive", (gpu,), mig_profile="1g.10gb"), Deadline(60))
+    simnvml.add_process(agent.config.sim_state, GPU_MIG, mig_uuid=prepared.device_uuids[0])
+    agent.release("ex", Deadline(60))
+    assert [m.share_id for m in agent.journal.migs()] == [None]   # kept while busy
+    fastpod = _fastpod(agent, "fp")
+    agent.prepare(fastpod, Deadline(60))
+    simnvml.lose_gpu(agent.config.sim_state, GPU_MIG)
+    agent.mps.stop(fastpod.device_uuids[0])                      # the other GPU's daemon dies
+    agent.housekeeping()
+    assert agent.journal.migs() == []
+    assert agent.mps.answers(fastpod.device_uuids[0])            # restarted

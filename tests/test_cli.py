@@ -93,3 +93,21 @@ def test_status_says_node_down_only_of_allocations_still_held(capsys):
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("fs-")}
     assert "node down" not in rows["fs-1"] + rows["fs-2"], rows
     assert "active (node down)" in rows["fs-3"], rows
+
+
+def test_status_shows_a_lost_gpu(capsys):
+    # a GPU fallen off the bus (the agent reports NVML_ERROR_GPU_IS_LOST) took no work, but
+    # `fastshare status` showed it as "idle" like a healthy one: only the agent's node status said
+    from fastshare.cli.status import render
+    from fastshare.controller.convert import cluster_status
+    from fastshare.controller.model import Gpu, Node
+
+    gpus = [Gpu(index=i, uuid=f"GPU-{i}", model="V100-SXM2-32GB", memory_bytes=32 << 30, sm_count=80,
+                mig_capable=False, mig_enabled=False, lost="GPU_IS_LOST" if i else "") for i in (0, 1)]
+    st = cluster_status([Node(name="n1", address="a:1", labels={}, gpus=gpus)], [])
+    assert [g.lost for g in st.nodes[0].gpus] == ["", "GPU_IS_LOST"]
+    render(st)
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("n1 ")]
+    assert [r[-2] for r in rows if "V100-SXM2-32GB" in r] == ["idle", "LOST"], out
+    assert ["n1", "1", "GPU-1", "NVML_ERROR_GPU_IS_LOST"] in rows and "Lost GPUs" in out, out

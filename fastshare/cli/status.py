@@ -110,7 +110,9 @@ def render(st) -> None:
     for n in st.nodes:
         for g in n.gpus:
             mem = g.memory_bytes_used / g.memory_bytes if g.memory_bytes else 0
-            if g.whole_held:
+            if g.lost:   # takes no new work; what it held ends failed once its agent drops it
+                use = "LOST"
+            elif g.whole_held:
                 use = "whole"
             elif g.mig_slices or g.mig_enabled:
                 use = "MIG " + mig_map(g, marks)
@@ -142,6 +144,12 @@ def render(st) -> None:
     if over_gpus:
         print_table("Over-committed GPUs: they hold shares they no longer take, and take nothing new until "
                     "enough is released", ["NODE", "GPU", "WHY"], over_gpus)
+    lost = [(n.name, g.index, g.uuid or "-", f"NVML_ERROR_{g.lost}")
+            for n in st.nodes for g in n.gpus if g.lost]
+    if lost:
+        print_table("Lost GPUs (fell off the bus?): they take no new work and the shares on them end failed; "
+                    "drain the node, then reset the GPU (nvidia-smi -r) or reboot",
+                    ["NODE", "GPU", "UUID", "NVML"], lost)
 
 
 COMMANDS = [status]

@@ -111,3 +111,26 @@ def test_status_shows_a_lost_gpu(capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith("n1 ")]
     assert [r[-2] for r in rows if "V100-SXM2-32GB" in r] == ["idle", "LOST"], out
     assert ["n1", "1", "GPU-1", "NVML_ERROR_GPU_IS_LOST"] in rows and "Lost GPUs" in out, out
+
+
+def test_run_says_its_allocation_failed_while_it_is_still_being_ended():
+    # the controller ends an allocation whose device went away under it: 'releasing' with the
+    # reason "device gone: ..." until its agent answers, then 'failed'. `fastshare run` stopped
+    # its command saying "the allocation was released" when it looked in between (the agent down)
+    from fastshare.cli.run import _how_it_ended
+    from fastshare.controller.core import DEVICE_GONE
+    from fastshare.v1 import controller_pb2 as pb
+
+    assert DEVICE_GONE == "device gone: "   # run.py spells it out (the CLI does not import the core)
+
+    class Client:
+        def __init__(self, state):
+            self.state = state
+
+        def call(self, method, request, timeout=None):
+            return pb.Allocation(id=request.allocation_id, state=self.state,
+                                 reason="device gone: GPU GPU-1 (GPU 1) is lost (fell off the bus?)")
+
+    for state in (pb.ALLOCATION_STATE_RELEASING, pb.ALLOCATION_STATE_FAILED):
+        said = _how_it_ended(Client(state), "fs-1")
+        assert said.startswith("the allocation failed: device gone: GPU GPU-1"), (state, said)

@@ -241,7 +241,8 @@ def _how_it_ended(client, allocation_id: str) -> str:
 
     with contextlib.suppress(grpc.RpcError):
         ended = client.call("Get", pb.GetAllocationRequest(allocation_id=allocation_id), timeout=10)
-        if ended.state == pb.ALLOCATION_STATE_FAILED:
+        # 'releasing' with this reason until its agent answers, then 'failed' (the controller's DEVICE_GONE)
+        if ended.state == pb.ALLOCATION_STATE_FAILED or ended.reason.startswith("device gone: "):
             return f"the allocation failed: {ended.reason or 'no reason recorded'}"
     return "the allocation was released"
 

@@ -94,7 +94,8 @@ def render(st) -> None:
     # active allocations whose record says their GPU's view changed under them (MIG mode, memory,
     # oversubscription): still held, and their GPU takes nothing new until enough is released
     over = {a.id for a in st.allocations
-            if a.reason.startswith(OVER_COMMITTED) and _state(a.state) == "active"}
+            if (a.reason.startswith(OVER_COMMITTED) or f"; {OVER_COMMITTED}" in a.reason)   # adopted ones too
+            and _state(a.state) == "active"}
     print_table("Nodes", ["NODE", "ADDRESS", "STATE", "GPUS", "HEARTBEAT"], [
         (n.name, n.address, _node_state(n), len(n.gpus),
          f"{max(0, now - n.last_heartbeat):.0f}s ago" if n.last_heartbeat else "-") for n in st.nodes])

@@ -519,6 +519,12 @@ class ControllerCore:
             return None
         why = self.ledger.over(allocation.id)
         want = overcommit_reason(why) if why else ""
+        if allocation.reason.startswith(ADOPTED):
+            # the note follows the adoption's reason, which stays first: `fastshare status` lists the
+            # allocation under Adopted, and a retry of its Allocate is judged as an adopted one's
+            base = allocation.reason.split(f"; {OVER_COMMITTED}")[0]
+            want = f"{base}; {want}" if want else base
+            return None if allocation.reason == want else want
         if allocation.reason == want or (not why and not allocation.reason.startswith(OVER_COMMITTED)):
             return None
         return want
@@ -530,7 +536,7 @@ class ControllerCore:
         want = self.overcommit_note(allocation)
         if want is None:
             return allocation
-        if want:
+        if self.ledger.over(allocation.id):
             log.warning("allocation %s: %s", allocation.id, want)
         else:
             log.info("allocation %s: its GPU on node %s takes it again (no longer over-committed)",

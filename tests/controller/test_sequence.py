@@ -109,3 +109,42 @@ def test_a_node_the_restored_database_does_not_know_takes_no_work_until_its_shar
         assert lost not in agent.shares and core.get(lost).state is State.RELEASED
     finally:
         store.close()
+
+
+def test_an_adopted_allocation_on_an_over_committed_gpu_is_still_found_by_its_key(tmp_path):
+    """The over-commit note the reconciler writes over an adopted record's reason must not make
+    the client's retry with the same key a conflict (nor drop it from status's Adopted list)."""
+    from fastshare.controller.core import ADOPTED, KeyConflict
+    from fastshare.controller.validation import Request
+
+    store = SqliteStore(tmp_path / "state.db")
+    agent = RecordingAgent()
+    try:
+        core = ControllerCore(store, agent)
+        reconciler = Reconciler(core)
+        reconciler.start()
+        core.register_node("n1", "127.0.0.1:1", {})
+        reconciler.run_once()
+        kept = core.allocate(Request(Spec(Kind.FASTPOD, sm_percent=100, memory_bytes=20 * GiB), owner="old"))
+        lost = new_id(store.next_sequence())   # its pending record lost (power loss, or a restored backup)
+        agent.prepare(agent_pb2.Share(id=lost, kind=common_pb2.SHARE_KIND_FASTPOD, device_uuids=["GPU-0"],
+                                      sm_percent=50, memory_bytes=GiB, quota_request=0.5, quota_limit=1.0,
+                                      owner="team/lost", idempotency_key="k-lost"))
+        assert reconciler.run_once().adopted == [lost]
+        reconciler.run_once()   # the GPU holds 150 % of its SMs: the adopted record is noted over-committed
+        adopted = core.get(lost)
+        assert core.ledger.over(lost) and adopted.state is State.ACTIVE, adopted
+        assert adopted.reason.startswith(ADOPTED), adopted.reason   # status lists it under Adopted
+        try:
+            again = core.allocate(Request(Spec(Kind.FASTPOD, sm_percent=50, memory_bytes=GiB, models=("L4",)),
+                                          owner="team/lost", idempotency_key="k-lost"))
+        except KeyConflict as exc:
+            raise AssertionError(f"the retry of the adopted allocation was refused: {exc}") from None
+        assert again.id == lost and kept.id != lost
+        assert "over-committed: " in adopted.reason
+        core.release(kept.id)
+        reconciler.run_once()   # the GPU takes it again: the note goes, the adoption's reason stays
+        assert not core.ledger.over(lost) and core.get(lost).reason.startswith(ADOPTED)
+        assert "over-committed" not in core.get(lost).reason
+    finally:
+        store.close()

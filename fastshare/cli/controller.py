@@ -170,6 +170,7 @@ def backup(state: Path, out: Path) -> None:
     the file alone can tear it), check the copy's integrity, and flush it to disk."""
     import os
     import sqlite3
+    from urllib.parse import quote
 
     if not state.is_file():
         fail(f"--state {state}: no such file", "the controller keeps its state in STATE_DIR/state.db")
@@ -180,7 +181,8 @@ def backup(state: Path, out: Path) -> None:
     except OSError as exc:
         fail(f"--out {out}: cannot create it ({exc})")
     try:
-        source = sqlite3.connect(f"file:{state}?mode=ro", uri=True, timeout=30)
+        # quoted: '#', '?' and '%' in the path would otherwise open (and create) another file
+        source = sqlite3.connect(f"file:{quote(str(state.absolute()))}?mode=ro", uri=True, timeout=30)
         copy = sqlite3.connect(out, isolation_level=None)
         try:
             if source.execute("SELECT 1 FROM sqlite_master WHERE name = 'allocations'").fetchone() is None:

@@ -267,3 +267,19 @@ def test_a_retry_answered_before_the_adoption_keeps_the_key_and_the_share_is_sti
     assert adopted.lease_expires_at > 0
     again = allocate(cluster.client(), "mps", key="early-retry", ttl=600, memory_bytes=GiB)
     assert again.id == retry.id
+
+
+@pytest.mark.parametrize("directory", ["state#1", "state?1", "state%201"])
+def test_backup_of_a_state_whose_path_has_uri_characters(tmp_path, directory):
+    """The state's path goes into an SQLite URI: '#', '?' and '%' in it must not open another file
+    (a stray empty database at the cut path, and a backup refused as 'not a fastshare state')."""
+    (tmp_path / directory).mkdir()
+    state = tmp_path / directory / "state.db"
+    store = SqliteStore(state)
+    store.put_node(Node(name="n1", address="127.0.0.1:1"))
+    store.close()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    done = backup(str(state), str(tmp_path / "new.db"))
+    assert done.returncode == 0, done.stderr
+    assert "1 node(s); integrity check ok" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "new.db"])

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastshare.k8s.pods import FASTPOD_LABEL, TEMPLATE_SPEC, replica_constraints
+from fastshare.k8s.pods import TEMPLATE_SPEC, replica_constraints, replica_labels
 from fastshare.k8s.scheduling import Constraints, NodeFacts, Requirement, Taint, TemplateError, requirement
 
 HOSTNAME = "kubernetes.io/hostname"
@@ -455,7 +455,7 @@ def replica_incoming(fastpod: Mapping[str, Any], gpu_node_label: str) -> Incomin
     """A FastPod's replica Pod as these filters see it (its labels as ``replica_pod`` makes
     them); TemplateError if the template's rules cannot be read."""
     meta, template = fastpod["metadata"], fastpod["spec"]["template"]
-    labels = {**((template.get("metadata") or {}).get("labels") or {}), FASTPOD_LABEL: meta["name"]}
+    labels = replica_labels(fastpod)
     spec = template.get("spec") or {}
     selected = spec.get("nodeSelector") or {}
     return Incoming(meta["namespace"], labels, pod_rules(spec, meta["namespace"], labels, TEMPLATE_SPEC),

@@ -13,6 +13,7 @@ import copy
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from kubernetes.utils import parse_quantity
@@ -118,7 +119,7 @@ def _with_env(container: dict[str, Any], env: dict[str, str]) -> None:
     container["env"] = kept + [{"name": k, "value": v} for k, v in sorted(env.items())]
 
 
-def template_hash(fastpod: dict[str, Any]) -> str:
+def template_hash(fastpod: Mapping[str, Any]) -> str:
     """A short hash of ``fastpod``'s Pod template (a label value)."""
     text = json.dumps(fastpod["spec"]["template"], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -132,6 +133,14 @@ def is_outdated(pod: dict[str, Any], current: str) -> bool:
     return made_from is not None and made_from != current
 
 
+def replica_labels(fastpod: Mapping[str, Any]) -> dict[str, str]:
+    """The labels of ``fastpod``'s replica Pods: the template's, its name's and its hash's (the
+    inter-pod rules are checked against these, see podaffinity.replica_incoming)."""
+    template = fastpod["spec"]["template"]
+    return {**((template.get("metadata") or {}).get("labels") or {}),
+            FASTPOD_LABEL: fastpod["metadata"]["name"], TEMPLATE_HASH_LABEL: template_hash(fastpod)}
+
+
 def replica_pod(fastpod: dict[str, Any], pod_name: str, allocation: Allocation,
                 gpu_node_label: str = "fastshare.io/gpu") -> dict[str, Any]:
     """The Pod for one replica, holding ``allocation`` on ``allocation.node``."""
@@ -141,8 +150,7 @@ def replica_pod(fastpod: dict[str, Any], pod_name: str, allocation: Allocation,
     metadata.update({
         "name": pod_name,
         "namespace": meta["namespace"],
-        "labels": {**(metadata.get("labels") or {}), FASTPOD_LABEL: meta["name"],
-                   TEMPLATE_HASH_LABEL: template_hash(fastpod)},
+        "labels": replica_labels(fastpod),
         "annotations": {**(metadata.get("annotations") or {}), ALLOCATION_ANNOTATION: allocation.id},
         "ownerReferences": [{
             "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],

@@ -24,6 +24,7 @@ from fastshare.k8s.podaffinity import (
     replica_incoming,
     ruled_out,
 )
+from fastshare.k8s.pods import TEMPLATE_HASH_LABEL, template_hash
 from fastshare.k8s.scheduling import NodeFacts, Taint, TemplateError, constraints
 
 ANTI = "spec.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution"
@@ -354,9 +355,27 @@ def test_a_replica_has_the_templates_labels_and_its_fastpods():
     fastpod = {"metadata": {"name": "fp", "namespace": "ns"}, "spec": {"template": {
         "metadata": {"labels": {"app": "web"}}, "spec": {"containers": [], **_anti(_term(app="web"))}}}}
     incoming = replica_incoming(fastpod, "fastshare.io/gpu")
-    assert incoming.labels == {"app": "web", "fastshare.io/fastpod": "fp"}
+    assert incoming.labels == {"app": "web", "fastshare.io/fastpod": "fp",
+                               TEMPLATE_HASH_LABEL: template_hash(fastpod)}
     assert incoming.rules.anti_affinity[0].field == f"spec.template.{ANTI}[0]"
     assert incoming.node_rules.tolerates(Taint("fastshare.io/gpu", "true", "NoSchedule"))
+
+
+def test_a_replica_spread_by_its_template_hash_counts_only_replicas_of_its_template():
+    """``matchLabelKeys: [fastshare.io/template-hash]`` (as Deployments' pod-template-hash): the
+    replica Pod carries its template's hash, so only the replicas of the same template count. The
+    incoming replica was read without that label: every older replica counted and a zone crowded
+    by them was refused, where the kube-scheduler would have allowed it."""
+    def fastpod(image):
+        return {"metadata": {"name": "fp", "namespace": "ns"}, "spec": {"template": {
+            "metadata": {"labels": {"app": "web"}}, "spec": {"containers": [{"name": "c", "image": image}],
+                                                             **_spread(matchLabelKeys=[TEMPLATE_HASH_LABEL])}}}}
+    old, new = fastpod("v1"), fastpod("v2")
+    nodes = _nodes(_node("a", "z1"), _node("c", "z2"))
+    older = [_pod("a", {"app": "web", "fastshare.io/fastpod": "fp", TEMPLATE_HASH_LABEL: template_hash(old)},
+                  name=f"fp-{i}") for i in range(3)]
+    assert ruled_out(replica_incoming(new, "fastshare.io/gpu"), nodes, nodes, older, {}) == {}
+    assert set(ruled_out(replica_incoming(old, "fastshare.io/gpu"), nodes, nodes, older, {})) == {"a"}
 
 
 def test_a_node_from_its_json():

@@ -174,16 +174,21 @@ def backup(state: Path, out: Path) -> None:
 
     if not state.is_file():
         fail(f"--state {state}: no such file", "the controller keeps its state in STATE_DIR/state.db")
-    try:   # created here, owner only (it holds every allocation's environment); never overwritten
-        os.close(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    except FileExistsError:
+    if out.exists():
         fail(f"--out {out} exists already; give a new file name (a backup is never overwritten)")
+    # Written as OUT.partial and linked to OUT only once checked and on disk: a backup killed midway
+    # (a cron job's timeout, Ctrl-C) leaves no file at OUT that looks like a backup.
+    partial = out.with_name(out.name + ".partial")
+    try:   # created here, owner only (it holds every allocation's environment)
+        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        fail(f"{partial} exists: an interrupted backup left it (or one runs now); remove it and retry")
     except OSError as exc:
-        fail(f"--out {out}: cannot create it ({exc})")
+        fail(f"--out {out}: cannot create {partial} ({exc})")
     try:
         # quoted: '#', '?' and '%' in the path would otherwise open (and create) another file
         source = sqlite3.connect(f"file:{quote(str(state.absolute()))}?mode=ro", uri=True, timeout=30)
-        copy = sqlite3.connect(out, isolation_level=None)
+        copy = sqlite3.connect(partial, isolation_level=None)
         try:
             if source.execute("SELECT 1 FROM sqlite_master WHERE name = 'allocations'").fetchone() is None:
                 raise sqlite3.DatabaseError(f"{state} is not a fastshare controller state (no allocations "
@@ -198,16 +203,22 @@ def backup(state: Path, out: Path) -> None:
         finally:
             source.close()
             copy.close()
-        with open(out, "rb") as written:
+        with open(partial, "rb") as written:
             os.fsync(written.fileno())
+        os.link(partial, out)   # never replaces a file made meanwhile (FileExistsError)
+        partial.unlink()
         directory = os.open(out.parent if str(out.parent) else ".", os.O_RDONLY)
         try:
             os.fsync(directory)
         finally:
             os.close(directory)
-    except (OSError, sqlite3.Error) as exc:
-        out.unlink(missing_ok=True)
-        fail(f"backup of {state} failed, nothing was written to {out}: {exc}")
+    except BaseException as exc:
+        partial.unlink(missing_ok=True)
+        if isinstance(exc, FileExistsError):
+            fail(f"--out {out} exists already (made while the backup ran); nothing was written there")
+        if isinstance(exc, (OSError, sqlite3.Error)):
+            fail(f"backup of {state} failed, nothing was written to {out}: {exc}")
+        raise
     click.echo(f"backup of {state} written to {out}: {allocations} allocation(s), {nodes} node(s); integrity "
                "check ok", err=True)
 

@@ -283,3 +283,31 @@ def test_backup_of_a_state_whose_path_has_uri_characters(tmp_path, directory):
     assert done.returncode == 0, done.stderr
     assert "1 node(s); integrity check ok" in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "new.db"])
+
+
+def test_a_backup_interrupted_midway_leaves_nothing_that_looks_like_a_backup(tmp_path, monkeypatch):
+    """A backup killed midway (a cron job's timeout, Ctrl-C) left a partial, unchecked file at
+    --out that looked like a backup. It is now written beside it and linked there once checked."""
+    from click.testing import CliRunner
+
+    from fastshare.cli import main as cli
+
+    state = tmp_path / "state.db"
+    SqliteStore(state).close()
+    real_connect = sqlite3.connect
+
+    class Interrupted(sqlite3.Connection):
+        def backup(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sqlite3, "connect", lambda *a, **k: real_connect(*a, factory=Interrupted, **k))
+    out = tmp_path / "copy.db"
+    result = CliRunner().invoke(cli, ["controller", "backup", "--state", str(state), "--out", str(out)])
+    assert result.exit_code != 0
+    assert not out.exists() and not (tmp_path / "copy.db.partial").exists()
+    monkeypatch.undo()
+
+    (tmp_path / "copy.db.partial").write_text("left by a killed run")
+    left = backup(str(state), str(out))
+    assert left.returncode != 0 and "interrupted backup left it" in left.stderr, left.stderr
+    assert not out.exists()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from fastshare.controller import faults
 from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool
 from fastshare.controller.events import EventHub
-from fastshare.controller.ledger import Ledger, gpu_view, gpus_gone
+from fastshare.controller.ledger import LOST, Ledger, gpu_view, gpus_gone
 from fastshare.controller.model import (
     FINISHED,
     HOLDING,
@@ -72,6 +72,9 @@ DEVICE_GONE = "device gone: "
 
 def overcommit_reason(why: str) -> str:
     """An active allocation's reason while the GPU it holds no longer takes it (``why``: the ledger's)."""
+    if LOST in why:   # ("n1 GPU 0: lost ..."): releasing others does not help there, the share is gone
+        return (f"{OVER_COMMITTED}{why}; nothing can use the share any more: its node agent drops it at "
+                "its next housekeeping, and the allocation then ends failed")
     return (f"{OVER_COMMITTED}{why}; the share stays held, and its GPU takes no new work until enough "
             "is released there")
 

@@ -350,6 +350,9 @@ def gpus_gone(node: str, gone: Iterable[tuple[str, int]]) -> str:
                      "(removed, replaced or fallen off the bus)" for uuid, index in gone)
 
 
+LOST = "lost (fell off the bus?): "   # how the engine's reason for a lost GPU starts (gpu_view)
+
+
 def gpu_view(index: int, uuid: str, model: str, memory_bytes: int, sm_count: int, mig_capable: bool,
              mig_enabled: bool, mig_unheld: tuple[tuple[int, int, int], ...] = (),
              no_mps: str = "", lost: str = "") -> GpuView:
@@ -362,4 +365,4 @@ def gpu_view(index: int, uuid: str, model: str, memory_bytes: int, sm_count: int
                    mig_capable=mig_capable and bool(profiles), mig_enabled=mig_enabled,
                    mig_profiles=profiles, uuid=uuid, mig_unheld=mig_unheld if profiles else (),
                    no_mps=no_mps,
-                   lost=f"lost (fell off the bus?): NVML_ERROR_{lost}" if lost else "")
+                   lost=f"{LOST}NVML_ERROR_{lost}" if lost else "")

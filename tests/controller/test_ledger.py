@@ -453,3 +453,23 @@ def test_mps_shares_over_a_lowered_oversubscription_stay_counted_until_enough_is
     assert ledger.release("m1")
     assert ledger.overcommitted() == {} and ledger.misfit("m2") == ""
     assert _place(ledger, "x", Spec(Kind.MPS, memory_bytes=15 * GiB))
+
+
+def test_a_share_on_a_gpu_that_got_lost_is_over_committed_with_a_reason_that_does_not_say_release():
+    """Between a GPU falling off the bus and its agent dropping the share (one housekeeping
+    period), the share is counted over-committed. Its reason said "takes no new work until enough
+    is released there", which sent operators releasing other work; nothing brings the share back."""
+    from fastshare.controller.core import OVER_COMMITTED, overcommit_reason
+
+    view = _node("n", ["A100-SXM4-40GB"])
+    ledger = Ledger()
+    ledger.reset([(view, True)], [])
+    assert _place(ledger, "f", Spec(Kind.FASTPOD, sm_percent=50, memory_bytes=4 * GiB))
+    lost = replace(view, gpus=tuple(replace(g, lost="lost (fell off the bus?): NVML_ERROR_GPU_IS_LOST")
+                                    for g in view.gpus))
+    ledger.set_node(lost, True)
+    reason = overcommit_reason(ledger.overcommitted()["f"])
+    assert reason.startswith(OVER_COMMITTED) and "fell off the bus" in reason, reason
+    assert "until enough is released" not in reason and "ends failed" in reason, reason
+    moved = overcommit_reason("n GPU 0 is in MIG mode")   # any other change: releasing helps
+    assert "until enough is released" in moved

@@ -830,6 +830,19 @@ def test_a_replica_that_keeps_ending_for_days_still_backs_off(api_client, namesp
     wait_for(lambda: (kubelet_step(view.core, namespace), view.shares() == [])[1], "released", timeout=120)
 
 
+def _delete_and_stop(view, namespace: str, name: str, agent, core, tls) -> None:
+    """End of a one-agent test: the FastPod deleted and its shares released, then the agent
+    stopped and its Node deleted (also when the release times out)."""
+    try:
+        with contextlib.suppress(client.ApiException):
+            view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
+                 timeout=120)
+    finally:
+        agent.stop()
+        core.delete_node(agent.name)
+
+
 def test_an_exclusive_replica_whose_mig_slice_is_destroyed_by_hand_is_replaced(
         api_client, namespace, controller, pki, caplog):
     """A replica's MIG slice destroyed by hand (nvidia-smi mig -dci/-dgi) while its agent runs: the
@@ -866,14 +879,7 @@ def test_an_exclusive_replica_whose_mig_slice_is_destroyed_by_hand_is_replaced(
         assert any(old["allocation"] in r.getMessage() and "device gone" in r.getMessage()
                    and old["migUUID"] in r.getMessage() for r in caplog.records), caplog.text
     finally:
-        try:
-            with contextlib.suppress(client.ApiException):
-                view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "sliced")
-            wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
-                     timeout=120)
-        finally:
-            agent.stop()
-            core.delete_node(agent.name)
+        _delete_and_stop(view, namespace, "sliced", agent, core, tls)
 
 
 def test_a_gpu_lost_under_a_replica_ends_its_share_and_the_replacement_waits_saying_so(
@@ -909,11 +915,4 @@ def test_a_gpu_lost_under_a_replica_ends_its_share_and_the_replacement_waits_say
                    and lost_uuid in r.getMessage() and "lost (fell off the bus?)" in r.getMessage()
                    for r in caplog.records), caplog.text
     finally:
-        try:
-            with contextlib.suppress(client.ApiException):
-                view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "lostbus")
-            wait_for(lambda: (kubelet_step(view.core, namespace), agent.shares(tls) == [])[1], "released",
-                     timeout=120)
-        finally:
-            agent.stop()
-            core.delete_node(agent.name)
+        _delete_and_stop(view, namespace, "lostbus", agent, core, tls)

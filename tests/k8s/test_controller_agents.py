@@ -85,6 +85,15 @@ class View:
     def fastpod(self):
         return self.objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
 
+    def fastpod_gone(self) -> bool:
+        """One kubelet step, then whether the FastPod is deleted (its finalizer removed)."""
+        kubelet_step(self.core, self.namespace)
+        try:
+            self.fastpod()
+            return False
+        except client.ApiException as exc:
+            return exc.status == 404
+
     def pods(self, include_terminating=False):
         selector = f"{FASTPOD_LABEL}={self.name}"
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
@@ -160,15 +169,7 @@ def test_mps_replicas_scale_survive_external_deletes_and_are_released_on_delete(
 
     view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "svc")
 
-    def gone():
-        kubelet_step(view.core, namespace)
-        try:
-            view.fastpod()
-            return False
-        except client.ApiException as exc:
-            return exc.status == 404
-
-    wait_for(gone, "FastPod deleted once its shares are released", timeout=120)
+    wait_for(view.fastpod_gone, "FastPod deleted once its shares are released", timeout=120)
     assert view.shares() == [] and view.pods(include_terminating=True) == []
     wait_for(lambda: view.records() == {}, "allocation records gone with the FastPod")
 
@@ -650,14 +651,7 @@ def test_a_replica_on_a_node_deleted_from_the_cluster_is_replaced_and_its_share_
 
         view.objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "nomad")
 
-        def gone():
-            kubelet_step(view.core, namespace)
-            try:
-                view.fastpod()
-                return False
-            except client.ApiException as exc:
-                return exc.status == 404
-        wait_for(gone, "the FastPod deleted", timeout=60)
+        wait_for(view.fastpod_gone, "the FastPod deleted", timeout=60)
         assert spare.shares(tls) == []
     finally:
         with contextlib.suppress(client.ApiException):
@@ -691,14 +685,7 @@ def test_a_node_deleted_while_the_controller_was_down_does_not_hold_its_shares(
         second = controller()
         second.start()
 
-        def gone():
-            kubelet_step(view.core, namespace)
-            try:
-                view.fastpod()
-                return False
-            except client.ApiException as exc:
-                return exc.status == 404
-        wait_for(gone, "the FastPod deleted", timeout=60)
+        wait_for(view.fastpod_gone, "the FastPod deleted", timeout=60)
         wait_for(lambda: view.records() == {}, "its allocation record gone")
         wait_for(lambda: second.store.get_node(doomed.name) is None, "the gone node not kept")
     finally:

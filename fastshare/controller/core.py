@@ -203,7 +203,6 @@ class ControllerCore:
         self._gpus: tuple[list[Gpu], int] | None = None
         self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through put_node
         self._unadopted: dict[str, dict[str, str]] = {}   # node -> share -> why it could not be adopted
-        self._held_out: set[str] = set()   # nodes kept from new work until their newer shares are adopted
         # node -> the agent's MPS oversubscription factor last warned about (it differs from ours)
         self._oversub_warned: dict[str, float] = {}
 
@@ -662,13 +661,9 @@ class ControllerCore:
 
     def held_out(self, node: str) -> bool:
         """The node takes no new work until its shares newer than the store are adopted."""
-        return node in self._held_out
+        return self.ledger.held_out(node)
 
     def _hold_out(self, node: str, hold: bool) -> None:
-        if hold:
-            self._held_out.add(node)
-        else:
-            self._held_out.discard(node)
         self.ledger.set_held_out(node, HELD_OUT if hold else "")
 
     def adopt(self, node_name: str, share: agent_pb2.Share, inventory: agent_pb2.Inventory) -> Allocation:

@@ -164,6 +164,11 @@ class Ledger:
             else:
                 self._cordoned.pop(name, None)
 
+    def held_out(self, name: str) -> bool:
+        """The node is kept from new work until its shares newer than the store are adopted."""
+        with self._lock:
+            return name in self._held_out
+
     def set_held_out(self, name: str, reason: str) -> None:
         """Keep a node from new work with ``reason`` (worded after "N node(s)"); "" lets it take
         work again. Unknown names are remembered."""

@@ -260,8 +260,9 @@ def test_a_retry_answered_before_the_adoption_keeps_the_key_and_the_share_is_sti
     assert retry.node == other and retry.id != first.id
 
     cluster.start_agent(down)
-    records = {a.id: a for a in cluster.status().allocations}
-    adopted = records[first.id]
+    # The node is available once it registers; its shares are adopted at the reconciler's next pass.
+    adopted = wait_for(lambda: {a.id: a for a in cluster.status().allocations}.get(first.id), 60,
+                       f"the share on {down} adopted\n{cluster.controller.output()}")
     assert adopted.state == pb.ALLOCATION_STATE_ACTIVE and adopted.reason.startswith("adopted: ")
     assert f"its idempotency key is held by allocation {retry.id}" in adopted.reason, adopted.reason
     assert adopted.lease_expires_at > 0

@@ -102,6 +102,17 @@ class AgentClient:
                                                metadata=_metadata(term))
         except grpc.RpcError as exc:
             raise AgentError.of(self.target.node, method, exc) from None
+        except ValueError as exc:
+            raise self._closed(method, exc) from None
+
+    def _closed(self, method: str, exc: ValueError) -> AgentError:
+        """gRPC raises ValueError for a call on a closed channel: ``AgentPool.drop`` (the node was
+        forgotten) closed it while this call, which had just taken the client, was on its way.
+        Any other ValueError is raised again."""
+        if "closed channel" not in str(exc):
+            raise exc
+        return AgentError(self.target.node, method, grpc.StatusCode.UNAVAILABLE,
+                          f"the channel to this node was closed ({exc}); the node was forgotten")
 
     def ping(self) -> None:
         self._call("Ping", common_pb2.Empty())
@@ -146,6 +157,8 @@ class AgentClient:
                     if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
                         return [AgentError.of(self.target.node, batch_method, exc) for _ in requests]
                     self._batching = False
+                except ValueError as exc:
+                    return [self._closed(batch_method, exc) for _ in requests]   # raises if not that
                 else:
                     return [r.reply if r.status.code == 0 else AgentError(
                         self.target.node, method, _CODES.get(r.status.code, grpc.StatusCode.UNKNOWN),

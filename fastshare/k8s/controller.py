@@ -467,8 +467,10 @@ class KubeController:
         resourceVersion (``on_event(type, object)``). A watch that ends (its timeout, a network
         blip, an API server restart) is renewed from the last resourceVersion it saw (an event's
         or a bookmark's): listing a big cluster again every ``watch_timeout`` was a steady load on
-        the API server. Only a version the API server no longer has (410 Gone, "too old resource
-        version") lists again. ``on_progress(version)``: every event up to ``version`` was handled
+        the API server. An ERROR event (the API server's Status on the watch: 410 Gone for a version
+        it no longer has, "too large resource version" after an etcd restore) lists again, as
+        client-go's reflector does; resuming from that version would be refused for good.
+        ``on_progress(version)``: every event up to ``version`` was handled
         (at each renewal; the caches forget their tombstones up to it there, see WatchCache).
         ``page`` > 0: list in pages of that many, and ``on_list`` gets the items as an iterator
         that fetches them page by page (each item goes to ``on_event`` as it is read)."""
@@ -482,7 +484,8 @@ class KubeController:
                         if self._stop.is_set():
                             return
                         obj = event["object"]
-                        if event["type"] == "ERROR":   # a Status: 410 when the version is too old
+                        if event["type"] == "ERROR":   # the API server refuses this version
+                            version = None
                             raise client.ApiException(status=obj.get("code"),
                                                       reason=f"{obj.get('reason')}: {obj.get('message')}")
                         if event["type"] != "BOOKMARK":
@@ -491,7 +494,7 @@ class KubeController:
                 if on_progress is not None:
                     on_progress(version)
             except Exception as exc:  # the API server restarted, a network blip: resume; 410 Gone: relist
-                if isinstance(exc, client.ApiException) and exc.status == 410:
+                if isinstance(exc, client.ApiException) and exc.status == 410:   # on the request itself
                     version = None
                 if not self._stop.is_set():
                     log.info("watch %s %s: %s", getattr(list_fn, "__name__", "?"),

@@ -238,3 +238,24 @@ def test_the_pool_keeps_its_channels_while_a_renewal_has_replaced_only_the_key(t
     finally:
         pool.close()
         server.stop(None)
+
+
+def test_a_call_on_a_client_the_pool_just_dropped_fails_as_unreachable(serve):
+    """``AgentPool.drop`` (the node forgotten) can close a channel a concurrent call has just
+    taken from the pool: that call fails as an unreachable agent (the caller's usual path), not
+    with gRPC's ValueError and a traceback in the controller's log."""
+    agent = NewAgent()
+    agent.gate.set()
+    client = serve(agent)
+    client.close()
+    with pytest.raises(AgentError) as single:
+        client.inventory()
+    assert single.value.unreachable and "closed" in single.value.details, single.value
+    with pytest.raises(AgentError) as prepared:
+        client.prepare(agent_pb2.Share(id="s-1", kind=common_pb2.SHARE_KIND_MPS))
+    assert prepared.value.unreachable, prepared.value
+    batch = client._sender("PrepareShare", agent_pb2.PrepareSharesRequest)   # queued calls, as one RPC
+    outcomes = batch([(None, agent_pb2.PrepareShareRequest(share=agent_pb2.Share(id=f"s-{i}")))
+                      for i in range(2)])
+    assert all(isinstance(o, AgentError) and o.unreachable for o in outcomes), outcomes
+    assert agent.single == [] and agent.batches == []

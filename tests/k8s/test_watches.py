@@ -1,6 +1,7 @@
 """The controller's watches against the real API server: a watch that times out is renewed from
 the last resourceVersion it saw, not by listing everything again; only a version the API server
-no longer has (410 Gone) lists again; the caches' tombstones are still forgotten meanwhile."""
+refuses (410 Gone, "too large resource version") lists again; the caches' tombstones are still
+forgotten meanwhile."""
 
 from __future__ import annotations
 
@@ -28,15 +29,25 @@ def tls(tmp_path_factory) -> TlsPaths:
     return TlsPaths.in_dir(root / "pki", "controller")
 
 
-class _TooOld:
-    """A watch response that is what the API server streams for a version it no longer has.
-    (This one keeps every event since its start in its watch cache, even after an etcd
-    compaction, so it never says so within a test.)"""
+# What the API server streams for a version it no longer has (410), and for one it does not have
+# yet (after etcd was restored from a snapshot without bumping its revision). This one keeps every
+# event since its start in its watch cache, so it never says either within a test.
+TOO_OLD = (b'{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure",'
+           b'"message":"too old resource version: 1 (207)","reason":"Expired","code":410}}\n')
+TOO_LARGE = (b'{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure",'
+             b'"message":"Timeout: Too large resource version: 900, current: 207","reason":"Timeout",'
+             b'"details":{"causes":[{"reason":"ResourceVersionTooLarge","message":"Too large resource '
+             b'version"}],"retryAfterSeconds":1},"code":504}}\n')
+
+
+class _Refused:
+    """A watch response that is only the API server's ERROR event ``line``."""
+
+    def __init__(self, line: bytes) -> None:
+        self.line = line
 
     def stream(self, amt=None, decode_content=False):
-        yield (b'{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","metadata":{},'
-               b'"status":"Failure","message":"too old resource version: 1 (207)",'
-               b'"reason":"Expired","code":410}}\n')
+        yield self.line
 
     def close(self):
         pass
@@ -45,17 +56,18 @@ class _TooOld:
         pass
 
 
-def _counted(api: object, name: str, calls: collections.Counter, too_old_first_watch: bool = False) -> None:
-    """Count ``api.name``'s LIST and WATCH requests (``too_old_first_watch``: the first watch is
-    answered 410 Gone, as after a watch that was down longer than the API server keeps events)."""
+def _counted(api: object, name: str, calls: collections.Counter, refuse_first_watch: bytes = b"") -> None:
+    """Count ``api.name``'s LIST and WATCH requests (``refuse_first_watch``: the first watch is
+    answered with that ERROR event, e.g. 410 Gone after a watch that was down longer than the API
+    server keeps events)."""
     real = getattr(api, name)
 
     @functools.wraps(real)
     def call(*args, **kwargs):
         kind = "watch" if kwargs.get("watch") else "list"
         calls[(name, kind)] += 1
-        if kind == "watch" and too_old_first_watch and calls[(name, kind)] == 1:
-            return _TooOld()
+        if kind == "watch" and refuse_first_watch and calls[(name, kind)] == 1:
+            return _Refused(refuse_first_watch)
         return real(*args, **kwargs)
 
     setattr(api, name, call)
@@ -66,13 +78,16 @@ def _pod(name: str) -> client.V1Pod:
                         spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="x")]))
 
 
-def test_watches_resume_after_their_timeout_and_list_again_only_when_too_old(api_client, fastpod_crd,
-                                                                             namespace, tls):
+@pytest.mark.parametrize("refusal", [TOO_OLD, TOO_LARGE], ids=["410-too-old", "504-too-large"])
+def test_watches_resume_after_their_timeout_and_list_again_only_when_refused(api_client, fastpod_crd,
+                                                                             namespace, tls, refusal):
+    """A watch the API server refuses with an ERROR event lists again (resuming from that version
+    is refused again, for good, when it is ahead of the API server's)."""
     controller = KubeController(api_client, AgentPool(tls, deadline=5.0), KubeSettings(
         namespace=namespace, workers=1, node_interval=0.5, resync_interval=3600, watch_timeout=1))
     calls: collections.Counter = collections.Counter()
     _counted(controller.objects, "list_namespaced_custom_object", calls)          # FastPods
-    _counted(controller.pods, "list_namespaced_pod", calls, too_old_first_watch=True)   # replicas
+    _counted(controller.pods, "list_namespaced_pod", calls, refusal)   # replicas
     _counted(controller.pods, "list_pod_for_all_namespaces", calls)               # every bound Pod
     core = client.CoreV1Api(api_client)
     try:
@@ -81,7 +96,7 @@ def test_watches_resume_after_their_timeout_and_list_again_only_when_too_old(api
         for name in ("list_namespaced_custom_object", "list_pod_for_all_namespaces"):
             assert calls[(name, "watch")] >= 3, calls
             assert calls[(name, "list")] == 1, f"{name} listed again on every watch timeout: {calls}"
-        # the replicas' watch was asked for a version long gone (410): listed once more, then resumed
+        # the replicas' watch was refused its version: listed once more, then resumed
         assert calls[("list_namespaced_pod", "list")] == 2, calls
         assert calls[("list_namespaced_pod", "watch")] >= 3, calls
         # events still arrive after the renewals, and a deleted Pod's tombstone is forgotten

@@ -153,6 +153,10 @@ class Agent:
         self._files_written: dict[str, int] = {}
         # Names per device, built once (path objects were a tenth of the CPU of a prepare).
         self._device_paths: dict[str, tuple[str, str, str]] = {}
+        # MIG device UUID -> why it went, for the instances a forced layout destroyed under shares
+        # (see node.layout): their shares are dropped with that cause, not as destroyed by hand.
+        # UUIDs are never reused; a handful per forced layout change, kept for the process.
+        self.destroyed_by_layout: dict[str, str] = {}
 
     # --- bookkeeping -------------------------------------------------------------------------
 
@@ -789,8 +793,10 @@ class Agent:
                 m.uuid == row.device_uuid for g in self._gpus for m in g.mig_instances):
             start = row.prepared.mig_start if row.spec.kind == "exclusive" and row.prepared else None
             where = f" (slice {start} of GPU {row.spec.device_uuids[0]})" if start is not None else ""
-            return (f"its MIG device {row.device_uuid}{where} is gone: destroyed outside fastshare (by hand, "
-                    "e.g. nvidia-smi mig -dci/-dgi, or by a GPU reset or a reboot)")
+            cause = self.destroyed_by_layout.get(row.device_uuid) or (
+                "destroyed outside fastshare (by hand, e.g. nvidia-smi mig -dci/-dgi, or by a GPU reset or a "
+                "reboot)")
+            return f"its MIG device {row.device_uuid}{where} is gone: {cause}"
         return None
 
     def _drop(self, row: ShareRow, why: str, deadline: Deadline) -> None:

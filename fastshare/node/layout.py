@@ -16,7 +16,9 @@ from fastshare.node.agent import Agent, AgentError, Deadline, _device_error
 
 def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: bool, apply: bool,
                  deadline: Deadline) -> tuple[list[dict], bool]:
-    """Plan (and with ``apply`` run) the steps to ``profiles``; returns (actions, changed)."""
+    """Plan (and with ``apply`` run) the steps to ``profiles``; returns (actions, changed).
+
+    Shares on an instance destroyed by ``force`` are dropped before the reply, with that cause."""
     gpu = agent._gpu(gpu_uuid)
     if not gpu.mig_capable or not gpu.mig_current:
         raise AgentError("FAILED_PRECONDITION", f"MIG is not enabled on GPU {gpu_uuid}"
@@ -42,13 +44,25 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
                     "start": s.start, "mig_uuid": next((m.uuid or "" for m in current if m.start == s.start
                                                         and s.action == "destroy"), "")}
                    for s in plan.steps]
+        layout = mig_layout.format_layout(wanted, shape) or "no MIG instances"
+        forced = False
         if apply:
             try:
                 for step in plan.steps:
+                    victim = next((p for p in placed if p.start == step.start), None)
+                    if step.action == "destroy" and victim is not None and victim.shares:
+                        # Only with force (the plan keeps held instances otherwise): the shares on
+                        # it are dropped with this cause, not as destroyed by hand.
+                        agent.destroyed_by_layout[victim.label] = (
+                            f"destroyed by a forced MIG layout change to {layout} (ApplyMigLayout with "
+                            "force, e.g. `fastshare mig apply --force`)")
+                        forced = True
                     _run(agent, gpu_uuid, gpu.index, step)
             finally:
                 if plan.changed:  # before the lock goes: an MPS prepare looks its device up under it
                     agent.refresh_devices()
+    if forced:
+        agent._drop_vanished()
     if apply and plan.changed:
         agent._changed()
     return actions, plan.changed

@@ -89,6 +89,30 @@ def test_mig_layout_plan_apply_and_shares_are_never_destroyed(agent, devices):
     assert len(devices.mig_instances(GPU_MIG)) == 3
 
 
+def test_a_forced_layout_drops_the_shares_it_destroys_saying_so(agent):
+    """A forced ApplyMigLayout destroyed a held slice; the next housekeeping then dropped the share as
+    "destroyed outside fastshare (by hand, ...)", and the controller ended its allocation so."""
+    agent.settings["reconcile_interval_s"] = 1     # a housekeeping that would find it first
+    agent.start()
+    stub = agent.unix()
+    gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
+    stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"3g.40gb": 2}), timeout=60)
+    mig = stub.PrepareShare(share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=0),
+                            timeout=60).device_uuids[0]
+    other = next(m.uuid for m in stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].mig_devices if m.start == 4)
+    stub.PrepareShare(fastpod("fp", other), timeout=60)
+    stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"7g.80gb": 1}, force=True),
+                        timeout=60)
+    lost = {s.id: s.reason for s in wait_for(lambda: stub.GetInventory(INV, timeout=30).lost_shares,
+                                             what="the shares reported lost")}
+    assert sorted(lost) == ["ex", "fp"], lost
+    for reason in lost.values():
+        assert "forced MIG layout change" in reason and "7g.80gb=1" in reason, reason
+        assert "outside fastshare" not in reason and "by hand" not in reason, reason
+    assert mig in lost["ex"] and "slice 0" in lost["ex"], lost["ex"]
+    assert list(stub.GetInventory(INV, timeout=30).shares) == []
+
+
 def test_cli_status_release_and_unit(agent):
     agent.start()
     gpu = agent.unix().GetInventory(INV, timeout=30).gpus[GPU_A].uuid

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import click
+import grpc
 
 from fastshare.cli._output import fail, print_json, print_table
 from fastshare.cli.gpu import backend_options, devices_from
@@ -14,9 +18,12 @@ from fastshare.device.api import Devices
 from fastshare.device.mig_layout import (
     GpuShape,
     LayoutError,
+    Placed,
     Plan,
+    Step,
     apply_plan,
     format_layout,
+    layout_counts,
     plan_for_gpu,
     refuse_enable_under_share,
     shape_of,
@@ -33,6 +40,94 @@ _layout_force_option = click.option(
     "--force", is_flag=True,
     help="also destroy MIG instances that fastshare shares hold (the shares lose them); an instance "
          "with running processes is never destroyed")
+
+
+_socket_option = click.option(
+    "--unix-socket", default=NodeConfig.unix_socket, envvar="FASTSHARE_NODE_UNIX_SOCKET", show_default=True,
+    help="the node agent's socket: while an agent answers there, it makes the change under its lock of the "
+         "GPU, so a share it is preparing counts too (--gpu-backend, --sim-state and --agent-journal are "
+         "then not used); with no agent there, the change is made directly")
+_AGENT_TIMEOUT_S = 300     # a layout change on a real GPU takes seconds per instance
+_UINT32_MAX = 2**32 - 1
+
+
+def _local_agent(unix_socket: str) -> Any | None:
+    """A stub of the node agent on this host if it answers on ``unix_socket`` (None: none runs)."""
+    if not unix_socket:
+        return None
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(unix_socket)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None     # no socket, or the one an agent that no longer runs left
+    except OSError as exc:
+        fail(f"--unix-socket {unix_socket}: the node agent's socket cannot be used ({exc.strerror or exc}); "
+             "MIG is not changed beside a running agent",
+             "run as root or as a member of the socket's group (the agent's unix_socket_group)")
+    finally:
+        probe.close()
+    from fastshare.node.client import channel, stub
+
+    return stub(channel(unix_socket=unix_socket))
+
+
+def _ask(method: Callable[..., Any], request: Any, what: str, hint: str | None = None) -> Any:
+    """One call to the local agent; a refusal or failure ends the command, saying ``what`` first."""
+    try:
+        return method(request, timeout=_AGENT_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        refused = exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND)
+        details = (exc.details() or "").removeprefix("profiles: ")   # the agent's name for --layout
+        fail(f"{what}: {details}" if refused else f"{what}: the node agent answered {exc.code().name}: "
+             f"{details}", hint if refused else None)
+
+
+def _agent_gpu(agent: Any, gpu_index: int) -> Any:
+    from fastshare.v1 import agent_pb2
+
+    gpus = _ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), "node agent").gpus
+    gpu = next((g for g in gpus if g.index == gpu_index), None)
+    if gpu is None:
+        fail(f"GPU index {gpu_index} does not exist (valid: 0..{len(gpus) - 1})")
+    return gpu
+
+
+def _layout_via_agent(agent: Any, gpu_index: int, layout: str, force: bool,
+                      apply: bool) -> tuple[str, dict, list[dict], str]:
+    """`mig plan/apply` by the node agent (Plan/ApplyMigLayout: the same planner and refusals, under
+    its lock of the GPU): (GPU label, plan as ``Plan.to_dict``, instances after, layout after)."""
+    from fastshare.v1 import agent_pb2
+
+    gpu = _agent_gpu(agent, gpu_index)
+    try:
+        profiles = layout_counts(layout)
+    except LayoutError as exc:
+        fail(f"GPU {gpu_index}: {exc}")
+    for name, count in profiles.items():
+        if count > _UINT32_MAX:
+            fail(f"GPU {gpu_index}: count for {name!r} must be at most {_UINT32_MAX}, got {count}")
+    request = agent_pb2.MigLayoutRequest(gpu_uuid=gpu.uuid, profiles=profiles, force=force)
+    reply = _ask(agent.ApplyMigLayout if apply else agent.PlanMigLayout, request, f"GPU {gpu_index}")
+    size = {p.profile_id: p.memory_slices for p in gpu.mig_profiles}
+    steps = [Step(a.op, a.profile_id, a.profile_name, a.start, size.get(a.profile_id, 0))
+             for a in reply.actions]
+    devices = sorted(reply.mig_devices, key=lambda m: m.start)   # after an apply, before a plan
+    shown = [Placed(m.profile_id, m.start, bool(m.processes or m.share_id), m.uuid, m.processes,
+                    (m.share_id,) if m.share_id else ()) for m in devices]
+    created = [Placed(s.profile_id, s.start) for s in steps if s.action == "create"]
+    if apply:
+        keep, final = [p for p in shown if p not in created], shown
+    else:
+        keep = [p for p in shown if p.start not in {s.start for s in steps if s.action == "destroy"}]
+        final = sorted([*keep, *created], key=lambda p: p.start)
+    instances = [{"gpu_uuid": m.gpu_uuid, "gpu_index": gpu_index, "profile_id": m.profile_id,
+                  "profile_name": m.profile_name, "start": m.start, "size": m.size, "uuid": m.uuid,
+                  "sm_count": m.sm_count, "memory_mib": m.memory_bytes >> 20, "processes": m.processes,
+                  "share_id": m.share_id} for m in devices]
+    now = Counter(m.profile_name for m in sorted(devices, key=lambda m: (-m.size, m.profile_id)))
+    return (f"GPU {gpu.index} ({gpu.name})", Plan(tuple(steps), tuple(keep), tuple(final)).to_dict(),
+            instances, ",".join(f"{name}={n}" for name, n in now.items()))
 
 
 def _held(agent_journal: str | None) -> dict[str, list[str]]:
@@ -70,6 +165,7 @@ def _layout_options(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--layout", required=True, help=_LAYOUT_HELP),
         _layout_force_option,
         _journal_option,
+        _socket_option,
         click.option("--json", "as_json", is_flag=True, help="machine-readable output"),
     ]):
         command = option(command)
@@ -87,31 +183,41 @@ def _planned(devices: Devices, gpu_index: int, layout: str, force: bool,
 @mig_group.command("plan")
 @_layout_options
 def mig_plan(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
-             agent_journal: str | None, as_json: bool) -> None:
+             agent_journal: str | None, unix_socket: str, as_json: bool) -> None:
     """Show the steps that would turn the current layout into LAYOUT (changes nothing)."""
-    held = _held(agent_journal)
-    with devices_from(gpu_backend, sim_state) as devices:
-        shape, plan = _planned(devices, gpu_index, layout, force, held)
-    _show_plan(gpu_index, layout, shape.label, plan.to_dict(), as_json, f"plan for GPU {gpu_index}")
+    agent = _local_agent(unix_socket)
+    if agent is not None:
+        label, plan, _, _ = _layout_via_agent(agent, gpu_index, layout, force, apply=False)
+    else:
+        held = _held(agent_journal)
+        with devices_from(gpu_backend, sim_state) as devices:
+            shape, planned = _planned(devices, gpu_index, layout, force, held)
+        label, plan = shape.label, planned.to_dict()
+    _show_plan(gpu_index, layout, label, plan, as_json, f"plan for GPU {gpu_index}")
 
 
 @mig_group.command("apply")
 @_layout_options
 def mig_apply(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
-              agent_journal: str | None, as_json: bool) -> None:
+              agent_journal: str | None, unix_socket: str, as_json: bool) -> None:
     """Create/destroy MIG instances so GPU IDX has exactly LAYOUT (instances that processes run on
     or that node agent shares hold are kept; refused, before any change, if LAYOUT has no place
     for them)."""
-    held = _held(agent_journal)
-    with devices_from(gpu_backend, sim_state) as devices:
-        shape, plan = _planned(devices, gpu_index, layout, force, held)
-        instances = apply_plan(devices, gpu_index, plan)
+    agent = _local_agent(unix_socket)
+    if agent is not None:
+        label, plan, instances, now = _layout_via_agent(agent, gpu_index, layout, force, apply=True)
+    else:
+        held = _held(agent_journal)
+        with devices_from(gpu_backend, sim_state) as devices:
+            shape, planned = _planned(devices, gpu_index, layout, force, held)
+            done = apply_plan(devices, gpu_index, planned)
+        label, plan, instances = shape.label, planned.to_dict(), [asdict(i) for i in done]
+        now = format_layout(done, shape)
     if as_json:
-        print_json({"gpu": gpu_index, "layout": layout, **plan.to_dict(),
-                    "instances": [asdict(i) for i in instances]})
+        print_json({"gpu": gpu_index, "layout": layout, **plan, "instances": instances})
         return
-    _show_plan(gpu_index, layout, shape.label, plan.to_dict(), False, f"applied on GPU {gpu_index}")
-    click.echo(f"GPU {gpu_index} now: {format_layout(instances, shape) or 'no MIG instances'}")
+    _show_plan(gpu_index, layout, label, plan, False, f"applied on GPU {gpu_index}")
+    click.echo(f"GPU {gpu_index} now: {now or 'no MIG instances'}")
 
 
 @mig_group.command("profiles")
@@ -135,11 +241,22 @@ def mig_profiles(gpu_backend: str | None, sim_state: str | None, gpu_index: int,
 
 
 def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, enabled: bool,
-              held: dict[str, list[str]] | None = None, force: bool = False) -> None:
-    with devices_from(gpu_backend, sim_state) as devices:
-        if enabled and (reason := refuse_enable_under_share(devices.gpu(gpu_index), held or {}, force)):
-            fail(reason)
-        pending = devices.set_mig_mode(gpu_index, enabled)
+              unix_socket: str, agent_journal: str | None = None, force: bool = False) -> None:
+    agent = _local_agent(unix_socket)
+    if agent is not None:   # under the agent's lock of the GPU, by its rules (SetMigMode)
+        from fastshare.v1 import agent_pb2
+
+        gpu = _agent_gpu(agent, gpu_index)
+        request = agent_pb2.SetMigModeRequest(gpu_uuid=gpu.uuid, enabled=enabled)
+        hint = ("--force does not apply while the node agent runs: it changes the MIG mode only of a GPU "
+                "no share holds" if force else None)
+        pending = _ask(agent.SetMigMode, request, f"GPU {gpu_index}", hint).pending
+    else:
+        held = _held(agent_journal) if enabled else {}
+        with devices_from(gpu_backend, sim_state) as devices:
+            if enabled and (reason := refuse_enable_under_share(devices.gpu(gpu_index), held, force)):
+                fail(reason)
+            pending = devices.set_mig_mode(gpu_index, enabled)
     state = "enabled" if enabled else "disabled"
     if pending:
         click.echo(f"GPU {gpu_index}: MIG {state} on next GPU reset (pending; reset the GPU or reboot)")
@@ -151,21 +268,24 @@ def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, en
 @backend_options
 @click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
 @click.option("--force", is_flag=True,
-              help="enable MIG although a fastshare share holds the GPU whole (the share loses the GPU)")
+              help="enable MIG although a fastshare share holds the GPU whole (the share loses the GPU); "
+                   "not while a node agent runs (--unix-socket)")
 @_journal_option
+@_socket_option
 def mig_enable(gpu_backend: str | None, sim_state: str | None, gpu_index: int, force: bool,
-               agent_journal: str | None) -> None:
+               agent_journal: str | None, unix_socket: str) -> None:
     """Enable MIG mode (Ampere: pending until the GPU is reset); refused while a node agent share
     holds the GPU whole."""
-    _set_mode(gpu_backend, sim_state, gpu_index, True, _held(agent_journal), force)
+    _set_mode(gpu_backend, sim_state, gpu_index, True, unix_socket, agent_journal, force)
 
 
 @mig_group.command("disable")
 @backend_options
 @click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
-def mig_disable(gpu_backend: str | None, sim_state: str | None, gpu_index: int) -> None:
+@_socket_option
+def mig_disable(gpu_backend: str | None, sim_state: str | None, gpu_index: int, unix_socket: str) -> None:
     """Disable MIG mode (refused while MIG instances or processes exist)."""
-    _set_mode(gpu_backend, sim_state, gpu_index, False)
+    _set_mode(gpu_backend, sim_state, gpu_index, False, unix_socket)
 
 
 COMMANDS = [mig_group]

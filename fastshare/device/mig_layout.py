@@ -143,18 +143,27 @@ def parse_layout(text: str | dict[str, int], shape: GpuShape) -> Counter[int]:
     """Profile id -> count from ``'3g.20gb=1,1g.5gb=2'``, ``'9,19,14,19'`` (ids, repeats count),
     or a mapping ``{"1g.5gb": 2}``. An empty layout means "no instances"."""
     wanted: Counter[int] = Counter()
-    items: list[tuple[str, int]] = []
+    for name, count in layout_counts(text).items():
+        wanted[shape.profile(name).profile_id] += count
+    return +wanted
+
+
+def layout_counts(text: str | dict[str, int]) -> dict[str, int]:
+    """The profiles of a layout as written (names or ids, not yet looked up on a GPU) -> counts,
+    repeats added up: what the node agent's MigLayoutRequest carries."""
+    counts: dict[str, int] = {}
     if isinstance(text, dict):
         items = [(str(k), _count(k, v)) for k, v in text.items()]
     else:
+        items = []
         for token in filter(None, (t.strip() for t in text.split(","))):
             match = _TOKEN.match(token)
             if not match:
                 raise LayoutError(f"layout item {token!r} is not PROFILE or PROFILE=COUNT")
             items.append((match.group(1), _count(match.group(1), match.group(2) or 1)))
     for name, count in items:
-        wanted[shape.profile(name).profile_id] += count
-    return +wanted
+        counts[name] = counts.get(name, 0) + count
+    return counts
 
 
 def _count(name: object, value: object) -> int:

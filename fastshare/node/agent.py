@@ -948,10 +948,12 @@ class Agent:
         with self._device_locks.hold(gpu_uuid, deadline):
             if gpu.mig_current == enabled and gpu.mig_pending == enabled:
                 return False, False
-            if self._live_shares(gpu_uuid) or any(self._live_shares(m.uuid or "")
-                                                  for m in gpu.mig_instances):
-                raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} has shares; release them before "
-                                                        "changing its MIG mode")
+            holders = [*self._live_shares(gpu_uuid),
+                       *(r for m in gpu.mig_instances for r in self._live_shares(m.uuid or ""))]
+            if holders:
+                raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} has shares "
+                                                        f"({', '.join(r.spec.id for r in holders)}); release "
+                                                        "them before changing its MIG mode")
             try:
                 pending = self.devices.set_mig_mode(gpu.index, enabled)
             except DeviceError as exc:

@@ -18,20 +18,22 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
                  deadline: Deadline) -> tuple[list[dict], bool]:
     """Plan (and with ``apply`` run) the steps to ``profiles``; returns (actions, changed).
 
+    The same planner and refusals as ``fastshare mig plan/apply`` without an agent (shapes read
+    from NVML under the GPU's lock, so a share being prepared there is seen once it is held).
     Shares on an instance destroyed by ``force`` are dropped before the reply, with that cause."""
     gpu = agent._gpu(gpu_uuid)
-    if not gpu.mig_capable or not gpu.mig_current:
-        raise AgentError("FAILED_PRECONDITION", f"MIG is not enabled on GPU {gpu_uuid}"
-                         + (" (pending a GPU reset)" if gpu.mig_pending else "") + "; use SetMigMode first")
-    shape = mig_layout.GpuShape.from_profiles(agent._profiles[gpu_uuid], f"GPU {gpu_uuid}")
     with agent._device_locks.hold(gpu_uuid, deadline):
         try:
-            wanted = mig_layout.parse_layout({k: int(v) for k, v in profiles.items()}, shape)
+            shape = mig_layout.shape_of(agent.devices, gpu.index)
             current = agent.devices.mig_instances(gpu.index)
         except mig_layout.LayoutError as exc:
-            raise AgentError("INVALID_ARGUMENT", f"profiles: {exc}") from None
+            raise AgentError("FAILED_PRECONDITION", str(exc)) from None
         except DeviceError as exc:
-            raise _device_error(exc, f"listing MIG instances of GPU {gpu_uuid}") from None
+            raise _device_error(exc, f"reading the MIG layout of GPU {gpu_uuid}") from None
+        try:
+            wanted = mig_layout.parse_layout({k: int(v) for k, v in profiles.items()}, shape)
+        except mig_layout.LayoutError as exc:
+            raise AgentError("INVALID_ARGUMENT", f"profiles: {exc}") from None
         held: dict[str, list[str]] = {}
         for r in agent.journal.shares():
             held.setdefault(r.device_uuid, []).append(r.spec.id)

@@ -334,6 +334,24 @@ def test_mig_commands_read_the_agents_journal_by_default():
         assert "--force" in out and "instances that are in use" not in out, (command, out)
 
 
+def test_mig_commands_act_directly_when_no_agent_answers_its_socket(env, machine: Path):
+    """A socket an agent that stopped left behind (nothing listens): no agent runs, so as without one."""
+    import socket
+    import tempfile
+
+    stale = Path(tempfile.mkdtemp(prefix="fsm-", dir="/tmp")) / "node.sock"
+    left = socket.socket(socket.AF_UNIX)
+    left.bind(str(stale))
+    left.close()
+    try:
+        applied = json.loads(run(["mig", "apply", "--gpu", "0", "--layout", "19", "--unix-socket", str(stale),
+                                  "--json"], env).output)
+        assert [i["profile_name"] for i in applied["instances"]] == ["1g.5gb"]
+        assert "pending" in run(["mig", "enable", "--gpu", "2", "--unix-socket", str(stale)], env).output
+    finally:
+        shutil.rmtree(stale.parent)
+
+
 def test_mig_enable_refuses_a_gpu_an_agent_share_holds_whole_unless_forced(env, machine: Path,
                                                                             tmp_path: Path):
     """`mig enable` took a whole GPU from the share that holds it (at the next reset on Ampere)."""

@@ -1,6 +1,8 @@
 """Operating the agent: watch, metrics, administrative MIG layouts, the CLI, the unit file."""
 
+import fcntl
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -111,6 +113,113 @@ def test_a_forced_layout_drops_the_shares_it_destroys_saying_so(agent):
         assert "outside fastshare" not in reason and "by hand" not in reason, reason
     assert mig in lost["ex"] and "slice 0" in lost["ex"], lost["ex"]
     assert list(stub.GetInventory(INV, timeout=30).shares) == []
+
+
+def _flock_waiters(path) -> int:
+    """Processes (or threads) waiting for the flock on ``path`` (from /proc/locks)."""
+    inode = f":{os.stat(path).st_ino} "
+    with open("/proc/locks") as locks:
+        return sum(1 for line in locks if "->" in line and inode in line)
+
+
+def _cli(agent, *args: str, **env: str) -> subprocess.Popen:
+    """`fastshare ARGS` as another process on the agent's host (the agent's socket in its env)."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")}
+    child_env.update(FASTSHARE_NODE_UNIX_SOCKET=agent.unix_socket, COLUMNS="200", **env)
+    return subprocess.Popen([str(BIN / "fastshare"), *args], env=child_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_cli_mig_apply_waits_for_a_share_the_agent_is_preparing(agent, sim_machine):
+    """`fastshare mig apply` read the agent's journal but acted beside the running agent: an exclusive
+    share the agent was binding (not yet journaled as held) was destroyed under it, or the layout
+    took its place and the share failed. Through the agent it waits for the GPU's lock and sees it."""
+    agent.start()
+    stub = agent.unix()
+    gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
+    stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"3g.40gb": 2}), timeout=60)
+    lock_path = f"{sim_machine}.lock"
+    prepared: dict = {}
+
+    def prepare() -> None:
+        try:
+            prepared["reply"] = stub.PrepareShare(
+                share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=0), timeout=120)
+        except grpc.RpcError as exc:
+            prepared["error"] = exc.details()
+
+    with open(lock_path, "a+") as held:      # NVML (the machine file) stalls while this is held
+        fcntl.flock(held, fcntl.LOCK_EX)
+        thread = threading.Thread(target=prepare)
+        thread.start()                       # the agent takes the GPU's lock, then waits for NVML
+        wait_for(lambda: _flock_waiters(lock_path) >= 1, what="the prepare waiting for NVML")
+        cli = _cli(agent, "mig", "apply", "--gpu", str(GPU_MIG), "--layout", "7g.80gb=1",
+                   "--gpu-backend", "sim", "--sim-state", str(sim_machine),
+                   "--agent-journal", str(agent.workdir / "state" / "journal.db"))
+        wait_for(lambda: _flock_waiters(lock_path) >= 2, what="the CLI waiting for NVML")
+        fcntl.flock(held, fcntl.LOCK_UN)
+    thread.join(timeout=120)
+    out = cli.communicate(timeout=120)[0]
+    assert "error" not in prepared, prepared.get("error")
+    mig = prepared["reply"].device_uuids[0]
+    assert cli.returncode == 1, out
+    for says in (f"GPU {GPU_MIG}:", mig, "ex", "fastshare release ex", "--force"):
+        assert says in out, (says, out)
+    inv = stub.GetInventory(INV, timeout=30)
+    assert mig in {m.uuid for m in inv.gpus[GPU_MIG].mig_devices}
+    assert [s.id for s in inv.shares] == ["ex"]
+
+
+def _run_cli(agent, *args: str, ok: bool = True) -> str:
+    cli = _cli(agent, *args)
+    out = cli.communicate(timeout=120)[0]
+    assert (cli.returncode == 0) == ok, (args, out)
+    return out
+
+
+def test_cli_mig_commands_go_through_a_running_agent(agent):
+    """With an agent answering on its socket, `mig plan/apply/enable/disable` are its calls (no GPU
+    backend given: the agent's), with the output and refusals they have without one."""
+    agent.start()
+    stub = agent.unix()
+    gpu = str(GPU_MIG)
+    plan = json.loads(_run_cli(agent, "mig", "plan", "--gpu", gpu, "--layout", "3g.40gb=2", "--json"))
+    assert plan["changed"] and [s["action"] for s in plan["steps"]] == ["create", "create"]
+    assert plan["steps"][0]["description"] == "create 3g.40gb (id 9) at start 0 (memory slices 0..3)"
+    assert plan["keep"] == [] and [p["start"] for p in plan["final"]] == [0, 4]
+    out = _run_cli(agent, "mig", "apply", "--gpu", gpu, "--layout", "9=2")
+    assert "applied on GPU 0" in out and "GPU 0 now: 3g.40gb=2" in out, out
+    migs = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].mig_devices
+    assert len(migs) == 2 and all(m.created_by_agent for m in migs)      # journaled: the agent made them
+    out = _run_cli(agent, "mig", "apply", "--gpu", gpu, "--layout", "3g.40gb=2")
+    assert out.startswith("GPU 0 (NVIDIA H100") and "nothing to do" in out, out
+
+    held = stub.PrepareShare(share("ex", "exclusive", [migs[0].gpu_uuid], mig_profile="3g.40gb", mig_start=0),
+                             timeout=60).device_uuids[0]
+    for command in ("plan", "apply"):
+        out = _run_cli(agent, "mig", command, "--gpu", gpu, "--layout", "7g.80gb=1", ok=False)
+        for says in ("GPU 0: ", held, "held by fastshare share ex", "fastshare release ex", "--force"):
+            assert says in out, (says, out)
+    out = _run_cli(agent, "mig", "plan", "--gpu", gpu, "--layout", "9g.9gb=1", ok=False)
+    assert "GPU 0: unknown MIG profile '9g.9gb'" in out, out
+    assert "does not exist (valid: 0..2)" in _run_cli(agent, "mig", "plan", "--gpu", "9", "--layout", "",
+                                                      ok=False)
+    forced = json.loads(_run_cli(agent, "mig", "apply", "--gpu", gpu, "--layout", "7g.80gb=1", "--force",
+                                 "--json"))
+    assert [i["profile_name"] for i in forced["instances"]] == ["7g.80gb"]
+    assert [s.id for s in stub.GetInventory(INV, timeout=30).lost_shares] == ["ex"]
+    stub.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="ex"), timeout=60)
+
+    assert "IN_USE" in _run_cli(agent, "mig", "disable", "--gpu", gpu, ok=False)   # an instance is left
+    _run_cli(agent, "mig", "apply", "--gpu", gpu, "--layout", "")
+    assert "GPU 0: MIG disabled" in _run_cli(agent, "mig", "disable", "--gpu", gpu)
+    whole = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
+    stub.PrepareShare(share("w", "whole", [whole]), timeout=60)
+    for extra in ((), ("--force",)):
+        out = _run_cli(agent, "mig", "enable", "--gpu", gpu, *extra, ok=False)
+        assert "GPU 0: " in out and "(w)" in out and "release" in out, out
+        assert ("--force does not apply while the node agent runs" in out) == bool(extra), out
+    assert not stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].mig_enabled
 
 
 def test_cli_status_release_and_unit(agent):

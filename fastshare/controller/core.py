@@ -203,6 +203,8 @@ class ControllerCore:
         self._gpus: tuple[list[Gpu], int] | None = None
         self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through put_node
         self._unadopted: dict[str, dict[str, str]] = {}   # node -> share -> why it could not be adopted
+        self._sighted: set[str] = set()   # nodes whose inventory this process read (see ``saw``)
+        self._sight_lock = threading.Lock()
         # node -> the agent's MPS oversubscription factor last warned about (it differs from ours)
         self._oversub_warned: dict[str, float] = {}
 
@@ -627,6 +629,16 @@ class ControllerCore:
         raise Busy(f"allocation {allocation_id} is being changed by another call; retry")
 
     # -- shares newer than the state store ----------------------------------------------------------
+    def saw(self, node: str, inventory: agent_pb2.Inventory) -> None:
+        """Before a node's inventory is judged: this process numbers above every share in it, and
+        its first inventory of the node is judged as at this process's start (see ``StateStore.saw``).
+        A node stays sighted when forgotten: this process's records of its shares say what they are."""
+        sequences = [seq for s in (*inventory.shares, *inventory.lost_shares)
+                     if (seq := sequence_of(s.id)) is not None]
+        with self._sight_lock:
+            self.store.saw(sequences, first=node not in self._sighted)
+            self._sighted.add(node)
+
     def newer_than_store(self, inventory: agent_pb2.Inventory) -> list[agent_pb2.Share]:
         """The shares an agent holds that this store never numbered and has no record of: made
         by a controller whose records the store lost (restored from an older backup, or its
@@ -763,6 +775,7 @@ class ControllerCore:
         A node holding shares newer than the store takes no new work until they are adopted
         (the reconciler pass the registration starts does it)."""
         inventory = self.agents.get(name, address).inventory()
+        self.saw(name, inventory)
         if self.newer_than_store(inventory):
             self._hold_out(name, True)
         now = self.clock()

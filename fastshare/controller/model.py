@@ -13,9 +13,10 @@ from typing import Any
 
 # Allocation ids are the agents' share ids: "fs-", the allocation's sequence number in hex, "-" and
 # 8 random hex digits. The sequence grows with every allocation (it starts from the clock in
-# microseconds, so a database restored from a backup issues numbers above any it lost), and the
-# state store keeps the highest it recorded: a share numbered above it is newer than the
-# database (see ``Reconciler``). Ids made before the sequence ("fs-" and 16 hex digits) have none.
+# microseconds, so a database restored from a backup issues numbers above any it lost, and goes
+# on above every number seen on an agent, for a clock behind them), and the state store keeps the
+# highest it recorded: a share numbered above it is newer than the database (see ``Reconciler``).
+# Ids made before the sequence ("fs-" and 16 hex digits) have none.
 ID_PREFIX = "fs-"
 _SEQUENCED = re.compile(r"fs-([0-9a-f]{1,16})-[0-9a-f]{8}")
 

@@ -121,6 +121,9 @@ class Reconciler:
         """``asked_at``: when the inventories were asked for; a record changed since then may hold
         a share they do not show yet."""
         report = Report(unreachable=sorted(n for n, inv in inventories.items() if inv is None))
+        for name, inventory in inventories.items():
+            if inventory is not None:
+                self.core.saw(name, inventory)
         for node in self.core.store.list_nodes():
             if inventories.get(node.name) is not None:
                 self.core.refresh_node(node, inventories[node.name])

@@ -31,6 +31,7 @@ with one fdatasync shared by every request that committed meanwhile.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -42,7 +43,12 @@ from fastshare.controller.model import Allocation, Device, Gpu, Node, Spec, Stat
 from fastshare.controller.store import Conflict, DuplicateKey, StateStore, StoreError
 from fastshare.sqlite_file import GroupSync, open_state_file
 
+log = logging.getLogger("fastshare.controller")
+
 SCHEMA_VERSION = 5
+# Sequence numbers are the clock in microseconds; one seen at or above this (some 140,000 years
+# on) comes from no clock, and numbering on from it would soon overflow SQLite's integers.
+_SEQUENCE_LIMIT = 2**62
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -95,7 +101,7 @@ _MIGRATIONS: dict[int, str] = {
     """,
     # The allocation sequence's high-water mark (the highest number a recorded allocation had),
     # and the numbers no controller issued: each process numbers from the clock on, skipping
-    # (mark, its first number). See ``SqliteStore.never_issued``.
+    # (mark, its first number) and up to the numbers it sees on agents. See ``SqliteStore.never_issued``.
     4: """
     CREATE TABLE sequence (id INTEGER PRIMARY KEY CHECK (id = 1), mark INTEGER NOT NULL);
     INSERT INTO sequence (id, mark) VALUES (1, 0);
@@ -110,6 +116,11 @@ _JSON_FIELDS = {"devices", "env", "assignment", "spec"}
 _COLUMNS = ("id", "idempotency_key", "owner", "kind", "spec", "state", "node", "devices", "env",
             "reason", "assignment", "created_at", "updated_at", "lease_ttl", "lease_expires_at")
 _MUTABLE = set(_COLUMNS) - {"id", "idempotency_key", "owner", "kind", "spec", "created_at"}
+
+
+def _when(sequence: int) -> str:
+    """A sequence number (the clock in microseconds) as a UTC time."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(sequence / 1e6))
 
 
 def _encode(name: str, value: Any) -> Any:
@@ -149,10 +160,24 @@ class SqliteStore(StateStore):
         self._migrate()
         self._mark: int = self._db.execute("SELECT mark FROM sequence").fetchone()[0]
         self._gaps = [tuple(r) for r in self._db.execute("SELECT after, before FROM sequence_gaps")]
-        # this process numbers from here on; (mark, _start) is a gap, written with the first record
-        self._start = max(self._mark + 1, time.time_ns() // 1000)
-        self._gap = (self._mark, self._start)
-        self._issued = self._start - 1
+        self._start_mark = self._mark   # what this database had issued when this process started
+        # This process numbers from the clock on; the numbers it skips (from the mark to its first
+        # one, and past the shares it sees, see ``saw``) are gaps, written with the next record.
+        clock = time.time_ns() // 1000
+        self._issued = max(self._mark, clock - 1)   # the last number issued (or skipped)
+        self._pending: list[tuple[int, int]] = []
+        if self._issued > self._mark:
+            self._pending.append((self._mark, self._issued + 1))
+        if clock <= self._mark:
+            log.warning("%s: the clock (%s) is behind the highest allocation number this database "
+                        "recorded (%d, from the clock at %s): new numbers go on from it. If the clock was "
+                        "stepped back, or this database restored onto a host whose clock is behind, "
+                        "shares allocated after the backup may carry numbers this controller issues too: "
+                        "one on a node it cannot reach now is still adopted when the node is back, but if "
+                        "the controller restarts before that, it is taken for an orphan and freed under its "
+                        "workload. Set the clock right (NTP), and do not restart the controller until every "
+                        "node is back",
+                        self.path, _when(clock), self._mark, _when(self._mark))
 
     def _migrate(self) -> None:
         with self._lock:
@@ -263,12 +288,48 @@ class SqliteStore(StateStore):
             self._issued = max(self._issued + 1, time.time_ns() // 1000)
             return self._issued
 
+    def _never_issued(self, sequence: int) -> bool:
+        return sequence > self._mark or any(a < sequence < b for a, b in (*self._gaps, *self._pending))
+
     def never_issued(self, sequence: int) -> bool:
         with self._lock:
-            return sequence > self._mark or any(a < sequence < b for a, b in (*self._gaps, self._gap))
+            return self._never_issued(sequence)
+
+    def saw(self, sequences: Iterable[int], first: bool = False) -> None:
+        """Numbers go on above every one seen (the skipped ones are a gap, written with the next
+        record: until a record above them is, they are above the mark anyway). ``first``: one
+        this database had not issued when this process started and this process's numbers
+        passed since (its node was away, the clock behind it) is remembered as never issued,
+        in a commit of its own, made durable before this returns."""
+        keep = []
+        with self._lock:
+            seen = [s for s in sequences if s < _SEQUENCE_LIMIT]
+            for sequence in seen if first else ():
+                if self._start_mark < sequence <= self._issued and not self._never_issued(sequence):
+                    keep.append((sequence - 1, sequence + 1))
+            highest = max(seen, default=0)
+            if highest > self._issued:
+                if self._pending and self._pending[-1][1] == self._issued + 1:
+                    self._pending[-1] = (self._pending[-1][0], highest + 1)
+                else:
+                    self._pending.append((self._issued, highest + 1))
+                self._issued = highest
+            if keep:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.executemany("INSERT INTO sequence_gaps (after, before) VALUES (?, ?)", keep)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    raise
+                self._gaps += keep
+                self._group.committed()
+        if keep:
+            self.sync()
 
     def create_allocation(self, allocation: Allocation) -> None:
-        """One commit: the record and the high-water mark (and this process's gap, first time)."""
+        """One commit: the record and the high-water mark (and the gaps not written yet)."""
         values = [_encode(c, getattr(allocation, c)) if c != "kind" else allocation.spec.kind.value
                   for c in _COLUMNS]
         sequence = sequence_of(allocation.id)
@@ -278,10 +339,8 @@ class SqliteStore(StateStore):
                 try:
                     self._db.execute(f"INSERT INTO allocations ({', '.join(_COLUMNS)}) "
                                      f"VALUES ({', '.join('?' * len(_COLUMNS))})", values)
-                    write_gap = (sequence is not None and self._gap not in self._gaps
-                                 and self._gap[1] > self._gap[0] + 1)
-                    if write_gap:
-                        self._db.execute("INSERT INTO sequence_gaps (after, before) VALUES (?, ?)", self._gap)
+                    gaps = self._pending if sequence is not None else []
+                    self._db.executemany("INSERT INTO sequence_gaps (after, before) VALUES (?, ?)", gaps)
                     if sequence is not None and sequence > self._mark:
                         self._db.execute("UPDATE sequence SET mark = ?", (sequence,))
                     self._db.execute("COMMIT")
@@ -289,8 +348,8 @@ class SqliteStore(StateStore):
                     if self._db.in_transaction:   # a failed COMMIT (disk full) may have rolled back
                         self._db.execute("ROLLBACK")
                     raise
-                if write_gap:
-                    self._gaps.append(self._gap)
+                self._gaps += gaps
+                self._pending = self._pending[len(gaps):]
                 if sequence is not None:
                     self._mark = max(self._mark, sequence)
                 self._group.committed()

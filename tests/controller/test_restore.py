@@ -312,3 +312,46 @@ def test_a_backup_interrupted_midway_leaves_nothing_that_looks_like_a_backup(tmp
     left = backup(str(state), str(out))
     assert left.returncode != 0 and "interrupted backup left it" in left.stderr, left.stderr
     assert not out.exists()
+
+
+def test_a_share_numbered_ahead_of_the_clock_on_a_node_away_at_start_is_adopted_not_freed(cluster):
+    """The controller's clock is behind the number of a share its database lost (clock stepped
+    back, or state.db restored onto a host whose clock is behind; here the share, made behind the
+    controller's back, is numbered ahead of the clock). Its node is away at start and the clock
+    passes its number meanwhile: the controller issues numbers around it, and its mark passes it.
+    When the node is back, the share was freed as an orphan under its workload; now it is judged
+    as at the controller's start: adopted."""
+    import time
+
+    for name in ("node-a", "node-b"):
+        cluster.add_machine(name, ["L4"])
+    cluster.start_controller()
+    for name in ("node-a", "node-b"):
+        cluster.start_agent(name)
+    cluster.controller.stop()
+    stub = cluster.agents["node-a"].stub(cluster.pki)
+    gpu = stub.GetInventory(agent_pb2.GetInventoryRequest(), timeout=30).gpus[0].uuid
+    sequence = time.time_ns() // 1000 + 15_000_000
+    lost = f"fs-{sequence:x}-0000abcd"
+    stub.PrepareShare(agent_pb2.PrepareShareRequest(share=agent_pb2.Share(
+        id=lost, kind=common_pb2.SHARE_KIND_FASTPOD, device_uuids=[gpu], sm_percent=50, memory_bytes=4 * GiB,
+        quota_request=0.5, quota_limit=1.0, owner="team/lost")), timeout=60)
+    cluster.agents["node-a"].stop()
+    cluster.start_controller()
+    cluster.wait_node("node-b", available=True)
+    first = allocate(cluster.client(), "mps", memory_bytes=GiB)
+    assert first.node == "node-b" and sequence_of(first.id) < sequence, "the start took too long for the test"
+    wait_for(lambda: time.time_ns() // 1000 > sequence, 30, "the clock past the lost share's number")
+    second = allocate(cluster.client(), "mps", memory_bytes=GiB)
+    assert sequence_of(second.id) > sequence
+
+    cluster.start_agent("node-a")
+
+    def judged():
+        return ({a.id: a for a in cluster.status().allocations}.get(lost)
+                or lost not in cluster.agents["node-a"].share_ids(cluster.pki))
+    wait_for(judged, 60, f"the share on node-a judged\n{cluster.controller.output()}")
+    assert f"freed orphan share {lost}" not in cluster.controller.output()
+    assert lost in cluster.agents["node-a"].share_ids(cluster.pki)
+    adopted = {a.id: a for a in cluster.status().allocations}[lost]
+    assert adopted.state == pb.ALLOCATION_STATE_ACTIVE and adopted.reason.startswith("adopted: "), adopted

@@ -10,6 +10,9 @@ import shutil
 import sqlite3
 import time
 
+import grpc
+
+from fastshare.controller.agent_client import AgentError
 from fastshare.controller.core import ControllerCore, new_id
 from fastshare.controller.model import Allocation, Kind, Spec, State, sequence_of
 from fastshare.controller.reconciler import Reconciler
@@ -148,3 +151,145 @@ def test_an_adopted_allocation_on_an_over_committed_gpu_is_still_found_by_its_ke
         assert "over-committed" not in core.get(lost).reason
     finally:
         store.close()
+
+
+# -- a clock behind the numbers of the shares the database lost ----------------------------------
+# The lost shares are numbered ahead of the real clock: what a controller whose clock is behind
+# theirs (stepped back, or state.db restored onto a host with a skewed clock) finds on its agents.
+
+class _Down:
+    def inventory(self) -> agent_pb2.Inventory:
+        raise AgentError("n2", "GetInventory", grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+
+class _Agents:
+    """One recording agent per node; a node in ``down`` cannot be reached."""
+
+    def __init__(self) -> None:
+        self.nodes = {"n1": RecordingAgent(), "n2": RecordingAgent()}
+        self.down: set[str] = set()
+
+    def get(self, node: str, address: str) -> RecordingAgent | _Down:
+        return _Down() if node in self.down else self.nodes[node]
+
+
+def _ahead(seconds: float) -> int:
+    """A sequence number the clock reaches in ``seconds``."""
+    return time.time_ns() // 1000 + int(seconds * 1e6)
+
+
+def _hold(agent: RecordingAgent, sequence: int, owner: str, device: str = "GPU-0") -> str:
+    share_id = f"fs-{sequence:x}-0000abcd"
+    agent.prepare(agent_pb2.Share(id=share_id, kind=common_pb2.SHARE_KIND_MPS, device_uuids=[device],
+                                  memory_bytes=GiB, owner=owner))
+    return share_id
+
+
+def _known_nodes(path, agents: _Agents) -> None:
+    """A state database that knows n1 and n2 (registered by an earlier run)."""
+    store = SqliteStore(path)
+    core = ControllerCore(store, agents)
+    core.register_node("n1", "127.0.0.1:1", {})
+    core.register_node("n2", "127.0.0.1:2", {})
+    store.close()
+
+
+def _mps(core: ControllerCore) -> Allocation:
+    from fastshare.controller.validation import Request
+    return core.allocate(Request(Spec(Kind.MPS, memory_bytes=GiB), owner="new"))
+
+
+def test_numbers_issued_stay_above_every_share_an_agent_holds(tmp_path):
+    """A lost share on a reachable node numbered ahead of the clock is adopted; new numbers go on
+    above it (from the clock they fell below it), so one numbered between, on a node unreachable
+    at start, is still never issued when that node is back, also after a restart meanwhile."""
+    agents = _Agents()
+    _known_nodes(tmp_path / "state.db", agents)
+    high = _hold(agents.nodes["n1"], _ahead(3600), "team/high")
+    low = _hold(agents.nodes["n2"], _ahead(1800), "team/low")
+    agents.down.add("n2")
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        core = ControllerCore(store, agents)
+        assert Reconciler(core).start().adopted == [high]
+        made = _mps(core)
+        assert made.node == "n1" and sequence_of(made.id) > sequence_of(high), (made.id, high)
+        assert store.never_issued(sequence_of(low))
+    finally:
+        store.close()
+
+    store = SqliteStore(tmp_path / "state.db")   # restarted while n2 is still away
+    try:
+        core = ControllerCore(store, agents)
+        reconciler = Reconciler(core)
+        reconciler.start()
+        assert sequence_of(_mps(core).id) > sequence_of(high)
+        agents.down.clear()
+        core.register_node("n2", "127.0.0.1:2", {})
+        report = reconciler.run_once()
+        assert report.adopted == [low] and not report.orphans_freed, report
+        assert low in agents.nodes["n2"].shares and core.get(low).state is State.ACTIVE
+    finally:
+        store.close()
+
+
+def test_a_share_on_a_node_unreachable_at_start_is_judged_as_at_start(tmp_path):
+    """The clock passes a lost share's number while its node is away: this process issues numbers
+    around it. The node's first inventory is judged against the ranges as they were at start: the
+    share is adopted, not freed; one that cannot be adopted is kept, also across a restart."""
+    agents = _Agents()
+    _known_nodes(tmp_path / "state.db", agents)
+    lost = _hold(agents.nodes["n2"], _ahead(0.5), "team/lost")
+    stuck = _hold(agents.nodes["n2"], sequence_of(lost) + 1, "team/stuck", device="GPU-9")   # no such GPU
+    agents.down.add("n2")
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        core = ControllerCore(store, agents)
+        reconciler = Reconciler(core)
+        reconciler.start()
+        before = _mps(core)
+        assert sequence_of(before.id) < sequence_of(lost), "the start took too long for this test"
+        while time.time_ns() // 1000 <= sequence_of(stuck):
+            time.sleep(0.05)
+        after = _mps(core)
+        assert sequence_of(after.id) > sequence_of(stuck)
+
+        agents.down.clear()
+        core.register_node("n2", "127.0.0.1:2", {})
+        report = reconciler.run_once()
+        assert report.adopted == [lost] and not report.orphans_freed, report
+        assert core.get(lost).state is State.ACTIVE
+        assert not reconciler.run_once().orphans_freed
+        assert stuck in agents.nodes["n2"].shares and core.held_out("n2")
+    finally:
+        store.close()
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        assert store.never_issued(sequence_of(stuck)) and not store.never_issued(sequence_of(after.id))
+        core = ControllerCore(store, agents)
+        assert not Reconciler(core).start().orphans_freed
+        assert stuck in agents.nodes["n2"].shares
+    finally:
+        store.close()
+
+
+def test_a_clock_behind_the_stored_mark_is_warned_about(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    store = SqliteStore(path)
+    ahead = _ahead(86400)
+    store.create_allocation(Allocation(id=new_id(ahead), spec=Spec(Kind.MPS, memory_bytes=GiB), owner="me",
+                                       state=State.RELEASED, node="n1", created_at=time.time()))
+    store.close()
+    with caplog.at_level("WARNING"):
+        store = SqliteStore(path)
+    try:
+        assert store.next_sequence() == ahead + 1
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1, caplog.text
+        text = warnings[0].getMessage()
+        assert "clock" in text and "behind" in text and "orphan" in text, text
+    finally:
+        store.close()
+    caplog.clear()
+    SqliteStore(tmp_path / "other.db").close()   # a clock ahead of the mark: nothing to say
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text

@@ -331,7 +331,7 @@ def test_a_share_numbered_ahead_of_the_clock_on_a_node_away_at_start_is_adopted_
     cluster.controller.stop()
     stub = cluster.agents["node-a"].stub(cluster.pki)
     gpu = stub.GetInventory(agent_pb2.GetInventoryRequest(), timeout=30).gpus[0].uuid
-    sequence = time.time_ns() // 1000 + 15_000_000
+    sequence = time.time_ns() // 1000 + 20_000_000
     lost = f"fs-{sequence:x}-0000abcd"
     stub.PrepareShare(agent_pb2.PrepareShareRequest(share=agent_pb2.Share(
         id=lost, kind=common_pb2.SHARE_KIND_FASTPOD, device_uuids=[gpu], sm_percent=50, memory_bytes=4 * GiB,

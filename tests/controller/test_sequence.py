@@ -239,7 +239,7 @@ def test_a_share_on_a_node_unreachable_at_start_is_judged_as_at_start(tmp_path):
     share is adopted, not freed; one that cannot be adopted is kept, also across a restart."""
     agents = _Agents()
     _known_nodes(tmp_path / "state.db", agents)
-    lost = _hold(agents.nodes["n2"], _ahead(0.5), "team/lost")
+    lost = _hold(agents.nodes["n2"], _ahead(2), "team/lost")
     stuck = _hold(agents.nodes["n2"], sequence_of(lost) + 1, "team/stuck", device="GPU-9")   # no such GPU
     agents.down.add("n2")
     store = SqliteStore(tmp_path / "state.db")

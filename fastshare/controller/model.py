@@ -16,9 +16,11 @@ from typing import Any
 # microseconds, so a database restored from a backup issues numbers above any it lost, and goes
 # on above every number seen on an agent, for a clock behind them), and the state store keeps the
 # highest it recorded: a share numbered above it is newer than the database (see ``Reconciler``).
-# Ids made before the sequence ("fs-" and 16 hex digits) have none.
+# Ids made before the sequence ("fs-" and 16 hex digits) have none, nor has a number of more than
+# 14 hex digits: no clock makes one (microseconds reach 16**14 in the year 4253), and 16 would not
+# fit SQLite's integers (an agent share so numbered broke every reconciler pass).
 ID_PREFIX = "fs-"
-_SEQUENCED = re.compile(r"fs-([0-9a-f]{1,16})-[0-9a-f]{8}")
+_SEQUENCED = re.compile(r"fs-([0-9a-f]{1,14})-[0-9a-f]{8}")
 
 
 def sequence_of(allocation_id: str) -> int | None:

@@ -46,9 +46,6 @@ from fastshare.sqlite_file import GroupSync, open_state_file
 log = logging.getLogger("fastshare.controller")
 
 SCHEMA_VERSION = 5
-# Sequence numbers are the clock in microseconds; one seen at or above this (some 140,000 years
-# on) comes from no clock, and numbering on from it would soon overflow SQLite's integers.
-_SEQUENCE_LIMIT = 2**62
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -303,7 +300,7 @@ class SqliteStore(StateStore):
         in a commit of its own, made durable before this returns."""
         keep = []
         with self._lock:
-            seen = [s for s in sequences if s < _SEQUENCE_LIMIT]
+            seen = list(sequences)   # each below 16**14 (see ``sequence_of``): no overflow numbering on
             for sequence in seen if first else ():
                 if self._start_mark < sequence <= self._issued and not self._never_issued(sequence):
                     keep.append((sequence - 1, sequence + 1))

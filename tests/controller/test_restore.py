@@ -331,7 +331,7 @@ def test_a_share_numbered_ahead_of_the_clock_on_a_node_away_at_start_is_adopted_
     cluster.controller.stop()
     stub = cluster.agents["node-a"].stub(cluster.pki)
     gpu = stub.GetInventory(agent_pb2.GetInventoryRequest(), timeout=30).gpus[0].uuid
-    sequence = time.time_ns() // 1000 + 20_000_000
+    sequence = time.time_ns() // 1000 + 30_000_000   # room for a slow start on a loaded machine
     lost = f"fs-{sequence:x}-0000abcd"
     stub.PrepareShare(agent_pb2.PrepareShareRequest(share=agent_pb2.Share(
         id=lost, kind=common_pb2.SHARE_KIND_FASTPOD, device_uuids=[gpu], sm_percent=50, memory_bytes=4 * GiB,
@@ -341,7 +341,7 @@ def test_a_share_numbered_ahead_of_the_clock_on_a_node_away_at_start_is_adopted_
     cluster.wait_node("node-b", available=True)
     first = allocate(cluster.client(), "mps", memory_bytes=GiB)
     assert first.node == "node-b" and sequence_of(first.id) < sequence, "the start took too long for the test"
-    wait_for(lambda: time.time_ns() // 1000 > sequence, 30, "the clock past the lost share's number")
+    wait_for(lambda: time.time_ns() // 1000 > sequence, 45, "the clock past the lost share's number")
     second = allocate(cluster.client(), "mps", memory_bytes=GiB)
     assert sequence_of(second.id) > sequence
 

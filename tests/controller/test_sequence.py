@@ -239,7 +239,7 @@ def test_a_share_on_a_node_unreachable_at_start_is_judged_as_at_start(tmp_path):
     share is adopted, not freed; one that cannot be adopted is kept, also across a restart."""
     agents = _Agents()
     _known_nodes(tmp_path / "state.db", agents)
-    lost = _hold(agents.nodes["n2"], _ahead(2), "team/lost")
+    lost = _hold(agents.nodes["n2"], _ahead(5), "team/lost")
     stuck = _hold(agents.nodes["n2"], sequence_of(lost) + 1, "team/stuck", device="GPU-9")   # no such GPU
     agents.down.add("n2")
     store = SqliteStore(tmp_path / "state.db")
@@ -293,3 +293,23 @@ def test_a_clock_behind_the_stored_mark_is_warned_about(tmp_path, caplog):
     caplog.clear()
     SqliteStore(tmp_path / "other.db").close()   # a clock ahead of the mark: nothing to say
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
+def test_a_share_numbered_beyond_any_clock_is_an_orphan_not_a_crash(tmp_path):
+    """An id of the sequenced shape whose number no clock makes (16 hex digits: beyond SQLite's
+    integers) broke every reconciler pass with an OverflowError when its adoption was recorded.
+    No controller numbered it: it is freed as an orphan, and the node's other shares are judged."""
+    agents = _Agents()
+    _known_nodes(tmp_path / "state.db", agents)
+    bogus = _hold(agents.nodes["n1"], 2**64 - 1, "team/bogus")
+    lost = _hold(agents.nodes["n1"], _ahead(60), "team/lost")
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        core = ControllerCore(store, agents)
+        report = Reconciler(core).start()
+        assert sequence_of(bogus) is None
+        assert report.adopted == [lost] and bogus in report.orphans_freed, report
+        assert bogus not in agents.nodes["n1"].shares
+        assert sequence_of(_mps(core).id) > sequence_of(lost)
+    finally:
+        store.close()

@@ -122,7 +122,8 @@ def _layout_via_agent(agent: Any, gpu_index: int, layout: str, force: bool,
         keep = [p for p in shown if p.start not in {s.start for s in steps if s.action == "destroy"}]
         final = sorted([*keep, *created], key=lambda p: p.start)
     instances = [{"gpu_uuid": m.gpu_uuid, "gpu_index": gpu_index, "profile_id": m.profile_id,
-                  "profile_name": m.profile_name, "start": m.start, "size": m.size, "uuid": m.uuid,
+                  "profile_name": m.profile_name, "start": m.start, "size": m.size, "gi_id": m.gi_id,
+                  "ci_id": m.ci_id if m.HasField("ci_id") else None, "uuid": m.uuid or None,
                   "sm_count": m.sm_count, "memory_mib": m.memory_bytes >> 20, "processes": m.processes,
                   "share_id": m.share_id} for m in devices]
     now = Counter(m.profile_name for m in sorted(devices, key=lambda m: (-m.size, m.profile_id)))
@@ -211,7 +212,8 @@ def mig_apply(gpu_backend: str | None, sim_state: str | None, gpu_index: int, la
         with devices_from(gpu_backend, sim_state) as devices:
             shape, planned = _planned(devices, gpu_index, layout, force, held)
             done = apply_plan(devices, gpu_index, planned)
-        label, plan, instances = shape.label, planned.to_dict(), [asdict(i) for i in done]
+        label, plan = shape.label, planned.to_dict()
+        instances = [{**asdict(i), "share_id": (held.get(i.uuid or "") or [""])[0]} for i in done]
         now = format_layout(done, shape)
     if as_json:
         print_json({"gpu": gpu_index, "layout": layout, **plan, "instances": instances})

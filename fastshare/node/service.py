@@ -312,7 +312,7 @@ def _mig_proto(m, agent_migs: dict, share_of_device: dict[str, str]) -> agent_pb
                                profile_name=m.profile_name, start=m.start, size=m.size, sm_count=m.sm_count,
                                memory_bytes=m.memory_mib * _MIB, processes=m.processes,
                                created_by_agent=(m.gpu_uuid, m.start) in agent_migs,
-                               share_id=share_of_device.get(m.uuid or "", ""))
+                               share_id=share_of_device.get(m.uuid or "", ""), gi_id=m.gi_id, ci_id=m.ci_id)
 
 
 def inventory_proto(snap: Snapshot) -> agent_pb2.Inventory:

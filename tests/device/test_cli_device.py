@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 
 from fastshare.cli import main
 from fastshare.device import simnvml
+from fastshare.device.api import MigInstance
 
 
 @pytest.fixture
@@ -57,6 +59,9 @@ def test_mig_plan_apply_and_list(env):
                               "--json"], env).output)
     names = sorted(i["profile_name"] for i in applied["instances"])
     assert names == ["1g.5gb", "1g.5gb", "2g.10gb", "3g.20gb"]
+    # as through a node agent (tests/node/test_agent_ops.py): the same keys either way
+    assert all(set(i) == {f.name for f in dataclasses.fields(MigInstance)} | {"share_id"}
+               and i["share_id"] == "" for i in applied["instances"]), applied["instances"]
     out = run(["mig", "apply", "--gpu", "0", "--layout", "9,14,19,19"], env).output
     assert "nothing to do" in out
     assert out.startswith("GPU 0 (NVIDIA ") and "GPU 0 (GPU 0" not in out, out   # named once

@@ -1,5 +1,6 @@
 """Operating the agent: watch, metrics, administrative MIG layouts, the CLI, the unit file."""
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -14,6 +15,7 @@ import grpc
 import pytest
 
 from fastshare.device import simnvml
+from fastshare.device.api import MigInstance
 from fastshare.v1 import agent_pb2
 
 from .harness import BIN, GPU_A, GPU_B, GPU_MIG, fastpod, rpc_error, share, wait_for
@@ -177,7 +179,7 @@ def _run_cli(agent, *args: str, ok: bool = True) -> str:
     return out
 
 
-def test_cli_mig_commands_go_through_a_running_agent(agent):
+def test_cli_mig_commands_go_through_a_running_agent(agent, devices):
     """With an agent answering on its socket, `mig plan/apply/enable/disable` are its calls (no GPU
     backend given: the agent's), with the output and refusals they have without one."""
     agent.start()
@@ -207,6 +209,11 @@ def test_cli_mig_commands_go_through_a_running_agent(agent):
     forced = json.loads(_run_cli(agent, "mig", "apply", "--gpu", gpu, "--layout", "7g.80gb=1", "--force",
                                  "--json"))
     assert [i["profile_name"] for i in forced["instances"]] == ["7g.80gb"]
+    # the instances as `mig apply --json` without an agent lists them (a script reads either)
+    made = forced["instances"][0]
+    assert set(made) == {f.name for f in dataclasses.fields(MigInstance)} | {"share_id"}, made
+    assert made["gpu_index"] == GPU_MIG and made["ci_id"] == 0 and made["uuid"].startswith("MIG-"), made
+    assert made["gi_id"] == devices.mig_instances(GPU_MIG)[0].gi_id, made
     assert [s.id for s in stub.GetInventory(INV, timeout=30).lost_shares] == ["ex"]
     stub.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="ex"), timeout=60)
 

@@ -44,7 +44,9 @@ def parse(values: list[str]) -> int | None:
     if not values:
         return None
     value = ",".join(values)   # sent more than once: not a number either
-    if value.isascii() and value.isdigit() and int(value) <= MAX_TERM:
+    # the length first: int() refuses thousands of digits (ValueError, not this message)
+    if value.isascii() and value.isdigit() and len(value.lstrip("0")) <= len(str(MAX_TERM)) \
+            and int(value) <= MAX_TERM:
         return int(value)
     raise AgentError("INVALID_ARGUMENT", f"{METADATA_KEY} (call metadata): must be a whole number in "
                                          f"0..{MAX_TERM} (the controller's leader term), got {value!r}")

@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from fastshare.node import terms
 from fastshare.node.agent import AgentError, Deadline
 from fastshare.node.journal import Journal
 from fastshare.node.terms import LeaderTerms, StaleTerm
@@ -95,7 +96,7 @@ def test_calls_without_a_term_are_accepted_after_one_was_seen(agent):
     assert _shares(agent) == ["plain"]
 
 
-@pytest.mark.parametrize("value", ["three", "-1", "2147483648", ""])
+@pytest.mark.parametrize("value", ["three", "-1", "2147483648", "", "1" * 5000])
 def test_a_malformed_term_is_refused_with_the_allowed_range(agent, value):
     agent.start()
     gpu = _uuids(agent)[GPU_A]
@@ -136,3 +137,13 @@ def test_a_newer_term_gives_up_at_its_deadline_if_an_older_call_never_ends(tmp_p
 def _act(terms, term, order):
     with terms.hold(term, Deadline(5)):
         order.append(term)
+
+
+def test_a_term_too_long_for_a_number_is_refused_with_the_allowed_range():
+    """Thousands of digits: Python's int() gives up (ValueError), which answered INTERNAL ("failed
+    inside the agent") instead of naming the metadata and its range."""
+    with pytest.raises(AgentError) as caught:
+        terms.parse(["1" * 5000])
+    assert caught.value.code == "INVALID_ARGUMENT"
+    assert str(caught.value).startswith("fastshare-term (call metadata): must be a whole number in "
+                                        "0..2147483647 (the controller's leader term), got '111")

@@ -28,6 +28,22 @@ def test_lists_the_devices_shares_hold_without_writing(tmp_path: Path):
 def test_a_file_that_is_not_a_journal_is_reported_and_left_alone(tmp_path: Path, content: bytes):
     path = tmp_path / "journal.db"
     path.write_bytes(content)
-    with pytest.raises(StateFileError, match="cannot be read as a node agent journal"):
+    with pytest.raises(StateFileError) as caught:
         held_device_uuids(path)
+    assert str(caught.value).startswith(f"{path} cannot be read as a node agent journal (")
+    assert str(caught.value).endswith("); give the agent's journal (e.g. /var/lib/fastshare/node/journal.db) "
+                                      "or none")
     assert path.read_bytes() == content
+
+
+def test_a_running_agents_journal_is_read_with_what_is_only_in_its_wal(tmp_path: Path):
+    path = tmp_path / "journal.db"
+    journal = Journal(path)   # open, as under a running agent: its commits are in the WAL file
+    try:
+        journal.begin_share(ShareSpec(id="s1", kind="whole", device_uuids=("GPU-a",)), "GPU-a", None)
+        assert held_device_uuids(path) == {"GPU-a": ["s1"]}
+        assert held_device_uuids(str(path)) == {"GPU-a": ["s1"]}
+        journal.delete_share("s1")
+        assert held_device_uuids(path) == {}
+    finally:
+        journal.close()

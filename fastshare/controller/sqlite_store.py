@@ -302,7 +302,10 @@ class SqliteStore(StateStore):
         with self._lock:
             seen = list(sequences)   # each below 16**14 (see ``sequence_of``): no overflow numbering on
             for sequence in seen if first else ():
-                if self._start_mark < sequence <= self._issued and not self._never_issued(sequence):
+                # above the mark is not enough: a number issued without a record (a refused
+                # allocation, one still in flight) has passed it, and the next record's mark will
+                if self._start_mark < sequence <= self._issued and not any(
+                        a < sequence < b for a, b in (*self._gaps, *self._pending)):
                     keep.append((sequence - 1, sequence + 1))
             highest = max(seen, default=0)
             if highest > self._issued:

@@ -313,3 +313,40 @@ def test_a_share_numbered_beyond_any_clock_is_an_orphan_not_a_crash(tmp_path):
         assert sequence_of(_mps(core).id) > sequence_of(lost)
     finally:
         store.close()
+
+
+def test_a_number_passed_by_a_refused_allocation_is_still_judged_as_at_start(tmp_path):
+    """A refused allocation (no capacity) is numbered but stores no record: the clock had passed
+    the lost share's number, the mark had not. When its node was back, the share was judged
+    never issued for the moment only: the next allocation's record moved the mark past it, and
+    the share was freed as an orphan under its workload. Now it is remembered as never issued."""
+    import pytest
+
+    from fastshare.controller.core import Rejected
+
+    agents = _Agents()
+    _known_nodes(tmp_path / "state.db", agents)
+    lost = _hold(agents.nodes["n2"], _ahead(2), "team/lost")
+    agents.down.add("n2")
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        assert time.time_ns() // 1000 < sequence_of(lost), "the start took too long for this test"
+        core = ControllerCore(store, agents)
+        reconciler = Reconciler(core)
+        reconciler.start()
+        core.set_schedulable("n1", False, "full")
+        while time.time_ns() // 1000 <= sequence_of(lost):
+            time.sleep(0.05)
+        with pytest.raises(Rejected):
+            _mps(core)                                  # numbered past the lost share, no record
+
+        agents.down.clear()
+        core.register_node("n2", "127.0.0.1:2", {})     # its first inventory: the lost share
+        core.set_schedulable("n1", True)
+        made = _mps(core)
+        assert made.node == "n1" and sequence_of(made.id) > sequence_of(lost)
+        report = reconciler.run_once()
+        assert report.adopted == [lost] and not report.orphans_freed, report
+        assert lost in agents.nodes["n2"].shares and core.get(lost).state is State.ACTIVE
+    finally:
+        store.close()

@@ -87,12 +87,15 @@ class AgentClient:
         self._channel = mtls_channel(target.address, tls, server_name=target.node)
         self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
         self._batching = True    # until an agent without the batch RPCs says UNIMPLEMENTED
+        self._closed_why = "the node was forgotten"   # said to a call made after ``close``
         self._prepares = Coalescer(self._sender("PrepareShare", agent_pb2.PrepareSharesRequest),
                                    MAX_IN_FLIGHT, MAX_BATCH, max_wait=deadline)
         self._releases = Coalescer(self._sender("ReleaseShare", agent_pb2.ReleaseSharesRequest),
                                    MAX_IN_FLIGHT, MAX_BATCH, max_wait=deadline)
 
-    def close(self) -> None:
+    def close(self, why: str = "") -> None:
+        """``why``: what a call made on this client from now on is told."""
+        self._closed_why = why or self._closed_why
         self._channel.close()
 
     def _call(self, method: str, request: object, deadline: float | None = None,
@@ -106,13 +109,13 @@ class AgentClient:
             raise self._closed(method, exc) from None
 
     def _closed(self, method: str, exc: ValueError) -> AgentError:
-        """gRPC raises ValueError for a call on a closed channel: ``AgentPool.drop`` (the node was
-        forgotten) closed it while this call, which had just taken the client, was on its way.
-        Any other ValueError is raised again."""
+        """gRPC raises ValueError for a call on a closed channel: the pool closed it (the node was
+        forgotten, its agent moved to another address, the controller is stopping) while this
+        call, which had just taken the client, was on its way. Any other ValueError is raised again."""
         if "closed channel" not in str(exc):
             raise exc
         return AgentError(self.target.node, method, grpc.StatusCode.UNAVAILABLE,
-                          f"the channel to this node was closed ({exc}); the node was forgotten")
+                          f"the channel to this node was closed ({exc}); {self._closed_why}")
 
     def ping(self) -> None:
         self._call("Ping", common_pb2.Empty())
@@ -223,7 +226,7 @@ class AgentPool:
             client = self._clients.get(node)
             if client is None or client.target.address != address:
                 if client is not None:
-                    client.close()
+                    client.close(f"its agent moved to {address}")
                 client = AgentClient(AgentTarget(node, address), self._tls, self._deadline)
                 self._clients[node] = client
             return client
@@ -239,5 +242,5 @@ class AgentPool:
     def close(self) -> None:
         with self._lock:
             for client in self._clients.values():
-                client.close()
+                client.close("the controller is stopping")
             self._clients.clear()

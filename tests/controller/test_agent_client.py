@@ -259,3 +259,24 @@ def test_a_call_on_a_client_the_pool_just_dropped_fails_as_unreachable(serve):
                       for i in range(2)])
     assert all(isinstance(o, AgentError) and o.unreachable for o in outcomes), outcomes
     assert agent.single == [] and agent.batches == []
+
+
+def test_a_call_on_a_client_replaced_for_a_new_address_does_not_say_the_node_was_forgotten(tmp_path):
+    """The pool also closes a node's client when its agent registers at another address: a call
+    that had just taken the old one failed saying "the node was forgotten" (it was not)."""
+    pki = Pki(tmp_path)
+    pool = AgentPool(TlsPaths.in_dir(pki.dir, "controller"))
+    try:
+        old = pool.get("node-x", "127.0.0.1:1")
+        pool.get("node-x", "127.0.0.1:2")        # the agent moved
+        with pytest.raises(AgentError) as moved:
+            old.inventory()
+        assert moved.value.unreachable and "forgotten" not in moved.value.details, moved.value
+        assert "127.0.0.1:2" in moved.value.details, moved.value
+        dropped = pool.get("node-x", "127.0.0.1:2")
+        pool.drop("node-x")
+        with pytest.raises(AgentError) as forgotten:
+            dropped.inventory()
+        assert "forgotten" in forgotten.value.details, forgotten.value
+    finally:
+        pool.close()

@@ -84,13 +84,28 @@ def _ask(method: Callable[..., Any], request: Any, what: str, hint: str | None =
 
 
 def _agent_gpu(agent: Any, gpu_index: int) -> Any:
+    return _agent_inventory(agent, gpu_index)[0]
+
+
+def _agent_inventory(agent: Any, gpu_index: int) -> tuple[Any, dict[str, list[str]]]:
+    """The agent's GPU ``gpu_index`` and the devices its shares hold (UUID -> share ids, as
+    :func:`_held` reads them from its journal: exclusive shares by their MIG device, the others by
+    the device they name)."""
     from fastshare.v1 import agent_pb2
 
-    gpus = _ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), "node agent").gpus
-    gpu = next((g for g in gpus if g.index == gpu_index), None)
+    inventory = _ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), "node agent")
+    gpu = next((g for g in inventory.gpus if g.index == gpu_index), None)
     if gpu is None:
-        fail(f"GPU index {gpu_index} does not exist (valid: 0..{len(gpus) - 1})")
-    return gpu
+        fail(f"GPU index {gpu_index} does not exist (valid: 0..{len(inventory.gpus) - 1})")
+    held: dict[str, list[str]] = {}
+    for m in gpu.mig_devices:
+        if m.share_id:
+            held.setdefault(m.uuid, []).append(m.share_id)
+    for s in inventory.shares:
+        for uuid in s.device_uuids:
+            if uuid.startswith("MIG-") and s.id not in held.get(uuid, []):
+                held.setdefault(uuid, []).append(s.id)
+    return gpu, {uuid: sorted(ids) for uuid, ids in held.items()}
 
 
 def _layout_via_agent(agent: Any, gpu_index: int, layout: str, force: bool,
@@ -99,7 +114,7 @@ def _layout_via_agent(agent: Any, gpu_index: int, layout: str, force: bool,
     its lock of the GPU): (GPU label, plan as ``Plan.to_dict``, instances after, layout after)."""
     from fastshare.v1 import agent_pb2
 
-    gpu = _agent_gpu(agent, gpu_index)
+    gpu, held = _agent_inventory(agent, gpu_index)
     try:
         profiles = layout_counts(layout)
     except LayoutError as exc:
@@ -113,11 +128,15 @@ def _layout_via_agent(agent: Any, gpu_index: int, layout: str, force: bool,
     steps = [Step(a.op, a.profile_id, a.profile_name, a.start, size.get(a.profile_id, 0))
              for a in reply.actions]
     devices = sorted(reply.mig_devices, key=lambda m: m.start)   # after an apply, before a plan
-    shown = [Placed(m.profile_id, m.start, bool(m.processes or m.share_id), m.uuid, m.processes,
-                    (m.share_id,) if m.share_id else ()) for m in devices]
+    for m in devices:   # an exclusive share prepared since the inventory was read
+        if m.share_id and m.share_id not in held.get(m.uuid, []):
+            held[m.uuid] = sorted([*held.get(m.uuid, []), m.share_id])
+    shown = [Placed(m.profile_id, m.start, bool(m.processes or held.get(m.uuid)), m.uuid, m.processes,
+                    tuple(held.get(m.uuid, ()))) for m in devices]
     created = [Placed(s.profile_id, s.start) for s in steps if s.action == "create"]
-    if apply:
-        keep, final = [p for p in shown if p not in created], shown
+    if apply:   # the instances there before (not the ones just created) were kept
+        made = {(p.profile_id, p.start) for p in created}
+        keep, final = [p for p in shown if (p.profile_id, p.start) not in made], shown
     else:
         keep = [p for p in shown if p.start not in {s.start for s in steps if s.action == "destroy"}]
         final = sorted([*keep, *created], key=lambda p: p.start)

@@ -229,6 +229,28 @@ def test_cli_mig_commands_go_through_a_running_agent(agent, devices):
     assert not stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].mig_enabled
 
 
+def test_cli_mig_keep_and_in_use_through_the_agent_as_without_one(agent):
+    """Through the agent `mig apply --json` listed the instances it had just created under "keep" (as
+    kept from before), and `mig plan --json` showed a MIG device an MPS share holds as not in use,
+    where without an agent "keep" has only the instances that were there and in use names the shares."""
+    agent.start()
+    stub = agent.unix()
+    gpu = str(GPU_MIG)
+    applied = json.loads(_run_cli(agent, "mig", "apply", "--gpu", gpu, "--layout", "3g.40gb=2", "--json"))
+    assert applied["keep"] == [], applied["keep"]
+    assert [p["start"] for p in applied["final"]] == [0, 4], applied["final"]
+    other = next(m.uuid for m in stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].mig_devices if m.start == 4)
+    stub.PrepareShare(fastpod("fp", other), timeout=60)
+    plan = json.loads(_run_cli(agent, "mig", "plan", "--gpu", gpu, "--layout", "3g.40gb=1,1g.10gb=2",
+                               "--json"))
+    kept = {p["start"]: p for p in plan["keep"]}
+    assert kept[4]["in_use"] and kept[4]["shares"] == ["fp"], plan
+    again = json.loads(_run_cli(agent, "mig", "apply", "--gpu", gpu, "--layout", "3g.40gb=2", "--json"))
+    assert [(p["start"], p["in_use"], p["shares"]) for p in again["keep"]] == [(0, False, []),
+                                                                               (4, True, ["fp"])]
+    stub.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="fp"), timeout=60)
+
+
 def test_cli_status_release_and_unit(agent):
     agent.start()
     gpu = agent.unix().GetInventory(INV, timeout=30).gpus[GPU_A].uuid

@@ -22,51 +22,55 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
     from NVML under the GPU's lock, so a share being prepared there is seen once it is held).
     Shares on an instance destroyed by ``force`` are dropped before the reply, with that cause."""
     gpu = agent._gpu(gpu_uuid)
-    with agent._device_locks.hold(gpu_uuid, deadline):
-        try:
-            shape = mig_layout.shape_of(agent.devices, gpu.index)
-            current = agent.devices.mig_instances(gpu.index)
-        except mig_layout.LayoutError as exc:
-            raise AgentError("FAILED_PRECONDITION", str(exc)) from None
-        except DeviceError as exc:
-            raise _device_error(exc, f"reading the MIG layout of GPU {gpu_uuid}") from None
-        try:
-            wanted = mig_layout.parse_layout({k: int(v) for k, v in profiles.items()}, shape)
-        except mig_layout.LayoutError as exc:
-            raise AgentError("INVALID_ARGUMENT", f"profiles: {exc}") from None
-        held: dict[str, list[str]] = {}
-        for r in agent.journal.shares():
-            held.setdefault(r.device_uuid, []).append(r.spec.id)
-        placed = mig_layout.placed_instances(current, held)
-        try:
-            plan = mig_layout.plan_layout(shape, placed, wanted, force=force)
-        except mig_layout.LayoutError as exc:
-            raise AgentError("FAILED_PRECONDITION", str(exc)) from None
-        actions = [{"op": s.action, "profile_name": s.profile_name, "profile_id": s.profile_id,
-                    "start": s.start, "mig_uuid": next((m.uuid or "" for m in current if m.start == s.start
-                                                        and s.action == "destroy"), "")}
-                   for s in plan.steps]
-        layout = mig_layout.format_layout(wanted, shape) or "no MIG instances"
-        forced = False
-        if apply:
+    forced = False   # a held instance destroyed: its shares are dropped, even if a later step fails
+    plan: mig_layout.Plan | None = None
+    try:
+        with agent._device_locks.hold(gpu_uuid, deadline):
             try:
-                for step in plan.steps:
-                    victim = next((p for p in placed if p.start == step.start), None)
-                    if step.action == "destroy" and victim is not None and victim.shares:
-                        # Only with force (the plan keeps held instances otherwise): the shares on
-                        # it are dropped with this cause, not as destroyed by hand.
-                        agent.destroyed_by_layout[victim.label] = (
-                            f"destroyed by a forced MIG layout change to {layout} (ApplyMigLayout with "
-                            "force, e.g. `fastshare mig apply --force`)")
-                        forced = True
-                    _run(agent, gpu_uuid, gpu.index, step)
-            finally:
-                if plan.changed:  # before the lock goes: an MPS prepare looks its device up under it
-                    agent.refresh_devices()
-    if forced:
-        agent._drop_vanished()
-    if apply and plan.changed:
-        agent._changed()
+                shape = mig_layout.shape_of(agent.devices, gpu.index)
+                current = agent.devices.mig_instances(gpu.index)
+            except mig_layout.LayoutError as exc:
+                raise AgentError("FAILED_PRECONDITION", str(exc)) from None
+            except DeviceError as exc:
+                raise _device_error(exc, f"reading the MIG layout of GPU {gpu_uuid}") from None
+            try:
+                wanted = mig_layout.parse_layout({k: int(v) for k, v in profiles.items()}, shape)
+            except mig_layout.LayoutError as exc:
+                raise AgentError("INVALID_ARGUMENT", f"profiles: {exc}") from None
+            held: dict[str, list[str]] = {}
+            for r in agent.journal.shares():
+                held.setdefault(r.device_uuid, []).append(r.spec.id)
+            placed = mig_layout.placed_instances(current, held)
+            try:
+                plan = mig_layout.plan_layout(shape, placed, wanted, force=force)
+            except mig_layout.LayoutError as exc:
+                raise AgentError("FAILED_PRECONDITION", str(exc)) from None
+            uuid_at = {m.start: m.uuid or "" for m in current}
+            actions = [{"op": s.action, "profile_name": s.profile_name, "profile_id": s.profile_id,
+                        "start": s.start, "mig_uuid": uuid_at.get(s.start, "") if s.action == "destroy"
+                        else ""}
+                       for s in plan.steps]
+            layout = mig_layout.format_layout(wanted, shape) or "no MIG instances"
+            if apply:
+                try:
+                    for step in plan.steps:
+                        victim = next((p for p in placed if p.start == step.start), None)
+                        if step.action == "destroy" and victim is not None and victim.shares:
+                            # Only with force (the plan keeps held instances otherwise): the shares on
+                            # it are dropped with this cause, not as destroyed by hand.
+                            agent.destroyed_by_layout[victim.label] = (
+                                f"destroyed by a forced MIG layout change to {layout} (ApplyMigLayout with "
+                                "force, e.g. `fastshare mig apply --force`)")
+                            forced = True
+                        _run(agent, gpu_uuid, gpu.index, step)
+                finally:
+                    if plan.changed:  # before the lock goes: an MPS prepare looks its device up under it
+                        agent.refresh_devices()
+    finally:
+        if forced:
+            agent._drop_vanished()
+        if apply and plan is not None and plan.changed:   # steps ran, maybe not all: watchers look again
+            agent._changed()
     return actions, plan.changed
 
 

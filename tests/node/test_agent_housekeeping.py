@@ -446,3 +446,27 @@ def test_a_busy_instance_kept_on_a_gpu_that_is_then_lost_does_not_stop_housekeep
     agent.housekeeping()
     assert agent.journal.migs() == []
     assert agent.mps.answers(fastpod.device_uuids[0])            # restarted
+
+
+def test_a_forced_layout_that_fails_after_destroying_a_held_slice_still_drops_its_shares(agent):
+    """A forced ApplyMigLayout destroyed a slice a share held, then a later step failed: the error
+    went back with the share still 'ready' in the journal (and the inventory) until the next
+    housekeeping. Now its shares are dropped, as lost with the layout's cause, before the error."""
+    from fastshare.device.api import DeviceError
+
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    apply_layout(agent, gpu, {"3g.40gb": 2}, False, True, Deadline(60))
+    agent.prepare(ShareSpec("ex", "exclusive", (gpu,), mig_profile="3g.40gb", mig_start=0), Deadline(60))
+    create = agent.devices.create_mig_instance
+
+    def failing_create(*args, **kwargs):
+        raise DeviceError("simulated failure", "UNKNOWN")
+
+    agent.devices.create_mig_instance = failing_create
+    try:
+        with pytest.raises(AgentError):
+            apply_layout(agent, gpu, {"7g.80gb": 1}, True, True, Deadline(60))
+    finally:
+        agent.devices.create_mig_instance = create
+    assert agent.journal.shares() == []
+    assert "forced MIG layout change to 7g.80gb=1" in _lost(agent)["ex"], _lost(agent)

@@ -144,7 +144,7 @@ def _layout_via_agent(agent: Any, gpu_index: int, layout: str, force: bool,
                   "profile_name": m.profile_name, "start": m.start, "size": m.size, "gi_id": m.gi_id,
                   "ci_id": m.ci_id if m.HasField("ci_id") else None, "uuid": m.uuid or None,
                   "sm_count": m.sm_count, "memory_mib": m.memory_bytes >> 20, "processes": m.processes,
-                  "share_id": m.share_id} for m in devices]
+                  "share_id": (held.get(m.uuid) or [""])[0]} for m in devices]
     now = Counter(m.profile_name for m in sorted(devices, key=lambda m: (-m.size, m.profile_id)))
     return (f"GPU {gpu.index} ({gpu.name})", Plan(tuple(steps), tuple(keep), tuple(final)).to_dict(),
             instances, ",".join(f"{name}={n}" for name, n in now.items()))

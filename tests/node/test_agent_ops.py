@@ -248,6 +248,7 @@ def test_cli_mig_keep_and_in_use_through_the_agent_as_without_one(agent):
     again = json.loads(_run_cli(agent, "mig", "apply", "--gpu", gpu, "--layout", "3g.40gb=2", "--json"))
     assert [(p["start"], p["in_use"], p["shares"]) for p in again["keep"]] == [(0, False, []),
                                                                                (4, True, ["fp"])]
+    assert [i["share_id"] for i in again["instances"]] == ["", "fp"], again["instances"]   # as without one
     stub.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="fp"), timeout=60)
 
 

@@ -62,7 +62,12 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
                                 f"destroyed by a forced MIG layout change to {layout} (ApplyMigLayout with "
                                 "force, e.g. `fastshare mig apply --force`)")
                             forced = True
-                        _run(agent, gpu_uuid, gpu.index, step)
+                        try:
+                            _run(agent, gpu_uuid, gpu.index, step)
+                        except AgentError:   # NVML refused (a process started on it): still there
+                            if step.action == "destroy" and victim is not None:
+                                agent.destroyed_by_layout.pop(victim.label, None)
+                            raise
                 finally:
                     if plan.changed:  # before the lock goes: an MPS prepare looks its device up under it
                         agent.refresh_devices()

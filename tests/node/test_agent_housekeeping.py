@@ -470,3 +470,29 @@ def test_a_forced_layout_that_fails_after_destroying_a_held_slice_still_drops_it
         agent.devices.create_mig_instance = create
     assert agent.journal.shares() == []
     assert "forced MIG layout change to 7g.80gb=1" in _lost(agent)["ex"], _lost(agent)
+
+
+def test_a_held_slice_a_forced_layout_failed_to_destroy_is_not_later_blamed_on_it(agent):
+    """The forced layout noted the held slice as destroyed by it before destroying it, and kept the note
+    when NVML refused (a process had started on it): destroyed later by hand or a GPU reset, its share
+    was reported lost as "destroyed by a forced MIG layout change"."""
+    from fastshare.device.api import DeviceError
+
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    apply_layout(agent, gpu, {"3g.40gb": 2}, False, True, Deadline(60))
+    agent.prepare(ShareSpec("ex", "exclusive", (gpu,), mig_profile="3g.40gb", mig_start=0), Deadline(60))
+    destroy = agent.devices.destroy_mig_instance
+
+    def refused(*args, **kwargs):
+        raise DeviceError("in use", "IN_USE")
+
+    agent.devices.destroy_mig_instance = refused
+    try:
+        with pytest.raises(AgentError):
+            apply_layout(agent, gpu, {"7g.80gb": 1}, True, True, Deadline(60))
+    finally:
+        agent.devices.destroy_mig_instance = destroy
+    assert [r.spec.id for r in agent.journal.shares()] == ["ex"]
+    destroy(GPU_MIG, 0)                         # by hand, later
+    agent.housekeeping()
+    assert "outside fastshare" in _lost(agent)["ex"] and "forced" not in _lost(agent)["ex"], _lost(agent)

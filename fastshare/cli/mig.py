@@ -200,19 +200,30 @@ def _planned(devices: Devices, gpu_index: int, layout: str, force: bool,
         fail(f"GPU {gpu_index}: {exc}")
 
 
+def _change_layout(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
+                   agent_journal: str | None, unix_socket: str,
+                   apply: bool) -> tuple[str, dict, list[dict], str]:
+    """Plan (and with ``apply`` make) LAYOUT on GPU ``gpu_index``: by the node agent when one answers
+    on ``unix_socket``, else directly. (GPU label, plan as ``Plan.to_dict``, instances after, layout
+    after; the last two only with ``apply``.)"""
+    agent = _local_agent(unix_socket)
+    if agent is not None:
+        return _layout_via_agent(agent, gpu_index, layout, force, apply)
+    held = _held(agent_journal)
+    with devices_from(gpu_backend, sim_state) as devices:
+        shape, planned = _planned(devices, gpu_index, layout, force, held)
+        done = apply_plan(devices, gpu_index, planned) if apply else []
+    instances = [{**asdict(i), "share_id": (held.get(i.uuid or "") or [""])[0]} for i in done]
+    return shape.label, planned.to_dict(), instances, format_layout(done, shape)
+
+
 @mig_group.command("plan")
 @_layout_options
 def mig_plan(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
              agent_journal: str | None, unix_socket: str, as_json: bool) -> None:
     """Show the steps that would turn the current layout into LAYOUT (changes nothing)."""
-    agent = _local_agent(unix_socket)
-    if agent is not None:
-        label, plan, _, _ = _layout_via_agent(agent, gpu_index, layout, force, apply=False)
-    else:
-        held = _held(agent_journal)
-        with devices_from(gpu_backend, sim_state) as devices:
-            shape, planned = _planned(devices, gpu_index, layout, force, held)
-        label, plan = shape.label, planned.to_dict()
+    label, plan, _, _ = _change_layout(gpu_backend, sim_state, gpu_index, layout, force, agent_journal,
+                                       unix_socket, apply=False)
     _show_plan(gpu_index, layout, label, plan, as_json, f"plan for GPU {gpu_index}")
 
 
@@ -223,17 +234,8 @@ def mig_apply(gpu_backend: str | None, sim_state: str | None, gpu_index: int, la
     """Create/destroy MIG instances so GPU IDX has exactly LAYOUT (instances that processes run on
     or that node agent shares hold are kept; refused, before any change, if LAYOUT has no place
     for them)."""
-    agent = _local_agent(unix_socket)
-    if agent is not None:
-        label, plan, instances, now = _layout_via_agent(agent, gpu_index, layout, force, apply=True)
-    else:
-        held = _held(agent_journal)
-        with devices_from(gpu_backend, sim_state) as devices:
-            shape, planned = _planned(devices, gpu_index, layout, force, held)
-            done = apply_plan(devices, gpu_index, planned)
-        label, plan = shape.label, planned.to_dict()
-        instances = [{**asdict(i), "share_id": (held.get(i.uuid or "") or [""])[0]} for i in done]
-        now = format_layout(done, shape)
+    label, plan, instances, now = _change_layout(gpu_backend, sim_state, gpu_index, layout, force,
+                                                 agent_journal, unix_socket, apply=True)
     if as_json:
         print_json({"gpu": gpu_index, "layout": layout, **plan, "instances": instances})
         return

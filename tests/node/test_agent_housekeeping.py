@@ -448,51 +448,40 @@ def test_a_busy_instance_kept_on_a_gpu_that_is_then_lost_does_not_stop_housekeep
     assert agent.mps.answers(fastpod.device_uuids[0])            # restarted
 
 
-def test_a_forced_layout_that_fails_after_destroying_a_held_slice_still_drops_its_shares(agent):
-    """A forced ApplyMigLayout destroyed a slice a share held, then a later step failed: the error
-    went back with the share still 'ready' in the journal (and the inventory) until the next
-    housekeeping. Now its shares are dropped, as lost with the layout's cause, before the error."""
+def _forced_layout_failing(agent, monkeypatch, device_call: str, code: str) -> str:
+    """Share 'ex' holds slice 0 of two 3g.40gb; a forced layout to one 7g.80gb is refused because
+    the device layer's ``device_call`` fails with ``code``. Returns the GPU's UUID."""
     from fastshare.device.api import DeviceError
 
     gpu = agent.devices.gpus()[GPU_MIG].uuid
     apply_layout(agent, gpu, {"3g.40gb": 2}, False, True, Deadline(60))
     agent.prepare(ShareSpec("ex", "exclusive", (gpu,), mig_profile="3g.40gb", mig_start=0), Deadline(60))
-    create = agent.devices.create_mig_instance
 
-    def failing_create(*args, **kwargs):
-        raise DeviceError("simulated failure", "UNKNOWN")
+    def failing(*args, **kwargs):
+        raise DeviceError(f"simulated {code}", code)
 
-    agent.devices.create_mig_instance = failing_create
-    try:
+    with monkeypatch.context() as patched:
+        patched.setattr(agent.devices, device_call, failing)
         with pytest.raises(AgentError):
             apply_layout(agent, gpu, {"7g.80gb": 1}, True, True, Deadline(60))
-    finally:
-        agent.devices.create_mig_instance = create
+    return gpu
+
+
+def test_a_forced_layout_that_fails_after_destroying_a_held_slice_still_drops_its_shares(agent, monkeypatch):
+    """A forced ApplyMigLayout destroyed a slice a share held, then a later step failed: the error
+    went back with the share still 'ready' in the journal (and the inventory) until the next
+    housekeeping. Now its shares are dropped, as lost with the layout's cause, before the error."""
+    _forced_layout_failing(agent, monkeypatch, "create_mig_instance", "UNKNOWN")
     assert agent.journal.shares() == []
     assert "forced MIG layout change to 7g.80gb=1" in _lost(agent)["ex"], _lost(agent)
 
 
-def test_a_held_slice_a_forced_layout_failed_to_destroy_is_not_later_blamed_on_it(agent):
+def test_a_held_slice_a_forced_layout_failed_to_destroy_is_not_later_blamed_on_it(agent, monkeypatch):
     """The forced layout noted the held slice as destroyed by it before destroying it, and kept the note
     when NVML refused (a process had started on it): destroyed later by hand or a GPU reset, its share
     was reported lost as "destroyed by a forced MIG layout change"."""
-    from fastshare.device.api import DeviceError
-
-    gpu = agent.devices.gpus()[GPU_MIG].uuid
-    apply_layout(agent, gpu, {"3g.40gb": 2}, False, True, Deadline(60))
-    agent.prepare(ShareSpec("ex", "exclusive", (gpu,), mig_profile="3g.40gb", mig_start=0), Deadline(60))
-    destroy = agent.devices.destroy_mig_instance
-
-    def refused(*args, **kwargs):
-        raise DeviceError("in use", "IN_USE")
-
-    agent.devices.destroy_mig_instance = refused
-    try:
-        with pytest.raises(AgentError):
-            apply_layout(agent, gpu, {"7g.80gb": 1}, True, True, Deadline(60))
-    finally:
-        agent.devices.destroy_mig_instance = destroy
+    _forced_layout_failing(agent, monkeypatch, "destroy_mig_instance", "IN_USE")
     assert [r.spec.id for r in agent.journal.shares()] == ["ex"]
-    destroy(GPU_MIG, 0)                         # by hand, later
+    agent.devices.destroy_mig_instance(GPU_MIG, 0)                         # by hand, later
     agent.housekeeping()
     assert "outside fastshare" in _lost(agent)["ex"] and "forced" not in _lost(agent)["ex"], _lost(agent)

@@ -109,6 +109,42 @@ def _aff(*terms):
     (_ts(nodeTaintsPolicy="honor"), f"{SPREAD}[0].nodeTaintsPolicy"),
     (_ts(matchLabelKeys=["app"]), f"{SPREAD}[0].matchLabelKeys"),
     ({"topologySpreadConstraints": _ts()["topologySpreadConstraints"] * 2}, f"{SPREAD}[1]"),
+    ({"affinity": "x"}, "spec.affinity"),
+    ({"affinity": {"podAffinity": []}}, "spec.affinity.podAffinity"),
+    (_anti({"labelSelector": {}, "topologyKey": 5}), f"{ANTI}[0].topologyKey"),
+    (_aff({"topologyKey": "zone", "labelSelector": {"matchLabels": ["a"]}}),
+     f"{AFF}[0].labelSelector.matchLabels"),
+    (_aff({"topologyKey": "zone", "labelSelector": {"matchExpressions": {"key": "a", "operator": "Exists"}}}),
+     f"{AFF}[0].labelSelector.matchExpressions"),
+    (_aff({"topologyKey": "zone", "labelSelector": {}, "matchLabelKeys": "version"}),
+     f"{AFF}[0].matchLabelKeys"),
+    (_aff({"topologyKey": "zone", "labelSelector": {}, "matchLabelKeys": [""]}), f"{AFF}[0].matchLabelKeys"),
+    (_aff({"topologyKey": "zone", "labelSelector": {}, "mismatchLabelKeys": ["a", "a"]}),
+     f"{AFF}[0].mismatchLabelKeys"),
+    (_aff({"topologyKey": "zone", "labelSelector": {}, "namespaces": [""]}), f"{AFF}[0].namespaces"),
+    (_aff({"topologyKey": "zone", "labelSelector": {}, "namespaces": [5]}), f"{AFF}[0].namespaces"),
+    (_aff({"topologyKey": "zone", "labelSelector": {}, "matchLabelKeys": [5]}), f"{AFF}[0].matchLabelKeys"),
+    ({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 101, "podAffinityTerm": _term()}]}}},
+     "spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight"),
+    ({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": {}}}},
+     "spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution"),
+    ({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 5}]}}},
+     "spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0]"),
+    ({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": ["x"]}}},
+     "spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0]"),
+    ({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": True, "podAffinityTerm": _term()}]}}},
+     "spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight"),
+    ({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": "5", "podAffinityTerm": _term()}]}}},
+     "spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight"),
+    (_aff({"topologyKey": "zone", "mismatchLabelKeys": ["app"]}), f"{AFF}[0].mismatchLabelKeys"),
+    ({"topologySpreadConstraints": ["x"]}, f"{SPREAD}[0]"),
+    (_ts(labelSelector={"matchLabels": {"a": 1}}), f"{SPREAD}[0].labelSelector.matchLabels"),
+    (_ts(labelSelector={}, matchLabelKeys=["a", "a"]), f"{SPREAD}[0].matchLabelKeys"),
+    (_ts(maxSkew=True), f"{SPREAD}[0].maxSkew"),
+    (_ts(maxSkew="2"), f"{SPREAD}[0].maxSkew"),
 ])
 def test_unreadable_rules_are_refused_naming_the_field(spec, field):
     with pytest.raises(TemplateError) as caught:
@@ -116,11 +152,28 @@ def test_unreadable_rules_are_refused_naming_the_field(spec, field):
     assert caught.value.field == field, caught.value
 
 
+def test_any_one_kind_of_rule_makes_a_pod_ruled():
+    """A Pod with rules is placed alone and checked; one kind of rule is enough."""
+    assert pod_rules(_aff(_term(app="web")), "ns", {})
+    assert pod_rules(_anti(_term(app="web")), "ns", {})
+    assert pod_rules(_ts(labelSelector={}), "ns", {})
+    assert not pod_rules({}, "ns", {})
+
+
 def test_preferences_and_schedule_anyway_are_read_but_forbid_nothing():
     spec = {"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-        {"weight": 10, "podAffinityTerm": _term(app="web")}]}},
+        {"weight": weight, "podAffinityTerm": _term(app="web")} for weight in (1, 10, 100)]}},
         **_ts(whenUnsatisfiable="ScheduleAnyway", labelSelector={})}
     assert not pod_rules(spec, "ns", {"app": "web"})
+
+
+def test_one_constraint_per_topology_key_and_when_unsatisfiable():
+    """Only the same pair twice is refused (as by the API server): one key may have a
+    DoNotSchedule and a ScheduleAnyway constraint, and two keys one DoNotSchedule each."""
+    zone, = _ts(labelSelector={})["topologySpreadConstraints"]
+    both = [zone, {**zone, "whenUnsatisfiable": "ScheduleAnyway"}, {**zone, "topologyKey": HOSTNAME}]
+    rules = pod_rules({"topologySpreadConstraints": both}, "ns", {})
+    assert [c.topology_key for c in rules.spread] == ["zone", HOSTNAME]
 
 
 def test_a_term_selects_its_own_pods_namespace_unless_told_otherwise():
@@ -144,6 +197,17 @@ def test_no_label_selector_selects_no_pod_and_an_empty_one_every_pod():
     assert empty.selects("ns", {}, {}) and empty.selects("ns", {"x": "y"}, {})
 
 
+def test_selector_expressions_take_every_label_selector_operator():
+    term = {"topologyKey": HOSTNAME, "labelSelector": {"matchExpressions": [
+        {"key": "app", "operator": "NotIn", "values": ["db"]}, {"key": "tier", "operator": "Exists"},
+        {"key": "canary", "operator": "DoesNotExist"}]}}
+    selects = pod_rules(_anti(term), "ns", {}).anti_affinity[0].selects
+    assert selects("ns", {"app": "web", "tier": "hot"}, {}) and selects("ns", {"tier": "hot"}, {})
+    assert not selects("ns", {"app": "db", "tier": "hot"}, {})
+    assert not selects("ns", {"app": "web"}, {})
+    assert not selects("ns", {"app": "web", "tier": "hot", "canary": "yes"}, {})
+
+
 def test_match_and_mismatch_label_keys_take_the_pods_own_values():
     term = {"topologyKey": HOSTNAME, "labelSelector": {"matchLabels": {"app": "web"}},
             "matchLabelKeys": ["version"], "mismatchLabelKeys": ["team"]}
@@ -151,6 +215,9 @@ def test_match_and_mismatch_label_keys_take_the_pods_own_values():
     assert rules.selects("ns", {"app": "web", "version": "v2", "team": "b"}, {})
     assert not rules.selects("ns", {"app": "web", "version": "v1", "team": "b"}, {})
     assert not rules.selects("ns", {"app": "web", "version": "v2", "team": "a"}, {})
+    # keys the Pod does not carry are left out, as by the API server
+    plain = pod_rules(_anti(term), "ns", {"app": "web"}).anti_affinity[0]
+    assert plain.selects("ns", {"app": "web", "version": "v1", "team": "a"}, {})
 
 
 # -- anti-affinity -----------------------------------------------------------------------------------------
@@ -178,9 +245,20 @@ def test_an_existing_pods_anti_affinity_keeps_a_pod_it_selects_out_of_its_domain
     assert out["b"] == ('are in the zone "z1" of Pod other/lonely, whose required podAntiAffinity '
                         "selects this Pod")
     assert ruled_out(_incoming({}, {"app": "db"}), nodes, nodes, [lonely], {}) == {}
+    # each message names the Pod whose term forbids that node's zone
+    guard = _pod("c", {}, namespace="other", name="guard",
+                 spec=_anti({**_term("zone", app="web"), "namespaceSelector": {}}))
+    both = ruled_out(_incoming({}), nodes, nodes, [lonely, guard], {})
+    assert both["b"] == out["b"] and "Pod other/guard" in both["c"]
     # its term without namespaces: only its own namespace's Pods
     shy = _pod("a", {}, namespace="other", spec=_anti(_term("zone", app="web")))
     assert ruled_out(_incoming({}), nodes, nodes, [shy], {}) == {}
+
+
+def test_an_existing_pods_term_that_does_not_select_the_pod_forbids_nothing_beside_one_that_does():
+    nodes = _nodes(_node("a", "z1"), _node("b", "z1"), _node("c", "z2"))
+    picky = _pod("a", {}, name="picky", spec=_anti(_term(app="web"), _term("zone", app="db")))
+    assert set(ruled_out(_incoming({}), nodes, nodes, [picky], {})) == {"a"}
 
 
 def test_namespaces_are_read_only_when_a_term_that_can_select_the_pod_selects_them_by_label():
@@ -195,6 +273,17 @@ def test_namespaces_are_read_only_when_a_term_that_can_select_the_pod_selects_th
     assert not needs_namespaces(web, [for_db, everywhere])
     assert needs_namespaces(_incoming(_anti({**_term(app="db"), **teams})), [])
     assert not needs_namespaces(_incoming(_aff({**_term(app="db"), "namespaceSelector": {}})), [for_db])
+    no_pod = _pod("a", {}, namespace="other", spec=_anti({"topologyKey": HOSTNAME, **teams}))
+    assert not needs_namespaces(web, [no_pod])   # no labelSelector: it selects no Pod
+
+
+def test_pods_on_a_node_missing_from_the_node_listing_count_nowhere():
+    """A Node deleted while its Pods are still listed (garbage collection runs later): its Pods
+    are in no domain, as in the scheduler's snapshot, rather than stopping the placement."""
+    nodes = _nodes(_node("a", "z1"), _node("b", "z2"))
+    on_gone = [_pod("gone", {"app": "web"}), _pod("gone", {}, name="lonely", spec=_anti(_term("zone")))]
+    assert ruled_out(_incoming(_anti(_term("zone", app="web"))), nodes, nodes, on_gone, {}) == {}
+    assert ruled_out(_incoming(_spread()), nodes, nodes, on_gone, {}) == {}
 
 
 def test_a_candidate_missing_from_the_node_listing_is_ruled_out():
@@ -227,6 +316,13 @@ def test_affinity_needs_a_selected_pod_in_the_nodes_zone():
     assert out == {"a": f"run no Pod in their zone that {AFF}[0] selects", "d": f"lack label zone ({AFF}[0])"}
 
 
+def test_a_pod_on_a_node_without_the_topology_key_satisfies_no_affinity():
+    nodes = _nodes(_node("a", "z1"), _node("d"))
+    web = _incoming(_aff(_term("zone", role="cache")))
+    out = ruled_out(web, ["a"], nodes, [_pod("d", {"role": "cache"})], {})
+    assert out == {"a": f"run no Pod in their zone that {AFF}[0] selects"}
+
+
 def test_the_first_pod_of_a_series_with_affinity_to_itself_goes_anywhere_with_the_key():
     nodes = _nodes(_node("a", "z1"), _node("b", "z2"), _node("d"))
     web = _incoming(_aff(_term("zone", app="web")))
@@ -236,6 +332,14 @@ def test_the_first_pod_of_a_series_with_affinity_to_itself_goes_anywhere_with_th
     # a Pod that does not match its own terms is no first of a series
     other = _incoming(_aff(_term("zone", app="web")), {"app": "db"})
     assert set(ruled_out(other, nodes, nodes, [], {})) == {"a", "b", "d"}
+
+
+def test_every_affinity_term_is_checked_and_the_first_failing_one_is_named():
+    nodes = _nodes(_node("a", "z1"), _node("b", "z1"), _node("c"))
+    web = _incoming(_aff(_term("zone", role="cache"), _term(HOSTNAME, role="cache")))
+    out = ruled_out(web, nodes, nodes, [_pod("b", {"role": "cache"})], {})
+    assert out == {"a": f"run no Pod in their {HOSTNAME} that {AFF}[1] selects",
+                   "c": f"lack label zone ({AFF}[0])"}
 
 
 def test_an_existing_pod_must_match_every_affinity_term_to_count():
@@ -282,6 +386,11 @@ def test_spread_counts_domains_only_among_eligible_nodes():
     assert set(ruled_out(_incoming(_spread()), ["a"], only_taint, one_in_z1, {})) == {"a"}
     honoring = _incoming(_spread(nodeTaintsPolicy="Honor"))
     assert set(ruled_out(honoring, ["a"], only_taint, one_in_z1, {})) == set()
+    evicting = _nodes(_node("a", "z1"), _node("e", "z3", taints=[Taint("k", "", "NoExecute")]))
+    assert set(ruled_out(honoring, ["a"], evicting, one_in_z1, {})) == set()
+    # a taint that only steers (PreferNoSchedule) keeps the node a domain under Honor too
+    steering = _nodes(_node("a", "z1"), _node("e", "z3", taints=[Taint("k", "", "PreferNoSchedule")]))
+    assert set(ruled_out(honoring, ["a"], steering, one_in_z1, {})) == {"a"}
 
 
 def test_fewer_domains_than_min_domains_make_the_minimum_zero():
@@ -289,6 +398,38 @@ def test_fewer_domains_than_min_domains_make_the_minimum_zero():
     peers = [_pod("a", {"app": "web"}), _pod("c", {"app": "web"})]
     assert ruled_out(_incoming(_spread()), nodes, nodes, peers, {}) == {}
     assert set(ruled_out(_incoming(_spread(minDomains=3)), nodes, nodes, peers, {})) == {"a", "c"}
+    # zero, not less: one more in z1 makes a skew of 2, which maxSkew 2 allows
+    assert ruled_out(_incoming(_spread(2, minDomains=3)), nodes, nodes, peers[:1], {}) == {}
+
+
+def test_spread_counts_only_the_pods_on_eligible_nodes_and_honors_required_node_affinity():
+    """Domains and their counts come from the nodes the Pod could run on: a Pod on a node its
+    nodeSelector or required node affinity excludes counts in no domain (as the scheduler's)."""
+    nodes = _nodes(_node("a", "z1", gpu="yes"), _node("b", "z1"), _node("c", "z2", gpu="yes"),
+                   _node("d", "z3"))
+    on_b = [_pod("b", {"app": "web"}, name=f"b{i}") for i in range(2)]
+    gpu_only = _incoming({**_spread(), "nodeSelector": {"gpu": "yes"}})
+    assert ruled_out(gpu_only, ["a", "c"], nodes, on_b, {}) == {}
+    required = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1", "z2"]}]}]}}}
+    one_each = [_pod("a", {"app": "web"}), _pod("c", {"app": "web"})]
+    in_two_zones = _incoming({**_spread(), "affinity": required})
+    assert ruled_out(in_two_zones, ["a", "c"], nodes, one_each, {}) == {}   # the empty z3 is no domain
+    assert set(ruled_out(in_two_zones, ["a", "c"], nodes, one_each[:1], {})) == {"a"}
+    ignoring = _incoming({**_spread(nodeAffinityPolicy="Ignore"), "affinity": required})
+    assert set(ruled_out(ignoring, ["a", "c"], nodes, one_each, {})) == {"a", "c"}
+
+
+def test_spread_by_hostname_over_nodes_labelled_with_it_alone():
+    nodes = _nodes(_node("a"), _node("b"))
+    web = _incoming(_spread(key=HOSTNAME))
+    assert set(ruled_out(web, nodes, nodes, [_pod("a", {"app": "web"})], {})) == {"a"}
+
+
+def test_spread_without_a_label_selector_counts_no_pod():
+    nodes = _nodes(_node("a", "z1"), _node("c", "z2"))
+    crowded = [_pod("a", {"app": "web"})] * 3
+    assert ruled_out(_incoming(_ts()), nodes, nodes, crowded, {}) == {}
 
 
 def test_spread_match_label_keys_count_only_the_same_revision():
@@ -296,6 +437,17 @@ def test_spread_match_label_keys_count_only_the_same_revision():
     web = _incoming(_spread(matchLabelKeys=["rev"]), {"app": "web", "rev": "2"})
     assert ruled_out(web, nodes, nodes, [_pod("a", {"app": "web", "rev": "1"})] * 3, {}) == {}
     assert set(ruled_out(web, nodes, nodes, [_pod("a", {"app": "web", "rev": "2"})], {})) == {"a"}
+    # a Pod without the key: the key is left out, every revision counts
+    unversioned = _incoming(_spread(matchLabelKeys=["rev"]), {"app": "web"})
+    assert set(ruled_out(unversioned, nodes, nodes, [_pod("a", {"app": "web", "rev": "1"})], {})) == {"a"}
+
+
+def test_the_incoming_pod_counts_in_the_skew_only_when_the_constraint_selects_it():
+    nodes = _nodes(_node("a", "z1"), _node("c", "z2"))
+    db = _incoming(_spread(), {"app": "db"})
+    assert ruled_out(db, nodes, nodes, [_pod("a", {"app": "web"})], {}) == {}
+    assert set(ruled_out(db, nodes, nodes, [_pod("a", {"app": "web"}, name=f"w{i}") for i in range(2)],
+                         {})) == {"a"}
 
 
 def test_spread_with_an_empty_label_selector_counts_no_existing_pod():
@@ -359,6 +511,14 @@ def test_a_replica_has_the_templates_labels_and_its_fastpods():
                                TEMPLATE_HASH_LABEL: template_hash(fastpod)}
     assert incoming.rules.anti_affinity[0].field == f"spec.template.{ANTI}[0]"
     assert incoming.node_rules.tolerates(Taint("fastshare.io/gpu", "true", "NoSchedule"))
+    # the template's nodeSelector limits the spread's domains (nodeAffinityPolicy Honor)
+    fastpod["spec"]["template"]["spec"] = {"containers": [], "nodeSelector": {"gpu": "yes"}, **_spread()}
+    nodes = _nodes(_node("a", "z1", gpu="yes"), _node("b", "z2"))
+    crowded = [_pod("a", {"app": "web"}, name="fp-0")]
+    assert ruled_out(replica_incoming(fastpod, "fastshare.io/gpu"), ["a"], nodes, crowded, {}) == {}
+    # a template without a spec has no rules
+    del fastpod["spec"]["template"]["spec"]
+    assert not replica_incoming(fastpod, "fastshare.io/gpu").rules
 
 
 def test_a_replica_spread_by_its_template_hash_counts_only_replicas_of_its_template():
@@ -380,8 +540,21 @@ def test_a_replica_spread_by_its_template_hash_counts_only_replicas_of_its_templ
 
 def test_a_node_from_its_json():
     node = raw_node({"metadata": {"name": "n", "labels": {"zone": "z"}},
-                     "spec": {"taints": [{"key": "k", "effect": "NoSchedule"}]}})
-    assert node == NodeFacts("n", (("zone", "z"),), (Taint("k", "", "NoSchedule"),))
+                     "spec": {"taints": [{"key": "k", "effect": "NoSchedule"},
+                                         {"key": "j", "value": "v", "effect": "NoExecute"}],
+                              "unschedulable": True}})
+    taints = (Taint("k", "", "NoSchedule"), Taint("j", "v", "NoExecute"))
+    assert node == NodeFacts("n", (("zone", "z"),), taints, unschedulable=True)
+    assert raw_node({"metadata": {"name": "bare"}}) == NodeFacts("bare", (), ())
+
+
+def test_an_ended_or_unbound_pod_is_no_peer():
+    def pod(phase, node="n1"):
+        return peer({"metadata": {"name": "p", "namespace": "ns"}, "spec": {"nodeName": node},
+                     "status": {"phase": phase}})
+
+    assert pod("Succeeded") is None and pod("Failed") is None and pod("Pending", node=None) is None
+    assert pod("Running") is not None and pod("Pending") is not None
 
 
 def test_the_peer_cache_keeps_bound_pods_and_passes_a_listing_on():
@@ -399,6 +572,20 @@ def test_the_peer_cache_keeps_bound_pods_and_passes_a_listing_on():
     assert cache.forbidding() == [] and list(cache.all()) == [("ns", "a")]
     cache.remove({"metadata": {"name": "a", "namespace": "ns"}})
     assert cache.all() == {}
+
+
+def test_a_bound_pods_unreadable_anti_affinity_terms_are_left_out_not_its_pod():
+    """The watch of every bound Pod must not stop at one whose terms this reader cannot take."""
+    def bound(required):
+        return peer({"metadata": {"name": "p", "namespace": "ns", "labels": {"app": "web"}},
+                     "spec": {"nodeName": "n1", "affinity": {"podAntiAffinity": {
+                         "requiredDuringSchedulingIgnoredDuringExecution": required}}}, "status": {}})
+
+    kept = bound([{"labelSelector": {}}, _term("zone", app="web")])
+    assert kept is not None and [t.topology_key for t in kept.anti_affinity] == ["zone"]
+    for unreadable in ({"topologyKey": "zone"}, 5, None):
+        odd = bound(unreadable)
+        assert odd is not None and odd.node == "n1" and odd.anti_affinity == ()
 
 
 def test_a_relist_keeps_what_was_put_or_removed_after_its_snapshot():

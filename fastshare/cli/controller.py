@@ -93,12 +93,12 @@ def controller() -> None:
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Run the controller until SIGTERM/SIGINT. A second one on the same state dir refuses to start."""
     from fastshare.controller.core import Settings
-    from fastshare.controller.lock import LockedError
     from fastshare.controller.server import Config, ControllerServer
     from fastshare.controller.store import StoreError
     from fastshare.node.config import ConfigError, check_hostport
     from fastshare.security.certs import CertError, validate_name
     from fastshare.security.tls import TlsPaths
+    from fastshare.state_lock import LockedError
 
     values = {**_load(config_path), **{k: v for k, v in flags.items() if v is not None}}
     logging.basicConfig(level=str(values.get("log_level", "info")).upper(),

@@ -51,15 +51,18 @@ _AGENT_TIMEOUT_S = 300     # a layout change on a real GPU takes seconds per ins
 _UINT32_MAX = 2**32 - 1
 
 
-def _local_agent(unix_socket: str) -> Any | None:
+def _local_agent(unix_socket: str, agent_journal: str | None) -> Any | None:
     """A stub of the node agent on this host if it answers on ``unix_socket`` (None: none runs)."""
     if not unix_socket:
+        _no_agent_starting(agent_journal, "no --unix-socket given")
         return None
     probe = socket.socket(socket.AF_UNIX)
     try:
         probe.connect(unix_socket)
     except (FileNotFoundError, ConnectionRefusedError):
-        return None     # no socket, or the one an agent that no longer runs left
+        # no socket, or the one an agent that no longer runs left
+        _no_agent_starting(agent_journal, f"it does not answer on {unix_socket} yet")
+        return None
     except OSError as exc:
         fail(f"--unix-socket {unix_socket}: the node agent's socket cannot be used ({exc.strerror or exc}); "
              "MIG is not changed beside a running agent",
@@ -69,6 +72,24 @@ def _local_agent(unix_socket: str) -> Any | None:
     from fastshare.node.client import channel, stub
 
     return stub(channel(unix_socket=unix_socket))
+
+
+def _no_agent_starting(agent_journal: str | None, why: str) -> None:
+    """Refuse to change MIG directly while a node agent holds its state directory without
+    answering: it is starting, and reconciles the journal with the GPUs' MIG devices before it
+    opens its socket."""
+    from fastshare.node.config import AGENT_LOCK_OWNER
+    from fastshare.state_lock import holder
+
+    state_dir = Path(agent_journal or _AGENT_JOURNAL).parent
+    try:
+        pid = holder(state_dir, AGENT_LOCK_OWNER)
+    except OSError as exc:
+        fail(f"--agent-journal: cannot tell whether a node agent runs on {state_dir}: "
+             f"{exc.strerror or exc}", "run as root (the agent's state directory is 0700)")
+    if pid is not None:
+        fail(f"a node agent (pid {pid}) runs on this host ({state_dir}) but {why}: it is starting, "
+             "and MIG is not changed beside it", "retry once it answers (`fastshare node status`)")
 
 
 def _ask(method: Callable[..., Any], request: Any, what: str, hint: str | None = None) -> Any:
@@ -206,7 +227,7 @@ def _change_layout(gpu_backend: str | None, sim_state: str | None, gpu_index: in
     """Plan (and with ``apply`` make) LAYOUT on GPU ``gpu_index``: by the node agent when one answers
     on ``unix_socket``, else directly. (GPU label, plan as ``Plan.to_dict``, instances after, layout
     after; the last two only with ``apply``.)"""
-    agent = _local_agent(unix_socket)
+    agent = _local_agent(unix_socket, agent_journal)
     if agent is not None:
         return _layout_via_agent(agent, gpu_index, layout, force, apply)
     held = _held(agent_journal)
@@ -265,7 +286,7 @@ def mig_profiles(gpu_backend: str | None, sim_state: str | None, gpu_index: int,
 
 def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, enabled: bool,
               unix_socket: str, agent_journal: str | None = None, force: bool = False) -> None:
-    agent = _local_agent(unix_socket)
+    agent = _local_agent(unix_socket, agent_journal)
     if agent is not None:   # under the agent's lock of the GPU, by its rules (SetMigMode)
         from fastshare.v1 import agent_pb2
 
@@ -305,10 +326,12 @@ def mig_enable(gpu_backend: str | None, sim_state: str | None, gpu_index: int, f
 @mig_group.command("disable")
 @backend_options
 @click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
+@_journal_option
 @_socket_option
-def mig_disable(gpu_backend: str | None, sim_state: str | None, gpu_index: int, unix_socket: str) -> None:
+def mig_disable(gpu_backend: str | None, sim_state: str | None, gpu_index: int, agent_journal: str | None,
+                unix_socket: str) -> None:
     """Disable MIG mode (refused while MIG instances or processes exist)."""
-    _set_mode(gpu_backend, sim_state, gpu_index, False, unix_socket)
+    _set_mode(gpu_backend, sim_state, gpu_index, False, unix_socket, agent_journal)
 
 
 COMMANDS = [mig_group]

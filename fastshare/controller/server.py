@@ -39,7 +39,6 @@ from fastshare.controller.core import (
     Settings,
 )
 from fastshare.controller.ledger import Ledger
-from fastshare.controller.lock import StateDirLock
 from fastshare.controller.model import FINISHED, HOLDING
 from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.sqlite_store import SqliteStore
@@ -56,6 +55,7 @@ from fastshare.security.certs import reissue_command
 from fastshare.security.rotation import watch_expiry
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
 from fastshare.sqlite_file import write_failure
+from fastshare.state_lock import StateDirLock
 from fastshare.stop_signal import stop_on_signals
 from fastshare.v1 import common_pb2
 from fastshare.v1 import controller_pb2 as pb

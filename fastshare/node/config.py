@@ -20,6 +20,9 @@ import yaml
 
 DEFAULT_PATH = Path("/etc/fastshare/node.yaml")
 BACKENDS = ("nvml", "sim")
+# A running agent holds its state_dir's lock (fastshare.state_lock) from before it touches the
+# journal or the GPUs until it exits: one agent per state directory.
+AGENT_LOCK_OWNER = "node agent"
 
 
 class ConfigError(ValueError):

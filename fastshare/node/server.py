@@ -27,11 +27,12 @@ from fastshare.device import open_devices
 from fastshare.heap import freeze_startup_objects
 from fastshare.mps.control import MpsControl
 from fastshare.node.agent import Agent
-from fastshare.node.config import NodeConfig
+from fastshare.node.config import AGENT_LOCK_OWNER, NodeConfig
 from fastshare.node.journal import Journal
 from fastshare.node.service import Metrics, NodeAgentService
 from fastshare.security.rotation import watch_expiry
 from fastshare.security.tls import TlsPaths, server_credentials
+from fastshare.state_lock import LockedError, StateDirLock
 from fastshare.stop_signal import stop_on_signals
 from fastshare.v1 import agent_pb2_grpc
 
@@ -62,6 +63,7 @@ class Running:
     ports: dict[str, int]
     stop_event: threading.Event
     threads: list[threading.Thread]
+    lock: StateDirLock
     metrics_server: object | None = None
 
     def stop(self, grace: float = 5.0) -> None:
@@ -79,6 +81,7 @@ class Running:
         if self.config.unix_socket:
             with contextlib.suppress(FileNotFoundError):
                 Path(self.config.unix_socket).unlink()
+        self.lock.release()
 
 
 def _bind_unix(server: grpc.Server, config: NodeConfig) -> None:
@@ -126,6 +129,19 @@ def start(config: NodeConfig, cert_renewed: bool = False) -> Running:
             tls.check()
         except ValueError as exc:
             raise RuntimeError(str(exc)) from None
+    lock = StateDirLock(config.state_dir, AGENT_LOCK_OWNER, "state_dir (node.yaml)")
+    try:
+        lock.acquire()   # before the journal and the GPUs are touched: one agent per state directory
+    except LockedError as exc:
+        raise RuntimeError(str(exc)) from None
+    try:
+        return _start(config, cert_renewed, tls, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _start(config: NodeConfig, cert_renewed: bool, tls: TlsPaths, lock: StateDirLock) -> Running:
     devices = open_devices(config.device_backend, config.sim_state or None)
     journal = Journal(config.journal_path)
     os.chmod(config.journal_path.parent, 0o700)
@@ -171,7 +187,7 @@ def start(config: NodeConfig, cert_renewed: bool = False) -> Running:
         t.start()
     if (config.listen or config.readonly_listen or config.controller_address) and not cert_renewed:
         threads.append(watch_expiry(tls.cert, "node", config.node_name, log, stop_event))
-    return Running(config, agent, server, ports, stop_event, threads, metrics_server)
+    return Running(config, agent, server, ports, stop_event, threads, lock, metrics_server)
 
 
 def _housekeeping(agent: Agent, stop: threading.Event) -> None:

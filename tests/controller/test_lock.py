@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from fastshare.controller.lock import LockedError, StateDirLock
+from fastshare.state_lock import LockedError, StateDirLock
 
-HOLD = ("import sys, time\nfrom fastshare.controller.lock import StateDirLock\n"
+HOLD = ("import sys, time\nfrom fastshare.state_lock import StateDirLock\n"
         "StateDirLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(120)\n")
 
 

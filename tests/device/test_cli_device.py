@@ -370,3 +370,32 @@ def test_mig_enable_refuses_a_gpu_an_agent_share_holds_whole_unless_forced(env, 
     assert machine.read_bytes() == before
     assert "pending" in run(["mig", "enable", "--gpu", "2", "--agent-journal", str(journal), "--force"],
                             env).output
+
+
+def test_mig_commands_wait_for_a_node_agent_that_is_starting(env, machine: Path, tmp_path: Path):
+    """An agent holds its state directory from before it reconciles the journal with the MIG
+    devices until it exits, and opens its socket only after that reconcile: a `mig` command that
+    found no socket acted directly while the agent was changing the same GPUs. Now it waits for it."""
+    state = tmp_path / "state"
+    journal = str(state / "journal.db")
+    hold = subprocess.Popen([sys.executable, "-c",
+                             "import sys, time\nfrom fastshare.state_lock import StateDirLock\n"
+                             "StateDirLock(sys.argv[1], 'node agent').acquire()\nprint('held', flush=True)\n"
+                             "time.sleep(120)\n", str(state)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout.readline().strip() == "held"
+        absent = str(tmp_path / "node.sock")
+        for args in (["apply", "--gpu", "0", "--layout", "19"], ["plan", "--gpu", "0", "--layout", "19"],
+                     ["enable", "--gpu", "2"], ["disable", "--gpu", "0"]):
+            refused = run(["mig", *args, "--unix-socket", absent, "--agent-journal", journal], env, ok=False)
+            assert refused.exit_code != 0, refused.output
+            said = refused.output
+            assert f"a node agent (pid {hold.pid}) runs on this host ({state})" in said, said
+            assert "it is starting" in said and "retry" in said, said
+        assert json.loads(run(["gpu", "list", "--json"], env).output)["gpus"][0]["mig_instances"] == []
+    finally:
+        hold.kill()
+        hold.wait()
+    applied = json.loads(run(["mig", "apply", "--gpu", "0", "--layout", "19", "--unix-socket", absent,
+                              "--agent-journal", journal, "--json"], env).output)   # the agent is gone
+    assert [i["profile_name"] for i in applied["instances"]] == ["1g.5gb"]

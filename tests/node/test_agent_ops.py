@@ -308,3 +308,27 @@ def test_cli_status_lists_a_share_lost_with_its_gpu_until_it_is_released(agent, 
                          capture_output=True, text=True, timeout=120, check=True)
     assert "released gone" in out.stdout
     assert not agent.unix().GetInventory(INV, timeout=30).lost_shares
+
+
+def test_a_second_agent_on_the_same_state_directory_refuses_to_start(agent):
+    """A second `fastshare node serve` on a running agent's state directory (run by hand while the
+    unit runs) reconciled the journal and the GPUs under the first one's feet and took over its
+    unix socket. It now refuses before touching anything, naming the running agent's pid."""
+    agent.start()
+    stub = agent.unix()
+    gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_A].uuid
+    stub.PrepareShare(fastpod("kept", gpu), timeout=60)
+    socket_inode = os.stat(agent.unix_socket).st_ino
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTSHARE_")}
+    config = str(agent.workdir / "node.yaml")
+    second = subprocess.run([str(BIN / "fastshare"), "node", "serve", "--config", config],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert second.returncode != 0, second.stdout + second.stderr
+    said = second.stdout + second.stderr
+    assert f"another node agent (pid {agent.proc.pid}) is already using the state directory" in said, said
+    assert "state_dir (node.yaml)" in said, said
+    assert os.stat(agent.unix_socket).st_ino == socket_inode      # the first agent's socket, untouched
+    assert [s.id for s in stub.GetInventory(INV, timeout=30).shares] == ["kept"]
+    agent.stop()
+    agent.start()                                                  # the lock goes with the process
+    assert [s.id for s in agent.unix().GetInventory(INV, timeout=30).shares] == ["kept"]

@@ -1,0 +1,83 @@
+"""One live process per state directory (the controller's, a node agent's): an fcntl lock held
+for the process's life.
+
+The kernel drops the lock when the process dies (also on kill -9), so a crashed process never
+blocks its successor, and a second live one refuses to start: a second node agent on one state
+directory reconciled the journal and the GPUs under the first one's feet (rolled back its
+shares in flight, stopped their MPS daemons) and took over its unix socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+
+class LockedError(RuntimeError):
+    """Another live process holds the state directory."""
+
+
+class StateDirLock:
+    """``owner``: "controller" or "node agent" (the lock file is named after it); ``where``: how
+    the user gives another state directory, for the refusal."""
+
+    def __init__(self, state_dir: Path | str, owner: str = "controller",
+                 where: str = "--state-dir") -> None:
+        self.path = Path(state_dir) / lock_name(owner)
+        self.owner, self.where = owner, where
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _pid_in(fd)
+            os.close(fd)
+            raise LockedError(
+                f"another {self.owner} (pid {holder}) is already using the state directory "
+                f"{self.path.parent}; stop it first or give this one a different {self.where}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> StateDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def lock_name(owner: str) -> str:
+    return owner.replace(" ", "-") + ".lock"
+
+
+def holder(state_dir: Path | str, owner: str) -> str | None:
+    """The pid of the live process holding ``state_dir`` for ``owner`` (None: none does). Only
+    looks: the lock is not kept."""
+    try:
+        fd = os.open(Path(state_dir) / lock_name(owner), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _pid_in(fd)
+    finally:
+        os.close(fd)
+    return None
+
+
+def _pid_in(fd: int) -> str:
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from pathlib import Path
 
 
@@ -29,17 +30,24 @@ class StateDirLock:
         self.owner, self.where = owner, where
         self._fd: int | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, patience: float = 0.0) -> None:
+        """``patience``: seconds to keep trying (``holder`` takes the lock for an instant)."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _pid_in(fd)
-            os.close(fd)
-            raise LockedError(
-                f"another {self.owner} (pid {holder}) is already using the state directory "
-                f"{self.path.parent}; stop it first or give this one a different {self.where}") from None
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                holder = _pid_in(fd)
+                os.close(fd)
+                raise LockedError(
+                    f"another {self.owner} (pid {holder}) is already using the state directory "
+                    f"{self.path.parent}; stop it first or give this one a different {self.where}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
@@ -65,7 +73,7 @@ def lock_name(owner: str) -> str:
 
 def holder(state_dir: Path | str, owner: str) -> str | None:
     """The pid of the live process holding ``state_dir`` for ``owner`` (None: none does). Only
-    looks: the lock is not kept."""
+    looks: the lock is taken shared for an instant (an owner starting meanwhile waits for it)."""
     try:
         fd = os.open(Path(state_dir) / lock_name(owner), os.O_RDONLY)
     except FileNotFoundError:

@@ -131,7 +131,7 @@ def start(config: NodeConfig, cert_renewed: bool = False) -> Running:
             raise RuntimeError(str(exc)) from None
     lock = StateDirLock(config.state_dir, AGENT_LOCK_OWNER, "state_dir (node.yaml)")
     try:
-        lock.acquire()   # before the journal and the GPUs are touched: one agent per state directory
+        lock.acquire(patience=2.0)   # before the journal and the GPUs: one agent per state directory
     except LockedError as exc:
         raise RuntimeError(str(exc)) from None
     try:

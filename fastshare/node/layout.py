@@ -9,7 +9,7 @@ or forgotten by the reconciler, and layout instances are never mistaken for orph
 from __future__ import annotations
 
 from fastshare.device import mig_layout
-from fastshare.device.api import DeviceError
+from fastshare.device.api import DeviceError, GpuInfo, MigInstance
 from fastshare.node import faults
 from fastshare.node.agent import Agent, AgentError, Deadline, _device_error
 
@@ -20,63 +20,77 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
 
     The same planner and refusals as ``fastshare mig plan/apply`` without an agent (shapes read
     from NVML under the GPU's lock, so a share being prepared there is seen once it is held).
-    Shares on an instance destroyed by ``force`` are dropped before the reply, with that cause."""
+    Shares on an instance destroyed by ``force`` are dropped before the reply, with that cause,
+    also when a later step fails."""
     gpu = agent._gpu(gpu_uuid)
-    forced = False   # a held instance destroyed: its shares are dropped, even if a later step fails
     plan: mig_layout.Plan | None = None
+    destroyed: list[str] = []   # held instances this layout destroyed (only with force)
     try:
         with agent._device_locks.hold(gpu_uuid, deadline):
-            try:
-                shape = mig_layout.shape_of(agent.devices, gpu.index)
-                current = agent.devices.mig_instances(gpu.index)
-            except mig_layout.LayoutError as exc:
-                raise AgentError("FAILED_PRECONDITION", str(exc)) from None
-            except DeviceError as exc:
-                raise _device_error(exc, f"reading the MIG layout of GPU {gpu_uuid}") from None
-            try:
-                wanted = mig_layout.parse_layout({k: int(v) for k, v in profiles.items()}, shape)
-            except mig_layout.LayoutError as exc:
-                raise AgentError("INVALID_ARGUMENT", f"profiles: {exc}") from None
-            held: dict[str, list[str]] = {}
-            for r in agent.journal.shares():
-                held.setdefault(r.device_uuid, []).append(r.spec.id)
-            placed = mig_layout.placed_instances(current, held)
-            try:
-                plan = mig_layout.plan_layout(shape, placed, wanted, force=force)
-            except mig_layout.LayoutError as exc:
-                raise AgentError("FAILED_PRECONDITION", str(exc)) from None
-            uuid_at = {m.start: m.uuid or "" for m in current}
-            actions = [{"op": s.action, "profile_name": s.profile_name, "profile_id": s.profile_id,
-                        "start": s.start, "mig_uuid": uuid_at.get(s.start, "") if s.action == "destroy"
-                        else ""}
-                       for s in plan.steps]
-            layout = mig_layout.format_layout(wanted, shape) or "no MIG instances"
-            if apply:
+            plan, placed, current, layout = _plan(agent, gpu, profiles, force)
+            if apply and plan.changed:
                 try:
-                    for step in plan.steps:
-                        victim = next((p for p in placed if p.start == step.start), None)
-                        if step.action == "destroy" and victim is not None and victim.shares:
-                            # Only with force (the plan keeps held instances otherwise): the shares on
-                            # it are dropped with this cause, not as destroyed by hand.
-                            agent.destroyed_by_layout[victim.label] = (
-                                f"destroyed by a forced MIG layout change to {layout} (ApplyMigLayout with "
-                                "force, e.g. `fastshare mig apply --force`)")
-                            forced = True
-                        try:
-                            _run(agent, gpu_uuid, gpu.index, step)
-                        except AgentError:   # NVML refused (a process started on it): still there
-                            if step.action == "destroy" and victim is not None:
-                                agent.destroyed_by_layout.pop(victim.label, None)
-                            raise
-                finally:
-                    if plan.changed:  # before the lock goes: an MPS prepare looks its device up under it
-                        agent.refresh_devices()
+                    _run_steps(agent, gpu, plan, placed, layout, destroyed)
+                finally:   # before the lock goes: an MPS prepare looks its device up under it
+                    agent.refresh_devices()
     finally:
-        if forced:
+        if destroyed:
             agent._drop_vanished()
-        if apply and plan is not None and plan.changed:   # steps ran, maybe not all: watchers look again
+        if apply and plan is not None and plan.changed:   # also after a failed step: watchers look again
             agent._changed()
-    return actions, plan.changed
+    uuid_at = {m.start: m.uuid or "" for m in current}
+    return [{"op": s.action, "profile_name": s.profile_name, "profile_id": s.profile_id, "start": s.start,
+             "mig_uuid": uuid_at.get(s.start, "") if s.action == "destroy" else ""}
+            for s in plan.steps], plan.changed
+
+
+def _plan(agent: Agent, gpu: GpuInfo, profiles: dict[str, int],
+          force: bool) -> tuple[mig_layout.Plan, list[mig_layout.Placed], list[MigInstance], str]:
+    """Under the GPU's lock: (plan, instances as placed with their shares, instances, the wanted
+    layout's text)."""
+    try:
+        shape = mig_layout.shape_of(agent.devices, gpu.index)
+        current = agent.devices.mig_instances(gpu.index)
+    except mig_layout.LayoutError as exc:
+        raise AgentError("FAILED_PRECONDITION", str(exc)) from None
+    except DeviceError as exc:
+        raise _device_error(exc, f"reading the MIG layout of GPU {gpu.uuid}") from None
+    try:
+        wanted = mig_layout.parse_layout({k: int(v) for k, v in profiles.items()}, shape)
+    except mig_layout.LayoutError as exc:
+        raise AgentError("INVALID_ARGUMENT", f"profiles: {exc}") from None
+    held: dict[str, list[str]] = {}
+    for r in agent.journal.shares():
+        held.setdefault(r.device_uuid, []).append(r.spec.id)
+    placed = mig_layout.placed_instances(current, held)
+    try:
+        plan = mig_layout.plan_layout(shape, placed, wanted, force=force)
+    except mig_layout.LayoutError as exc:
+        raise AgentError("FAILED_PRECONDITION", str(exc)) from None
+    return plan, placed, current, mig_layout.format_layout(wanted, shape) or "no MIG instances"
+
+
+def _run_steps(agent: Agent, gpu: GpuInfo, plan: mig_layout.Plan, placed: list[mig_layout.Placed],
+               layout: str, destroyed: list[str]) -> None:
+    """Under the GPU's lock. A held instance (destroyed only with force: the plan keeps held
+    instances otherwise) is noted as destroyed by this layout before it goes, so its shares are
+    dropped with that cause, not as destroyed by hand (the note goes again if NVML refuses), and
+    added to ``destroyed`` once it is gone."""
+    for step in plan.steps:
+        victim = next((p for p in placed if p.start == step.start), None)
+        held = step.action == "destroy" and victim is not None and bool(victim.shares)
+        if held:
+            agent.destroyed_by_layout[victim.label] = (
+                f"destroyed by a forced MIG layout change to {layout} (ApplyMigLayout with force, "
+                "e.g. `fastshare mig apply --force`)")
+        try:
+            _run(agent, gpu.uuid, gpu.index, step)
+        except AgentError:   # NVML refused (a process started on it): the instance is still there
+            if held:
+                agent.destroyed_by_layout.pop(victim.label, None)
+            raise
+        if held:
+            destroyed.append(victim.label)
 
 
 def _run(agent: Agent, gpu_uuid: str, gpu_index: int, step: mig_layout.Step) -> None:

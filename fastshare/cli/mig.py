@@ -104,10 +104,6 @@ def _ask(method: Callable[..., Any], request: Any, what: str, hint: str | None =
              f"{details}", hint if refused else None)
 
 
-def _agent_gpu(agent: Any, gpu_index: int) -> Any:
-    return _agent_inventory(agent, gpu_index)[0]
-
-
 def _agent_inventory(agent: Any, gpu_index: int) -> tuple[Any, dict[str, list[str]]]:
     """The agent's GPU ``gpu_index`` and the devices its shares hold (UUID -> share ids, as
     :func:`_held` reads them from its journal: exclusive shares by their MIG device, the others by
@@ -290,7 +286,7 @@ def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, en
     if agent is not None:   # under the agent's lock of the GPU, by its rules (SetMigMode)
         from fastshare.v1 import agent_pb2
 
-        gpu = _agent_gpu(agent, gpu_index)
+        gpu, _ = _agent_inventory(agent, gpu_index)
         request = agent_pb2.SetMigModeRequest(gpu_uuid=gpu.uuid, enabled=enabled)
         hint = ("--force does not apply while the node agent runs: it changes the MIG mode only of a GPU "
                 "no share holds" if force else None)

@@ -285,12 +285,13 @@ class SqliteStore(StateStore):
             self._issued = max(self._issued + 1, time.time_ns() // 1000)
             return self._issued
 
-    def _never_issued(self, sequence: int) -> bool:
-        return sequence > self._mark or any(a < sequence < b for a, b in (*self._gaps, *self._pending))
+    def _in_gap(self, sequence: int) -> bool:
+        """A number skipped (written or still pending), never issued."""
+        return any(a < sequence < b for a, b in (*self._gaps, *self._pending))
 
     def never_issued(self, sequence: int) -> bool:
         with self._lock:
-            return self._never_issued(sequence)
+            return sequence > self._mark or self._in_gap(sequence)
 
     def saw(self, sequences: Iterable[int], first: bool = False) -> None:
         """Numbers go on above every one seen (the skipped ones are a gap, written with the next
@@ -304,8 +305,7 @@ class SqliteStore(StateStore):
             for sequence in seen if first else ():
                 # above the mark is not enough: a number issued without a record (a refused
                 # allocation, one still in flight) has passed it, and the next record's mark will
-                if self._start_mark < sequence <= self._issued and not any(
-                        a < sequence < b for a, b in (*self._gaps, *self._pending)):
+                if self._start_mark < sequence <= self._issued and not self._in_gap(sequence):
                     keep.append((sequence - 1, sequence + 1))
             highest = max(seen, default=0)
             if highest > self._issued:

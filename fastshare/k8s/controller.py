@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kubernetes import client, watch
+from kubernetes import client
 
 from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool
 from fastshare.controller.core import AgentFailed, Busy, ControllerCore, KeyConflict, Rejected
@@ -51,6 +51,7 @@ from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.k8s.leader import Deposed, Fence, LeaderElector
+from fastshare.k8s.listwatch import ListWatch, pages, raw
 from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, extended_used, host_left, pods_left
 from fastshare.k8s.peers import PodPeers
 from fastshare.k8s.podaffinity import (
@@ -123,15 +124,6 @@ class KubeSettings:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _raw(response: Any) -> dict[str, Any]:
-    """The JSON of a ``_preload_content=False`` response. Pods are handled as plain dicts: the
-    client's typed models cost ~7 ms per Pod to build, which dominated a 50-replica pass."""
-    try:
-        return json.loads(response.data)
-    finally:
-        response.release_conn()
 
 
 def api_message(exc: client.ApiException) -> str:
@@ -327,6 +319,7 @@ class KubeController:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
                                                            thread_name_prefix="replica")
         self._stop = threading.Event()
+        self._listwatch = ListWatch(self._stop, self.settings.watch_timeout)
         self._threads: list[threading.Thread] = []
 
     # -- life cycle --------------------------------------------------------------------------------
@@ -460,108 +453,16 @@ class KubeController:
         for key in sorted(keys):
             self.queue.add(key)
 
-    def _stream(self, list_fn: Callable[..., Any], on_event: Callable[[str, dict[str, Any]], None],
-                on_list: Callable[[dict[str, Any]], None] | None = None, page: int = 0,
-                on_progress: Callable[[str], None] | None = None, **kwargs: Any) -> None:
-        """List (``on_list``, then each item as "LISTED"), then watch from the list's
-        resourceVersion (``on_event(type, object)``). A watch that ends (its timeout, a network
-        blip, an API server restart) is renewed from the last resourceVersion it saw (an event's
-        or a bookmark's): listing a big cluster again every ``watch_timeout`` was a steady load on
-        the API server. An ERROR event (the API server's Status on the watch: 410 Gone for a version
-        it no longer has, "too large resource version" after an etcd restore) lists again, as
-        client-go's reflector does; resuming from that version would be refused for good.
-        ``on_progress(version)``: every event up to ``version`` was handled
-        (at each renewal; the caches forget their tombstones up to it there, see WatchCache).
-        ``page`` > 0: list in pages of that many, and ``on_list`` gets the items as an iterator
-        that fetches them page by page (each item goes to ``on_event`` as it is read)."""
-        version: str | None = None
-        while not self._stop.is_set():
-            try:
-                if version is None:
-                    version = self._list_into(list_fn, on_event, on_list, page, **kwargs)
-                with contextlib.closing(self._watch(list_fn, version, **kwargs)) as events:
-                    for event in events:
-                        if self._stop.is_set():
-                            return
-                        obj = event["object"]
-                        if event["type"] == "ERROR":   # the API server refuses this version
-                            version = None
-                            raise client.ApiException(status=obj.get("code"),
-                                                      reason=f"{obj.get('reason')}: {obj.get('message')}")
-                        if event["type"] != "BOOKMARK":
-                            on_event(event["type"], obj)
-                        version = obj["metadata"]["resourceVersion"]
-                if on_progress is not None:
-                    on_progress(version)
-            except Exception as exc:  # the API server restarted, a network blip: resume; 410 Gone: relist
-                if isinstance(exc, client.ApiException) and exc.status == 410:   # on the request itself
-                    version = None
-                if not self._stop.is_set():
-                    log.info("watch %s %s: %s", getattr(list_fn, "__name__", "?"),
-                             "lists again" if version is None else f"resumes from {version}", exc)
-                    self._stop.wait(1.0)
-
-    def _list_into(self, list_fn: Callable[..., Any], on_event: Callable[[str, dict[str, Any]], None],
-                   on_list: Callable[[dict[str, Any]], None] | None, page: int, **kwargs: Any) -> str:
-        """One full listing handed on (see _stream); its resourceVersion."""
-        if page > 0:
-            listing = self._paged(list_fn, page, on_event, **kwargs)
-            if on_list is not None:
-                on_list(listing)
-            for _ in listing["items"]:   # what on_list did not read
-                pass
-        else:
-            listing = _raw(list_fn(**kwargs, _preload_content=False))
-            if on_list is not None:
-                on_list(listing)
-            for item in listing["items"]:
-                on_event("LISTED", item)
-        return listing["metadata"]["resourceVersion"]
-
-    def _watch(self, list_fn: Callable[..., Any], since: str, /, **kwargs: Any) -> Iterator[dict[str, Any]]:
-        """The events (bookmarks and errors included) of one watch request from ``since``,
-        until its timeout. Not the client's Watch: without deserializing, it raises KeyError on
-        the ERROR event that says 410 Gone."""
-        response = list_fn(**kwargs, watch=True, resource_version=since, allow_watch_bookmarks=True,
-                           timeout_seconds=self.settings.watch_timeout, _preload_content=False)
-        try:
-            for line in watch.watch.iter_resp_lines(response):
-                if line.strip():
-                    yield json.loads(line)
-        finally:
-            response.close()
-            response.release_conn()
-
-    @staticmethod
-    def _paged(list_fn: Callable[..., Any], page: int, on_event: Callable[[str, dict[str, Any]], None],
-               **kwargs: Any) -> dict[str, Any]:
-        """A listing whose ``items`` are read page by page (the first page now, for the
-        resourceVersion that every page of one listing shares)."""
-        first = _raw(list_fn(**kwargs, limit=page, _preload_content=False))
-
-        def items() -> Any:
-            listing = first
-            while True:
-                for item in listing["items"]:
-                    on_event("LISTED", item)
-                    yield item
-                token = listing["metadata"].get("continue")
-                if not token:
-                    return
-                listing = _raw(list_fn(**kwargs, limit=page, _continue=token, _preload_content=False))
-
-        return {"metadata": first["metadata"], "items": items()}
-
     def _watch_fastpods(self) -> None:
         def on_fastpod(_: str, obj: dict[str, Any]) -> None:
             self.queue.add((obj["metadata"]["namespace"], obj["metadata"]["name"]))
 
         if self.settings.namespace:
-            self._stream(self.objects.list_namespaced_custom_object, on_fastpod, group=GROUP,
-                         version=VERSION, namespace=self.settings.namespace, plural=PLURAL)
+            self._listwatch.run(self.objects.list_namespaced_custom_object, on_fastpod, group=GROUP,
+                                version=VERSION, namespace=self.settings.namespace, plural=PLURAL)
         else:
-            self._stream(self.objects.list_cluster_custom_object, on_fastpod, group=GROUP, version=VERSION,
-                         plural=PLURAL)
+            self._listwatch.run(self.objects.list_cluster_custom_object, on_fastpod, group=GROUP,
+                                version=VERSION, plural=PLURAL)
 
     def _watch_pods(self) -> None:
         def on_list(listing: dict[str, Any]) -> None:
@@ -577,11 +478,12 @@ class KubeController:
                 self.queue.add((_meta(pod)["namespace"], owner))
 
         if self.settings.namespace:
-            self._stream(self.pods.list_namespaced_pod, on_pod, on_list, on_progress=self.podcache.caught_up,
-                         namespace=self.settings.namespace, label_selector=FASTPOD_LABEL)
+            self._listwatch.run(self.pods.list_namespaced_pod, on_pod, on_list,
+                                on_progress=self.podcache.caught_up, namespace=self.settings.namespace,
+                                label_selector=FASTPOD_LABEL)
         else:
-            self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list,
-                         on_progress=self.podcache.caught_up, label_selector=FASTPOD_LABEL)
+            self._listwatch.run(self.pods.list_pod_for_all_namespaces, on_pod, on_list,
+                                on_progress=self.podcache.caught_up, label_selector=FASTPOD_LABEL)
 
     def _watch_node_pods(self) -> None:
         """Every namespace's bound Pods (the kubelet counts them all), for node usage."""
@@ -602,8 +504,9 @@ class KubeController:
             self.usage.caught_up(version)
             self.peers.caught_up(version)
 
-        self._stream(self.pods.list_pod_for_all_namespaces, on_pod, on_list, page=self.settings.list_page,
-                     on_progress=on_progress, field_selector=FIELD_SELECTOR)
+        self._listwatch.run(self.pods.list_pod_for_all_namespaces, on_pod, on_list,
+                            page=self.settings.list_page, on_progress=on_progress,
+                            field_selector=FIELD_SELECTOR)
 
     def _housekeeping(self) -> None:
         s = self.settings
@@ -817,7 +720,7 @@ class KubeController:
                                 **{var: f"/run/fastshare/mps/dry-run/{var.lower()}" for var in MPS_PATH_ENV}})
         pod = replica_pod(fastpod, f"{meta['name']}-dry-run", probe, self.settings.gpu_node_label)
         try:
-            admitted = _raw(self.pods.create_namespaced_pod(meta["namespace"], pod, dry_run="All",
+            admitted = raw(self.pods.create_namespaced_pod(meta["namespace"], pod, dry_run="All",
                                                             _preload_content=False))
         except client.ApiException as exc:
             if exc.status in (409, 429) or exc.status >= 500:
@@ -966,15 +869,10 @@ class KubeController:
         return {node: f"have host port {port} in use" for node, taken in used.items()
                 if (port := port_taken(ports, taken)) is not None}
 
-    def _listed(self, list_fn: Callable[..., Any]) -> Any:
+    def _listed(self, list_fn: Callable[..., Any]) -> Iterator[dict[str, Any]]:
         """Every object of a cluster-wide listing, read a page at a time."""
-        token = None
-        while True:
-            page = _raw(list_fn(limit=self.settings.list_page, _continue=token, _preload_content=False))
+        for page in pages(list_fn, self.settings.list_page):
             yield from page["items"]
-            token = page["metadata"].get("continue")
-            if not token:
-                return
 
     def _namespace_labels(self) -> dict[str, dict[str, str]]:
         """Every Namespace's labels (only when a term selects namespaces by them)."""
@@ -1034,7 +932,7 @@ class KubeController:
                                 "message": str(exc)}
         try:
             self.fence.check()
-            pod = _raw(self.pods.create_namespaced_pod(namespace, replica_pod(
+            pod = raw(self.pods.create_namespaced_pod(namespace, replica_pod(
                 fastpod, pod_name, allocation, self.settings.gpu_node_label), _preload_content=False))
             self.podcache.put(pod)
             self.peers.put(pod)
@@ -1093,7 +991,7 @@ class KubeController:
         next pass does not count it as live and delete another one."""
         self.fence.check()
         try:
-            pod = _raw(self.pods.delete_namespaced_pod(name, namespace, _preload_content=False))
+            pod = raw(self.pods.delete_namespaced_pod(name, namespace, _preload_content=False))
         except client.ApiException as exc:
             if exc.status != 404:
                 raise

@@ -631,12 +631,13 @@ class ControllerCore:
     # -- shares newer than the state store ----------------------------------------------------------
     def saw(self, node: str, inventory: agent_pb2.Inventory) -> None:
         """Before a node's inventory is judged: this process numbers above every share in it, and
-        its first inventory of the node is judged as at this process's start (see ``StateStore.saw``).
-        A node stays sighted when forgotten: this process's records of its shares say what they are."""
+        its first inventory of the node is judged as at this process's start, or as at the earlier
+        start since which no process reached it (see ``StateStore.saw``). A node stays sighted when
+        forgotten: this process's records of its shares say what they are."""
         sequences = [seq for s in (*inventory.shares, *inventory.lost_shares)
                      if (seq := sequence_of(s.id)) is not None]
         with self._sight_lock:
-            self.store.saw(sequences, first=node not in self._sighted)
+            self.store.saw(sequences, first_of="" if node in self._sighted else node)
             self._sighted.add(node)
 
     def newer_than_store(self, inventory: agent_pb2.Inventory) -> list[agent_pb2.Share]:

@@ -45,7 +45,7 @@ from fastshare.sqlite_file import GroupSync, open_state_file
 
 log = logging.getLogger("fastshare.controller")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -107,6 +107,11 @@ _MIGRATIONS: dict[int, str] = {
     5: """
     ALTER TABLE gpus ADD COLUMN lost TEXT NOT NULL DEFAULT ''
     """,
+    # The nodes not reached since a start, with the mark of the earliest such start: what their
+    # first inventory is judged against (see ``SqliteStore.saw``), also after restarts meanwhile.
+    6: """
+    CREATE TABLE unreached_nodes (node TEXT PRIMARY KEY, mark INTEGER NOT NULL)
+    """,
 }
 
 _JSON_FIELDS = {"devices", "env", "assignment", "spec"}
@@ -158,6 +163,12 @@ class SqliteStore(StateStore):
         self._mark: int = self._db.execute("SELECT mark FROM sequence").fetchone()[0]
         self._gaps = [tuple(r) for r in self._db.execute("SELECT after, before FROM sequence_gaps")]
         self._start_mark = self._mark   # what this database had issued when this process started
+        # Every known node is judged, when first reached, against the mark of the earliest start
+        # since which it was not reached: this one's, unless one before it left it unreached.
+        self._db.execute("INSERT OR IGNORE INTO unreached_nodes (node, mark) SELECT name, ? FROM nodes",
+                         (self._mark,))
+        self._group.committed()
+        self._unreached: dict[str, int] = dict(self._db.execute("SELECT node, mark FROM unreached_nodes"))
         # This process numbers from the clock on; the numbers it skips (from the mark to its first
         # one, and past the shares it sees, see ``saw``) are gaps, written with the next record.
         clock = time.time_ns() // 1000
@@ -170,10 +181,11 @@ class SqliteStore(StateStore):
                         "recorded (%d, from the clock at %s): new numbers go on from it. If the clock was "
                         "stepped back, or this database restored onto a host whose clock is behind, "
                         "shares allocated after the backup may carry numbers this controller issues too: "
-                        "one on a node it cannot reach now is still adopted when the node is back, but if "
-                        "the controller restarts before that, it is taken for an orphan and freed under its "
-                        "workload. Set the clock right (NTP), and do not restart the controller until every "
-                        "node is back",
+                        "one on a node it knows but cannot reach now is still adopted when the node is "
+                        "back (also after a restart), but one on a node this database does not know "
+                        "(registered after the backup) is taken for an orphan and freed under its workload "
+                        "if the controller restarts before that node is back. Set the clock right (NTP), "
+                        "and do not restart the controller until every node is back",
                         self.path, _when(clock), self._mark, _when(self._mark))
 
     def _migrate(self) -> None:
@@ -264,11 +276,13 @@ class SqliteStore(StateStore):
             try:
                 self._db.execute("DELETE FROM gpus WHERE node = ?", (name,))
                 self._db.execute("DELETE FROM nodes WHERE name = ?", (name,))
+                self._db.execute("DELETE FROM unreached_nodes WHERE node = ?", (name,))
                 self._db.execute("COMMIT")
                 self._group.committed()
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+            self._unreached.pop(name, None)   # back one day, it is a new node: judged as at this start
 
     def mark_node(self, name: str, *, available: bool, last_heartbeat: float | None = None) -> None:
         with self._lock:
@@ -293,19 +307,22 @@ class SqliteStore(StateStore):
         with self._lock:
             return sequence > self._mark or self._in_gap(sequence)
 
-    def saw(self, sequences: Iterable[int], first: bool = False) -> None:
+    def saw(self, sequences: Iterable[int], first_of: str = "") -> None:
         """Numbers go on above every one seen (the skipped ones are a gap, written with the next
-        record: until a record above them is, they are above the mark anyway). ``first``: one
-        this database had not issued when this process started and this process's numbers
-        passed since (its node was away, the clock behind it) is remembered as never issued,
-        in a commit of its own, made durable before this returns."""
+        record: until a record above them is, they are above the mark anyway). ``first_of``: the
+        node whose first inventory this process read. A number this database had not issued at
+        the start the node is judged against (this process's; for a known node no process reached
+        since an earlier start, that start's, kept in ``unreached_nodes``) and that numbering
+        passed since (its node was away, the clock behind it) is remembered as never issued, and
+        the node's entry dropped, in a commit of its own, made durable before this returns."""
         keep = []
         with self._lock:
             seen = list(sequences)   # each below 16**14 (see ``sequence_of``): no overflow numbering on
-            for sequence in seen if first else ():
+            since = self._unreached.get(first_of, self._start_mark)
+            for sequence in seen if first_of else ():
                 # above the mark is not enough: a number issued without a record (a refused
                 # allocation, one still in flight) has passed it, and the next record's mark will
-                if self._start_mark < sequence <= self._issued and not self._in_gap(sequence):
+                if since < sequence <= self._issued and not self._in_gap(sequence):
                     keep.append((sequence - 1, sequence + 1))
             highest = max(seen, default=0)
             if highest > self._issued:
@@ -314,18 +331,21 @@ class SqliteStore(StateStore):
                 else:
                     self._pending.append((self._issued, highest + 1))
                 self._issued = highest
-            if keep:
+            judged = bool(keep) or first_of in self._unreached
+            if judged:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     self._db.executemany("INSERT INTO sequence_gaps (after, before) VALUES (?, ?)", keep)
+                    self._db.execute("DELETE FROM unreached_nodes WHERE node = ?", (first_of,))
                     self._db.execute("COMMIT")
                 except BaseException:
                     if self._db.in_transaction:
                         self._db.execute("ROLLBACK")
                     raise
                 self._gaps += keep
+                self._unreached.pop(first_of, None)
                 self._group.committed()
-        if keep:
+        if judged:
             self.sync()
 
     def create_allocation(self, allocation: Allocation) -> None:

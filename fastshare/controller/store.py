@@ -94,15 +94,16 @@ class StateStore(abc.ABC):
         from a backup, or its last commits lost), not an orphan. Atomic with ``create_allocation``."""
         return False
 
-    def saw(self, sequences: Iterable[int], first: bool = False) -> None:  # noqa: B027 - no sequence here
+    def saw(self, sequences: Iterable[int], first_of: str = "") -> None:  # noqa: B027 - no sequence here
         """The sequence numbers of the shares an agent holds (its inventory was read). Numbers
         issued from then on are above every one: a clock behind them (stepped back, or the store
         restored onto a host whose clock is behind) must not issue numbers among them, whose mark
-        would then pass a share the store lost, taken for an orphan from then on. ``first``: the
-        first inventory of its node this process read (none of its shares is this process's, which
-        places nothing on a node before it read its inventory): a number the store had not issued
-        when this process started stays never issued, also one this process's numbers have
-        passed since (the node was away meanwhile)."""
+        would then pass a share the store lost, taken for an orphan from then on. ``first_of``:
+        the node whose first inventory this process read (none of its shares is this process's,
+        which places nothing on a node before it read its inventory): a number the store had not
+        issued when this process started (or, for a node the store knew and no process reached
+        since, when the first of those processes started) stays never issued, also one numbering
+        has passed since (the node was away meanwhile)."""
 
     def prune_finished(self, before: float) -> int:
         """Forget released and failed allocations last changed before ``before`` (unix seconds);

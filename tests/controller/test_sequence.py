@@ -350,3 +350,93 @@ def test_a_number_passed_by_a_refused_allocation_is_still_judged_as_at_start(tmp
         assert lost in agents.nodes["n2"].shares and core.get(lost).state is State.ACTIVE
     finally:
         store.close()
+
+
+def test_a_node_still_away_across_restarts_is_judged_as_at_the_start_it_was_first_away(tmp_path):
+    """The clock passes a lost share's number while its node is away, and the controller restarts
+    (twice) before the node is back: the restarted one judged the node against its own start,
+    took the share for an orphan and freed it under its workload. The ranges the node must be
+    judged against are kept in state.db until it is reached: the share is adopted."""
+    agents = _Agents()
+    _known_nodes(tmp_path / "state.db", agents)
+    lost = _hold(agents.nodes["n2"], _ahead(2), "team/lost")
+    agents.down.add("n2")
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        assert time.time_ns() // 1000 < sequence_of(lost), "the start took too long for this test"
+        core = ControllerCore(store, agents)
+        Reconciler(core).start()
+        while time.time_ns() // 1000 <= sequence_of(lost):
+            time.sleep(0.05)
+        after = _mps(core)                           # the mark passes the lost share's number
+        assert sequence_of(after.id) > sequence_of(lost)
+    finally:
+        store.close()
+    for _ in range(2):                               # restarted, n2 still away
+        store = SqliteStore(tmp_path / "state.db")
+        try:
+            core = ControllerCore(store, agents)
+            assert not Reconciler(core).start().orphans_freed
+            _mps(core)
+        finally:
+            store.close()
+
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        core = ControllerCore(store, agents)
+        reconciler = Reconciler(core)
+        reconciler.start()
+        agents.down.clear()
+        core.register_node("n2", "127.0.0.1:2", {})
+        report = reconciler.run_once()
+        assert report.adopted == [lost] and not report.orphans_freed, report
+        assert lost in agents.nodes["n2"].shares and core.get(lost).state is State.ACTIVE
+    finally:
+        store.close()
+    store = SqliteStore(tmp_path / "state.db")       # judged once: the next start judges n2 as usual
+    try:
+        assert not store.never_issued(sequence_of(after.id)) and store.never_issued(sequence_of(lost))
+        core = ControllerCore(store, agents)
+        report = Reconciler(core).start()
+        assert not report.orphans_freed and not report.adopted, report
+    finally:
+        store.close()
+
+
+def test_an_away_node_is_judged_against_its_earliest_start_until_reached_or_forgotten(tmp_path):
+    """The store keeps, for each known node not reached since a start, that start's mark: its
+    first inventory is judged against it across restarts, once; a forgotten node loses it (back
+    one day, it is a new node, judged as at the start of the process that sees it)."""
+    from fastshare.controller.model import Node
+
+    def passed(store: SqliteStore, sequence: int) -> None:   # numbering went past it (clock behind)
+        store.create_allocation(Allocation(id=new_id(sequence), spec=Spec(Kind.MPS, memory_bytes=GiB),
+                                           owner="me", state=State.RELEASED, node="n3",
+                                           created_at=time.time()))
+
+    path = tmp_path / "state.db"
+    store = SqliteStore(path)
+    for name in ("n1", "n2"):
+        store.put_node(Node(name=name, address=f"h:{name}"))
+    store.close()
+    on_n1, on_n2, later = _ahead(3600), _ahead(3601), _ahead(3602)
+    store = SqliteStore(path)                     # n1 and n2 away from this start on
+    passed(store, later + 10)
+    store.close()
+    store = SqliteStore(path)                     # restarted, both still away
+    try:
+        assert not store.never_issued(on_n1) and not store.never_issued(on_n2)
+        store.delete_node("n1")                   # forgotten
+        store.saw([on_n1], first_of="n1")
+        assert not store.never_issued(on_n1), "a forgotten node is judged as a new one"
+        store.saw([on_n2], first_of="n2")
+        assert store.never_issued(on_n2)
+    finally:
+        store.close()
+    store = SqliteStore(path)
+    try:
+        assert store.never_issued(on_n2) and not store.never_issued(on_n1)
+        store.saw([later], first_of="n2")         # judged once: now as at this start
+        assert not store.never_issued(later)
+    finally:
+        store.close()

@@ -189,3 +189,31 @@ def test_serve_refuses_a_newer_state_file_without_a_traceback(tmp_path):
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit), result.exception
     assert "has schema version 99, this fastshare knows up to" in result.output
+
+
+def test_a_version_5_state_file_is_migrated_and_its_away_nodes_judged_from_then_on(tmp_path):
+    """A state.db from before the nodes' start marks were kept opens; its nodes not reached since
+    are judged as at that first start, also after a restart."""
+    from fastshare.controller.core import new_id
+    from fastshare.controller.sqlite_store import _MIGRATIONS
+
+    db = sqlite3.connect(tmp_path / "state.db")
+    for version in range(1, 6):
+        db.executescript(_MIGRATIONS[version])
+    db.execute("INSERT INTO nodes (name, address, labels, inventory, available, last_heartbeat, "
+               "registered_at) VALUES ('n1', 'h:1', '{}', '{}', 1, 2.0, 1.0)")
+    db.execute("PRAGMA user_version = 5")
+    db.commit()
+    db.close()
+    lost = (time.time_ns() // 1000) + 3600 * 10**6
+    s = SqliteStore(tmp_path / "state.db")
+    assert s.schema_version() == SCHEMA_VERSION and s.get_node("n1").address == "h:1"
+    s.create_allocation(_alloc(new_id(lost + 10)))   # numbering passed the share n1 holds
+    s.close()
+    s = SqliteStore(tmp_path / "state.db")
+    try:
+        assert not s.never_issued(lost)
+        s.saw([lost], first_of="n1")
+        assert s.never_issued(lost)
+    finally:
+        s.close()

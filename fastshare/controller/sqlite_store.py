@@ -314,7 +314,8 @@ class SqliteStore(StateStore):
         the start the node is judged against (this process's; for a known node no process reached
         since an earlier start, that start's, kept in ``unreached_nodes``) and that numbering
         passed since (its node was away, the clock behind it) is remembered as never issued, and
-        the node's entry dropped, in a commit of its own, made durable before this returns."""
+        the node's entry dropped, in a commit of its own, made durable (when it kept a number)
+        before this returns."""
         keep = []
         with self._lock:
             seen = list(sequences)   # each below 16**14 (see ``sequence_of``): no overflow numbering on
@@ -345,7 +346,7 @@ class SqliteStore(StateStore):
                 self._gaps += keep
                 self._unreached.pop(first_of, None)
                 self._group.committed()
-        if judged:
+        if keep:   # a drop alone need not be: lost to a power loss (with all after it), it is judged again
             self.sync()
 
     def create_allocation(self, allocation: Allocation) -> None:

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid as uuidlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastshare import __version__
 from fastshare.device import mig_layout
@@ -143,6 +143,7 @@ class Agent:
         self._generation = 1
         self._gpus: list[GpuInfo] = []
         self._lost_logged: set[int] = set()   # indexes of the lost GPUs already logged
+        self._named_by_journal: dict[int, str] = {}   # see _name_lost
         self._profiles: dict[str, list[MigProfile]] = {}
         self._topology: tuple[tuple[int, int, int], ...] | None = None   # see _links
         self._mps_health: dict[str, bool] = {}
@@ -179,7 +180,7 @@ class Agent:
     def refresh_devices(self) -> list[GpuInfo]:
         """Re-read GPUs and MIG devices (after MIG changes and periodically)."""
         with self._refresh_lock:
-            gpus = self.devices.gpus()
+            gpus = self._name_lost(self.devices.gpus())
             self._log_lost(gpus)
             mode = {g.uuid: g.mig_current for g in self._gpus}
             for gpu in gpus:
@@ -192,6 +193,26 @@ class Agent:
                     self._profiles[gpu.uuid] = self.devices.mig_profiles(gpu.index)
             self._gpus = gpus
             return gpus
+
+    def _name_lost(self, gpus: list[GpuInfo]) -> list[GpuInfo]:
+        """A GPU lost before this agent first read it is listed without its UUID (NVML answers
+        nothing about it). The journal names the GPUs its shares, MIG instances and MPS daemons
+        are on: when exactly one GPU is lost unnamed and exactly one GPU UUID of the journal is on
+        no GPU read, that is its UUID, kept until the GPU answers again (also once its shares are
+        dropped). With more of either, which is which cannot be told: they stay unnamed."""
+        unnamed = [g.index for g in gpus if g.lost and not g.uuid]
+        self._named_by_journal = {i: u for i, u in self._named_by_journal.items() if i in unnamed}
+        if len(unnamed) == 1 and not self._named_by_journal:
+            journaled = {u for r in self.journal.shares() for u in (*r.spec.device_uuids, r.device_uuid)}
+            journaled |= {m.gpu_uuid for m in self.journal.migs()}
+            journaled |= {d.gpu_uuid for d in self.journal.mps_daemons()}
+            missing = [u for u in journaled - {g.uuid for g in gpus} if u.startswith("GPU-")]
+            if len(missing) == 1:
+                self._named_by_journal[unnamed[0]] = missing[0]
+                log.warning("GPU %d, lost before the agent read it, is taken for %s: the only GPU the "
+                            "journal names that no GPU read is", unnamed[0], missing[0])
+        return [replace(g, uuid=self._named_by_journal[g.index]) if g.index in self._named_by_journal
+                else g for g in gpus]
 
     def _log_lost(self, gpus: list[GpuInfo]) -> None:
         """Once per GPU that became lost: an ERROR saying what happened and what to do."""

@@ -157,3 +157,30 @@ def test_a_gpu_lost_while_shares_are_held_on_both_gpus_ends_only_its_share(clust
     assert output.count(f"GPU 1 ({lost_uuid}) is lost (fell off the bus?)") == 1, output
     assert "Drain the node" in output and "reboot" in output
     assert_consistent(cluster)
+
+
+def test_a_gpu_lost_while_its_agent_was_down_is_reported_lost_with_its_uuid(cluster):
+    """GPU 1 falls off the bus while its node agent is stopped, under a whole-GPU allocation. The
+    restarted agent cannot read it (no UUID): the controller saw no GPU with the allocation's UUID
+    and ended it as "no longer on node n1 (removed, replaced ...)", and `fastshare status` listed
+    the lost GPU without UUID. Now the agent names it from its journal (the share on it): the
+    allocation ends failed as lost, naming the GPU, and the controller's view has its UUID."""
+    cluster.add_machine("n1", ["V100-SXM2-32GB"] * 2)
+    cluster.start_controller()
+    agent = cluster.start_agent("n1", config=FAST)
+    client = cluster.client()
+    kept = allocate(client, "whole", gpu_count=1)
+    held = allocate(client, "whole", gpu_count=1)
+    assert [a.devices[0].gpu_index for a in (kept, held)] == [0, 1]
+    lost_uuid = held.devices[0].gpu_uuid
+    agent.stop()
+    simnvml.lose_gpu(cluster.root / "n1.json", 1)
+    cluster.start_agent("n1", config=FAST)
+
+    _ended_failed(cluster, held.id)
+    reason = _get(client, held.id).reason
+    assert f"GPU {lost_uuid} (GPU 1) is lost (fell off the bus?)" in reason, reason
+    assert states(cluster)[kept.id] == "active"
+    gpus = cluster.node("n1").gpus
+    assert [(g.uuid, g.lost) for g in gpus][1] == (lost_uuid, "GPU_IS_LOST")
+    assert_consistent(cluster)

@@ -485,3 +485,49 @@ def test_a_held_slice_a_forced_layout_failed_to_destroy_is_not_later_blamed_on_i
     agent.devices.destroy_mig_instance(GPU_MIG, 0)                         # by hand, later
     agent.housekeeping()
     assert "outside fastshare" in _lost(agent)["ex"] and "forced" not in _lost(agent)["ex"], _lost(agent)
+
+
+def test_a_gpu_lost_before_the_agent_read_it_is_named_by_the_journal(agent, tmp_path, caplog):
+    """A GPU that fell off the bus while the agent was down is listed without its UUID (NVML
+    answers GPU_IS_LOST before the agent ever read it). The whole share on it was then dropped as
+    "no longer on this node (removed, replaced ...)", the ERROR said "UUID unknown", and the
+    controller, seeing no GPU with the share's UUID, took the GPU for gone. The journal's shares
+    name the GPU: the only GPU UUID there that no GPU read has is the lost GPU's, when exactly one
+    GPU is lost without a UUID. It is kept once the share is dropped, until the GPU answers."""
+    gpu = agent.devices.gpus()[GPU_A].uuid
+    agent.prepare(ShareSpec("w", "whole", (gpu,), owner="team/a"), Deadline(60))
+    agent.journal.close()
+    simnvml.lose_gpu(agent.config.sim_state, GPU_A)
+    restarted = in_process_agent(tmp_path, Path(agent.config.run_dir), Path(agent.config.sim_state))
+    agent.journal = restarted.journal           # the fixture closes this one
+    assert [(g.uuid, g.lost) for g in restarted.snapshot().gpus][GPU_A] == (gpu, "GPU_IS_LOST")
+    reason = _lost(restarted)["w"]
+    assert f"GPU {gpu} (GPU {GPU_A}) is lost (fell off the bus?)" in reason, reason
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(f"GPU {GPU_A} ({gpu}) is lost" in e for e in errors), errors
+    restarted.housekeeping()                    # the share is gone from the journal: still named
+    assert restarted.snapshot().gpus[GPU_A].uuid == gpu
+    simnvml.reboot(agent.config.sim_state)      # it answers again: as read
+    assert [(g.uuid, g.lost) for g in restarted.refresh_devices()][GPU_A] == (gpu, "")
+
+
+def test_two_gpus_lost_before_the_agent_read_them_stay_unnamed(tmp_path):
+    """Which of two GPUs lost before the first read held which journaled UUID cannot be told
+    (the journal has no indexes): both stay without a UUID rather than one named wrongly."""
+    run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
+    machine = tmp_path / "m.json"
+    simnvml.create_machine(machine, ["V100-SXM2-32GB"] * 3)
+    agent = in_process_agent(tmp_path, run, machine)
+    try:
+        uuids = [g.uuid for g in agent.devices.gpus()]
+        for i in (0, 1):
+            agent.prepare(ShareSpec(f"w{i}", "whole", (uuids[i],)), Deadline(60))
+        agent.journal.close()
+        simnvml.lose_gpu(machine, 0)
+        simnvml.lose_gpu(machine, 1)
+        agent = in_process_agent(tmp_path, run, machine)
+        assert [(g.uuid, g.lost) for g in agent.snapshot().gpus] == [
+            ("", "GPU_IS_LOST"), ("", "GPU_IS_LOST"), (uuids[2], "")]
+    finally:
+        agent.journal.close()
+        shutil.rmtree(run, ignore_errors=True)

@@ -174,9 +174,16 @@ def status(unix_socket: str, as_json: bool) -> None:
         return
     print_table(f"node {inv.node_name} (agent {inv.agent_version}, driver {inv.driver_version})",
                 ["gpu", "uuid", "name", "MIG", "mig devices"],
-                [[g.index, g.uuid, g.name, "on" if g.mig_enabled else ("pending" if g.mig_pending else "off"),
+                [[g.index, g.uuid or "-", g.name or "-",
+                  "LOST" if g.lost else "on" if g.mig_enabled else ("pending" if g.mig_pending else "off"),
                   ", ".join(f"{m.profile_name}@{m.start}{'*' if m.created_by_agent else ''}"
                             for m in g.mig_devices)] for g in inv.gpus])
+    lost = [[g.index, g.uuid or "unknown (lost before the agent read it)", f"NVML_ERROR_{g.lost}"]
+            for g in inv.gpus if g.lost]
+    if lost:
+        print_table("lost GPUs (fell off the bus?): they take no new shares and the shares on them are "
+                    "dropped; drain the node, then reset the GPU (nvidia-smi -r) or reboot",
+                    ["gpu", "uuid", "NVML"], lost)
     print_table("shares", ["id", "kind", "devices", "owner"],
                 [[s.id, common_pb2.ShareKind.Name(s.kind).removeprefix("SHARE_KIND_").lower(),
                   ", ".join(s.device_uuids), s.owner] for s in inv.shares])

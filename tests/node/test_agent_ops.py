@@ -310,6 +310,25 @@ def test_cli_status_lists_a_share_lost_with_its_gpu_until_it_is_released(agent, 
     assert not agent.unix().GetInventory(INV, timeout=30).lost_shares
 
 
+def test_cli_status_shows_a_lost_gpu_as_lost(agent, sim_machine):
+    """`fastshare node status` listed a GPU fallen off the bus like a healthy one with MIG "off"
+    (and, lost before the agent read it, with a blank UUID and name): nothing on the node said it
+    was lost. Now its MIG cell says LOST and a table of lost GPUs names it, its NVML error and
+    what to do."""
+    agent.settings["reconcile_interval_s"] = 1
+    agent.start()
+    gpu = agent.unix().GetInventory(INV, timeout=30).gpus[GPU_B].uuid
+    simnvml.lose_gpu(sim_machine, GPU_B)
+    wait_for(lambda: agent.unix().GetInventory(INV, timeout=30).gpus[GPU_B].lost, what="the GPU lost")
+    table = subprocess.run([str(BIN / "fastshare"), "node", "status", "--unix-socket", agent.unix_socket],
+                           capture_output=True, text=True, timeout=120, check=True,
+                           env={**os.environ, "COLUMNS": "250"}).stdout
+    row, listed = [line for line in table.splitlines() if line.split()[:2] == [str(GPU_B), gpu]]
+    assert "LOST" in row and "off" not in row.split(), table
+    assert "NVML_ERROR_GPU_IS_LOST" in listed, table
+    assert "lost GPUs" in table and "NVML_ERROR_GPU_IS_LOST" in table and "reboot" in table, table
+
+
 def test_a_second_agent_on_the_same_state_directory_refuses_to_start(agent):
     """A second `fastshare node serve` on a running agent's state directory (run by hand while the
     unit runs) reconciled the journal and the GPUs under the first one's feet and took over its

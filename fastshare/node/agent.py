@@ -146,6 +146,7 @@ class Agent:
         self._named_by_journal: dict[int, str] = {}   # see _name_lost
         self._profiles: dict[str, list[MigProfile]] = {}
         self._topology: tuple[tuple[int, int, int], ...] | None = None   # see _links
+        self._topology_lost: set[int] = set()   # the GPUs lost when it was read (links unknown)
         self._mps_health: dict[str, bool] = {}
         self._ports_in_use: set[int] = set()
         self._refresh_lock = threading.Lock()
@@ -1008,14 +1009,17 @@ class Agent:
                         driver_version=self.devices.driver_version(), generation=self.generation,
                         boot_id=self.boot_id, gpus=gpus, profiles=dict(self._profiles),
                         agent_migs=migs, share_of_device=share_of_device, mps_daemons=daemons,
-                        shares=shares, lost_shares=lost, share_files=files, links=self._links(len(gpus)),
+                        shares=shares, lost_shares=lost, share_files=files, links=self._links(gpus),
                         mps_unavailable=self.mps.unavailable(),
                         mps_memory_oversubscription=self.config.mps_memory_oversubscription)
 
-    def _links(self, gpu_count: int) -> tuple[tuple[int, int, int], ...]:
-        """Every GPU pair's link (read once: the wiring does not change while the agent runs); none
-        when NVML cannot say, and the controller then places whole GPUs without topology."""
-        if self._topology is None or len(self._topology) != gpu_count * (gpu_count - 1) // 2:
+    def _links(self, gpus: list[GpuInfo]) -> tuple[tuple[int, int, int], ...]:
+        """Every GPU pair's link (read once: the wiring does not change while the agent runs; but
+        the links of a GPU lost at the time cannot be read, and are read again once it answers);
+        none when NVML cannot say, and the controller then places whole GPUs without topology."""
+        gpu_count, lost = len(gpus), {g.index for g in gpus if g.lost}
+        if (self._topology is None or len(self._topology) != gpu_count * (gpu_count - 1) // 2
+                or self._topology_lost - lost):
             try:
                 topology = self.devices.topology()
             except DeviceError as exc:
@@ -1023,6 +1027,7 @@ class Agent:
                 return ()
             self._topology = tuple((a, b, topology.level(a, b))
                                    for a in range(gpu_count) for b in range(a + 1, gpu_count))
+            self._topology_lost = lost
         return self._topology
 
 

@@ -531,3 +531,25 @@ def test_two_gpus_lost_before_the_agent_read_them_stay_unnamed(tmp_path):
     finally:
         agent.journal.close()
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_links_read_while_a_gpu_was_lost_are_read_again_once_it_answers(tmp_path):
+    """The GPU links are read once: read while GPU 1 was lost (its links unknown, taken for the
+    farthest), they stayed so after a GPU reset brought it back, and whole-GPU groups were placed
+    as if it had no NVLink until the agent restarted. They are read again once it answers; a GPU
+    lost later keeps the links as read (the wiring does not change, and it takes nothing)."""
+    run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
+    machine = tmp_path / "m.json"
+    simnvml.create_machine(machine, ["A100-SXM4-40GB"] * 3)
+    simnvml.lose_gpu(machine, 1)
+    agent = in_process_agent(tmp_path, run, machine)
+    try:
+        nvlink = {(0, 1, -1), (0, 2, -1), (1, 2, -1)}
+        assert set(agent.snapshot().links) == {(0, 1, 50), (0, 2, -1), (1, 2, 50)}
+        simnvml.reset_gpu(machine, 1)
+        assert set(agent.snapshot().links) == nvlink
+        simnvml.lose_gpu(machine, 2)
+        assert set(agent.snapshot().links) == nvlink
+    finally:
+        agent.journal.close()
+        shutil.rmtree(run, ignore_errors=True)

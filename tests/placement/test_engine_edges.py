@@ -151,3 +151,21 @@ def test_a_lost_gpu_takes_no_share_of_any_kind():
     assert "1 GPU(s) are lost (fell off the bus?): n1 GPU 1" in refused.reason, refused.reason
     eng.release("w1")
     assert eng.place(Request("f2", kind="fastpod", sm_percent=10, gpu_memory_mib=1024)).gpus == (0,)
+
+
+def test_a_lost_gpu_keeps_its_links_but_is_in_no_whole_group():
+    """The agent reads the links once: a GPU lost later keeps its NVLink in the node's view. It is
+    in no group handed out and is not counted as idle (checked for the lost-GPU work; passes)."""
+    from fastshare.controller.ledger import gpu_view
+
+    gpus = tuple(gpu_view(i, f"GPU-{i}", "A100-SXM4-40GB", 40 << 30, 108, True, False,
+                          lost="GPU_IS_LOST" if i == 1 else "") for i in range(4))
+    links = ((0, 1, 0), (0, 2, 5), (0, 3, 5), (1, 2, 5), (1, 3, 5), (2, 3, 0))
+    eng = Engine([NodeView("n1", 8000, 65536, gpus, links=links)])
+    assert eng.place(Request("w2", kind="whole", gpus=2)).gpus == (2, 3)
+    eng.release("w2")
+    assert eng.place(Request("w3", kind="whole", gpus=3)).gpus == (0, 2, 3)
+    eng.release("w3")
+    refused = eng.place(Request("w4", kind="whole", gpus=4))
+    assert "most idle GPUs on one node is 3" in refused.reason, refused.reason
+    assert "1 GPU(s) are lost (fell off the bus?): n1 GPU 1" in refused.reason, refused.reason

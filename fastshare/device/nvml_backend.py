@@ -28,8 +28,11 @@ _MIB = 1024 * 1024
 _MIG_READ_ATTEMPTS = 5   # MIG devices read again when one vanished mid-read (see _settled_instances)
 # What the calls on a GPU raise once it is lost (fallen off the bus, Xid 79; double-bit ECC or a
 # hang, Xid 48). NVML still counts the GPU. Not UNKNOWN, which some drivers give for a lost GPU
-# too: it is also what one passing failure (and any error value this module cannot name) reads as,
-# and a GPU taken for lost has its shares dropped for good; such a GPU fails the listing instead.
+# too (nvidia-smi: "Unable to determine the device handle for GPU ...: Unknown Error"): it is
+# also what a passing driver failure, the caller's device access lost to a cgroup reload (the
+# GPU and its workloads fine) and any error value this module cannot name read as, even when
+# read again, and a GPU taken for lost has its shares dropped for good. Such a GPU fails the
+# listing instead, naming the GPU and what to check (_unreadable).
 LOST_CODES = ("GPU_IS_LOST",)
 
 
@@ -41,6 +44,16 @@ def error_names(nvml: Any) -> dict[int, str]:
 def error_code(nvml: Any, exc: BaseException, names: dict[int, str] | None = None) -> str:
     """NVML error name of an NVMLError ("IN_USE")."""
     return (names or error_names(nvml)).get(getattr(exc, "value", None), "UNKNOWN")  # type: ignore[arg-type]
+
+
+def _unreadable(index: int, last: GpuInfo | None, code: str) -> str:
+    """Why the GPUs cannot be listed: GPU ``index`` (as ``last`` read) answers NVML_ERROR_``code``."""
+    gpu = f"GPU {index}" + (f" ({last.uuid})" if last is not None else "")
+    hint = (f" (some drivers answer so for a GPU fallen off the bus: check the kernel log for Xid 79 "
+            f"naming it, then reset it (nvidia-smi -r -i {index}) or reboot; it is not taken for lost, "
+            "its shares are kept, as a passing driver failure or lost device access answer the same)"
+            if code == "UNKNOWN" else "")
+    return f"listing GPUs failed: {gpu} answers NVML_ERROR_{code}{hint}"
 
 
 def _text(value: Any) -> str:
@@ -103,10 +116,10 @@ class NvmlDevices(Devices):
                 try:
                     info = self._gpu_info(i)
                 except self._nvml.NVMLError as exc:
-                    if not self._is(exc, *LOST_CODES):
-                        raise
                     code = error_code(self._nvml, exc, self._errors)
                     last = self._last_read.get(i)
+                    if code not in LOST_CODES:
+                        raise DeviceError(_unreadable(i, last, code), code) from exc
                     info = (dataclasses.replace(last, lost=code, processes=0) if last is not None else
                             GpuInfo(index=i, uuid="", name="", memory_mib=0, sm_count=0, pci_bus_id="",
                                     mig_capable=False, mig_current=False, mig_pending=False,

@@ -102,3 +102,30 @@ def test_an_unknown_error_on_one_gpu_is_not_taken_for_a_lost_gpu(machine: Path, 
         with pytest.raises(DeviceError) as exc:
             devices.gpus()
         assert exc.value.code == "UNKNOWN"
+
+
+@pytest.mark.parametrize("read_before", [True, False])
+def test_an_unknown_error_on_one_gpu_names_the_gpu_and_what_it_may_be(machine: Path, monkeypatch,
+                                                                      read_before: bool):
+    """Some drivers answer NVML_ERROR_UNKNOWN for a GPU fallen off the bus; it is not taken for
+    lost (a passing driver failure, or the agent's device access lost to a cgroup reload, answer
+    the same, and the shares of a lost GPU are dropped for good). The listing failed with
+    "listing GPUs failed: NVML_ERROR_UNKNOWN", naming no GPU: the operator could not tell which
+    GPU, nor that it may have fallen off the bus. Now it names the GPU and says what to check."""
+    with open_devices("sim", machine) as devices:
+        uuid = devices.gpus()[1].uuid if read_before else None
+        nvml = devices._nvml
+        real = nvml.nvmlDeviceGetUUID
+
+        def failing(handle):
+            if nvml.nvmlDeviceGetIndex(handle) == 1:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+            return real(handle)
+
+        monkeypatch.setattr(nvml, "nvmlDeviceGetUUID", failing)
+        with pytest.raises(DeviceError) as exc:
+            devices.gpus()
+    message = str(exc.value)
+    assert exc.value.code == "UNKNOWN" and "GPU 1" in message and "NVML_ERROR_UNKNOWN" in message, message
+    assert "Xid 79" in message and "not taken for lost" in message, message
+    assert (uuid in message) if uuid else "GPU-" not in message, message

@@ -239,6 +239,11 @@ class Agent:
         return None
 
     def _gpu(self, gpu_uuid: str) -> GpuInfo:
+        if not gpu_uuid:   # not a GPU lost before it was read (listed without a UUID)
+            unnamed = [str(g.index) for g in self._gpus if g.lost and not g.uuid]
+            why = (f"; GPU {', '.join(unnamed)} of node {self.config.node_name} is lost (fell off the bus?) "
+                   "and was never read: it has none, and takes no shares or changes" if unnamed else "")
+            raise AgentError("INVALID_ARGUMENT", f"no GPU UUID given{why}")
         for attempt in range(2):
             for gpu in self._gpus:
                 if gpu.uuid == gpu_uuid:

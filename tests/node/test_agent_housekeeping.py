@@ -553,3 +553,23 @@ def test_links_read_while_a_gpu_was_lost_are_read_again_once_it_answers(tmp_path
     finally:
         agent.journal.close()
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_mig_change_for_a_gpu_lost_before_the_agent_read_it_is_refused_saying_so(agent, tmp_path):
+    """`fastshare mig enable/apply --gpu N` sends the UUID the agent's inventory gives GPU N: none
+    for a GPU lost before the agent read it. The agent took the empty UUID for the first GPU without
+    one: refused as "GPU  () does not support MIG", and with two such GPUs it acted on the other one.
+    Now an empty UUID is refused, saying which GPUs are lost and never read."""
+    agent.journal.close()
+    simnvml.lose_gpu(agent.config.sim_state, GPU_MIG)
+    restarted = in_process_agent(tmp_path, Path(agent.config.run_dir), Path(agent.config.sim_state))
+    agent.journal = restarted.journal           # the fixture closes this one
+    assert restarted.snapshot().gpus[GPU_MIG].uuid == ""
+    for change in (lambda: restarted.set_mig_mode("", False, Deadline(60)),
+                   lambda: apply_layout(restarted, "", {"3g.40gb": 1}, False, True, Deadline(60))):
+        with pytest.raises(AgentError) as refused:
+            change()
+        message = str(refused.value)
+        assert refused.value.code == "INVALID_ARGUMENT", message
+        assert f"GPU {GPU_MIG} of node p is lost" in message, message
+        assert "does not support MIG" not in message, message

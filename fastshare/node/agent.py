@@ -155,10 +155,6 @@ class Agent:
         self._files_written: dict[str, int] = {}
         # Names per device, built once (path objects were a tenth of the CPU of a prepare).
         self._device_paths: dict[str, tuple[str, str, str]] = {}
-        # MIG device UUID -> why it went, for the instances a forced layout destroyed under shares
-        # (see node.layout): their shares are dropped with that cause, not as destroyed by hand.
-        # UUIDs are never reused; a handful per forced layout change, kept for the process.
-        self.destroyed_by_layout: dict[str, str] = {}
 
     # --- bookkeeping -------------------------------------------------------------------------
 
@@ -759,6 +755,7 @@ class Agent:
         for row in self.journal.shares():
             with _step(actions, f"share {row.spec.id}"):
                 actions += self._reconcile_share(row, deadline)
+        self._settle_taken(self.journal.taken())   # a forced change the agent died before (or after)
         live = {r.spec.id for r in self.journal.shares()}
         present = {g.uuid for g in self._gpus}
         for m in self.journal.migs():
@@ -820,7 +817,7 @@ class Agent:
                 m.uuid == row.device_uuid for g in self._gpus for m in g.mig_instances):
             start = row.prepared.mig_start if row.spec.kind == "exclusive" and row.prepared else None
             where = f" (slice {start} of GPU {row.spec.device_uuids[0]})" if start is not None else ""
-            cause = self.destroyed_by_layout.get(row.device_uuid) or (
+            cause = self.journal.taken().get(row.device_uuid) or (   # a forced layout's (node.layout)
                 "destroyed outside fastshare (by hand, e.g. nvidia-smi mig -dci/-dgi, or by a GPU reset or a "
                 "reboot)")
             return f"its MIG device {row.device_uuid}{where} is gone: {cause}"
@@ -846,6 +843,19 @@ class Agent:
         else:
             self._undo(row, deadline)
         self.journal.delete_share(row.spec.id)
+        self._settle_taken([row.device_uuid])
+
+    def _settle_taken(self, devices: Iterable[str]) -> None:
+        """Forget why a forced change took each of ``devices`` (journaled before the change: see
+        node.layout) once no share is left to drop with that cause, or if the change did not
+        happen (NVML refused it, or the agent died before it): the device is still there."""
+        noted = self.journal.taken()
+        for device_uuid in devices:
+            if device_uuid not in noted:
+                continue
+            there = any(m.uuid == device_uuid for g in self._gpus for m in g.mig_instances)
+            if there or not self.journal.shares_on(device_uuid):
+                self.journal.forget_taken(device_uuid)
 
     def _drop_vanished(self) -> bool:
         """Housekeeping: drop the ready shares whose device went away while the agent ran (a MIG

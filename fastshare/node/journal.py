@@ -35,7 +35,7 @@ from pathlib import Path
 from fastshare.node.model import Prepared, ShareSpec
 from fastshare.sqlite_file import GroupSync, StateFileError, open_state_file
 
-SCHEMA_VERSION = 1   # tables added since (leader_term, lost_shares) are ones an older agent ignores
+SCHEMA_VERSION = 1   # an older agent ignores tables added since (leader_term, lost_shares, taken_devices)
 _SHARE_COLUMNS = "spec, state, device_uuid, port, prepared"
 _MPS_COLUMNS = "device_uuid, gpu_uuid, state, pid, compute_mode_set, sm_ceiling, mem_ceiling"
 _SELECT = object()   # Journal._write: read the share's row back
@@ -75,6 +75,12 @@ CREATE TABLE IF NOT EXISTS lost_shares (
     device_uuid TEXT NOT NULL,     -- the GPU or MIG device that is gone
     reason TEXT NOT NULL,
     owner TEXT NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS taken_devices (
+    device_uuid TEXT PRIMARY KEY,  -- a MIG device a forced layout destroys, a GPU a forced MIG enable takes
+    cause TEXT NOT NULL,           -- why its shares lose it: written before the change, so that a
+                                   -- restart drops them with it; gone once they are (or if it failed)
     updated REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS leader_term (
@@ -160,6 +166,8 @@ class Journal:
             self._lost: dict[str, LostShare] = {
                 r[0]: LostShare(*r) for r in self._db.execute(
                     "SELECT id, device_uuid, reason, owner FROM lost_shares")}
+            self._taken: dict[str, str] = dict(
+                self._db.execute("SELECT device_uuid, cause FROM taken_devices").fetchall())
             self._mps: dict[str, MpsRow] = {
                 r[0]: _mps_row(r) for r in self._db.execute(f"SELECT {_MPS_COLUMNS} FROM mps_daemons")}
 
@@ -290,6 +298,29 @@ class Journal:
     def lost_shares(self) -> list[LostShare]:
         with self._view:
             return [self._lost[k] for k in sorted(self._lost)]
+
+    # devices a forced MIG change takes from the shares on them ----------------------------
+
+    def note_taken(self, device_uuid: str, cause: str) -> None:
+        """Record why the shares on ``device_uuid`` lose it, before a forced change takes it."""
+        self._write("INSERT INTO taken_devices (device_uuid, cause, updated) VALUES (?, ?, ?) "
+                    "ON CONFLICT (device_uuid) DO UPDATE SET cause=excluded.cause, updated=excluded.updated",
+                    (device_uuid, cause, time.time()))
+        with self._view:
+            self._taken[device_uuid] = cause
+
+    def forget_taken(self, device_uuid: str) -> None:
+        with self._view:
+            if device_uuid not in self._taken:
+                return
+        self._write("DELETE FROM taken_devices WHERE device_uuid=?", (device_uuid,))
+        with self._view:
+            self._taken.pop(device_uuid, None)
+
+    def taken(self) -> dict[str, str]:
+        """Device UUID -> why a forced change took it from its shares (see :meth:`note_taken`)."""
+        with self._view:
+            return dict(self._taken)
 
     # MIG instances ------------------------------------------------------------------------
 

@@ -24,18 +24,19 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
     also when a later step fails."""
     gpu = agent._gpu(gpu_uuid)
     plan: mig_layout.Plan | None = None
-    destroyed: list[str] = []   # held instances this layout destroyed (only with force)
+    noted: list[str] = []   # held instances noted as destroyed by this layout (only with force)
     try:
         with agent._device_locks.hold(gpu_uuid, deadline):
             plan, placed, current, layout = _plan(agent, gpu, profiles, force)
             if apply and plan.changed:
                 try:
-                    _run_steps(agent, gpu, plan, placed, layout, destroyed)
+                    _run_steps(agent, gpu, plan, placed, layout, noted)
                 finally:   # before the lock goes: an MPS prepare looks its device up under it
                     agent.refresh_devices()
     finally:
-        if destroyed:
+        if noted:
             agent._drop_vanished()
+            agent._settle_taken(noted)   # the note of one NVML did not destroy goes too
         if apply and plan is not None and plan.changed:   # also after a failed step: watchers look again
             agent._changed()
     uuid_at = {m.start: m.uuid or "" for m in current}
@@ -71,26 +72,20 @@ def _plan(agent: Agent, gpu: GpuInfo, profiles: dict[str, int],
 
 
 def _run_steps(agent: Agent, gpu: GpuInfo, plan: mig_layout.Plan, placed: list[mig_layout.Placed],
-               layout: str, destroyed: list[str]) -> None:
+               layout: str, noted: list[str]) -> None:
     """Under the GPU's lock. A held instance (destroyed only with force: the plan keeps held
-    instances otherwise) is noted as destroyed by this layout before it goes, so its shares are
-    dropped with that cause, not as destroyed by hand (the note goes again if NVML refuses), and
-    added to ``destroyed`` once it is gone."""
+    instances otherwise) is noted in the journal as destroyed by this layout before it goes, so
+    its shares are dropped with that cause, not as destroyed by hand, also by an agent restarted
+    after a crash between the destroy and the drop; it is added to ``noted`` (whose notes go
+    again once the shares are dropped, or if the instance is still there)."""
     for step in plan.steps:
         victim = next((p for p in placed if p.start == step.start), None)
-        held = step.action == "destroy" and victim is not None and bool(victim.shares)
-        if held:
-            agent.destroyed_by_layout[victim.label] = (
+        if step.action == "destroy" and victim is not None and victim.shares:
+            agent.journal.note_taken(victim.label, (
                 f"destroyed by a forced MIG layout change to {layout} (ApplyMigLayout with force, "
-                "e.g. `fastshare mig apply --force`)")
-        try:
-            _run(agent, gpu.uuid, gpu.index, step)
-        except AgentError:   # NVML refused (a process started on it): the instance is still there
-            if held:
-                agent.destroyed_by_layout.pop(victim.label, None)
-            raise
-        if held:
-            destroyed.append(victim.label)
+                "e.g. `fastshare mig apply --force`)"))
+            noted.append(victim.label)
+        _run(agent, gpu.uuid, gpu.index, step)
 
 
 def _run(agent: Agent, gpu_uuid: str, gpu_index: int, step: mig_layout.Step) -> None:
@@ -100,6 +95,7 @@ def _run(agent: Agent, gpu_uuid: str, gpu_index: int, step: mig_layout.Step) -> 
             if any(m.start == step.start for m in journal.migs(gpu_uuid)):
                 journal.set_mig_state(gpu_uuid, step.start, "destroying")
             agent.devices.destroy_mig_instance(gpu_index, step.start)
+            faults.point("agent.after_layout_destroy")
             journal.delete_mig(gpu_uuid, step.start)
         else:
             agent._forget_vanished_mig(gpu_uuid, step.start)

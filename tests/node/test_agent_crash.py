@@ -292,3 +292,27 @@ def test_shares_on_a_gpu_swapped_while_the_agent_was_down_are_dropped(agent, dev
     new = [g.uuid for g in _inv(agent).gpus]
     _assert_clean(agent, devices, new)
     assert "FAILED" not in agent.log.read_text().split("---- start")[-1]
+
+
+def test_kill9_between_a_forced_destroy_and_the_drop_still_reports_the_forced_layout(agent, devices):
+    """A forced layout destroyed a slice a share held, and the agent was killed before it dropped
+    the share: the cause was only in the agent's memory, so the restart reported the share lost as
+    "destroyed outside fastshare (by hand ...)". The cause is journaled before the destroy."""
+    agent.start(env={"FASTSHARE_FAULT": "agent.after_layout_destroy"})
+    stub = agent.unix()
+    gpu = _inv(agent).gpus[GPU_MIG].uuid
+    stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"3g.40gb": 2}), timeout=60)
+    mig = stub.PrepareShare(share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=0),
+                            timeout=60).device_uuids[0]
+    err = rpc_error(stub.ApplyMigLayout, agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"7g.80gb": 1},
+                                                                    force=True))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert agent.wait_exit() == -9
+    assert mig not in {m.uuid for m in devices.mig_instances(GPU_MIG)}   # destroyed, share not dropped
+
+    agent.start()
+    inv = _inv(agent)
+    lost = {s.id: s.reason for s in inv.lost_shares}
+    assert list(lost) == ["ex"] and list(inv.shares) == [], inv
+    assert "forced MIG layout change to 7g.80gb=1" in lost["ex"], lost
+    assert "outside fastshare" not in lost["ex"] and mig in lost["ex"], lost

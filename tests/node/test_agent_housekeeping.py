@@ -573,3 +573,21 @@ def test_a_mig_change_for_a_gpu_lost_before_the_agent_read_it_is_refused_saying_
         assert refused.value.code == "INVALID_ARGUMENT", message
         assert f"GPU {GPU_MIG} of node p is lost" in message, message
         assert "does not support MIG" not in message, message
+
+
+def test_a_forced_destroy_the_agent_died_before_is_not_later_blamed_on_it(agent):
+    """The cause of a forced destroy is journaled before the destroy: an agent killed between the two
+    must forget it at its restart (the slice is still there), or a slice destroyed later by hand or
+    by a GPU reset would be reported lost as "destroyed by a forced MIG layout change"."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    apply_layout(agent, gpu, {"3g.40gb": 2}, False, True, Deadline(60))
+    prepared, _ = agent.prepare(ShareSpec("ex", "exclusive", (gpu,), mig_profile="3g.40gb", mig_start=0),
+                                Deadline(60))
+    mig = prepared.device_uuids[0]
+    agent.journal.note_taken(mig, "destroyed by a forced MIG layout change to 7g.80gb=1")   # then killed
+    agent.reconcile()                                                      # the restart
+    assert agent.journal.taken() == {}
+    agent.devices.destroy_mig_instance(GPU_MIG, 0)                         # by hand, later
+    agent.housekeeping()
+    assert "outside fastshare" in _lost(agent)["ex"] and "forced" not in _lost(agent)["ex"], _lost(agent)
+    assert agent.journal.taken() == {}

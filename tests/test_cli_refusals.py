@@ -450,3 +450,40 @@ def test_bench_placement_reads_every_trace_before_the_first_run(tmp_path, monkey
     result = CliRunner().invoke(main, ["bench", "placement", "--data", str(tmp_path), *args, "--seeds", "1"])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "line 2: gpu_milli must be 0..1000 (got 5000)" in result.output
+
+
+def test_mig_enable_force_through_an_agent_that_ignores_it_is_refused_with_a_hint(tmp_path):
+    """`mig enable --force` now goes to the node agent as SetMigMode's force. An agent older than that
+    field ignores it and refuses as before while a share holds the GPU (MIG is never enabled under a
+    share unasked): the CLI says so, instead of leaving the user wondering why --force did not work."""
+    from concurrent import futures
+
+    import grpc
+
+    from fastshare.v1 import agent_pb2, agent_pb2_grpc
+
+    asked = []
+
+    class OlderAgent(agent_pb2_grpc.NodeAgentServicer):
+        def GetInventory(self, request, context):
+            return agent_pb2.Inventory(gpus=[agent_pb2.Gpu(index=0, uuid="GPU-0", mig_capable=True)])
+
+        def SetMigMode(self, request, context):   # as an agent without the force field answered
+            asked.append(request)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "GPU GPU-0 has shares (w); release them before changing its MIG mode")
+
+    sock = tmp_path / "node.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(OlderAgent(), server)
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    try:
+        result = CliRunner().invoke(main, ["mig", "enable", "--gpu", "0", "--force",
+                                           "--unix-socket", str(sock)])
+    finally:
+        server.stop(None)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert [(r.gpu_uuid, r.enabled, r.force) for r in asked] == [("GPU-0", True, True)]
+    assert "GPU 0: GPU GPU-0 has shares (w); release them" in result.output, result.output
+    assert "older than this CLI and ignores --force" in result.output, result.output

@@ -287,9 +287,11 @@ def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, en
         from fastshare.v1 import agent_pb2
 
         gpu, _ = _agent_inventory(agent, gpu_index)
-        request = agent_pb2.SetMigModeRequest(gpu_uuid=gpu.uuid, enabled=enabled)
-        hint = ("--force does not apply while the node agent runs: it changes the MIG mode only of a GPU "
-                "no share holds" if force else None)
+        request = agent_pb2.SetMigModeRequest(gpu_uuid=gpu.uuid, enabled=enabled, force=force)
+        # An agent older than SetMigMode's force ignores it, and refuses as before (never enables
+        # MIG under a share unasked); its refusal does not name --force.
+        hint = ("an agent that asks to release its shares despite --force is older than this CLI and "
+                "ignores --force: upgrade it, or release the shares" if force else None)
         pending = _ask(agent.SetMigMode, request, f"GPU {gpu_index}", hint).pending
     else:
         held = _held(agent_journal) if enabled else {}
@@ -308,8 +310,9 @@ def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, en
 @backend_options
 @click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
 @click.option("--force", is_flag=True,
-              help="enable MIG although a fastshare share holds the GPU whole (the share loses the GPU); "
-                   "not while a node agent runs (--unix-socket)")
+              help="enable MIG although a fastshare share holds the GPU whole (the share loses the GPU: a "
+                   "running node agent drops it, reported lost with that cause); NVML still refuses while "
+                   "processes run on the GPU")
 @_journal_option
 @_socket_option
 def mig_enable(gpu_backend: str | None, sim_state: str | None, gpu_index: int, force: bool,

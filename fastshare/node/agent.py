@@ -821,6 +821,12 @@ class Agent:
                 "destroyed outside fastshare (by hand, e.g. nvidia-smi mig -dci/-dgi, or by a GPU reset or a "
                 "reboot)")
             return f"its MIG device {row.device_uuid}{where} is gone: {cause}"
+        if row.spec.kind != "exclusive":   # on a GPU whole: taken by a forced MIG enable?
+            for gpu in self._gpus:
+                if gpu.mig_pending and gpu.uuid in row.spec.device_uuids and (
+                        cause := self.journal.taken().get(gpu.uuid)):
+                    when = "" if gpu.mig_current else " (in effect at the GPU's next reset)"
+                    return f"its GPU {gpu.uuid} (GPU {gpu.index}) is no longer usable whole: {cause}{when}"
         return None
 
     def _drop(self, row: ShareRow, why: str, deadline: Deadline) -> None:
@@ -843,18 +849,25 @@ class Agent:
         else:
             self._undo(row, deadline)
         self.journal.delete_share(row.spec.id)
-        self._settle_taken([row.device_uuid])
+        self._settle_taken({row.device_uuid, *row.spec.device_uuids})
 
     def _settle_taken(self, devices: Iterable[str]) -> None:
         """Forget why a forced change took each of ``devices`` (journaled before the change: see
-        node.layout) once no share is left to drop with that cause, or if the change did not
-        happen (NVML refused it, or the agent died before it): the device is still there."""
+        node.layout and set_mig_mode) once no share is left to drop with that cause, or if the
+        change did not happen (NVML refused it, or the agent died before it): the device is still
+        there (a GPU: MIG not enabled)."""
         noted = self.journal.taken()
         for device_uuid in devices:
             if device_uuid not in noted:
                 continue
-            there = any(m.uuid == device_uuid for g in self._gpus for m in g.mig_instances)
-            if there or not self.journal.shares_on(device_uuid):
+            gpu = next((g for g in self._gpus if g.uuid == device_uuid), None)
+            if gpu is not None:   # a GPU a forced MIG enable takes from the shares using it whole
+                there = not gpu.mig_pending
+                left = [r for r in self.journal.shares_on(device_uuid) if r.spec.kind != "exclusive"]
+            else:                 # a MIG device a forced layout destroys
+                there = any(m.uuid == device_uuid for g in self._gpus for m in g.mig_instances)
+                left = self.journal.shares_on(device_uuid)
+            if there or not left:
                 self.journal.forget_taken(device_uuid)
 
     def _drop_vanished(self) -> bool:
@@ -977,27 +990,55 @@ class Agent:
 
     # --- MIG mode -----------------------------------------------------------------------------
 
-    def set_mig_mode(self, gpu_uuid: str, enabled: bool, deadline: Deadline) -> tuple[bool, bool]:
-        """Returns (pending reset, changed)."""
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool, deadline: Deadline,
+                     force: bool = False) -> tuple[bool, bool]:
+        """Returns (pending reset, changed). Enabling MIG under shares that use the GPU whole is
+        refused as without an agent (``refuse_enable_under_share``) unless ``force``: they are
+        then dropped before the reply, as lost with that cause (journaled before the change, so
+        that a restart after a crash in between drops them so too)."""
         gpu = self._gpu(gpu_uuid)
         if not gpu.mig_capable:
             raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} ({gpu.name}) does not support MIG")
-        with self._device_locks.hold(gpu_uuid, deadline):
-            if gpu.mig_current == enabled and gpu.mig_pending == enabled:
-                return False, False
-            holders = [*self._live_shares(gpu_uuid),
-                       *(r for m in gpu.mig_instances for r in self._live_shares(m.uuid or ""))]
-            if holders:
-                raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} has shares "
-                                                        f"({', '.join(r.spec.id for r in holders)}); release "
-                                                        "them before changing its MIG mode")
-            try:
-                pending = self.devices.set_mig_mode(gpu.index, enabled)
-            except DeviceError as exc:
-                raise _device_error(exc, f"setting MIG mode of GPU {gpu_uuid}") from None
-            self.refresh_devices()  # before the lock goes: prepares re-check the mode under it
+        noted = False
+        try:
+            with self._device_locks.hold(gpu_uuid, deadline):
+                gpu = self._gpu(gpu_uuid)   # as the last mode change (under this lock) left it
+                if gpu.mig_current == enabled and gpu.mig_pending == enabled:
+                    return False, False
+                if enabled:
+                    noted = self._before_mig_enable(gpu, force)
+                else:
+                    holders = [*self._live_shares(gpu_uuid),
+                               *(r for m in gpu.mig_instances for r in self._live_shares(m.uuid or ""))]
+                    if holders:
+                        raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} has shares "
+                                                                f"({', '.join(r.spec.id for r in holders)}); "
+                                                                "release them before changing its MIG mode")
+                try:
+                    pending = self.devices.set_mig_mode(gpu.index, enabled)
+                except DeviceError as exc:
+                    raise _device_error(exc, f"setting MIG mode of GPU {gpu_uuid}") from None
+                faults.point("agent.after_mig_mode")
+                self.refresh_devices()  # before the lock goes: prepares re-check the mode under it
+        finally:
+            if noted:   # also after a failure: then the GPU is as it was, and the note goes
+                self._drop_vanished()
+                self._settle_taken([gpu_uuid])
         self._changed()
         return pending, True
+
+    def _before_mig_enable(self, gpu: GpuInfo, force: bool) -> bool:
+        """Under the GPU's lock, before MIG is enabled: refuse if shares use the GPU whole (they
+        would lose it), unless ``force``; then note why they lose it. True if it was noted."""
+        whole = [r for r in self._live_shares(gpu.uuid) if r.spec.kind != "exclusive"]
+        held = {gpu.uuid: [r.spec.id for r in whole]} if whole else {}
+        if reason := mig_layout.refuse_enable_under_share(gpu, held, force):
+            raise AgentError("FAILED_PRECONDITION", reason)
+        if not whole or gpu.mig_pending:   # MIG already asked for: no change of mode
+            return False
+        self.journal.note_taken(gpu.uuid, "MIG was enabled on it by a forced MIG mode change (SetMigMode "
+                                          "with force, e.g. `fastshare mig enable --force`)")
+        return True
 
     # --- inventory ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ POINTS = (
     "agent.after_share_committed",  # fast path: share stored/forgotten in one commit, files not yet
     "agent.after_release_journaled",  # share row 'releasing', nothing freed yet
     "agent.after_mig_destroy",      # MIG instance gone, journal still says 'destroying'
+    "agent.after_mig_mode",         # MIG mode changed (forced: the shares that lose the GPU not dropped yet)
     "agent.after_layout_destroy",   # a layout step destroyed an instance (forced: its shares not dropped yet)
 )
 

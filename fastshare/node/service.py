@@ -251,7 +251,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
 
     @rpc(mutating=True)
     def SetMigMode(self, request, context, deadline):
-        pending, changed = self.agent.set_mig_mode(request.gpu_uuid, request.enabled, deadline)
+        pending, changed = self.agent.set_mig_mode(request.gpu_uuid, request.enabled, deadline, request.force)
         return agent_pb2.SetMigModeReply(pending=pending, changed=changed)
 
     @rpc(mutating=False)

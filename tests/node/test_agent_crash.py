@@ -316,3 +316,24 @@ def test_kill9_between_a_forced_destroy_and_the_drop_still_reports_the_forced_la
     assert list(lost) == ["ex"] and list(inv.shares) == [], inv
     assert "forced MIG layout change to 7g.80gb=1" in lost["ex"], lost
     assert "outside fastshare" not in lost["ex"] and mig in lost["ex"], lost
+
+
+def test_kill9_between_a_forced_mig_enable_and_the_drop_still_drops_the_share_saying_so(agent, devices):
+    """MIG enabled by force under a share that held the GPU whole, the agent killed before it dropped
+    the share: nothing else notices a whole share on a MIG GPU, so it stayed ready for good. The
+    cause is journaled before the change; the restart drops the share with it."""
+    devices.set_mig_mode(GPU_MIG, False)                                   # H100: at once
+    agent.start(env={"FASTSHARE_FAULT": "agent.after_mig_mode"})
+    stub = agent.unix()
+    gpu = _inv(agent).gpus[GPU_MIG].uuid
+    stub.PrepareShare(share("w", "whole", [gpu]), timeout=60)
+    err = rpc_error(stub.SetMigMode, agent_pb2.SetMigModeRequest(gpu_uuid=gpu, enabled=True, force=True))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert agent.wait_exit() == -9
+    assert devices.gpus()[GPU_MIG].mig_current
+
+    agent.start()
+    inv = _inv(agent)
+    lost = {s.id: s.reason for s in inv.lost_shares}
+    assert list(lost) == ["w"] and list(inv.shares) == [], inv
+    assert "forced MIG mode change" in lost["w"] and gpu in lost["w"], lost

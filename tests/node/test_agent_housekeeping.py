@@ -591,3 +591,65 @@ def test_a_forced_destroy_the_agent_died_before_is_not_later_blamed_on_it(agent)
     agent.housekeeping()
     assert "outside fastshare" in _lost(agent)["ex"] and "forced" not in _lost(agent)["ex"], _lost(agent)
     assert agent.journal.taken() == {}
+
+
+@pytest.fixture
+def mig_off(tmp_path: Path) -> Iterator[tuple[Agent, Path]]:
+    """An agent on an H100 (MIG at once) and an A100 (MIG pending until a reset), MIG off."""
+    run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
+    machine = tmp_path / "m.json"
+    simnvml.create_machine(machine, ["H100-SXM5-80GB", "A100-SXM4-40GB"], mig_enabled=False)
+    agent = in_process_agent(tmp_path, run, machine)
+    try:
+        yield agent, machine
+    finally:
+        for device in agent.mps.running_devices():
+            agent.mps.stop(device)
+        agent.journal.close()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_forced_mig_enable_drops_the_shares_that_lose_the_gpu_saying_so(mig_off):
+    """SetMigMode had no force: `mig enable --force` was refused while the agent ran. Now the agent
+    refuses as the direct path does (refuse_enable_under_share), and with force enables MIG and drops
+    the shares using the GPU whole, as lost with the forced MIG mode change as cause."""
+    agent, _ = mig_off
+    h100, a100 = (g.uuid for g in agent.devices.gpus())
+    agent.prepare(ShareSpec("w", "whole", (h100,)), Deadline(60))
+    fp = ShareSpec("fp", "fastpod", (a100,), sm_percent=20, memory_bytes=1 << 30, quota_request=0.2,
+                   quota_limit=0.5)
+    agent.prepare(fp, Deadline(60))
+    with pytest.raises(AgentError) as refused:
+        agent.set_mig_mode(h100, True, Deadline(60))
+    assert refused.value.code == "FAILED_PRECONDITION"
+    for says in ("GPU 0 ", "held whole by fastshare share w", "fastshare release w", "--force"):
+        assert says in str(refused.value), (says, str(refused.value))
+    assert not agent.devices.gpus()[0].mig_current and agent.journal.share("w") is not None
+
+    assert agent.set_mig_mode(h100, True, Deadline(60), force=True) == (False, True)   # Hopper: at once
+    assert agent.devices.gpus()[0].mig_current
+    assert agent.set_mig_mode(a100, True, Deadline(60), force=True) == (True, True)    # Ampere: pending
+    assert agent.journal.shares() == [] and agent.mps.running_devices() == []
+    lost = _lost(agent)
+    for share_id, gpu in (("w", h100), ("fp", a100)):
+        assert gpu in lost[share_id] and "forced MIG mode change" in lost[share_id], lost
+        assert "fastshare mig enable --force" in lost[share_id], lost
+    assert "next reset" in lost["fp"] and "next reset" not in lost["w"], lost
+    assert agent.journal.taken() == {}
+    agent.prepare(ShareSpec("ex", "exclusive", (h100,), mig_profile="1g.10gb"), Deadline(60))   # MIG GPU now
+
+
+def test_a_forced_mig_enable_nvml_refuses_keeps_the_shares(mig_off):
+    """NVML refuses to change the mode of a GPU processes run on, forced or not: the share keeps the
+    GPU, and the cause noted before the change goes (it is not blamed for a later loss)."""
+    agent, machine = mig_off
+    h100 = agent.devices.gpus()[0].uuid
+    agent.prepare(ShareSpec("w", "whole", (h100,)), Deadline(60))
+    simnvml.add_process(machine, 0)                                          # the share's workload
+    with pytest.raises(AgentError) as refused:
+        agent.set_mig_mode(h100, True, Deadline(60), force=True)
+    assert "IN_USE" in str(refused.value)
+    assert not agent.devices.gpus()[0].mig_pending and agent.journal.share("w").state == "ready"
+    assert _lost(agent) == {} and agent.journal.taken() == {}
+    agent.housekeeping()
+    assert _lost(agent) == {}

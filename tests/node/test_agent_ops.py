@@ -222,11 +222,16 @@ def test_cli_mig_commands_go_through_a_running_agent(agent, devices):
     assert "GPU 0: MIG disabled" in _run_cli(agent, "mig", "disable", "--gpu", gpu)
     whole = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
     stub.PrepareShare(share("w", "whole", [whole]), timeout=60)
-    for extra in ((), ("--force",)):
-        out = _run_cli(agent, "mig", "enable", "--gpu", gpu, *extra, ok=False)
-        assert "GPU 0: " in out and "(w)" in out and "release" in out, out
-        assert ("--force does not apply while the node agent runs" in out) == bool(extra), out
+    out = _run_cli(agent, "mig", "enable", "--gpu", gpu, ok=False)     # as without an agent
+    for says in ("GPU 0 (", "held whole by fastshare share w", "fastshare release w", "--force"):
+        assert says in out, (says, out)
     assert not stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].mig_enabled
+    # --force was refused while the agent ran (SetMigMode had no force); now the share loses the GPU
+    assert "GPU 0: MIG enabled" in _run_cli(agent, "mig", "enable", "--gpu", gpu, "--force")
+    inv = stub.GetInventory(INV, timeout=30)
+    assert inv.gpus[GPU_MIG].mig_enabled and list(inv.shares) == []
+    (lost,) = inv.lost_shares
+    assert lost.id == "w" and "forced MIG mode change" in lost.reason and whole in lost.reason, lost
 
 
 def test_cli_mig_keep_and_in_use_through_the_agent_as_without_one(agent):

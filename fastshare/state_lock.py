@@ -17,7 +17,12 @@ from pathlib import Path
 
 
 class LockedError(RuntimeError):
-    """Another live process holds the state directory."""
+    """Another live process holds the state directory: ``pid`` and the ``note`` it left (see
+    :meth:`StateDirLock.acquire`)."""
+
+    def __init__(self, message: str, pid: str = "unknown", note: str = "") -> None:
+        super().__init__(message)
+        self.pid, self.note = pid, note
 
 
 class StateDirLock:
@@ -30,8 +35,10 @@ class StateDirLock:
         self.owner, self.where = owner, where
         self._fd: int | None = None
 
-    def acquire(self, patience: float = 0.0) -> None:
-        """``patience``: seconds to keep trying (``holder`` takes the lock for an instant)."""
+    def acquire(self, patience: float = 0.0, note: str = "") -> None:
+        """``patience``: seconds to keep trying (``holder`` takes the lock for an instant);
+        ``note``: what holds it, when that is not the owner itself (e.g. a MIG change made while
+        no node agent runs), written after the pid for whoever finds it held."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         deadline = time.monotonic() + patience
@@ -43,13 +50,15 @@ class StateDirLock:
                 if time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
-                holder = _pid_in(fd)
+                pid, held_for = _read(fd)
                 os.close(fd)
+                who = f"{held_for} (pid {pid})" if held_for else f"another {self.owner} (pid {pid})"
                 raise LockedError(
-                    f"another {self.owner} (pid {holder}) is already using the state directory "
-                    f"{self.path.parent}; stop it first or give this one a different {self.where}") from None
+                    f"{who} is already using the state directory "
+                    f"{self.path.parent}; stop it first or give this one a different {self.where}",
+                    pid, held_for) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()}\n{note}\n".encode(), 0)
         self._fd = fd
 
     def release(self) -> None:
@@ -74,6 +83,12 @@ def lock_name(owner: str) -> str:
 def holder(state_dir: Path | str, owner: str) -> str | None:
     """The pid of the live process holding ``state_dir`` for ``owner`` (None: none does). Only
     looks: the lock is taken shared for an instant (an owner starting meanwhile waits for it)."""
+    held = holder_and_note(state_dir, owner)
+    return held and held[0]
+
+
+def holder_and_note(state_dir: Path | str, owner: str) -> tuple[str, str] | None:
+    """(pid, note) of the live process holding ``state_dir`` for ``owner``; as :func:`holder`."""
     try:
         fd = os.open(Path(state_dir) / lock_name(owner), os.O_RDONLY)
     except FileNotFoundError:
@@ -81,11 +96,13 @@ def holder(state_dir: Path | str, owner: str) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return _pid_in(fd)
+        return _read(fd)
     finally:
         os.close(fd)
     return None
 
 
-def _pid_in(fd: int) -> str:
-    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+def _read(fd: int) -> tuple[str, str]:
+    """(pid, note) as the holder wrote them: pid on the first line, its note on the second."""
+    lines = os.pread(fd, 512, 0).decode(errors="replace").splitlines()
+    return (lines[0].strip() if lines else "") or "unknown", (lines[1].strip() if len(lines) > 1 else "")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import socket
+import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -52,44 +52,31 @@ _UINT32_MAX = 2**32 - 1
 
 
 def _local_agent(unix_socket: str, agent_journal: str | None) -> Any | None:
-    """A stub of the node agent on this host if it answers on ``unix_socket`` (None: none runs)."""
-    if not unix_socket:
-        _no_agent_starting(agent_journal, "no --unix-socket given")
-        return None
-    probe = socket.socket(socket.AF_UNIX)
+    """A stub of the node agent on this host if it answers on ``unix_socket`` (None: none runs);
+    ends the command while an agent is starting (fastshare.node.local_agent)."""
+    from fastshare.node.local_agent import LocalAgentError, local_agent
+
     try:
-        probe.connect(unix_socket)
-    except (FileNotFoundError, ConnectionRefusedError):
-        # no socket, or the one an agent that no longer runs left
-        _no_agent_starting(agent_journal, f"it does not answer on {unix_socket} yet")
-        return None
-    except OSError as exc:
-        fail(f"--unix-socket {unix_socket}: the node agent's socket cannot be used ({exc.strerror or exc}); "
-             "MIG is not changed beside a running agent",
-             "run as root or as a member of the socket's group (the agent's unix_socket_group)")
-    finally:
-        probe.close()
-    from fastshare.node.client import channel, stub
-
-    return stub(channel(unix_socket=unix_socket))
+        return local_agent(unix_socket, _state_dir(agent_journal))
+    except LocalAgentError as exc:
+        fail(str(exc), exc.hint)
 
 
-def _no_agent_starting(agent_journal: str | None, why: str) -> None:
-    """Refuse to change MIG directly while a node agent holds its state directory without
-    answering: it is starting, and reconciles the journal with the GPUs' MIG devices before it
-    opens its socket."""
-    from fastshare.node.config import AGENT_LOCK_OWNER
-    from fastshare.state_lock import holder
+def _state_dir(agent_journal: str | None) -> Path:
+    return Path(agent_journal or _AGENT_JOURNAL).parent
 
-    state_dir = Path(agent_journal or _AGENT_JOURNAL).parent
+
+@contextlib.contextmanager
+def _without_agent(agent_journal: str | None) -> Iterator[None]:
+    """While MIG is changed directly (no agent answered): hold the agent's state directory, so an
+    agent starting meanwhile waits for the change instead of reconciling beside it."""
+    from fastshare.node.local_agent import LocalAgentError, without_agent
+
     try:
-        pid = holder(state_dir, AGENT_LOCK_OWNER)
-    except OSError as exc:
-        fail(f"--agent-journal: cannot tell whether a node agent runs on {state_dir}: "
-             f"{exc.strerror or exc}", "run as root (the agent's state directory is 0700)")
-    if pid is not None:
-        fail(f"a node agent (pid {pid}) runs on this host ({state_dir}) but {why}: it is starting, "
-             "and MIG is not changed beside it", "retry once it answers (`fastshare node status`)")
+        with without_agent(_state_dir(agent_journal)):
+            yield
+    except LocalAgentError as exc:   # only taking the lock raises it
+        fail(str(exc), exc.hint)
 
 
 def _ask(method: Callable[..., Any], request: Any, what: str, hint: str | None = None) -> Any:
@@ -108,21 +95,14 @@ def _agent_inventory(agent: Any, gpu_index: int) -> tuple[Any, dict[str, list[st
     """The agent's GPU ``gpu_index`` and the devices its shares hold (UUID -> share ids, as
     :func:`_held` reads them from its journal: exclusive shares by their MIG device, the others by
     the device they name)."""
+    from fastshare.node.local_agent import held_by_agent
     from fastshare.v1 import agent_pb2
 
     inventory = _ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), "node agent")
     gpu = next((g for g in inventory.gpus if g.index == gpu_index), None)
     if gpu is None:
         fail(f"GPU index {gpu_index} does not exist (valid: 0..{len(inventory.gpus) - 1})")
-    held: dict[str, list[str]] = {}
-    for m in gpu.mig_devices:
-        if m.share_id:
-            held.setdefault(m.uuid, []).append(m.share_id)
-    for s in inventory.shares:
-        for uuid in s.device_uuids:
-            if uuid.startswith("MIG-") and s.id not in held.get(uuid, []):
-                held.setdefault(uuid, []).append(s.id)
-    return gpu, {uuid: sorted(ids) for uuid, ids in held.items()}
+    return gpu, held_by_agent(inventory)
 
 
 def _layout_via_agent(agent: Any, gpu_index: int, layout: str, force: bool,
@@ -226,10 +206,11 @@ def _change_layout(gpu_backend: str | None, sim_state: str | None, gpu_index: in
     agent = _local_agent(unix_socket, agent_journal)
     if agent is not None:
         return _layout_via_agent(agent, gpu_index, layout, force, apply)
-    held = _held(agent_journal)
-    with devices_from(gpu_backend, sim_state) as devices:
-        shape, planned = _planned(devices, gpu_index, layout, force, held)
-        done = apply_plan(devices, gpu_index, planned) if apply else []
+    with _without_agent(agent_journal) if apply else contextlib.nullcontext():
+        held = _held(agent_journal)
+        with devices_from(gpu_backend, sim_state) as devices:
+            shape, planned = _planned(devices, gpu_index, layout, force, held)
+            done = apply_plan(devices, gpu_index, planned) if apply else []
     instances = [{**asdict(i), "share_id": (held.get(i.uuid or "") or [""])[0]} for i in done]
     return shape.label, planned.to_dict(), instances, format_layout(done, shape)
 
@@ -294,8 +275,8 @@ def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, en
                 "ignores --force: upgrade it, or release the shares" if force else None)
         pending = _ask(agent.SetMigMode, request, f"GPU {gpu_index}", hint).pending
     else:
-        held = _held(agent_journal) if enabled else {}
-        with devices_from(gpu_backend, sim_state) as devices:
+        with _without_agent(agent_journal), devices_from(gpu_backend, sim_state) as devices:
+            held = _held(agent_journal) if enabled else {}
             if enabled and (reason := refuse_enable_under_share(devices.gpu(gpu_index), held, force)):
                 fail(reason)
             pending = devices.set_mig_mode(gpu_index, enabled)
@@ -347,24 +328,53 @@ COMMANDS = [mig_group]
                    "holds whole (the shares lose them); an instance with running processes is never "
                    "destroyed")
 @_journal_option
+@click.option("--unix-socket", default=NodeConfig.unix_socket, envvar="FASTSHARE_NODE_UNIX_SOCKET",
+              show_default=True,
+              help="the node agent's socket: while an agent answers there, the changes are its calls "
+                   "(SetMigMode, ApplyMigLayout, each GPU checked by PlanMigLayout first) under its lock of "
+                   "the GPU, so a share it is preparing counts too, and the shares it holds count as in use "
+                   "(--agent-journal is then not used; --force does not cover MIG mode changes); with no "
+                   "agent there, the change is made directly, holding the agent's state directory")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name: str, do_apply: bool,
-               force: bool, agent_journal: str | None, as_json: bool) -> None:
+               force: bool, agent_journal: str | None, unix_socket: str, as_json: bool) -> None:
     """Make the host's GPUs match a named mig-parted config (plan, or --apply)."""
-    from fastshare.device.mig_parted import ConfigError, apply_host, parse_config, plan_host, resolve
+    from fastshare.device.mig_parted import (
+        ConfigError,
+        apply_host,
+        apply_host_via_agent,
+        check_host_via_agent,
+        parse_config,
+        plan_host,
+        resolve,
+    )
+    from fastshare.node.local_agent import held_by_agent
+    from fastshare.v1 import agent_pb2
 
-    held = _held(agent_journal)
-    with devices_from(gpu_backend, sim_state) as devices:
-        try:
-            text = config_file.read()
-        except UnicodeDecodeError as exc:
-            fail(f"{config_file.name}: not a text file: {exc}")
-        try:
-            configs = parse_config(text)
-            plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force, held=held)
-        except ConfigError as exc:
-            fail(f"{config_file.name}: {exc}")
-        results = apply_host(devices, plans) if do_apply else [p.to_dict() for p in plans]
+    try:
+        text = config_file.read()
+    except UnicodeDecodeError as exc:
+        fail(f"{config_file.name}: not a text file: {exc}")
+    agent = _local_agent(unix_socket, agent_journal)
+    with _without_agent(agent_journal) if do_apply and agent is None else contextlib.nullcontext():
+        if agent is None:
+            held = _held(agent_journal)
+        else:
+            held = held_by_agent(_ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), "node agent"))
+        with devices_from(gpu_backend, sim_state) as devices:
+            try:
+                configs = parse_config(text)
+                plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force, held=held,
+                                  agent_runs=agent is not None)
+                if agent is None:
+                    results = apply_host(devices, plans) if do_apply else [p.to_dict() for p in plans]
+                elif do_apply:
+                    results = apply_host_via_agent(agent, devices, plans)
+                else:
+                    check_host_via_agent(agent, devices, plans)
+                    results = [p.to_dict() for p in plans]
+            except ConfigError as exc:
+                fail(f"{config_file.name}: {exc}")
     if as_json:
         print_json({"config": name, "applied": do_apply, "changed": any(p.changed for p in plans),
                     "gpus": results})

@@ -35,6 +35,7 @@ from fastshare.device.mig_layout import (
     apply_plan,
     check_layout,
     format_layout,
+    layout_counts,
     parse_layout,
     placed_instances,
     plan_layout,
@@ -197,19 +198,27 @@ def _waits_for_reset(gpu: GpuInfo) -> bool:
     return True if model is None else model.mig_pending_until_reset
 
 
+# The node agent changes the MIG mode only of a GPU no share holds (SetMigMode).
+AGENT_FORCE_NOTE = ("; --force (force) does not apply to MIG mode changes while the node agent runs: it "
+                    "changes the MIG mode only of a GPU no share holds")
+
+
 def plan_host(devices: Devices, chosen: Mapping[int, DeviceSpec], *, force: bool = False,
-              held: Collection[str] = frozenset()) -> list[GpuPlan]:
+              held: Collection[str] = frozenset(), agent_runs: bool = False) -> list[GpuPlan]:
     """Per-GPU plans; nothing is changed here, so every refusal comes before any change.
 
     An instance is in use when processes run on it or its UUID is in ``held`` (devices that
-    fastshare shares hold, from the node agent's journal): in-use instances are kept unless
-    ``force``; ``force`` never covers running processes, because NVML refuses to destroy those."""
+    fastshare shares hold, from the node agent's journal or inventory): in-use instances are kept
+    unless ``force``; ``force`` never covers running processes, because NVML refuses to destroy
+    those. ``agent_runs``: the plans are carried out by the node agent (:func:`apply_host_via_agent`),
+    whose SetMigMode ``force`` does not override."""
     gpus = {g.index: g for g in devices.gpus()}
-    return [_plan_gpu(devices, gpus[index], chosen[index], force, held) for index in sorted(chosen)]
+    return [_plan_gpu(devices, gpus[index], chosen[index], force, held, agent_runs)
+            for index in sorted(chosen)]
 
 
 def _plan_gpu(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
-              held: Collection[str]) -> GpuPlan:
+              held: Collection[str], agent_runs: bool) -> GpuPlan:
     if not spec.mig_enabled:
         return _disable_plan(devices, gpu, spec, force, held)
     if not gpu.mig_capable:
@@ -217,9 +226,9 @@ def _plan_gpu(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
     shape = _shape(devices, gpu)
     mode_change = not gpu.mig_pending     # pending True while current False: enable already asked
     _refuse_mode_change_in_use(spec, gpu, mode_change)
-    if reason := refuse_enable_under_share(gpu, held, force):
+    if reason := refuse_enable_under_share(gpu, held, force and not agent_runs):
         # Cancelling a pending enable (the disable path) leaves such a share its GPU; this does not.
-        raise ConfigError(f"{spec.where}: {reason}")
+        raise ConfigError(f"{spec.where}: {reason}{AGENT_FORCE_NOTE if force else ''}")
     reset_required = not gpu.mig_current and (not mode_change or _waits_for_reset(gpu))
     try:
         wanted = parse_layout(dict(spec.mig_devices), shape)
@@ -318,3 +327,70 @@ def _apply_gpu(devices: Devices, gp: GpuPlan) -> list[Step]:
         apply_plan(devices, gp.gpu_index, plan)
         done.extend(plan.steps)
     return done
+
+
+# --- through the node agent ---------------------------------------------------------------------
+# While a node agent runs, the plans are carried out by its calls (under its lock of each GPU, so a
+# share it is preparing counts): SetMigMode for a mode change, ApplyMigLayout for the instances, each
+# GPU first checked by PlanMigLayout, so that the agent's refusals come before any change too.
+AGENT_TIMEOUT_S = 300     # a layout change on a real GPU takes seconds per instance
+_REFUSALS = ("FAILED_PRECONDITION", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND")
+
+
+def check_host_via_agent(agent: Any, devices: Devices, plans: Sequence[GpuPlan]) -> None:
+    """The agent's PlanMigLayout for every GPU whose instances the plans change now (MIG on): its
+    refusals (a share it holds or is preparing there) as ConfigError, before anything changes."""
+    from fastshare.v1 import agent_pb2
+
+    for gp in plans:
+        if gp.plan is not None and gp.plan.changed and devices.gpu(gp.gpu_index).mig_current:
+            request = agent_pb2.MigLayoutRequest(gpu_uuid=devices.gpu(gp.gpu_index).uuid,
+                                                 profiles=_profiles(gp), force=gp.force)
+            _call(agent.PlanMigLayout, request, gp)
+
+
+def apply_host_via_agent(agent: Any, devices: Devices, plans: Sequence[GpuPlan]) -> list[dict[str, Any]]:
+    """:func:`apply_host` by the node agent's calls: the same order per GPU and the same result
+    (steps as the agent carried them out); a refusal or failure is a ConfigError naming the GPU."""
+    from fastshare.v1 import agent_pb2
+
+    check_host_via_agent(agent, devices, plans)
+    results = []
+    for gp in plans:
+        uuid = devices.gpu(gp.gpu_index).uuid
+        done: list[Step] = []
+        if gp.mig_enabled and gp.mode_change:
+            _call(agent.SetMigMode, agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=True), gp)
+        # the instances when MIG is on (a disable destroys them first); the agent re-plans under its
+        # lock on NVML's own profiles (also when MIG just came on and the plan used the catalog's)
+        if devices.gpu(gp.gpu_index).mig_current and (gp.plan is None or gp.plan.changed or gp.from_catalog):
+            request = agent_pb2.MigLayoutRequest(gpu_uuid=uuid, profiles=_profiles(gp), force=gp.force)
+            reply = _call(agent.ApplyMigLayout, request, gp)
+            size = {p.profile_id: p.memory_slices for p in devices.mig_profiles(gp.gpu_index)}
+            done = [Step(a.op, a.profile_id, a.profile_name, a.start, size.get(a.profile_id, 0))
+                    for a in reply.actions]
+        if not gp.mig_enabled and gp.mode_change:
+            _call(agent.SetMigMode, agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=False), gp)
+        now = devices.gpu(gp.gpu_index)
+        results.append(gp.to_dict() | {"steps": [s.to_dict() for s in done],
+                                       "reset_required": now.mig_current != now.mig_pending})
+    return results
+
+
+def _profiles(gp: GpuPlan) -> dict[str, int]:
+    """The plan's layout as the agent's MigLayoutRequest takes it (profile name -> count)."""
+    return layout_counts(gp.layout) if gp.mig_enabled else {}
+
+
+def _call(method: Any, request: Any, gp: GpuPlan) -> Any:
+    import grpc
+
+    try:
+        return method(request, timeout=AGENT_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        details = (exc.details() or "").removeprefix("profiles: ")   # the agent's name for the layout
+        if exc.code().name not in _REFUSALS:
+            details = f"the node agent answered {exc.code().name}: {details}"
+        elif gp.force and type(request).__name__ == "SetMigModeRequest":
+            details += AGENT_FORCE_NOTE
+        raise ConfigError(f"GPU {gp.gpu_index}: {details}") from None

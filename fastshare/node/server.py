@@ -27,7 +27,7 @@ from fastshare.device import open_devices
 from fastshare.heap import freeze_startup_objects
 from fastshare.mps.control import MpsControl
 from fastshare.node.agent import Agent
-from fastshare.node.config import AGENT_LOCK_OWNER, NodeConfig
+from fastshare.node.config import AGENT_LOCK_OWNER, MIG_CHANGE_NOTE, MIG_CHANGE_WAIT_S, NodeConfig
 from fastshare.node.journal import Journal
 from fastshare.node.service import Metrics, NodeAgentService
 from fastshare.security.rotation import watch_expiry
@@ -133,7 +133,13 @@ def start(config: NodeConfig, cert_renewed: bool = False) -> Running:
     try:
         lock.acquire(patience=2.0)   # before the journal and the GPUs: one agent per state directory
     except LockedError as exc:
-        raise RuntimeError(str(exc)) from None
+        if exc.note != MIG_CHANGE_NOTE:
+            raise RuntimeError(str(exc)) from None
+        log.info("waiting up to %.0f s for %s (pid %s) to finish", MIG_CHANGE_WAIT_S, exc.note, exc.pid)
+        try:
+            lock.acquire(patience=MIG_CHANGE_WAIT_S)
+        except LockedError as again:
+            raise RuntimeError(str(again)) from None
     try:
         return _start(config, cert_renewed, tls, lock)
     except BaseException:

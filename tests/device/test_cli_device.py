@@ -385,8 +385,13 @@ def test_mig_commands_wait_for_a_node_agent_that_is_starting(env, machine: Path,
     try:
         assert hold.stdout.readline().strip() == "held"
         absent = str(tmp_path / "node.sock")
+        config = tmp_path / "mig.yaml"
+        config.write_text('{"version": "v1", "mig-configs": {"c": [{"devices": [0], "mig-enabled": true, '
+                          '"mig-devices": {"1g.5gb": 1}}]}}')
         for args in (["apply", "--gpu", "0", "--layout", "19"], ["plan", "--gpu", "0", "--layout", "19"],
-                     ["enable", "--gpu", "2"], ["disable", "--gpu", "0"]):
+                     ["enable", "--gpu", "2"], ["disable", "--gpu", "0"],
+                     ["config", "--file", str(config), "--select", "c"],
+                     ["config", "--file", str(config), "--select", "c", "--apply"]):
             refused = run(["mig", *args, "--unix-socket", absent, "--agent-journal", journal], env, ok=False)
             assert refused.exit_code != 0, refused.output
             said = refused.output

@@ -356,3 +356,112 @@ def test_a_second_agent_on_the_same_state_directory_refuses_to_start(agent):
     agent.stop()
     agent.start()                                                  # the lock goes with the process
     assert [s.id for s in agent.unix().GetInventory(INV, timeout=30).shares] == ["kept"]
+
+
+def _mig_config(tmp_path, layout: dict, gpu: int = GPU_MIG):
+    """A mig-parted file with one config, "cfg", giving GPU ``gpu`` the MIG devices ``layout``."""
+    path = tmp_path / "mig.yaml"
+    path.write_text(json.dumps({"version": "v1", "mig-configs": {"cfg": [
+        {"devices": [gpu], "mig-enabled": True, "mig-devices": layout}]}}))
+    return str(path)
+
+
+def test_cli_mig_config_waits_for_a_share_the_agent_is_preparing(agent, sim_machine, tmp_path):
+    """`fastshare mig config --apply` (also run at boot and by the Ansible module) read the agent's
+    journal and changed MIG beside the running agent: an exclusive share the agent was binding was
+    not yet held in the journal, and the layout destroyed its MIG device under it. Now the change
+    is the agent's calls, under its lock of the GPU: the share counts, and the config is refused."""
+    agent.start()
+    stub = agent.unix()
+    gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
+    stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"3g.40gb": 2}), timeout=60)
+    lock_path = f"{sim_machine}.lock"
+    prepared: dict = {}
+
+    def prepare() -> None:
+        try:
+            prepared["reply"] = stub.PrepareShare(
+                share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=0), timeout=120)
+        except grpc.RpcError as exc:
+            prepared["error"] = exc.details()
+
+    config = _mig_config(tmp_path, {"7g.80gb": 1})
+    with open(lock_path, "a+") as held:      # NVML (the machine file) stalls while this is held
+        fcntl.flock(held, fcntl.LOCK_EX)
+        thread = threading.Thread(target=prepare)
+        thread.start()                       # the agent takes the GPU's lock, then waits for NVML
+        wait_for(lambda: _flock_waiters(lock_path) >= 1, what="the prepare waiting for NVML")
+        cli = _cli(agent, "mig", "config", "--file", config, "--select", "cfg", "--apply",
+                   "--gpu-backend", "sim", "--sim-state", str(sim_machine),
+                   "--agent-journal", str(agent.workdir / "state" / "journal.db"))
+        wait_for(lambda: _flock_waiters(lock_path) >= 2, what="the CLI waiting for NVML")
+        fcntl.flock(held, fcntl.LOCK_UN)
+    thread.join(timeout=120)
+    out = cli.communicate(timeout=120)[0]
+    assert "error" not in prepared, prepared.get("error")
+    mig = prepared["reply"].device_uuids[0]
+    assert cli.returncode == 1, out
+    for says in (f"GPU {GPU_MIG}", mig, "ex", "--force"):
+        assert says in out, (says, out)
+    inv = stub.GetInventory(INV, timeout=30)
+    assert mig in {m.uuid for m in inv.gpus[GPU_MIG].mig_devices}
+    assert [s.id for s in inv.shares] == ["ex"] and not inv.lost_shares
+
+
+def test_cli_mig_config_goes_through_a_running_agent(agent, sim_machine, tmp_path):
+    """With an agent answering, `mig config --apply` makes its changes by the agent's calls: the
+    instances it creates are the agent's (journaled), and a share that a forced config destroys is
+    reported lost to a forced MIG layout change, not to a MIG device destroyed outside fastshare."""
+    agent.start()
+    stub = agent.unix()
+    backend = ["--gpu-backend", "sim", "--sim-state", str(sim_machine)]
+    config = ["mig", "config", "--file", _mig_config(tmp_path, {"3g.40gb": 2}), "--select", "cfg", *backend]
+    plan = json.loads(_run_cli(agent, *config, "--json"))
+    assert plan["changed"] and not plan["applied"]
+    assert not stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].mig_devices
+    applied = json.loads(_run_cli(agent, *config, "--apply", "--json"))
+    assert [s["action"] for s in applied["gpus"][0]["steps"]] == ["create", "create"], applied
+    assert applied["gpus"][0]["steps"][0]["description"] == \
+        "create 3g.40gb (id 9) at start 0 (memory slices 0..3)"
+    migs = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].mig_devices
+    assert len(migs) == 2 and all(m.created_by_agent for m in migs)      # journaled: the agent made them
+    assert json.loads(_run_cli(agent, *config, "--apply", "--json"))["changed"] is False
+
+    mig = stub.PrepareShare(share("ex", "exclusive", [migs[0].gpu_uuid], mig_profile="3g.40gb", mig_start=0),
+                            timeout=60).device_uuids[0]
+    whole = ["mig", "config", "--file", _mig_config(tmp_path, {"7g.80gb": 1}), "--select", "cfg", *backend]
+    for extra in ((), ("--apply",)):
+        out = _run_cli(agent, *whole, *extra, ok=False)
+        for says in (f"GPU {GPU_MIG}", mig, "held by fastshare share ex", "--force"):
+            assert says in out, (says, out)
+    forced = json.loads(_run_cli(agent, *whole, "--apply", "--force", "--json"))
+    assert [s["action"] for s in forced["gpus"][0]["steps"]] == ["destroy", "destroy", "create"], forced
+    lost = {s.id: s.reason for s in wait_for(lambda: stub.GetInventory(INV, timeout=30).lost_shares,
+                                             what="the share reported lost")}
+    assert list(lost) == ["ex"], lost
+    assert "forced MIG layout change" in lost["ex"] and "outside fastshare" not in lost["ex"], lost
+
+
+def test_an_agent_waits_for_a_mig_change_made_without_it(agent, sim_machine, tmp_path):
+    """`mig config --apply` with no agent running (the boot unit, the role with the agent stopped)
+    holds the agent's state directory while it changes MIG: an agent started meanwhile waits for it
+    (it failed after 2 s as if a second agent ran) and then reconciles what the change left."""
+    from fastshare.node.config import MIG_CHANGE_NOTE
+
+    state = agent.workdir / "state"
+    hold = subprocess.Popen([str(BIN / "python"), "-c",
+                             "import sys, time\nfrom fastshare.state_lock import StateDirLock\n"
+                             "StateDirLock(sys.argv[1], 'node agent').acquire(note=sys.argv[2])\n"
+                             "print('held', flush=True)\ntime.sleep(5)\n", str(state), MIG_CHANGE_NOTE],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        agent.start()
+        assert time.monotonic() - started >= 3, "the agent did not wait for the MIG change"
+        assert hold.wait(timeout=30) == 0
+    finally:
+        hold.kill()
+        hold.wait()
+    assert "waiting up to" in agent.log.read_text() and MIG_CHANGE_NOTE in agent.log.read_text()
+    assert agent.unix().GetInventory(INV, timeout=30).gpus

@@ -1,0 +1,117 @@
+"""Changing MIG on a host where a node agent may run (`fastshare mig ...`, the mig_config module,
+fastshare-mig-layout.service): through the agent when it answers on its unix socket (its calls
+run under its lock of the GPU, so a share it is preparing counts), never beside an agent that is
+starting (it holds its state directory but does not answer yet: it is reconciling the journal
+with the GPUs' MIG devices), and directly only while holding that state directory's lock, so an
+agent starting meanwhile waits until the change is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fastshare.node.config import AGENT_LOCK_OWNER, MIG_CHANGE_NOTE
+from fastshare.state_lock import LockedError, StateDirLock, holder_and_note
+
+_AS_ROOT = "run as root (the agent's state directory is 0700)"
+
+
+class LocalAgentError(Exception):
+    """MIG must not be changed now (or whether it may cannot be told); ``hint`` says what to do."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def local_agent(unix_socket: str, state_dir: Path | str, socket_option: str = "--unix-socket",
+                dir_option: str = "--agent-journal") -> Any | None:
+    """A stub of the node agent on this host if it answers on ``unix_socket``; None when no agent
+    runs. Raises LocalAgentError while an agent is starting or the socket cannot be used
+    (``socket_option``/``dir_option``: how the caller's user names the socket and the state
+    directory, for the messages)."""
+    if not unix_socket:
+        refuse_if_starting(state_dir, f"no {socket_option} given", dir_option)
+        return None
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(unix_socket)
+    except (FileNotFoundError, ConnectionRefusedError):
+        # no socket, or the one an agent that no longer runs left
+        refuse_if_starting(state_dir, f"it does not answer on {unix_socket} yet", dir_option)
+        return None
+    except OSError as exc:
+        raise LocalAgentError(
+            f"{socket_option} {unix_socket}: the node agent's socket cannot be used ({exc.strerror or exc}); "
+            "MIG is not changed beside a running agent",
+            "run as root or as a member of the socket's group (the agent's unix_socket_group)") from None
+    finally:
+        probe.close()
+    from fastshare.node.client import channel, stub
+
+    return stub(channel(unix_socket=unix_socket))
+
+
+def refuse_if_starting(state_dir: Path | str, why: str, dir_option: str = "--agent-journal") -> None:
+    """Raise LocalAgentError while a node agent holds ``state_dir`` without answering (``why``),
+    or while another MIG change made without an agent holds it."""
+    try:
+        held = holder_and_note(state_dir, AGENT_LOCK_OWNER)
+    except OSError as exc:
+        raise LocalAgentError(f"{dir_option}: cannot tell whether a node agent runs on {state_dir}: "
+                              f"{exc.strerror or exc}", _AS_ROOT) from None
+    if held is not None:
+        raise _busy(state_dir, *held, why)
+
+
+def _busy(state_dir: Path | str, pid: str, note: str, why: str) -> LocalAgentError:
+    if note == MIG_CHANGE_NOTE:
+        return LocalAgentError(f"{note} (pid {pid}) is under way on this host ({state_dir}); MIG is not "
+                               "changed beside it", "retry once it has finished")
+    return LocalAgentError(f"a node agent (pid {pid}) runs on this host ({state_dir}) but {why}: it is "
+                           "starting, and MIG is not changed beside it",
+                           "retry once it answers (`fastshare node status`)")
+
+
+@contextlib.contextmanager
+def without_agent(state_dir: Path | str, dir_option: str = "--agent-journal") -> Iterator[None]:
+    """Hold the node agent's lock of ``state_dir`` while MIG is changed directly (no agent answered):
+    an agent starting meanwhile waits for the change (node/server.py) instead of reconciling
+    beside it. Raises LocalAgentError when an agent (or another such change) holds it. No lock
+    without the directory: no agent has run with it."""
+    if not Path(state_dir).is_dir():
+        yield
+        return
+    lock = StateDirLock(state_dir, AGENT_LOCK_OWNER, dir_option)
+    try:
+        lock.acquire(note=MIG_CHANGE_NOTE)
+    except LockedError as exc:
+        raise _busy(state_dir, exc.pid, exc.note, "it does not answer on its socket yet") from None
+    except OSError as exc:
+        raise LocalAgentError(f"{dir_option}: cannot lock the node agent's state directory {state_dir}: "
+                              f"{exc.strerror or exc}", _AS_ROOT) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def held_by_agent(inventory: Any) -> dict[str, list[str]]:
+    """The devices the agent's shares hold (UUID -> share ids), from its GetInventory reply, as
+    :func:`fastshare.node.journal.held_device_uuids` reads them from its journal: a MIG device an
+    exclusive share holds, and the device (GPU, held whole, or MIG device) any other share names."""
+    held: dict[str, list[str]] = {}
+    for gpu in inventory.gpus:
+        for m in gpu.mig_devices:
+            if m.share_id:
+                held.setdefault(m.uuid, []).append(m.share_id)
+    for s in inventory.shares:
+        for uuid in s.device_uuids:
+            mig_share = bool(s.mig_profile) and not uuid.startswith("MIG-")   # its GPU: where it was made
+            if not mig_share and s.id not in held.get(uuid, []):
+                held.setdefault(uuid, []).append(s.id)
+    return {uuid: sorted(ids) for uuid, ids in held.items()}

@@ -10,10 +10,15 @@ plans and results the way the module reports them (steps, predicted devices, dif
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 try:
     from fastshare.device import mig_parted
+    from fastshare.node import local_agent as node_agent
+    from fastshare.node.config import NodeConfig
 except ImportError:  # the module fails with missing_required_lib before using any of this
-    mig_parted = None
+    mig_parted = node_agent = NodeConfig = None
 
 
 class MigConfigError(Exception):
@@ -85,19 +90,67 @@ def config_file_targets(path, name, gpus):
         raise MigConfigError(f"config_file {path}: {exc}") from None
 
 
-def plan_targets(devices, targets, force, held):
-    """mig_parted plans for every targeted GPU; MigConfigError names the entry and the GPU."""
+def _state_dir(agent_journal):
+    """The node agent's state directory: where its journal is, or the agent's default one."""
+    return os.path.dirname(agent_journal) if agent_journal else NodeConfig.state_dir
+
+
+def _refused(exc):
+    return MigConfigError(f"{exc} ({exc.hint})" if exc.hint else str(exc))
+
+
+def local_agent(unix_socket, agent_journal):
+    """The node agent answering on ``unix_socket`` (None: none runs); MigConfigError while one is
+    starting (fastshare.node.local_agent, as for `fastshare mig config`)."""
     try:
-        return mig_parted.plan_host(devices, targets, force=force, held=held)
+        return node_agent.local_agent(unix_socket, _state_dir(agent_journal), "unix_socket", "agent_journal")
+    except node_agent.LocalAgentError as exc:
+        raise _refused(exc) from None
+
+
+@contextlib.contextmanager
+def without_agent(agent_journal):
+    """Hold the node agent's state directory while MIG is changed directly (no agent answered)."""
+    try:
+        with node_agent.without_agent(_state_dir(agent_journal), "agent_journal"):
+            yield
+    except node_agent.LocalAgentError as exc:   # only taking the lock raises it
+        raise _refused(exc) from None
+
+
+def agent_held(agent):
+    """The devices the running agent's shares hold (UUID -> share ids), from its inventory."""
+    import grpc
+
+    from fastshare.v1 import agent_pb2
+
+    try:
+        inventory = agent.GetInventory(agent_pb2.GetInventoryRequest(), timeout=mig_parted.AGENT_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        raise MigConfigError(f"node agent: it answered {exc.code().name}: {exc.details()}") from None
+    return node_agent.held_by_agent(inventory)
+
+
+def plan_targets(devices, targets, force, held, agent=None):
+    """mig_parted plans for every targeted GPU; MigConfigError names the entry and the GPU. With a
+    running ``agent``, it checks every GPU the plans change (its refusals, under its GPU lock)."""
+    try:
+        plans = mig_parted.plan_host(devices, targets, force=force, held=held, agent_runs=agent is not None)
+        if agent is not None:
+            mig_parted.check_host_via_agent(agent, devices, plans)
+        return plans
     except mig_parted.ConfigError as exc:
         raise MigConfigError(str(exc)) from None
 
 
-def apply_plans(devices, plans):
-    """Carry the plans out (mig_parted.apply_host): per GPU the steps done and the reset state.
+def apply_plans(devices, plans, agent=None):
+    """Carry the plans out (mig_parted.apply_host, or by the running ``agent``'s calls): per GPU
+    the steps done and the reset state.
 
     A refusal while carrying out (a re-plan after MIG came on) is a MigConfigError too."""
     try:
+        if agent is not None:
+            return mig_parted.apply_host_via_agent(agent, devices, plans)
         return mig_parted.apply_host(devices, plans)
     except mig_parted.ConfigError as exc:
         raise MigConfigError(str(exc)) from None

@@ -17,7 +17,8 @@ description:
     explicit placements (never where NVML's default placer would put them), and only what
     must change is destroyed or created. A second run with the same layout changes nothing.
   - Every GPU is planned before anything is changed. An instance that is in use (processes
-    run on it, or a fastshare share holds it according to O(agent_journal)) is never destroyed
+    run on it, or a fastshare share holds it according to the node agent running on
+    O(unix_socket), or to O(agent_journal) without one) is never destroyed
     or moved; and the module fails naming the instance. O(force=true) lets the module destroy
     instances held by fastshare shares; running processes always block destruction, because
     NVML refuses it.
@@ -79,7 +80,23 @@ options:
       - MIG devices that a share in it holds count as in use, and so does a GPU that a share
         holds whole (MIG is not enabled on it without O(force)). When the file does not exist,
         no device counts as held.
+      - Not read while the node agent answers on O(unix_socket) (its own shares count then).
+        Without a running agent, the module holds the agent's lock of this directory (or of
+        C(/var/lib/fastshare/node) when not given) while it changes MIG, so an agent starting
+        meanwhile waits for it; while an agent holds it (starting, not answering yet) the module
+        fails without changing anything.
     type: path
+  unix_socket:
+    description:
+      - The fastshare node agent's unix socket. While an agent answers there, the module changes
+        nothing beside it; the agent makes the changes (C(SetMigMode), C(ApplyMigLayout)) under its
+        lock of each GPU, so a share it holds or is preparing counts as in use, and every GPU is
+        checked by the agent (C(PlanMigLayout)) before anything changes, also in check mode.
+      - O(force) does not cover MIG mode changes then (the agent changes the MIG mode only of a
+        GPU that no share holds); it does cover destroying held instances.
+      - With no agent answering there, the module changes MIG directly (see O(agent_journal)).
+    type: str
+    default: /run/fastshare/node.sock
 attributes:
   check_mode:
     description: Plans and reports the steps without changing anything.
@@ -110,9 +127,10 @@ EXAMPLES = r"""
         mig_devices:
           3g.20gb: 2
 
-- name: A mixed layout on GPU 0, MIG off on GPU 1, shares protected
+- name: A mixed layout on GPU 0, MIG off on GPU 1, shares protected (by the running agent, if any)
   fastshare.gpu.mig_config:
     agent_journal: /var/lib/fastshare/node/journal.db
+    unix_socket: /run/fastshare/node.sock
     layout:
       - devices: [0]
         mig_devices:
@@ -251,7 +269,9 @@ reset_gpus:
   sample: [0, 1]
 """
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402  (Ansible: imports follow the docs)
+import contextlib  # noqa: E402  (Ansible: imports follow the docs)
+
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 from ansible_collections.fastshare.gpu.plugins.module_utils.backend import (  # noqa: E402
     BACKEND_REQUIRED_IF,
     DeviceError,
@@ -262,14 +282,17 @@ from ansible_collections.fastshare.gpu.plugins.module_utils.backend import (  # 
 )
 from ansible_collections.fastshare.gpu.plugins.module_utils.mig import (  # noqa: E402
     MigConfigError,
+    agent_held,
     apply_plans,
     config_file_targets,
     describe_layout,
     layout_targets,
+    local_agent,
     plan_targets,
     predicted_devices,
     predicted_mode,
     step_dict,
+    without_agent,
 )
 
 
@@ -285,6 +308,7 @@ def argument_spec():
         config_name=dict(type="str"),
         force=dict(type="bool", default=False),
         agent_journal=dict(type="path"),
+        unix_socket=dict(type="str", default="/run/fastshare/node.sock"),
     )
     return spec
 
@@ -324,22 +348,29 @@ def run(module, devices):
                                       list(gpus.values()))
     else:
         targets = layout_targets(module.params["layout"], list(gpus.values()))
-    held = held_device_uuids(module.params["agent_journal"])
-    before = {index: _devices_of(g.mig_instances) for index, g in gpus.items()}
-    # Plan every GPU first: any refusal happens before anything changes.
-    plans = plan_targets(devices, targets, module.params["force"], held)
-    if module.check_mode:
-        outcomes = [_predicted(gp, gpus[gp.gpu_index], before[gp.gpu_index]) for gp in plans]
-    else:
-        state = _state(devices)
-        try:
-            results = apply_plans(devices, plans)
-        except (MigConfigError, DeviceError) as exc:
-            # A GPU may have changed before the failure: report what the GPUs say, not a guess.
-            extra = dict(nvml_error=exc.code) if isinstance(exc, DeviceError) else {}
-            module.fail_json(msg=str(exc), changed=_changed_since(devices, state), **extra)
-        now = {g.index: g for g in devices.gpus()}
-        outcomes = [_observed(gp, r, now[gp.gpu_index]) for gp, r in zip(plans, results, strict=True)]
+    journal = module.params["agent_journal"]
+    # A running agent makes the changes; none is changed beside a starting one; without one, its
+    # state directory is held meanwhile (fastshare.node.local_agent, as for `fastshare mig config`).
+    agent = local_agent(module.params["unix_socket"], journal)
+    directly = agent is None and not module.check_mode
+    with without_agent(journal) if directly else contextlib.nullcontext():
+        gpus = {g.index: g for g in devices.gpus()}   # again, now that no agent changes them beside
+        held = agent_held(agent) if agent is not None else held_device_uuids(journal)
+        before = {index: _devices_of(g.mig_instances) for index, g in gpus.items()}
+        # Plan every GPU first: any refusal happens before anything changes.
+        plans = plan_targets(devices, targets, module.params["force"], held, agent)
+        if module.check_mode:
+            outcomes = [_predicted(gp, gpus[gp.gpu_index], before[gp.gpu_index]) for gp in plans]
+        else:
+            state = _state(devices)
+            try:
+                results = apply_plans(devices, plans, agent)
+            except (MigConfigError, DeviceError) as exc:
+                # A GPU may have changed before the failure: report what the GPUs say, not a guess.
+                extra = dict(nvml_error=exc.code) if isinstance(exc, DeviceError) else {}
+                module.fail_json(msg=str(exc), changed=_changed_since(devices, state), **extra)
+            now = {g.index: g for g in devices.gpus()}
+            outcomes = [_observed(gp, r, now[gp.gpu_index]) for gp, r in zip(plans, results, strict=True)]
     steps, report, diff_before, diff_after = [], [], [], []
     for gp, done, mode, reset_required, after in outcomes:
         gpu = gpus[gp.gpu_index]

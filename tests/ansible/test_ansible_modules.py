@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -365,3 +366,71 @@ def test_mig_parted_config_file_with_device_filter(mig, machine, tmp_path):
     assert broken["failed"] and "mig-configs.balanced[0].mig-enabled" in broken["msg"]
     both = mig([], config_file=str(config), config_name="balanced")
     assert both["failed"] and "mutually exclusive" in both["msg"]
+
+
+# --- beside a node agent ----------------------------------------------------------------------
+# The node agent tests' harness: a real `fastshare node serve` on a simulated machine.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from node.harness import GPU_MIG, agent, pki_dir, share, sim_machine  # noqa: E402, F401  (fixtures)
+
+from fastshare.v1 import agent_pb2  # noqa: E402
+
+
+def test_changes_are_the_running_node_agents_calls(collections_path, agent, sim_machine):  # noqa: F811
+    """The role re-runs mig_config on a host whose agent runs: it changed MIG beside the agent,
+    without its lock of the GPU (a share being prepared there lost its MIG device) and by a journal
+    read. With the agent answering on unix_socket, the agent makes the changes: its instances, its
+    shares counted (check mode too), and a forced change's victims reported as the layout's."""
+    agent.start()
+    stub = agent.unix()
+    inventory = agent_pb2.GetInventoryRequest()
+    args = {"gpu_backend": "sim", "sim_state": str(sim_machine), "unix_socket": agent.unix_socket,
+            "layout": [{"devices": [GPU_MIG], "mig_devices": {"3g.40gb": 2}}]}
+    made = run_module(collections_path, MIG_CONFIG, args)
+    assert made["changed"] and [s["action"] for s in made["steps"]] == ["create", "create"], made
+    migs = stub.GetInventory(inventory, timeout=30).gpus[GPU_MIG].mig_devices
+    assert len(migs) == 2 and all(m.created_by_agent for m in migs), migs    # journaled: the agent's
+    assert [d["uuid"] for d in made["gpus"][0]["mig_devices"]] == [m.uuid for m in migs]
+    gpu = migs[0].gpu_uuid
+    held = stub.PrepareShare(share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=0),
+                             timeout=60).device_uuids[0]
+    whole = args | {"layout": [{"devices": [GPU_MIG], "mig_devices": {"7g.80gb": 1}}]}
+    before = sim_machine.read_bytes()
+    for check in (True, False):
+        refused = run_module(collections_path, MIG_CONFIG, whole, check=check)
+        assert refused.get("failed") and held in refused["msg"] and "ex" in refused["msg"], refused
+        assert refused["changed"] is False and sim_machine.read_bytes() == before
+    forced = run_module(collections_path, MIG_CONFIG, whole | {"force": True})
+    assert forced["changed"] and [s["action"] for s in forced["steps"]] == ["destroy", "destroy", "create"]
+    lost = {s.id: s.reason for s in stub.GetInventory(inventory, timeout=30).lost_shares}
+    assert list(lost) == ["ex"] and "forced MIG layout change" in lost["ex"], lost
+    # MIG off through the agent: its instances destroyed first, then the mode (SetMigMode)
+    stub.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="ex"), timeout=60)
+    off = run_module(collections_path, MIG_CONFIG,
+                     args | {"layout": [{"devices": [GPU_MIG], "mig_enabled": False}]})
+    assert off["changed"] and off["gpus"][0]["mig_mode"] == {"current": False, "pending": False}, off
+    assert not stub.GetInventory(inventory, timeout=30).gpus[GPU_MIG].mig_enabled
+
+
+def test_refused_while_a_node_agent_is_starting(mig, machine, tmp_path):
+    """An agent holds its state directory from before it reconciles the journal with the MIG
+    devices, and opens its socket after that: the module acted beside it. Now it refuses."""
+    state = tmp_path / "state"
+    hold = subprocess.Popen([sys.executable, "-c",
+                             "import sys, time\nfrom fastshare.state_lock import StateDirLock\n"
+                             "StateDirLock(sys.argv[1], 'node agent').acquire()\nprint('held', flush=True)\n"
+                             "time.sleep(120)\n", str(state)], stdout=subprocess.PIPE, text=True)
+    layout = [{"devices": [1], "mig_devices": {"3g.40gb": 2}}]
+    extra = {"agent_journal": str(state / "journal.db"), "unix_socket": str(tmp_path / "node.sock")}
+    try:
+        assert hold.stdout.readline().strip() == "held"
+        before = machine.read_bytes()
+        for check in (True, False):
+            refused = mig(layout, check=check, **extra)
+            assert refused.get("failed") and f"a node agent (pid {hold.pid})" in refused["msg"], refused
+            assert "it is starting" in refused["msg"] and refused["changed"] is False
+            assert machine.read_bytes() == before
+    finally:
+        hold.kill()
+        hold.wait()
+    assert mig(layout, **extra)["changed"] is True          # the agent is gone: directly, as before

@@ -453,7 +453,7 @@ def test_unit_commands_survive_paths_systemd_would_split_or_expand(collections_p
     node_vars = {**gpu_node_vars, "gpu_node_venv": str(venv), "gpu_node_gpu_backend": "sim",
                  "gpu_node_sim_state": str(data / "sim gpus.json"),
                  "gpu_node_mig_config_file": str(data / "mig-config.yaml"),
-                 "gpu_node_mig_config_name": "fastshare"}
+                 "gpu_node_mig_config_name": "fastshare", "gpu_node_agent_extra": {}}
     mig_unit = tmp_path / "fastshare-mig-layout.service"
     controller_unit = tmp_path / "fastshare-controller.service"
     node_unit = tmp_path / "fastshare-node.service"
@@ -476,7 +476,7 @@ def test_unit_commands_survive_paths_systemd_would_split_or_expand(collections_p
                                       "dest": str(tmp_path / "default.service"), "mode": "0644"},
          "vars": {**gpu_node_vars, "gpu_node_venv": "/opt/fastshare", "gpu_node_gpu_backend": "nvml",
                   "gpu_node_mig_config_file": "/etc/fastshare/mig-config.yaml",
-                  "gpu_node_mig_config_name": "fastshare"}},
+                  "gpu_node_mig_config_name": "fastshare", "gpu_node_agent_extra": {}}},
         {"ansible.builtin.template": {"src": str(REPO / "roles/controller/templates" /
                                                  f"{controller_unit.name}.j2"),
                                       "dest": str(tmp_path / "refused.service"), "mode": "0644"},
@@ -492,14 +492,16 @@ def test_unit_commands_survive_paths_systemd_would_split_or_expand(collections_p
         assert _exec_start(unit)[0] == str(fastshare), unit.read_text()
     assert _exec_start(mig_unit)[1:] == [
         "mig", "config", "--gpu-backend", "sim", "--sim-state", str(data / "sim gpus.json"),
-        "--file", str(data / "mig-config.yaml"), "--select", "fastshare", "--apply"]
+        "--file", str(data / "mig-config.yaml"), "--select", "fastshare", "--apply",
+        "--agent-journal", "/var/lib/fastshare/node/journal.db", "--unix-socket", "/run/fastshare/node.sock"]
     assert _exec_start(controller_unit)[1:] == ["controller", "serve", "--config",
                                                 "/etc/fastshare/controller.yaml"]
     assert _exec_start(node_unit)[1:] == ["node", "serve", "--config", "/etc/fastshare/node.yaml"]
     assert f"apply the MIG layout ({data / 'mig-config.yaml'})".replace("%", "%%") in mig_unit.read_text()
     assert refused.get("failed") and "systemd refuses an executable path" in refused["msg"], refused
     assert ("ExecStart=/opt/fastshare/bin/fastshare mig config --gpu-backend nvml --file "
-            "/etc/fastshare/mig-config.yaml --select fastshare --apply\n"
+            "/etc/fastshare/mig-config.yaml --select fastshare --apply --agent-journal "
+            "/var/lib/fastshare/node/journal.db --unix-socket /run/fastshare/node.sock\n"
             in (tmp_path / "default.service").read_text())
 
 

@@ -333,7 +333,7 @@ COMMANDS = [mig_group]
               help="the node agent's socket: while an agent answers there, the changes are its calls "
                    "(SetMigMode, ApplyMigLayout, each GPU checked by PlanMigLayout first) under its lock of "
                    "the GPU, so a share it is preparing counts too, and the shares it holds count as in use "
-                   "(--agent-journal is then not used; --force does not cover MIG mode changes); with no "
+                   "(--agent-journal is then not used); with no "
                    "agent there, the change is made directly, holding the agent's state directory")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name: str, do_apply: bool,
@@ -364,8 +364,7 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
         with devices_from(gpu_backend, sim_state) as devices:
             try:
                 configs = parse_config(text)
-                plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force, held=held,
-                                  agent_runs=agent is not None)
+                plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force, held=held)
                 if agent is None:
                     results = apply_host(devices, plans) if do_apply else [p.to_dict() for p in plans]
                 elif do_apply:

@@ -198,27 +198,20 @@ def _waits_for_reset(gpu: GpuInfo) -> bool:
     return True if model is None else model.mig_pending_until_reset
 
 
-# The node agent changes the MIG mode only of a GPU no share holds (SetMigMode).
-AGENT_FORCE_NOTE = ("; --force (force) does not apply to MIG mode changes while the node agent runs: it "
-                    "changes the MIG mode only of a GPU no share holds")
-
-
 def plan_host(devices: Devices, chosen: Mapping[int, DeviceSpec], *, force: bool = False,
-              held: Collection[str] = frozenset(), agent_runs: bool = False) -> list[GpuPlan]:
+              held: Collection[str] = frozenset()) -> list[GpuPlan]:
     """Per-GPU plans; nothing is changed here, so every refusal comes before any change.
 
     An instance is in use when processes run on it or its UUID is in ``held`` (devices that
     fastshare shares hold, from the node agent's journal or inventory): in-use instances are kept
     unless ``force``; ``force`` never covers running processes, because NVML refuses to destroy
-    those. ``agent_runs``: the plans are carried out by the node agent (:func:`apply_host_via_agent`),
-    whose SetMigMode ``force`` does not override."""
+    those."""
     gpus = {g.index: g for g in devices.gpus()}
-    return [_plan_gpu(devices, gpus[index], chosen[index], force, held, agent_runs)
-            for index in sorted(chosen)]
+    return [_plan_gpu(devices, gpus[index], chosen[index], force, held) for index in sorted(chosen)]
 
 
 def _plan_gpu(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
-              held: Collection[str], agent_runs: bool) -> GpuPlan:
+              held: Collection[str]) -> GpuPlan:
     if not spec.mig_enabled:
         return _disable_plan(devices, gpu, spec, force, held)
     if not gpu.mig_capable:
@@ -226,9 +219,9 @@ def _plan_gpu(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
     shape = _shape(devices, gpu)
     mode_change = not gpu.mig_pending     # pending True while current False: enable already asked
     _refuse_mode_change_in_use(spec, gpu, mode_change)
-    if reason := refuse_enable_under_share(gpu, held, force and not agent_runs):
+    if reason := refuse_enable_under_share(gpu, held, force):
         # Cancelling a pending enable (the disable path) leaves such a share its GPU; this does not.
-        raise ConfigError(f"{spec.where}: {reason}{AGENT_FORCE_NOTE if force else ''}")
+        raise ConfigError(f"{spec.where}: {reason}")
     reset_required = not gpu.mig_current and (not mode_change or _waits_for_reset(gpu))
     try:
         wanted = parse_layout(dict(spec.mig_devices), shape)
@@ -360,7 +353,8 @@ def apply_host_via_agent(agent: Any, devices: Devices, plans: Sequence[GpuPlan])
         uuid = devices.gpu(gp.gpu_index).uuid
         done: list[Step] = []
         if gp.mig_enabled and gp.mode_change:
-            _call(agent.SetMigMode, agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=True), gp)
+            request = agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=True, force=gp.force)
+            _call(agent.SetMigMode, request, gp)
         # the instances when MIG is on (a disable destroys them first); the agent re-plans under its
         # lock on NVML's own profiles (also when MIG just came on and the plan used the catalog's)
         if devices.gpu(gp.gpu_index).mig_current and (gp.plan is None or gp.plan.changed or gp.from_catalog):
@@ -391,6 +385,4 @@ def _call(method: Any, request: Any, gp: GpuPlan) -> Any:
         details = (exc.details() or "").removeprefix("profiles: ")   # the agent's name for the layout
         if exc.code().name not in _REFUSALS:
             details = f"the node agent answered {exc.code().name}: {details}"
-        elif gp.force and type(request).__name__ == "SetMigModeRequest":
-            details += AGENT_FORCE_NOTE
         raise ConfigError(f"GPU {gp.gpu_index}: {details}") from None

@@ -1007,8 +1007,8 @@ class Agent:
                     return False, False
                 if enabled:
                     noted = self._before_mig_enable(gpu, force)
-                else:
-                    holders = [*self._live_shares(gpu_uuid),
+                else:   # cancelling an enable still pending leaves the shares using the GPU whole be
+                    holders = [*(self._live_shares(gpu_uuid) if gpu.mig_current else ()),
                                *(r for m in gpu.mig_instances for r in self._live_shares(m.uuid or ""))]
                     if holders:
                         raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} has shares "

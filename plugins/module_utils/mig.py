@@ -135,7 +135,7 @@ def plan_targets(devices, targets, force, held, agent=None):
     """mig_parted plans for every targeted GPU; MigConfigError names the entry and the GPU. With a
     running ``agent``, it checks every GPU the plans change (its refusals, under its GPU lock)."""
     try:
-        plans = mig_parted.plan_host(devices, targets, force=force, held=held, agent_runs=agent is not None)
+        plans = mig_parted.plan_host(devices, targets, force=force, held=held)
         if agent is not None:
             mig_parted.check_host_via_agent(agent, devices, plans)
         return plans

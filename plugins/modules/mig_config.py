@@ -92,8 +92,8 @@ options:
         nothing beside it; the agent makes the changes (C(SetMigMode), C(ApplyMigLayout)) under its
         lock of each GPU, so a share it holds or is preparing counts as in use, and every GPU is
         checked by the agent (C(PlanMigLayout)) before anything changes, also in check mode.
-      - O(force) does not cover MIG mode changes then (the agent changes the MIG mode only of a
-        GPU that no share holds); it does cover destroying held instances.
+      - O(force) means the same then; the agent drops the shares a forced change takes their
+        device from, reported lost to the controller with that cause.
       - With no agent answering there, the module changes MIG directly (see O(agent_journal)).
     type: str
     default: /run/fastshare/node.sock

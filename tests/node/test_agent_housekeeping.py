@@ -653,3 +653,19 @@ def test_a_forced_mig_enable_nvml_refuses_keeps_the_shares(mig_off):
     assert _lost(agent) == {} and agent.journal.taken() == {}
     agent.housekeeping()
     assert _lost(agent) == {}
+
+
+def test_cancelling_a_pending_mig_enable_leaves_the_shares_using_the_gpu_whole_their_gpu(mig_off):
+    """An Ampere GPU's MIG enable waits for a reset; cancelling it (SetMigMode disabled, e.g. `mig config`
+    with mig-enabled false through the agent) keeps MIG off, so a share using the GPU whole keeps it.
+    The agent refused it ("has shares"), where the direct path allows it; a layout on a GPU whose MIG
+    is on still counts its shares."""
+    agent, _ = mig_off
+    a100 = agent.devices.gpus()[1].uuid
+    agent.prepare(ShareSpec("w", "whole", (a100,)), Deadline(60))
+    assert agent.set_mig_mode(a100, True, Deadline(60), force=True) == (True, True)   # pending; w dropped
+    agent.prepare(ShareSpec("w2", "whole", (a100,)), Deadline(60))
+    assert agent.set_mig_mode(a100, False, Deadline(60)) == (False, True)
+    gpu = agent.devices.gpus()[1]
+    assert not gpu.mig_current and not gpu.mig_pending
+    assert [r.spec.id for r in agent.journal.shares()] == ["w2"]

@@ -442,6 +442,28 @@ def test_cli_mig_config_goes_through_a_running_agent(agent, sim_machine, tmp_pat
     assert "forced MIG layout change" in lost["ex"] and "outside fastshare" not in lost["ex"], lost
 
 
+def test_cli_mig_config_force_enables_mig_under_a_whole_share_through_the_agent(agent, sim_machine, tmp_path):
+    """`mig config --apply --force` on a GPU a share holds whole: through the agent its --force means
+    what it means without one (SetMigMode with force): MIG comes on and the share is reported lost
+    to the forced MIG mode change. Without --force it is refused, naming the share."""
+    agent.start()
+    stub = agent.unix()
+    gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
+    stub.SetMigMode(agent_pb2.SetMigModeRequest(gpu_uuid=gpu, enabled=False), timeout=60)
+    stub.PrepareShare(share("w", "whole", [gpu]), timeout=60)
+    config = ["mig", "config", "--file", _mig_config(tmp_path, {"3g.40gb": 2}), "--select", "cfg", "--apply",
+              "--gpu-backend", "sim", "--sim-state", str(sim_machine)]
+    out = _run_cli(agent, *config, ok=False)
+    for says in (f"GPU {GPU_MIG}", "held whole by fastshare share w", "--force"):
+        assert says in out, (says, out)
+    assert [s.id for s in stub.GetInventory(INV, timeout=30).shares] == ["w"]
+    _run_cli(agent, *config, "--force")
+    inv = stub.GetInventory(INV, timeout=30)
+    assert inv.gpus[GPU_MIG].mig_enabled and list(inv.shares) == [], inv
+    (lost,) = inv.lost_shares
+    assert lost.id == "w" and "forced MIG mode change" in lost.reason, lost
+
+
 def test_an_agent_waits_for_a_mig_change_made_without_it(agent, sim_machine, tmp_path):
     """`mig config --apply` with no agent running (the boot unit, the role with the agent stopped)
     holds the agent's state directory while it changes MIG: an agent started meanwhile waits for it

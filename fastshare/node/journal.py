@@ -425,8 +425,12 @@ def held_device_uuids(path: Path | str | None) -> dict[str, list[str]]:
         db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
         try:
             held: dict[str, list[str]] = {}
-            for share_id, uuid in db.execute("SELECT id, device_uuid FROM shares ORDER BY id"):
-                held.setdefault(uuid, []).append(share_id)
+            for share_id, uuid, text in db.execute("SELECT id, device_uuid, spec FROM shares ORDER BY id"):
+                # a whole share's row names its first GPU; an exclusive one's spec, its MIG device's GPU
+                spec = ShareSpec.from_json(text)
+                named = () if spec.kind == "exclusive" else spec.device_uuids
+                for device in dict.fromkeys((uuid, *named)):
+                    held.setdefault(device, []).append(share_id)
             return held
         finally:
             db.close()

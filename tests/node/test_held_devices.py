@@ -24,6 +24,19 @@ def test_lists_the_devices_shares_hold_without_writing(tmp_path: Path):
     assert held_device_uuids(None) == {} and held_device_uuids(tmp_path / "absent.db") == {}
 
 
+def test_a_whole_share_of_several_gpus_holds_each_of_them(tmp_path: Path):
+    """A whole share's row names its first GPU only (device_uuid): the others were not listed, so
+    `mig enable` without an agent was not refused on the second GPU of a two-GPU share. An exclusive
+    share's spec names the GPU it was carved from, which it does not hold whole."""
+    path = tmp_path / "journal.db"
+    journal = Journal(path)
+    journal.begin_share(ShareSpec(id="w", kind="whole", device_uuids=("GPU-a", "GPU-b")), "GPU-a", None)
+    journal.begin_share(ShareSpec(id="ex", kind="exclusive", device_uuids=("GPU-c",), mig_profile="1g.10gb"),
+                        "MIG-c", None)
+    journal.close()
+    assert held_device_uuids(path) == {"GPU-a": ["w"], "GPU-b": ["w"], "MIG-c": ["ex"]}
+
+
 @pytest.mark.parametrize("content", [b"", b"not a database at all" * 10])
 def test_a_file_that_is_not_a_journal_is_reported_and_left_alone(tmp_path: Path, content: bytes):
     path = tmp_path / "journal.db"

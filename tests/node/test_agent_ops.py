@@ -132,10 +132,12 @@ def _cli(agent, *args: str, **env: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def test_cli_mig_apply_waits_for_a_share_the_agent_is_preparing(agent, sim_machine):
-    """`fastshare mig apply` read the agent's journal but acted beside the running agent: an exclusive
-    share the agent was binding (not yet journaled as held) was destroyed under it, or the layout
-    took its place and the share failed. Through the agent it waits for the GPU's lock and sees it."""
+@pytest.mark.parametrize("command", ["apply", "config"])
+def test_cli_mig_change_waits_for_a_share_the_agent_is_preparing(agent, sim_machine, tmp_path, command):
+    """`fastshare mig apply` and `mig config --apply` (also run at boot and by the Ansible module) read
+    the agent's journal but acted beside the running agent: an exclusive share the agent was binding
+    (not yet journaled as held) was destroyed under it, or the layout took its place and the share
+    failed. Through the agent they wait for the GPU's lock and see it: the change is refused."""
     agent.start()
     stub = agent.unix()
     gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
@@ -150,13 +152,15 @@ def test_cli_mig_apply_waits_for_a_share_the_agent_is_preparing(agent, sim_machi
         except grpc.RpcError as exc:
             prepared["error"] = exc.details()
 
+    change = (["mig", "apply", "--gpu", str(GPU_MIG), "--layout", "7g.80gb=1"] if command == "apply" else
+              ["mig", "config", "--file", _mig_config(tmp_path, {"7g.80gb": 1}), "--select", "cfg",
+               "--apply"])
     with open(lock_path, "a+") as held:      # NVML (the machine file) stalls while this is held
         fcntl.flock(held, fcntl.LOCK_EX)
         thread = threading.Thread(target=prepare)
         thread.start()                       # the agent takes the GPU's lock, then waits for NVML
         wait_for(lambda: _flock_waiters(lock_path) >= 1, what="the prepare waiting for NVML")
-        cli = _cli(agent, "mig", "apply", "--gpu", str(GPU_MIG), "--layout", "7g.80gb=1",
-                   "--gpu-backend", "sim", "--sim-state", str(sim_machine),
+        cli = _cli(agent, *change, "--gpu-backend", "sim", "--sim-state", str(sim_machine),
                    "--agent-journal", str(agent.workdir / "state" / "journal.db"))
         wait_for(lambda: _flock_waiters(lock_path) >= 2, what="the CLI waiting for NVML")
         fcntl.flock(held, fcntl.LOCK_UN)
@@ -165,11 +169,11 @@ def test_cli_mig_apply_waits_for_a_share_the_agent_is_preparing(agent, sim_machi
     assert "error" not in prepared, prepared.get("error")
     mig = prepared["reply"].device_uuids[0]
     assert cli.returncode == 1, out
-    for says in (f"GPU {GPU_MIG}:", mig, "ex", "fastshare release ex", "--force"):
+    for says in (f"GPU {GPU_MIG}:", mig, "held by fastshare share ex", "fastshare release ex", "--force"):
         assert says in out, (says, out)
     inv = stub.GetInventory(INV, timeout=30)
     assert mig in {m.uuid for m in inv.gpus[GPU_MIG].mig_devices}
-    assert [s.id for s in inv.shares] == ["ex"]
+    assert [s.id for s in inv.shares] == ["ex"] and not inv.lost_shares
 
 
 def _run_cli(agent, *args: str, ok: bool = True) -> str:
@@ -364,48 +368,6 @@ def _mig_config(tmp_path, layout: dict, gpu: int = GPU_MIG):
     path.write_text(json.dumps({"version": "v1", "mig-configs": {"cfg": [
         {"devices": [gpu], "mig-enabled": True, "mig-devices": layout}]}}))
     return str(path)
-
-
-def test_cli_mig_config_waits_for_a_share_the_agent_is_preparing(agent, sim_machine, tmp_path):
-    """`fastshare mig config --apply` (also run at boot and by the Ansible module) read the agent's
-    journal and changed MIG beside the running agent: an exclusive share the agent was binding was
-    not yet held in the journal, and the layout destroyed its MIG device under it. Now the change
-    is the agent's calls, under its lock of the GPU: the share counts, and the config is refused."""
-    agent.start()
-    stub = agent.unix()
-    gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
-    stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"3g.40gb": 2}), timeout=60)
-    lock_path = f"{sim_machine}.lock"
-    prepared: dict = {}
-
-    def prepare() -> None:
-        try:
-            prepared["reply"] = stub.PrepareShare(
-                share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=0), timeout=120)
-        except grpc.RpcError as exc:
-            prepared["error"] = exc.details()
-
-    config = _mig_config(tmp_path, {"7g.80gb": 1})
-    with open(lock_path, "a+") as held:      # NVML (the machine file) stalls while this is held
-        fcntl.flock(held, fcntl.LOCK_EX)
-        thread = threading.Thread(target=prepare)
-        thread.start()                       # the agent takes the GPU's lock, then waits for NVML
-        wait_for(lambda: _flock_waiters(lock_path) >= 1, what="the prepare waiting for NVML")
-        cli = _cli(agent, "mig", "config", "--file", config, "--select", "cfg", "--apply",
-                   "--gpu-backend", "sim", "--sim-state", str(sim_machine),
-                   "--agent-journal", str(agent.workdir / "state" / "journal.db"))
-        wait_for(lambda: _flock_waiters(lock_path) >= 2, what="the CLI waiting for NVML")
-        fcntl.flock(held, fcntl.LOCK_UN)
-    thread.join(timeout=120)
-    out = cli.communicate(timeout=120)[0]
-    assert "error" not in prepared, prepared.get("error")
-    mig = prepared["reply"].device_uuids[0]
-    assert cli.returncode == 1, out
-    for says in (f"GPU {GPU_MIG}", mig, "ex", "--force"):
-        assert says in out, (says, out)
-    inv = stub.GetInventory(INV, timeout=30)
-    assert mig in {m.uuid for m in inv.gpus[GPU_MIG].mig_devices}
-    assert [s.id for s in inv.shares] == ["ex"] and not inv.lost_shares
 
 
 def test_cli_mig_config_goes_through_a_running_agent(agent, sim_machine, tmp_path):

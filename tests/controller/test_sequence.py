@@ -326,7 +326,7 @@ def test_a_number_passed_by_a_refused_allocation_is_still_judged_as_at_start(tmp
 
     agents = _Agents()
     _known_nodes(tmp_path / "state.db", agents)
-    lost = _hold(agents.nodes["n2"], _ahead(2), "team/lost")
+    lost = _hold(agents.nodes["n2"], _ahead(5), "team/lost")
     agents.down.add("n2")
     store = SqliteStore(tmp_path / "state.db")
     try:
@@ -359,7 +359,7 @@ def test_a_node_still_away_across_restarts_is_judged_as_at_the_start_it_was_firs
     judged against are kept in state.db until it is reached: the share is adopted."""
     agents = _Agents()
     _known_nodes(tmp_path / "state.db", agents)
-    lost = _hold(agents.nodes["n2"], _ahead(2), "team/lost")
+    lost = _hold(agents.nodes["n2"], _ahead(5), "team/lost")
     agents.down.add("n2")
     store = SqliteStore(tmp_path / "state.db")
     try:

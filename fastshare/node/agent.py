@@ -997,6 +997,11 @@ class Agent:
         then dropped before the reply, as lost with that cause (journaled before the change, so
         that a restart after a crash in between drops them so too)."""
         gpu = self._gpu(gpu_uuid)
+        if gpu.lost:   # also one named from the journal, listed blank (no name, no MIG)
+            raise AgentError("FAILED_PRECONDITION",
+                             f"GPU {gpu.index} ({gpu_uuid}) of node {self.config.node_name} is lost (fell "
+                             f"off the bus?): NVML_ERROR_{gpu.lost}; it takes no changes until a GPU reset "
+                             "(nvidia-smi -r) or a reboot")
         if not gpu.mig_capable:
             raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} ({gpu.name}) does not support MIG")
         noted = False

@@ -669,3 +669,28 @@ def test_cancelling_a_pending_mig_enable_leaves_the_shares_using_the_gpu_whole_t
     gpu = agent.devices.gpus()[1]
     assert not gpu.mig_current and not gpu.mig_pending
     assert [r.spec.id for r in agent.journal.shares()] == ["w2"]
+
+
+def test_a_mig_mode_change_on_a_gpu_named_by_the_journal_says_it_is_lost(tmp_path):
+    """A MIG-capable GPU lost before the agent read it, named from the journal: `fastshare mig
+    enable --gpu N` sends the UUID the inventory now gives it, and the agent refused it as
+    'GPU ... () does not support MIG' (the blank listing has no name and no MIG): the operator
+    was told the wrong thing. Now the refusal says the GPU is lost and what to do."""
+    run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
+    machine = tmp_path / "m.json"
+    simnvml.create_machine(machine, ["H100-SXM5-80GB"] * 2)
+    agent = in_process_agent(tmp_path, run, machine)
+    try:
+        gpu = agent.devices.gpus()[1].uuid
+        agent.prepare(ShareSpec("w", "whole", (gpu,)), Deadline(60))
+        agent.journal.close()
+        simnvml.lose_gpu(machine, 1)
+        agent = in_process_agent(tmp_path, run, machine)
+        assert agent.snapshot().gpus[1].uuid == gpu
+        with pytest.raises(AgentError) as exc:
+            agent.set_mig_mode(gpu, True, Deadline(10))
+        assert exc.value.code == "FAILED_PRECONDITION", exc.value
+        assert "is lost" in str(exc.value) and "does not support MIG" not in str(exc.value), exc.value
+    finally:
+        agent.journal.close()
+        shutil.rmtree(run, ignore_errors=True)

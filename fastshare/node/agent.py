@@ -1079,11 +1079,13 @@ class Agent:
         the links of a GPU lost at the time cannot be read, and are read again once it answers);
         none when NVML cannot say, and the controller then places whole GPUs without topology."""
         gpu_count, lost = len(gpus), {g.index for g in gpus if g.lost}
-        if (self._topology is None or len(self._topology) != gpu_count * (gpu_count - 1) // 2
-                or self._topology_lost - lost):
+        counted = self._topology is not None and len(self._topology) == gpu_count * (gpu_count - 1) // 2
+        if not counted or self._topology_lost - lost:
             try:
                 topology = self.devices.topology()
             except DeviceError as exc:
+                if counted:   # read again for a GPU that answers again: keep the links as read
+                    return self._topology or ()
                 log.warning("cannot read the GPU topology (%s): whole GPUs are placed without it", exc)
                 return ()
             self._topology = tuple((a, b, topology.level(a, b))

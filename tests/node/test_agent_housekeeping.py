@@ -694,3 +694,32 @@ def test_a_mig_mode_change_on_a_gpu_named_by_the_journal_says_it_is_lost(tmp_pat
     finally:
         agent.journal.close()
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_links_kept_as_read_when_reading_them_again_fails(tmp_path, monkeypatch):
+    """Links read while GPU 1 was lost are read again once it answers; when that read failed,
+    the agent reported no links at all (the controller then placed every whole-GPU group without
+    topology), where before it kept the links it had read. Now it keeps them and retries."""
+    from fastshare.device.api import DeviceError
+
+    run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
+    machine = tmp_path / "m.json"
+    simnvml.create_machine(machine, ["A100-SXM4-40GB"] * 3)
+    simnvml.lose_gpu(machine, 1)
+    agent = in_process_agent(tmp_path, run, machine)
+    try:
+        read = {(0, 1, 50), (0, 2, -1), (1, 2, 50)}
+        assert set(agent.snapshot().links) == read
+        simnvml.reset_gpu(machine, 1)
+        real = agent.devices.topology
+
+        def failing():
+            raise DeviceError("reading the GPU topology failed: NVML_ERROR_UNKNOWN", "UNKNOWN")
+
+        monkeypatch.setattr(agent.devices, "topology", failing)
+        assert set(agent.snapshot().links) == read
+        monkeypatch.setattr(agent.devices, "topology", real)
+        assert set(agent.snapshot().links) == {(0, 1, -1), (0, 2, -1), (1, 2, -1)}
+    finally:
+        agent.journal.close()
+        shutil.rmtree(run, ignore_errors=True)

@@ -18,6 +18,10 @@ from fastshare.node.config import AGENT_LOCK_OWNER, MIG_CHANGE_NOTE
 from fastshare.state_lock import LockedError, StateDirLock, holder_and_note
 
 _AS_ROOT = "run as root (the agent's state directory is 0700)"
+# refuse_if_starting (another `fastshare mig ...` looking) takes the lock shared for an instant:
+# taking it for a change waits that long, as a starting agent does (node/server.py), before
+# taking whoever holds it for an agent.
+_PATIENCE_S = 2.0
 
 
 class LocalAgentError(Exception):
@@ -88,7 +92,7 @@ def without_agent(state_dir: Path | str, dir_option: str = "--agent-journal") ->
         return
     lock = StateDirLock(state_dir, AGENT_LOCK_OWNER, dir_option)
     try:
-        lock.acquire(note=MIG_CHANGE_NOTE)
+        lock.acquire(patience=_PATIENCE_S, note=MIG_CHANGE_NOTE)
     except LockedError as exc:
         raise _busy(state_dir, exc.pid, exc.note, "it does not answer on its socket yet") from None
     except OSError as exc:

@@ -79,6 +79,16 @@ def _without_agent(agent_journal: str | None) -> Iterator[None]:
         fail(str(exc), exc.hint)
 
 
+def _note_forced_enable(agent_journal: str | None, gpu_uuids: list[str]) -> None:
+    """Before a forced MIG enable made directly: the journal says why its shares lose the GPUs."""
+    from fastshare.node.local_agent import LocalAgentError, note_forced_enable
+
+    try:
+        note_forced_enable(agent_journal, gpu_uuids)
+    except LocalAgentError as exc:
+        fail(str(exc), exc.hint)
+
+
 def _ask(method: Callable[..., Any], request: Any, what: str, hint: str | None = None) -> Any:
     """One call to the local agent; a refusal or failure ends the command, saying ``what`` first."""
     try:
@@ -277,8 +287,11 @@ def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, en
     else:
         with _without_agent(agent_journal), devices_from(gpu_backend, sim_state) as devices:
             held = _held(agent_journal) if enabled else {}
-            if enabled and (reason := refuse_enable_under_share(devices.gpu(gpu_index), held, force)):
+            gpu = devices.gpu(gpu_index)
+            if enabled and (reason := refuse_enable_under_share(gpu, held, force)):
                 fail(reason)
+            if enabled and not gpu.mig_pending and gpu.uuid in held:   # forced: the agent must know
+                _note_forced_enable(agent_journal, [gpu.uuid])
             pending = devices.set_mig_mode(gpu_index, enabled)
     state = "enabled" if enabled else "disabled"
     if pending:
@@ -291,9 +304,9 @@ def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, en
 @backend_options
 @click.option("--gpu", "gpu_index", type=int, required=True, help="GPU index")
 @click.option("--force", is_flag=True,
-              help="enable MIG although a fastshare share holds the GPU whole (the share loses the GPU: a "
-                   "running node agent drops it, reported lost with that cause); NVML still refuses while "
-                   "processes run on the GPU")
+              help="enable MIG although a fastshare share holds the GPU whole (the share loses the GPU: the "
+                   "node agent drops it, reported lost with that cause, at once or at its next start); "
+                   "NVML still refuses while processes run on the GPU")
 @_journal_option
 @_socket_option
 def mig_enable(gpu_backend: str | None, sim_state: str | None, gpu_index: int, force: bool,
@@ -344,6 +357,7 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
         apply_host,
         apply_host_via_agent,
         check_host_via_agent,
+        forced_enables,
         parse_config,
         plan_host,
         resolve,
@@ -366,6 +380,8 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
                 configs = parse_config(text)
                 plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force, held=held)
                 if agent is None:
+                    if do_apply:
+                        _note_forced_enable(agent_journal, forced_enables(devices, plans))
                     results = apply_host(devices, plans) if do_apply else [p.to_dict() for p in plans]
                 elif do_apply:
                     results = apply_host_via_agent(agent, devices, plans)

@@ -292,6 +292,14 @@ def apply_host(devices: Devices, plans: Sequence[GpuPlan]) -> list[dict[str, Any
     return results
 
 
+def forced_enables(devices: Devices, plans: Sequence[GpuPlan]) -> list[str]:
+    """UUIDs of the GPUs the plans enable MIG on although shares use them whole (only with force:
+    planning refuses it otherwise); carried out directly, the node agent's journal must say why
+    those shares lose them (fastshare.node.local_agent.note_forced_enable)."""
+    return [gpu.uuid for gp in plans if gp.mig_enabled and gp.mode_change
+            if (gpu := devices.gpu(gp.gpu_index)).uuid in gp.held]
+
+
 def _apply_gpu(devices: Devices, gp: GpuPlan) -> list[Step]:
     done: list[Step] = []
     if not gp.mig_enabled:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,38 @@ def without_agent(state_dir: Path | str, dir_option: str = "--agent-journal") ->
         yield
     finally:
         lock.release()
+
+
+# Why the shares using a GPU whole lose it to a forced MIG enable made without the agent (the
+# agent's own SetMigMode notes its cause the same way: node/agent.py _before_mig_enable).
+FORCED_ENABLE_CAUSE = ("MIG was enabled on it by a forced MIG mode change made without the node agent "
+                       "(`fastshare mig enable --force`, `fastshare mig config --force` or mig_config "
+                       "with force)")
+
+
+def note_forced_enable(agent_journal: Path | str | None, gpu_uuids: Iterable[str],
+                       dir_option: str = "--agent-journal") -> None:
+    """Under :func:`without_agent`, before MIG is enabled with force on ``gpu_uuids`` (GPUs shares
+    of the journal use whole): journal why those shares lose their GPU (taken_devices), so the
+    agent's next start drops them, reported lost with that cause, instead of keeping them ready on
+    a MIG GPU. A change that does not happen (NVML refused it) leaves the mode as it was, and the
+    start forgets the note. Raises LocalAgentError if the journal cannot be written."""
+    from fastshare.node.journal import Journal, JournalError
+    from fastshare.sqlite_file import StateFileError
+
+    gpu_uuids = list(gpu_uuids)
+    if not gpu_uuids or not agent_journal:
+        return
+    try:
+        journal = Journal(Path(agent_journal))
+    except (JournalError, StateFileError, OSError) as exc:
+        raise LocalAgentError(f"{dir_option}: cannot note the forced MIG enable in {agent_journal}: {exc}",
+                              _AS_ROOT) from None
+    try:
+        for uuid in gpu_uuids:
+            journal.note_taken(uuid, FORCED_ENABLE_CAUSE)
+    finally:
+        journal.close()
 
 
 def held_by_agent(inventory: Any) -> dict[str, list[str]]:

@@ -143,15 +143,20 @@ def plan_targets(devices, targets, force, held, agent=None):
         raise MigConfigError(str(exc)) from None
 
 
-def apply_plans(devices, plans, agent=None):
+def apply_plans(devices, plans, agent=None, agent_journal=None):
     """Carry the plans out (mig_parted.apply_host, or by the running ``agent``'s calls): per GPU
-    the steps done and the reset state.
+    the steps done and the reset state. Directly, a forced MIG enable under shares is noted in
+    ``agent_journal`` first, so that the agent's start drops them saying why.
 
     A refusal while carrying out (a re-plan after MIG came on) is a MigConfigError too."""
     try:
         if agent is not None:
             return mig_parted.apply_host_via_agent(agent, devices, plans)
+        forced = mig_parted.forced_enables(devices, plans)
+        node_agent.note_forced_enable(agent_journal, forced, "agent_journal")
         return mig_parted.apply_host(devices, plans)
+    except node_agent.LocalAgentError as exc:
+        raise _refused(exc) from None
     except mig_parted.ConfigError as exc:
         raise MigConfigError(str(exc)) from None
 

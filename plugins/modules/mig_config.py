@@ -364,7 +364,7 @@ def run(module, devices):
         else:
             state = _state(devices)
             try:
-                results = apply_plans(devices, plans, agent)
+                results = apply_plans(devices, plans, agent, journal)
             except (MigConfigError, DeviceError) as exc:
                 # A GPU may have changed before the failure: report what the GPUs say, not a guess.
                 extra = dict(nvml_error=exc.code) if isinstance(exc, DeviceError) else {}

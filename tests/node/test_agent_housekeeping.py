@@ -13,6 +13,7 @@ import pytest
 from fastshare.device import simnvml
 from fastshare.node import sharefiles
 from fastshare.node.agent import Agent, AgentError, Deadline
+from fastshare.node.journal import Journal
 from fastshare.node.layout import apply_layout
 from fastshare.node.model import ShareSpec
 
@@ -723,3 +724,50 @@ def test_links_kept_as_read_when_reading_them_again_fails(tmp_path, monkeypatch)
     finally:
         agent.journal.close()
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_forced_mig_enable_made_without_the_agent_drops_the_shares_at_its_start(mig_off, tmp_path):
+    """`fastshare mig enable --force` with the agent stopped enabled MIG on a GPU a share used whole,
+    but nothing told the agent: at its start the share stayed ready on a GPU that is now (or after
+    its reset) a MIG GPU, and the controller kept the allocation active. Now the command notes the
+    cause in the journal before the change (holding the agent's state directory), and the agent's
+    start drops the share as lost to the forced MIG mode change."""
+    from click.testing import CliRunner
+
+    from fastshare.cli import main
+
+    agent, machine = mig_off
+    h100, a100 = (g.uuid for g in agent.devices.gpus())
+    agent.prepare(ShareSpec("w", "whole", (a100,)), Deadline(60))
+    agent.prepare(ShareSpec("kept", "whole", (h100,)), Deadline(60))
+    journal = agent.config.journal_path
+    agent.journal.close()                                                   # the agent stops
+    env = {"FASTSHARE_GPU_BACKEND": "sim", "FASTSHARE_SIM_STATE": str(machine)}
+    absent = str(tmp_path / "no.sock")
+    refused = CliRunner().invoke(main, ["mig", "enable", "--gpu", "1", "--agent-journal", str(journal),
+                                        "--unix-socket", absent], env=env)
+    assert refused.exit_code == 1 and "held whole by fastshare share w" in refused.output, refused.output
+    forced = CliRunner().invoke(main, ["mig", "enable", "--gpu", "1", "--force", "--agent-journal",
+                                       str(journal), "--unix-socket", absent], env=env)
+    assert forced.exit_code == 0 and "pending" in forced.output, forced.output
+    agent.journal = Journal(journal)                                        # the agent starts again
+    agent.reconcile()
+    assert [r.spec.id for r in agent.journal.shares()] == ["kept"]
+    lost = _lost(agent)
+    assert list(lost) == ["w"] and a100 in lost["w"] and "forced MIG mode change" in lost["w"], lost
+    assert "next reset" in lost["w"], lost
+    assert agent.journal.taken() == {}
+
+    agent.journal.close()                                                   # stopped again: `mig config`
+    config = tmp_path / "mig.yaml"
+    config.write_text('{"version": "v1", "mig-configs": {"c": [{"devices": [0], "mig-enabled": true}]}}')
+    applied = CliRunner().invoke(main, ["mig", "config", "--file", str(config), "--select", "c", "--apply",
+                                        "--force", "--agent-journal", str(journal), "--unix-socket", absent],
+                                 env=env)
+    assert applied.exit_code == 0, applied.output
+    agent.journal = Journal(journal)
+    agent.reconcile()
+    assert agent.journal.shares() == [] and agent.journal.taken() == {}
+    lost = _lost(agent)
+    assert h100 in lost["kept"] and "forced MIG mode change" in lost["kept"], lost
+    assert "next reset" not in lost["kept"], lost                          # Hopper: at once

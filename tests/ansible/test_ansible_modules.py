@@ -273,6 +273,9 @@ def test_mig_mode_change_of_a_gpu_a_share_holds_whole_needs_force(tmp_path, coll
         assert refused["changed"] is False and machine.read_bytes() == before
     forced = run_module(collections_path, MIG_CONFIG, args | {"force": True})
     assert forced["changed"] is True and layout_on_disk(machine, 0) == [(0, 0)]
+    with sqlite3.connect(journal) as db:   # the agent's start drops the share saying why (it kept it)
+        ((noted, cause),) = db.execute("select device_uuid, cause from taken_devices").fetchall()
+    assert noted == gpu_uuid and "forced MIG mode change made without the node agent" in cause, cause
     # Cancelling a pending enable (Ampere) leaves the share its GPU: no force needed for that.
     a100 = tmp_path / "a100.json"
     simnvml.create_machine(a100, ["A100-SXM4-40GB"], mig_enabled=False)

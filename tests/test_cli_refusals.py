@@ -487,3 +487,44 @@ def test_mig_enable_force_through_an_agent_that_ignores_it_is_refused_with_a_hin
     assert [(r.gpu_uuid, r.enabled, r.force) for r in asked] == [("GPU-0", True, True)]
     assert "GPU 0: GPU GPU-0 has shares (w); release them" in result.output, result.output
     assert "older than this CLI and ignores --force" in result.output, result.output
+
+
+def test_mig_config_force_through_an_agent_that_ignores_it_is_refused_with_a_hint(tmp_path):
+    """`mig config --apply --force` (and mig_config with force, e.g. the role re-run right after an
+    upgrade, its agent not restarted yet) sends SetMigMode with force; an agent older than that field
+    refuses as before: the error says the agent ignores force, not only 'release them'."""
+    from concurrent import futures
+
+    import grpc
+
+    from fastshare.device import simnvml
+    from fastshare.v1 import agent_pb2, agent_pb2_grpc
+
+    machine = tmp_path / "m.json"
+    simnvml.create_machine(machine, ["H100-SXM5-80GB"], mig_enabled=False)
+    uuid = simnvml.load_machine(machine)["gpus"][0]["uuid"]
+
+    class OlderAgent(agent_pb2_grpc.NodeAgentServicer):
+        def GetInventory(self, request, context):
+            return agent_pb2.Inventory(shares=[agent_pb2.Share(id="w", device_uuids=[uuid])])
+
+        def SetMigMode(self, request, context):   # as an agent without the force field answered
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"GPU {uuid} has shares (w); release them before changing its MIG mode")
+
+    config = tmp_path / "mig.yaml"
+    config.write_text('{"version": "v1", "mig-configs": {"c": [{"devices": [0], "mig-enabled": true}]}}')
+    sock = tmp_path / "node.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(OlderAgent(), server)
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    try:
+        result = CliRunner().invoke(main, ["mig", "config", "--file", str(config), "--select", "c", "--apply",
+                                           "--force", "--gpu-backend", "sim", "--sim-state", str(machine),
+                                           "--unix-socket", str(sock)])
+    finally:
+        server.stop(None)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "GPU 0: GPU " in result.output and "release them" in result.output, result.output
+    assert "older than this fastshare and ignores force" in result.output, result.output

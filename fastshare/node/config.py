@@ -25,8 +25,8 @@ BACKENDS = ("nvml", "sim")
 AGENT_LOCK_OWNER = "node agent"
 # While no agent runs, a MIG change made directly (`fastshare mig ...`, the mig_config module,
 # fastshare-mig-layout.service) holds that lock with this note: an agent starting meanwhile
-# waits for it (up to MIG_CHANGE_WAIT_S, within the unit's TimeoutStartSec) instead of failing
-# after the 2 s a second agent gets.
+# waits for it (up to MIG_CHANGE_WAIT_S, extending the unit's start timeout by as much) instead of
+# failing after the 2 s a second agent gets.
 MIG_CHANGE_NOTE = "a MIG change made without the node agent (fastshare mig)"
 MIG_CHANGE_WAIT_S = 150.0
 

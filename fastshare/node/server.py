@@ -39,6 +39,9 @@ from fastshare.v1 import agent_pb2_grpc
 log = logging.getLogger("fastshare.node")
 
 
+_UNIT_START_TIMEOUT_S = 180   # fastshare-node.service's TimeoutStartSec
+
+
 def sd_notify(message: str) -> bool:
     """systemd's readiness protocol (sd_notify(3)) without libsystemd: one datagram to
     $NOTIFY_SOCKET. Returns False when not started by systemd with Type=notify."""
@@ -136,6 +139,9 @@ def start(config: NodeConfig, cert_renewed: bool = False) -> Running:
         if exc.note != MIG_CHANGE_NOTE:
             raise RuntimeError(str(exc)) from None
         log.info("waiting up to %.0f s for %s (pid %s) to finish", MIG_CHANGE_WAIT_S, exc.note, exc.pid)
+        # the wait is not start-up work: systemd's start timeout begins again after it
+        sd_notify(f"EXTEND_TIMEOUT_USEC={int((MIG_CHANGE_WAIT_S + _UNIT_START_TIMEOUT_S) * 1e6)}\n"
+                  f"STATUS=waiting for {exc.note} (pid {exc.pid}) to finish")
         try:
             lock.acquire(patience=MIG_CHANGE_WAIT_S)
         except LockedError as again:

@@ -69,6 +69,7 @@ class AgentProcess:
             "tls": {"cert": str(self.pki / "server/node-1.crt"), "key": str(self.pki / "server/node-1.key"),
                     "ca": str(self.pki / "server/ca.crt")},
             **self.settings}))
+        self.notified: list[str] = []   # what the agent told systemd ($NOTIFY_SOCKET) until ready
         notify_path = str(self.rundir / "notify")
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         if os.path.exists(notify_path):
@@ -100,6 +101,7 @@ class AgentProcess:
                     raise RuntimeError(f"agent exited with {self.proc.returncode}:\n"
                                        f"{self.log.read_text()}") from None
                 continue
+            self.notified.append(message)
             fields = dict(line.split("=", 1) for line in message.splitlines() if "=" in line)
             if fields.get("READY") == "1":
                 status = fields["STATUS"].removeprefix("serving ")

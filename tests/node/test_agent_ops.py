@@ -449,3 +449,6 @@ def test_an_agent_waits_for_a_mig_change_made_without_it(agent, sim_machine, tmp
         hold.wait()
     assert "waiting up to" in agent.log.read_text() and MIG_CHANGE_NOTE in agent.log.read_text()
     assert agent.unix().GetInventory(INV, timeout=30).gpus
+    # systemd's start timeout (180 s) must not run out during the wait (up to 150 s) and the reconcile
+    extend = next(m for m in agent.notified if m.startswith("EXTEND_TIMEOUT_USEC="))
+    assert int(extend.split("\n")[0].split("=")[1]) >= 300 * 10**6 and MIG_CHANGE_NOTE in extend, extend

@@ -14,15 +14,25 @@ import fcntl
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
+
+
+class Holder(NamedTuple):
+    """The live process holding a state directory, as it wrote itself into the lock file: its pid,
+    its ``note`` (what holds it, when not the owner itself: see :meth:`StateDirLock.acquire`) and
+    its ``status`` (see :meth:`StateDirLock.status`)."""
+
+    pid: str
+    note: str = ""
+    status: str = ""
 
 
 class LockedError(RuntimeError):
-    """Another live process holds the state directory: ``pid`` and the ``note`` it left (see
-    :meth:`StateDirLock.acquire`)."""
+    """Another live process holds the state directory: ``holder``."""
 
-    def __init__(self, message: str, pid: str = "unknown", note: str = "") -> None:
+    def __init__(self, message: str, holder: Holder) -> None:
         super().__init__(message)
-        self.pid, self.note = pid, note
+        self.holder = holder
 
 
 class StateDirLock:
@@ -34,6 +44,7 @@ class StateDirLock:
         self.path = Path(state_dir) / lock_name(owner)
         self.owner, self.where = owner, where
         self._fd: int | None = None
+        self._note = ""
 
     def acquire(self, patience: float = 0.0, note: str = "") -> None:
         """``patience``: seconds to keep trying (``holder`` takes the lock for an instant);
@@ -50,16 +61,23 @@ class StateDirLock:
                 if time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
-                pid, held_for = _read(fd)
+                held = _read(fd)
                 os.close(fd)
-                who = f"{held_for} (pid {pid})" if held_for else f"another {self.owner} (pid {pid})"
+                who = (f"{held.note} (pid {held.pid})" if held.note else
+                       f"another {self.owner} (pid {held.pid})")
                 raise LockedError(
                     f"{who} is already using the state directory "
                     f"{self.path.parent}; stop it first or give this one a different {self.where}",
-                    pid, held_for) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n{note}\n".encode(), 0)
-        self._fd = fd
+                    held) from None
+        self._fd, self._note = fd, note
+        self.status("")
+
+    def status(self, status: str) -> None:
+        """Say, for whoever finds the lock held, what the holder is doing (e.g. a node agent: that
+        it serves, and on which unix socket)."""
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()}\n{self._note}\n{status}\n".encode(), 0)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -83,12 +101,12 @@ def lock_name(owner: str) -> str:
 def holder(state_dir: Path | str, owner: str) -> str | None:
     """The pid of the live process holding ``state_dir`` for ``owner`` (None: none does). Only
     looks: the lock is taken shared for an instant (an owner starting meanwhile waits for it)."""
-    held = holder_and_note(state_dir, owner)
-    return held and held[0]
+    held = held_by(state_dir, owner)
+    return held and held.pid
 
 
-def holder_and_note(state_dir: Path | str, owner: str) -> tuple[str, str] | None:
-    """(pid, note) of the live process holding ``state_dir`` for ``owner``; as :func:`holder`."""
+def held_by(state_dir: Path | str, owner: str) -> Holder | None:
+    """The live process holding ``state_dir`` for ``owner``; as :func:`holder`."""
     try:
         fd = os.open(Path(state_dir) / lock_name(owner), os.O_RDONLY)
     except FileNotFoundError:
@@ -102,7 +120,8 @@ def holder_and_note(state_dir: Path | str, owner: str) -> tuple[str, str] | None
     return None
 
 
-def _read(fd: int) -> tuple[str, str]:
-    """(pid, note) as the holder wrote them: pid on the first line, its note on the second."""
-    lines = os.pread(fd, 512, 0).decode(errors="replace").splitlines()
-    return (lines[0].strip() if lines else "") or "unknown", (lines[1].strip() if len(lines) > 1 else "")
+def _read(fd: int) -> Holder:
+    """The holder as it wrote itself: pid, note and status, one a line."""
+    lines = [line.strip() for line in os.pread(fd, 1024, 0).decode(errors="replace").splitlines()]
+    lines += [""] * (3 - len(lines))
+    return Holder(lines[0] or "unknown", lines[1], lines[2])

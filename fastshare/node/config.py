@@ -29,6 +29,10 @@ AGENT_LOCK_OWNER = "node agent"
 # failing after the 2 s a second agent gets.
 MIG_CHANGE_NOTE = "a MIG change made without the node agent (fastshare mig)"
 MIG_CHANGE_WAIT_S = 150.0
+# An agent that serves says so in the lock's status, with its unix socket ("serving on /run/...",
+# "serving on no unix socket"): a MIG change that finds no agent on the socket it was given tells
+# it from one still starting.
+SERVING = "serving on"
 
 
 class ConfigError(ValueError):

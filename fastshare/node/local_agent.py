@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fastshare.node.config import AGENT_LOCK_OWNER, MIG_CHANGE_NOTE
-from fastshare.state_lock import LockedError, StateDirLock, holder_and_note
+from fastshare.node.config import AGENT_LOCK_OWNER, MIG_CHANGE_NOTE, SERVING
+from fastshare.state_lock import Holder, LockedError, StateDirLock, held_by
 
 _AS_ROOT = "run as root (the agent's state directory is 0700)"
 # refuse_if_starting (another `fastshare mig ...` looking) takes the lock shared for an instant:
@@ -64,18 +64,26 @@ def refuse_if_starting(state_dir: Path | str, why: str, dir_option: str = "--age
     """Raise LocalAgentError while a node agent holds ``state_dir`` without answering (``why``),
     or while another MIG change made without an agent holds it."""
     try:
-        held = holder_and_note(state_dir, AGENT_LOCK_OWNER)
+        held = held_by(state_dir, AGENT_LOCK_OWNER)
     except OSError as exc:
         raise LocalAgentError(f"{dir_option}: cannot tell whether a node agent runs on {state_dir}: "
                               f"{exc.strerror or exc}", _AS_ROOT) from None
     if held is not None:
-        raise _busy(state_dir, *held, why)
+        raise _busy(state_dir, held, why)
 
 
-def _busy(state_dir: Path | str, pid: str, note: str, why: str) -> LocalAgentError:
-    if note == MIG_CHANGE_NOTE:
-        return LocalAgentError(f"{note} (pid {pid}) is under way on this host ({state_dir}); MIG is not "
+def _busy(state_dir: Path | str, held: Holder, why: str) -> LocalAgentError:
+    pid = held.pid
+    if held.note == MIG_CHANGE_NOTE:
+        return LocalAgentError(f"{held.note} (pid {pid}) is under way on this host ({state_dir}); MIG is not "
                                "changed beside it", "retry once it has finished")
+    if held.status.startswith(SERVING):   # serving, on another unix socket or none
+        socket_path = held.status.removeprefix(SERVING).strip()
+        return LocalAgentError(
+            f"a node agent (pid {pid}) serves on this host ({state_dir}) but {why}: it is {held.status}, "
+            "and MIG is changed through its unix socket, never beside it",
+            f"give its socket ({socket_path})" if socket_path.startswith("/") else
+            "set unix_socket in its node.yaml and restart it, or stop it for the change")
     return LocalAgentError(f"a node agent (pid {pid}) runs on this host ({state_dir}) but {why}: it is "
                            "starting, and MIG is not changed beside it",
                            "retry once it answers (`fastshare node status`)")
@@ -94,7 +102,7 @@ def without_agent(state_dir: Path | str, dir_option: str = "--agent-journal") ->
     try:
         lock.acquire(patience=_PATIENCE_S, note=MIG_CHANGE_NOTE)
     except LockedError as exc:
-        raise _busy(state_dir, exc.pid, exc.note, "it does not answer on its socket yet") from None
+        raise _busy(state_dir, exc.holder, "it does not answer on its socket yet") from None
     except OSError as exc:
         raise LocalAgentError(f"{dir_option}: cannot lock the node agent's state directory {state_dir}: "
                               f"{exc.strerror or exc}", _AS_ROOT) from None

@@ -27,7 +27,13 @@ from fastshare.device import open_devices
 from fastshare.heap import freeze_startup_objects
 from fastshare.mps.control import MpsControl
 from fastshare.node.agent import Agent
-from fastshare.node.config import AGENT_LOCK_OWNER, MIG_CHANGE_NOTE, MIG_CHANGE_WAIT_S, NodeConfig
+from fastshare.node.config import (
+    AGENT_LOCK_OWNER,
+    MIG_CHANGE_NOTE,
+    MIG_CHANGE_WAIT_S,
+    SERVING,
+    NodeConfig,
+)
 from fastshare.node.journal import Journal
 from fastshare.node.service import Metrics, NodeAgentService
 from fastshare.security.rotation import watch_expiry
@@ -136,12 +142,13 @@ def start(config: NodeConfig, cert_renewed: bool = False) -> Running:
     try:
         lock.acquire(patience=2.0)   # before the journal and the GPUs: one agent per state directory
     except LockedError as exc:
-        if exc.note != MIG_CHANGE_NOTE:
+        if exc.holder.note != MIG_CHANGE_NOTE:
             raise RuntimeError(str(exc)) from None
-        log.info("waiting up to %.0f s for %s (pid %s) to finish", MIG_CHANGE_WAIT_S, exc.note, exc.pid)
+        log.info("waiting up to %.0f s for %s (pid %s) to finish", MIG_CHANGE_WAIT_S, exc.holder.note,
+                 exc.holder.pid)
         # the wait is not start-up work: systemd's start timeout begins again after it
         sd_notify(f"EXTEND_TIMEOUT_USEC={int((MIG_CHANGE_WAIT_S + _UNIT_START_TIMEOUT_S) * 1e6)}\n"
-                  f"STATUS=waiting for {exc.note} (pid {exc.pid}) to finish")
+                  f"STATUS=waiting for {exc.holder.note} (pid {exc.holder.pid}) to finish")
         try:
             lock.acquire(patience=MIG_CHANGE_WAIT_S)
         except LockedError as again:
@@ -199,6 +206,8 @@ def _start(config: NodeConfig, cert_renewed: bool, tls: TlsPaths, lock: StateDir
         t.start()
     if (config.listen or config.readonly_listen or config.controller_address) and not cert_renewed:
         threads.append(watch_expiry(tls.cert, "node", config.node_name, log, stop_event))
+    # for `fastshare mig ...`, which tells an agent still starting from one serving elsewhere
+    lock.status(f"{SERVING} {config.unix_socket or 'no unix socket'}")
     return Running(config, agent, server, ports, stop_event, threads, lock, metrics_server)
 
 

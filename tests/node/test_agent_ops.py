@@ -169,7 +169,7 @@ def test_cli_mig_change_waits_for_a_share_the_agent_is_preparing(agent, sim_mach
     assert "error" not in prepared, prepared.get("error")
     mig = prepared["reply"].device_uuids[0]
     assert cli.returncode == 1, out
-    for says in (f"GPU {GPU_MIG}:", mig, "held by fastshare share ex", "fastshare release ex", "--force"):
+    for says in (f"GPU {GPU_MIG}", mig, "held by fastshare share ex", "fastshare release ex", "--force"):
         assert says in out, (says, out)
     inv = stub.GetInventory(INV, timeout=30)
     assert mig in {m.uuid for m in inv.gpus[GPU_MIG].mig_devices}
@@ -424,6 +424,29 @@ def test_cli_mig_config_force_enables_mig_under_a_whole_share_through_the_agent(
     assert inv.gpus[GPU_MIG].mig_enabled and list(inv.shares) == [], inv
     (lost,) = inv.lost_shares
     assert lost.id == "w" and "forced MIG mode change" in lost.reason, lost
+
+
+@pytest.mark.parametrize("own_socket", [False, True])
+def test_mig_commands_tell_an_agent_serving_elsewhere_from_one_starting(agent, sim_machine, tmp_path,
+                                                                        own_socket):
+    """An agent serving without a unix socket (TCP only), or on another one than the command was
+    given, made every `fastshare mig` command say "it is starting ... retry once it answers" for
+    good. The agent now says in its lock that it serves, and where: the refusal names that."""
+    if not own_socket:
+        agent.settings["unix_socket"] = ""
+    agent.start()
+    cli = _cli(agent, "mig", "plan", "--gpu", str(GPU_MIG), "--layout", "", "--gpu-backend", "sim",
+               "--sim-state", str(sim_machine), "--unix-socket", str(tmp_path / "elsewhere.sock"),
+               "--agent-journal", str(agent.workdir / "state" / "journal.db"))
+    out = cli.communicate(timeout=120)[0]
+    assert cli.returncode == 1, out
+    assert f"a node agent (pid {agent.proc.pid}) serves on this host" in out, out
+    assert "starting" not in out, out
+    if own_socket:
+        assert f"serving on {agent.unix_socket}" in out, out
+        assert f"give its socket ({agent.unix_socket})" in out, out
+    else:
+        assert "serving on no unix socket" in out and "set unix_socket in its node.yaml" in out, out
 
 
 def test_an_agent_waits_for_a_mig_change_made_without_it(agent, sim_machine, tmp_path):

@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import replace
 
 from fastshare.controller.model import Kind, Spec
-from fastshare.device import catalog
+from fastshare.device import catalog, mig_layout
 from fastshare.placement.engine import Engine
 from fastshare.placement.model import Assignment, GpuView, NodeView, Rejection, Request
 
@@ -360,14 +360,16 @@ LOST = "lost (fell off the bus?): "   # how the engine's reason for a lost GPU s
 
 def gpu_view(index: int, uuid: str, model: str, memory_bytes: int, sm_count: int, mig_capable: bool,
              mig_enabled: bool, mig_unheld: tuple[tuple[int, int, int], ...] = (),
-             no_mps: str = "", lost: str = "") -> GpuView:
+             no_mps: str = "", lost: str = "", mig_change_pending: bool = False) -> GpuView:
     """A GPU for the engine; MIG profiles from the catalog (the engine needs max_instances).
     ``no_mps``: why its node cannot run MPS shares (the agent's inventory says). ``lost``: the
-    NVML error a lost GPU answers (GPU_IS_LOST), "" while it works; a lost GPU takes no shares."""
+    NVML error a lost GPU answers (GPU_IS_LOST), "" while it works; a lost GPU takes no shares.
+    ``mig_change_pending``: its MIG mode change waits for a GPU reset; it takes no new shares."""
     known = catalog.find_model(model)
     profiles = known.profiles if (known is not None and mig_capable) else ()
     return GpuView(index=index, model=model, memory_mib=memory_bytes // MiB, sm_count=sm_count,
                    mig_capable=mig_capable and bool(profiles), mig_enabled=mig_enabled,
                    mig_profiles=profiles, uuid=uuid, mig_unheld=mig_unheld if profiles else (),
                    no_mps=no_mps,
-                   lost=f"{LOST}NVML_ERROR_{lost}" if lost else "")
+                   lost=f"{LOST}NVML_ERROR_{lost}" if lost else "",
+                   closed=mig_layout.mode_change_pending(index) if mig_change_pending else "")

@@ -385,6 +385,16 @@ def _release_hint(share_ids: Sequence[str], many: bool = False) -> str:
             "on Kubernetes cordon and drain the node)")
 
 
+def mode_change_pending(gpu_index: int) -> str:
+    """Why a GPU whose MIG mode change waits for a GPU reset (Ampere: NVML's current mode differs
+    from its pending one) takes no new shares: a whole or MPS share placed there would lose the
+    GPU at the reset (MIG enable pending), a MIG slice its instance (MIG disable pending). What
+    it holds stays held. The controller's rejection and the agent's refusal say it after
+    "GPU N of NODE: "."""
+    return (f"MIG mode change pending until the GPU is reset (nvidia-smi -r -i {gpu_index}) or the node "
+            "rebooted; it takes no new shares")
+
+
 def refuse_enable_under_share(gpu: GpuInfo, held: Collection[str], force: bool) -> str | None:
     """Why MIG must not be turned on for ``gpu`` (None: it may): a share holds the GPU whole and
     would lose it (at once, or at the next GPU reset on Ampere); ``force`` overrides."""

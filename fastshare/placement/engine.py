@@ -219,6 +219,8 @@ class Engine:
         if not nodes:
             return Rejection(why)
         result = getattr(self, f"_place_{request.kind}")(request, nodes)
+        if isinstance(result, Rejection):
+            result = Rejection(result.reason + self._closed_note(request, nodes), result.details)
         if isinstance(result, Assignment):
             uuids = tuple(self._nodes[result.node].view.gpus[i].uuid for i in result.gpus)
             if all(uuids):   # the GPUs for good (their indexes shift when a GPU leaves the node)
@@ -300,7 +302,7 @@ class Engine:
             clash = _clash(r, g)
             if clash:
                 raise InvalidRequest(f"assignment {r.id}: {g.label(node.view.name)} {clash}")
-            problem = self._gpu_problem(r, g, node.view.name, check_affinity=False)
+            problem = self._gpu_problem(r, g, node.view.name, placing=False)
             if r.kind == "exclusive":
                 m = assignment.mig
                 prof = next((p for p in g.view.mig_profiles if p.profile_id == m.profile_id), None)
@@ -382,11 +384,14 @@ class Engine:
                          f"{_fmt_mib(max(0, best.mem_left))} on {best.view.name}")
         return out, "; ".join(parts)
 
-    def _gpu_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
-        """Why GPU ``g`` cannot take a share ``r`` (None when it can)."""
+    def _gpu_problem(self, r: Request, g: _Gpu, node: str, placing: bool = True) -> str | None:
+        """Why GPU ``g`` cannot take a share ``r`` (None when it can). ``placing`` False: ``r`` is a
+        share it holds, counted again (``restore``): affinity bindings and a closed GPU do not apply."""
         v = g.view
         if v.lost:
             return v.lost
+        if placing and v.closed:
+            return v.closed
         if r.gpu_models and v.model not in r.gpu_models:
             return f"model {v.model} not in {list(r.gpu_models)}"
         if r.kind in ("fastpod", "mps"):
@@ -398,7 +403,7 @@ class Engine:
                 return "in MIG mode (MPS shares need the whole device)"
             if g.share_kind not in (None, r.kind):
                 return f"already shared as {g.share_kind}"
-            return self._tag_problem(r, g, node, check_affinity) or self._room_problem(r, g)
+            return self._tag_problem(r, g, node, placing) or self._room_problem(r, g)
         if r.kind == "whole":
             return None if g.idle else "not idle"
         if not v.mig_capable:
@@ -406,6 +411,19 @@ class Engine:
         if g.sharers or g.whole is not None:
             return "in use by MPS shares or whole"
         return None
+
+    @staticmethod
+    def _closed_note(r: Request, nodes: list[_Node]) -> str:
+        """Why GPUs looked at take no new share though they work (a MIG mode change pending until a
+        GPU reset), to follow a rejection ("" when none is closed)."""
+        closed = [(n.view.name, g.view) for n in nodes for g in n.gpus if g.view.closed and not g.view.lost
+                  and (not r.gpu_models or g.view.model in r.gpu_models)]
+        if not closed:
+            return ""
+        (node, first), others = closed[0], [f"{name} GPU {v.index}" for name, v in closed[1:]]
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        also = f"; so are {', '.join(others[:3])}{more}" if others else ""
+        return f"; GPU {first.index} of {node}: {first.closed}{also}"
 
     def _tag_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
         """Why the KubeShare tags (of ``r`` or of the sharers on ``g``) keep share ``r`` off ``g``."""
@@ -475,7 +493,7 @@ class Engine:
         usable, no_mps = [], {}
         for n in nodes:
             for g in n.gpus:
-                if (r.gpu_models and g.view.model not in r.gpu_models) or g.view.lost:
+                if (r.gpu_models and g.view.model not in r.gpu_models) or g.view.lost or g.view.closed:
                     continue
                 if g.view.no_mps:
                     no_mps.setdefault(n.view.name, g.view.no_mps)
@@ -486,8 +504,13 @@ class Engine:
             if not any(not r.gpu_models or g.view.model in r.gpu_models for n in nodes for g in n.gpus):
                 return f"no GPU{models} on the {len(nodes)} node(s) looked at"  # none is busy: none is there
             busy = "in MIG mode, held whole or shared otherwise"
+            shut = [g.view.lost or g.view.closed for n in nodes for g in n.gpus
+                    if not r.gpu_models or g.view.model in r.gpu_models]   # lost, or closed: place() says why
+            if not no_mps and all(shut):
+                return f"no GPU{models} takes new {r.kind} shares now"
             if not no_mps:
-                return f"no GPU{models} is available for {r.kind} shares (all are {busy})"
+                return (f"no GPU{models} is available for {r.kind} shares "
+                        f"({'the others' if any(shut) else 'all'} are {busy})")
             name, why = next(iter(no_mps.items()))
             more = f" (and {len(no_mps) - 1} more node(s))" if len(no_mps) > 1 else ""
             wanted = [g for n in nodes for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
@@ -544,7 +567,7 @@ class Engine:
             models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
             where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
             mig = sum(1 for n in nodes for g in n.gpus if g.view.mig_enabled and not g.mig and not g.unheld()
-                      and (not r.gpu_models or g.view.model in r.gpu_models))
+                      and not g.view.closed and (not r.gpu_models or g.view.model in r.gpu_models))
             if mig:  # empty, yet not idle: say why, and what would make them usable
                 where += (f"; {mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
                           "until MIG is disabled on them")

@@ -152,6 +152,9 @@ class GpuView:
     no_mps: str = ""
     # why it takes no share at all, e.g. "lost (fell off the bus?): NVML_ERROR_GPU_IS_LOST"; "" when usable
     lost: str = ""
+    # why it takes no NEW share while those it holds stay held (not over-committed), e.g. a MIG mode
+    # change pending until a GPU reset, which the operator drains it for; "" when open
+    closed: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mig_unheld", tuple(sorted(tuple(i) for i in self.mig_unheld)))

@@ -169,3 +169,41 @@ def test_a_lost_gpu_keeps_its_links_but_is_in_no_whole_group():
     refused = eng.place(Request("w4", kind="whole", gpus=4))
     assert "most idle GPUs on one node is 3" in refused.reason, refused.reason
     assert "1 GPU(s) are lost (fell off the bus?): n1 GPU 1" in refused.reason, refused.reason
+
+
+PENDING = ("GPU 1 of n1: MIG mode change pending until the GPU is reset (nvidia-smi -r -i 1) or the node "
+           "rebooted; it takes no new shares")
+
+
+@pytest.mark.parametrize("mig_on", [False, True], ids=["enable-pending", "disable-pending"])
+def test_a_gpu_whose_mig_mode_change_is_pending_takes_no_new_share_but_keeps_its_own(mig_on):
+    """An Ampere GPU's MIG mode change waits for a GPU reset. Meanwhile the engine placed shares there
+    as if the mode were final: a whole/MPS/fastpod share on a GPU whose MIG enable is pending loses the
+    GPU at the reset, an exclusive share on one whose disable is pending loses its slice. Now such a
+    GPU takes no new share of any kind, the rejection says why and what to do, and what it holds
+    stays held (not over-committed: the reset waits for the operator's drain)."""
+    from fastshare.controller.ledger import gpu_view
+
+    def view(pending: bool) -> NodeView:
+        return NodeView("n1", 8000, 65536, (
+            gpu_view(0, "GPU-0", "A100-SXM4-40GB", 40 << 30, 108, True, False),
+            gpu_view(1, "GPU-1", "A100-SXM4-40GB", 40 << 30, 108, True, mig_on, mig_change_pending=pending)))
+
+    held = (Assignment(Request("held", "exclusive", gpu_memory_mib=4096), "n1", (1,), gpu_uuids=("GPU-1",),
+                       mig=MigSlot(19, "1g.5gb", 4, 1, 14, 4864)) if mig_on else
+            Assignment(Request("held", "fastpod", sm_percent=10, gpu_memory_mib=1024), "n1", (1,),
+                       gpu_uuids=("GPU-1",)))
+    assert Engine([view(False)]).restore(held, force=True) is None   # it fit before the change
+    eng = Engine([view(True)])
+    assert eng.nodes[0].gpus[1].lost == "" and eng.nodes[0].gpus[1].closed, eng.nodes[0].gpus[1]
+    assert eng.restore(held, force=True) is None   # kept, and not over-committed
+    assert eng.place(Request("w1", kind="whole", gpus=1)).gpus == (0,)   # GPU 0 taken: GPU 1 is all left
+    for request in (Request("w2", kind="whole", gpus=1), Request("e1", kind="exclusive", gpu_memory_mib=4096),
+                    Request("f1", kind="fastpod", sm_percent=10, gpu_memory_mib=1024),
+                    Request("m1", kind="mps", gpu_memory_mib=1024)):
+        refused = eng.place(request)
+        assert isinstance(refused, Rejection), (request, refused)
+        assert PENDING in refused.reason, refused.reason
+        assert "lost" not in refused.reason, refused.reason
+    eng.release("w1")
+    assert eng.place(Request("f2", kind="fastpod", sm_percent=10, gpu_memory_mib=1024)).gpus == (0,)

@@ -75,6 +75,11 @@ def status(client_config, as_json: bool, include_finished: bool) -> None:
     render(st)
 
 
+def _mig_change(gpu) -> str:
+    """The MIG mode change a GPU waits for a reset to make (its mode now is ``mig_enabled``)."""
+    return "MIG disable" if gpu.mig_enabled else "MIG enable"
+
+
 def _node_state(node) -> str:
     state = "available" if node.available else "UNAVAILABLE"
     if node.cordoned:
@@ -121,6 +126,8 @@ def render(st) -> None:
                 use = "shared"
             else:
                 use = "idle"
+            if g.mig_change_pending and not g.lost:   # takes no new work until reset; what it holds stays
+                use += f", {_mig_change(g)} pending"
             if g.over_committed:
                 use += ", OVER-COMMITTED"
             rows.append((n.name, g.index, g.model, f"{bar(g.sm_percent_used / 100)} {g.sm_percent_used:3d}%",
@@ -145,6 +152,14 @@ def render(st) -> None:
     if over_gpus:
         print_table("Over-committed GPUs: they hold shares they no longer take, and take nothing new until "
                     "enough is released", ["NODE", "GPU", "WHY"], over_gpus)
+    pending = [(n.name, g.index, g.uuid or "-", _mig_change(g), len(g.allocation_ids),
+                f"nvidia-smi -r -i {g.index}")
+               for n in st.nodes for g in n.gpus if g.mig_change_pending and not g.lost]
+    if pending:
+        print_table("GPUs whose MIG mode change is pending: they take no new work until the GPU is reset; "
+                    "what they hold loses its device at the reset, so release it first, then reset the "
+                    "GPU on its node or reboot the node",
+                    ["NODE", "GPU", "UUID", "CHANGE", "ALLOCS", "RESET"], pending)
     lost = [(n.name, g.index, g.uuid or "-", f"NVML_ERROR_{g.lost}")
             for n in st.nodes for g in n.gpus if g.lost]
     if lost:

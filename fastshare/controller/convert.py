@@ -73,7 +73,7 @@ def cluster_status(nodes: list[Node], allocations: list[Allocation],
             usage[(n.name, g.uuid)] = usage[(n.name, g.index)] = ns.gpus.add(
                 index=g.index, uuid=g.uuid, model=g.model, memory_bytes=g.memory_bytes, sm_count=g.sm_count,
                 mig_enabled=g.mig_enabled, memory_slices=_memory_slices(g.model) if g.mig_capable else 0,
-                lost=g.lost)
+                lost=g.lost, mig_change_pending=g.mig_change_pending)
     for a in allocations:
         out.allocations.append(allocation_to_pb(a, available.get(a.node, False)))
         if a.state not in HOLDING:

@@ -149,7 +149,8 @@ def node_from_inventory(name: str, address: str, labels: dict[str, str],
     gpus = [Gpu(index=g.index, uuid=g.uuid, model=model_name(g.name), memory_bytes=g.memory_bytes,
                 sm_count=g.sm_count, mig_capable=g.mig_capable, mig_enabled=g.mig_enabled,
                 mig_unheld=tuple(sorted((d.profile_id, d.start, d.size) for d in g.mig_devices
-                                        if not d.share_id)), lost=g.lost)
+                                        if not d.share_id)), lost=g.lost,
+                mig_change_pending=g.mig_capable and not g.lost and g.mig_pending != g.mig_enabled)
             for g in sorted(inventory.gpus, key=lambda g: g.index)]
     count = len(gpus)
     links = [[link.gpu_a, link.gpu_b, link_rank(link.level)] for link in inventory.links
@@ -174,7 +175,8 @@ def node_view(node: Node) -> NodeView:
     return NodeView(name=node.name, cpu_milli=0, memory_mib=0, labels=dict(node.labels),
                     gpus=tuple(gpu_view(g.index, g.uuid, g.model, g.memory_bytes, g.sm_count,
                                         g.mig_capable, g.mig_enabled, g.mig_unheld,
-                                        node.inventory.get("mps_unavailable", ""), g.lost)
+                                        node.inventory.get("mps_unavailable", ""), g.lost,
+                                        g.mig_change_pending)
                                 for g in node.gpus),
                     links=tuple(tuple(link) for link in node.inventory.get("links", ())))
 

@@ -137,6 +137,8 @@ class Gpu:
     # or an instance kept while busy. Placement goes around them or takes one as it is.
     mig_unheld: tuple[tuple[int, int, int], ...] = ()
     lost: str = ""   # "" while it works; else the NVML error it answers (GPU_IS_LOST): it takes no shares
+    # a MIG mode change (to ``not mig_enabled``) waits for a GPU reset: it takes no new shares until then
+    mig_change_pending: bool = False
 
 
 @dataclass

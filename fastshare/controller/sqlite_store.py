@@ -45,7 +45,7 @@ from fastshare.sqlite_file import GroupSync, open_state_file
 
 log = logging.getLogger("fastshare.controller")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -111,6 +111,10 @@ _MIGRATIONS: dict[int, str] = {
     # first inventory is judged against (see ``SqliteStore.saw``), also after restarts meanwhile.
     6: """
     CREATE TABLE unreached_nodes (node TEXT PRIMARY KEY, mark INTEGER NOT NULL)
+    """,
+    # A GPU's MIG mode change waiting for a GPU reset (it takes no new shares until then).
+    7: """
+    ALTER TABLE gpus ADD COLUMN mig_change_pending INTEGER NOT NULL DEFAULT 0
     """,
 }
 
@@ -240,9 +244,11 @@ class SqliteStore(StateStore):
                 self._db.execute("DELETE FROM gpus WHERE node = ?", (node.name,))
                 self._db.executemany(
                     "INSERT INTO gpus (node, idx, uuid, model, memory_bytes, sm_count, mig_capable, "
-                    "mig_enabled, mig_unheld, lost) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "mig_enabled, mig_unheld, lost, mig_change_pending) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [(node.name, g.index, g.uuid, g.model, g.memory_bytes, g.sm_count,
-                      int(g.mig_capable), int(g.mig_enabled), json.dumps(g.mig_unheld), g.lost)
+                      int(g.mig_capable), int(g.mig_enabled), json.dumps(g.mig_unheld), g.lost,
+                      int(g.mig_change_pending))
                      for g in node.gpus])
                 self._db.execute("COMMIT")
                 self._group.committed()
@@ -254,7 +260,8 @@ class SqliteStore(StateStore):
         gpus = [Gpu(index=g["idx"], uuid=g["uuid"], model=g["model"], memory_bytes=g["memory_bytes"],
                     sm_count=g["sm_count"], mig_capable=bool(g["mig_capable"]),
                     mig_enabled=bool(g["mig_enabled"]),
-                    mig_unheld=tuple(tuple(i) for i in json.loads(g["mig_unheld"])), lost=g["lost"])
+                    mig_unheld=tuple(tuple(i) for i in json.loads(g["mig_unheld"])), lost=g["lost"],
+                    mig_change_pending=bool(g["mig_change_pending"]))
                 for g in self._db.execute("SELECT * FROM gpus WHERE node = ? ORDER BY idx", (row["name"],))]
         return Node(name=row["name"], address=row["address"], labels=json.loads(row["labels"]),
                     gpus=gpus, available=bool(row["available"]), last_heartbeat=row["last_heartbeat"],

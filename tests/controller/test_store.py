@@ -4,6 +4,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -136,7 +137,7 @@ def test_cordon_survives_reopen(tmp_path):
 def test_nodes_with_gpus(store):
     node = Node(name="n1", address="127.0.0.1:1", labels={"zone": "a"},
                 gpus=[Gpu(0, "GPU-a", "NVIDIA A100-SXM4-40GB", 40 * 2**30, 108, True, True,
-                          mig_unheld=((9, 0, 4), (19, 6, 1))),
+                          mig_unheld=((9, 0, 4), (19, 6, 1)), mig_change_pending=True),
                       Gpu(1, "GPU-b", "NVIDIA L4", 22 * 2**30, 58, lost="GPU_IS_LOST")],
                 available=True, last_heartbeat=5.0, registered_at=4.0, inventory={"x": [1]})
     store.put_node(node)
@@ -215,5 +216,32 @@ def test_a_version_5_state_file_is_migrated_and_its_away_nodes_judged_from_then_
         assert not s.never_issued(lost)
         s.saw([lost], first_of="n1")
         assert s.never_issued(lost)
+    finally:
+        s.close()
+
+
+def test_a_version_6_state_file_is_migrated_its_gpus_without_a_pending_mig_change(tmp_path):
+    """A state.db from before GPUs kept whether a MIG mode change waits for a reset opens, its GPUs
+    read as without one (the agent's next inventory says), and the mark is kept from then on."""
+    from fastshare.controller.sqlite_store import _MIGRATIONS
+
+    db = sqlite3.connect(tmp_path / "state.db")
+    for version in range(1, 7):
+        db.executescript(_MIGRATIONS[version])
+    db.execute("INSERT INTO nodes (name, address, labels, inventory, available, last_heartbeat, "
+               "registered_at) VALUES ('n1', 'h:1', '{}', '{}', 1, 2.0, 1.0)")
+    db.execute("INSERT INTO gpus (node, idx, uuid, model, memory_bytes, sm_count, mig_capable, mig_enabled, "
+               "mig_unheld) VALUES ('n1', 0, 'GPU-a', 'A100-SXM4-40GB', 42949672960, 108, 1, 0, '[]')")
+    db.execute("PRAGMA user_version = 6")
+    db.commit()
+    db.close()
+    s = SqliteStore(tmp_path / "state.db")
+    try:
+        assert s.schema_version() == SCHEMA_VERSION
+        node = s.get_node("n1")
+        assert [(g.uuid, g.mig_change_pending) for g in node.gpus] == [("GPU-a", False)]
+        node.gpus = [replace(node.gpus[0], mig_change_pending=True)]
+        s.put_node(node)
+        assert s.get_node("n1").gpus[0].mig_change_pending
     finally:
         s.close()

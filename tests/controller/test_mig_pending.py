@@ -1,0 +1,86 @@
+"""A GPU whose MIG mode change waits for a GPU reset (Ampere) takes no new shares (real controller,
+agent and CLI on a simulated A100 machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import grpc
+import pytest
+
+from fastshare.device import simnvml
+from fastshare.v1 import agent_pb2
+from fastshare.v1 import controller_pb2 as pb
+
+from .conftest import GiB, allocate, assert_consistent, fastshare_bin, states, wait_for
+
+
+def _pending(index: int) -> str:
+    return (f"GPU {index} of n1: MIG mode change pending until the GPU is reset (nvidia-smi -r -i {index}) "
+            "or the node rebooted; it takes no new shares")
+
+
+def _cli(cluster, *args: str) -> str:
+    out = subprocess.run([fastshare_bin(), *args, "--controller", cluster.address, "--tls-dir",
+                          str(cluster.pki.dir)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "400"})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_gpu_whose_mig_mode_change_is_pending_takes_no_new_share(cluster):
+    """`fastshare mig enable` on an A100 leaves the change pending until a GPU reset. The controller
+    went on placing there as if the mode were final: a whole, MPS or fastpod share placed on the GPU
+    lost it at the reset. Now the GPU takes no new share of any kind and the refusal says why and what
+    to do; a share it holds stays held (not over-committed: the operator drains it); `fastshare
+    status` shows the pending change (not LOST); after the reset the GPU takes MIG slices."""
+    cluster.add_machine("n1", ["A100-SXM4-40GB", "A100-SXM4-40GB"])
+    cluster.start_controller()
+    cluster.start_agent("n1")
+    client = cluster.client()
+    whole = allocate(client, "whole", gpu_count=1)
+    held = whole.devices[0].gpu_index
+    other = 1 - held
+    machine = cluster.root / "n1.json"
+    other_uuid = simnvml.load_machine(machine)["gpus"][other]["uuid"]
+    agent = cluster.agents["n1"].stub(cluster.pki)
+    mode = agent.SetMigMode(agent_pb2.SetMigModeRequest(gpu_uuid=other_uuid, enabled=True), timeout=60)
+    assert mode.pending and mode.changed   # as `fastshare mig enable --gpu N` through the agent
+    wait_for(lambda: cluster.node("n1").gpus[other].mig_change_pending, 30, "the controller sees it pending")
+
+    for kind, kw in (("fastpod", dict(sm_percent=10, memory_bytes=GiB, quota_request=0.2, quota_limit=0.5)),
+                     ("mps", dict(memory_bytes=GiB)), ("whole", dict(gpu_count=1)),
+                     ("exclusive", dict(mig_profile="1g.5gb"))):
+        with pytest.raises(grpc.RpcError) as refused:
+            allocate(client, kind, **kw)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (kind, refused.value.details())
+        assert _pending(other) in refused.value.details(), (kind, refused.value.details())
+
+    # the same change made by hand (nvidia-smi -mig 1) under the whole share: it stays held as it was
+    data = json.loads(machine.read_text())
+    data["gpus"][held]["mig_pending"] = 1
+    machine.write_text(json.dumps(data))
+    wait_for(lambda: cluster.node("n1").gpus[held].mig_change_pending, 30, "the controller sees it pending")
+    gpus = {g.index: g for g in cluster.node("n1").gpus}
+    assert not gpus[held].over_committed and gpus[held].whole_held, gpus[held]
+    assert states(cluster)[whole.id] == "active"
+    assert client.call("Get", pb.GetAllocationRequest(allocation_id=whole.id)).reason == ""
+
+    shown = {g["index"]: g for g in json.loads(_cli(cluster, "status", "--json"))["nodes"][0]["gpus"]}
+    for index in (held, other):
+        assert shown[index]["mig_change_pending"] is True and not shown[index].get("lost"), shown[index]
+    table = _cli(cluster, "status")
+    assert "LOST" not in table and "Lost GPUs" not in table, table
+    rows = [line for line in table.splitlines() if "MIG enable pending" in line]
+    assert len(rows) == 2, table
+    assert f"nvidia-smi -r -i {held}" in table and f"nvidia-smi -r -i {other}" in table, table
+
+    client.call("Release", pb.ReleaseAllocationRequest(allocation_id=whole.id))
+    simnvml.reset_gpu(machine, other)   # the pending mode takes effect
+    wait_for(lambda: not cluster.node("n1").gpus[other].mig_change_pending, 30, "the reset seen")
+    assert cluster.node("n1").gpus[other].mig_enabled
+    slice_ = allocate(client, "exclusive", mig_profile="1g.5gb")
+    assert slice_.state == pb.ALLOCATION_STATE_ACTIVE and slice_.devices[0].gpu_index == other
+    assert_consistent(cluster)

@@ -315,6 +315,14 @@ class Agent:
         self._changed()
         return prepared, True
 
+    def _refuse_mode_change_pending(self, gpu: GpuInfo) -> None:
+        """A new share on a GPU whose MIG mode change waits for a GPU reset would lose its device at
+        the reset (a whole or MPS share after a MIG enable, a MIG slice after a disable): refused, as
+        the controller does (an older one may still send it). Checked under the GPU's lock."""
+        if gpu.mig_capable and gpu.mig_current != gpu.mig_pending:
+            raise AgentError("FAILED_PRECONDITION", f"GPU {gpu.index} of {self.config.node_name}: "
+                                                    f"{mig_layout.mode_change_pending(gpu.index)}")
+
     def _prepare_whole(self, spec: ShareSpec, deadline: Deadline) -> Prepared:
         for u in spec.device_uuids:
             self._gpu(u)  # NOT_FOUND before waiting for any lock
@@ -322,6 +330,7 @@ class Agent:
             for u in sorted(spec.device_uuids):  # one order everywhere: no lock cycles
                 stack.enter_context(self._device_locks.hold(u, deadline))
             for u in spec.device_uuids:  # MIG mode only changes under this lock: check it here
+                self._refuse_mode_change_pending(self._gpu(u))
                 if self._gpu(u).mig_current:
                     raise AgentError("FAILED_PRECONDITION", f"GPU {u} is in MIG mode; a whole GPU needs "
                                                             "MIG disabled (or ask for kind exclusive)")
@@ -367,6 +376,7 @@ class Agent:
         if not gpu.mig_capable:
             raise AgentError("FAILED_PRECONDITION", f"GPU {gpu.uuid} ({gpu.name}) does not support MIG; "
                                                     "use kind fastpod, mps or whole")
+        self._refuse_mode_change_pending(gpu)
         if not gpu.mig_current:
             hint = " (enabled, waiting for a GPU reset)" if gpu.mig_pending else ""
             raise AgentError("FAILED_PRECONDITION", f"MIG is disabled on GPU {gpu.uuid}{hint}; enable it "
@@ -376,6 +386,7 @@ class Agent:
             raise AgentError("INVALID_ARGUMENT", f"share.mig_start {spec.mig_start} is not a placement of "
                                                  f"{profile.name}; allowed: {list(profile.placements)}")
         with self._device_locks.hold(gpu.uuid, deadline):
+            self._refuse_mode_change_pending(self._gpu(gpu.uuid))   # MIG mode only changes under this lock
             try:
                 instances = self.devices.mig_instances(gpu.index)
             except DeviceError as exc:
@@ -445,6 +456,7 @@ class Agent:
                 stack.enter_context(self._device_locks.hold(dev.gpu.uuid, deadline))
                 dev = self._device(dev.uuid)
             stack.enter_context(self._device_locks.hold(dev.uuid, deadline))
+            self._refuse_mode_change_pending(self._gpu(dev.gpu.uuid))   # under the GPU's lock
             if dev.mig is None and self._gpu(dev.uuid).mig_current:  # checked under the GPU's lock
                 raise AgentError("FAILED_PRECONDITION", f"GPU {dev.uuid} is in MIG mode: MPS runs per MIG "
                                                         "device; name a MIG device UUID (MIG-…) instead")

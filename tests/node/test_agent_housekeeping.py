@@ -1,6 +1,7 @@
 """The agent in process, where an interleaving or a failure is forced: housekeeping racing the
 requests it must not undo, and a release that fails half-way."""
 
+import json
 import shutil
 import tempfile
 import threading
@@ -660,12 +661,20 @@ def test_cancelling_a_pending_mig_enable_leaves_the_shares_using_the_gpu_whole_t
     """An Ampere GPU's MIG enable waits for a reset; cancelling it (SetMigMode disabled, e.g. `mig config`
     with mig-enabled false through the agent) keeps MIG off, so a share using the GPU whole keeps it.
     The agent refused it ("has shares"), where the direct path allows it; a layout on a GPU whose MIG
-    is on still counts its shares."""
-    agent, _ = mig_off
+    is on still counts its shares. (While the enable is pending the GPU takes no new share: the one
+    cancelled here was enabled by hand under the share.)"""
+    agent, machine = mig_off
     a100 = agent.devices.gpus()[1].uuid
     agent.prepare(ShareSpec("w", "whole", (a100,)), Deadline(60))
     assert agent.set_mig_mode(a100, True, Deadline(60), force=True) == (True, True)   # pending; w dropped
+    with pytest.raises(AgentError, match="MIG mode change pending"):
+        agent.prepare(ShareSpec("w2", "whole", (a100,)), Deadline(60))
+    assert agent.set_mig_mode(a100, False, Deadline(60)) == (False, True)
     agent.prepare(ShareSpec("w2", "whole", (a100,)), Deadline(60))
+    data = simnvml.load_machine(machine)
+    data["gpus"][1]["mig_pending"] = 1   # nvidia-smi -mig 1 by hand under w2: pending until a reset
+    machine.write_text(json.dumps(data))
+    agent.refresh_devices()
     assert agent.set_mig_mode(a100, False, Deadline(60)) == (False, True)
     gpu = agent.devices.gpus()[1]
     assert not gpu.mig_current and not gpu.mig_pending
@@ -771,3 +780,45 @@ def test_a_forced_mig_enable_made_without_the_agent_drops_the_shares_at_its_star
     lost = _lost(agent)
     assert h100 in lost["kept"] and "forced MIG mode change" in lost["kept"], lost
     assert "next reset" not in lost["kept"], lost                          # Hopper: at once
+
+
+def _pending_words(index: int) -> str:
+    return (f"GPU {index} of p: MIG mode change pending until the GPU is reset (nvidia-smi -r -i {index}) "
+            "or the node rebooted; it takes no new shares")
+
+
+def test_prepare_on_a_gpu_whose_mig_mode_change_is_pending_is_refused_saying_so(mig_off):
+    """An A100's MIG mode change waits for a GPU reset. The agent prepared whole, MPS and fastpod shares
+    on a GPU whose MIG enable was pending (checking only the current mode): they lost the GPU at the
+    reset; an exclusive share on one whose disable was pending would lose its slice. Now PrepareShare
+    on such a GPU is refused FAILED_PRECONDITION with the controller's words (an older controller may
+    still send one); a share it holds already is handed back as it is (idempotent prepare)."""
+    agent, machine = mig_off
+    a100 = agent.devices.gpus()[1].uuid
+    fp = ShareSpec("fp", "fastpod", (a100,), sm_percent=20, memory_bytes=1 << 30, quota_request=0.2,
+                   quota_limit=0.5)
+    prepared, _ = agent.prepare(fp, Deadline(60))
+    data = simnvml.load_machine(machine)
+    data["gpus"][1]["mig_pending"] = 1   # MIG enabled by hand (nvidia-smi -mig 1): pending until a reset
+    machine.write_text(json.dumps(data))
+    agent.refresh_devices()
+    assert agent.prepare(fp, Deadline(60)) == (prepared, False)   # held already: stays
+    for spec in (ShareSpec("w", "whole", (a100,)), ShareSpec("m", "mps", (a100,), memory_bytes=1 << 30),
+                 ShareSpec("fp2", "fastpod", (a100,), sm_percent=20, memory_bytes=1 << 30, quota_request=0.2,
+                           quota_limit=0.5),
+                 ShareSpec("ex", "exclusive", (a100,), mig_profile="1g.5gb")):
+        with pytest.raises(AgentError) as refused:
+            agent.prepare(spec, Deadline(60))
+        assert refused.value.code == "FAILED_PRECONDITION", (spec.id, refused.value)
+        assert _pending_words(1) in str(refused.value), (spec.id, refused.value)
+        assert agent.journal.share(spec.id) is None
+
+    agent.release("fp", Deadline(60))
+    simnvml.reset_gpu(machine, 1)                          # MIG on now
+    agent.refresh_devices()
+    assert agent.set_mig_mode(a100, False, Deadline(60)) == (True, True)   # disable: pending until a reset
+    with pytest.raises(AgentError) as refused:
+        agent.prepare(ShareSpec("ex2", "exclusive", (a100,), mig_profile="1g.5gb"), Deadline(60))
+    assert refused.value.code == "FAILED_PRECONDITION", refused.value
+    assert _pending_words(1) in str(refused.value), refused.value
+    assert agent.devices.mig_instances(1) == [] and agent.journal.share("ex2") is None

@@ -903,3 +903,37 @@ def test_a_gpu_lost_under_a_replica_ends_its_share_and_the_replacement_waits_say
                    for r in caplog.records), caplog.text
     finally:
         _delete_and_stop(view, namespace, "lostbus", agent, core, tls)
+
+
+def test_a_gpu_whose_mig_mode_change_is_pending_takes_no_replica_saying_why(
+        api_client, namespace, controller, pki):
+    """`nvidia-smi -mig 1` on an A100 waits for a GPU reset. In-cluster the controller placed a
+    fastpod replica there all the same (it lost the GPU at the reset). Now the replica is
+    unschedulable, its condition saying the MIG mode change is pending and how to end it."""
+    root, tls = pki
+    model = "A100-SXM4-80GB"
+    core = client.CoreV1Api(api_client)
+    agent = Agent(root, root / "ca", f"migpend-{uuid.uuid4().hex[:4]}", [model], mig=False)
+    state = json.loads(agent.machine.read_text())
+    state["gpus"][0]["mig_pending"] = 1   # MIG enabled, pending until a GPU reset
+    agent.machine.write_text(json.dumps(state))
+    agent.start(tls)
+    register_node(core, agent)
+    view = View(api_client, namespace, "migpend", {agent.name: agent}, tls)
+    try:
+        controller().start()
+        fastpod = {"kind": "fastpod", "smPercent": 50, "memory": "4Gi", "models": [model]}
+        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                     fastpod_manifest("migpend", fastpod, 1))
+
+        def unschedulable():
+            kubelet_step(view.core, namespace)
+            conditions = {c["type"]: c for c in (view.fastpod().get("status") or {}).get("conditions") or []}
+            scheduled = conditions.get("Scheduled")
+            return scheduled and scheduled["reason"] == "Unschedulable" and scheduled
+        condition = wait_for(unschedulable, "the replica unschedulable", timeout=120)
+        assert (f"GPU 0 of {agent.name}: MIG mode change pending until the GPU is reset (nvidia-smi -r -i 0)"
+                in condition["message"]), condition
+        assert agent.shares(tls) == [] and not view.records()
+    finally:
+        _delete_and_stop(view, namespace, "migpend", agent, core, tls)

@@ -372,4 +372,5 @@ def gpu_view(index: int, uuid: str, model: str, memory_bytes: int, sm_count: int
                    mig_profiles=profiles, uuid=uuid, mig_unheld=mig_unheld if profiles else (),
                    no_mps=no_mps,
                    lost=f"{LOST}NVML_ERROR_{lost}" if lost else "",
-                   closed=mig_layout.mode_change_pending(index) if mig_change_pending else "")
+                   closed=mig_layout.mode_change_pending(index) if mig_change_pending else "",
+                   mig_enable_needs_reset=bool(profiles) and known.mig_pending_until_reset)

@@ -220,7 +220,8 @@ class Engine:
             return Rejection(why)
         result = getattr(self, f"_place_{request.kind}")(request, nodes)
         if isinstance(result, Rejection):
-            result = Rejection(result.reason + self._closed_note(request, nodes), result.details)
+            notes = self._closed_note(request, nodes) + self._mig_off_note(request, nodes)
+            result = Rejection(result.reason + notes, result.details)
         if isinstance(result, Assignment):
             uuids = tuple(self._nodes[result.node].view.gpus[i].uuid for i in result.gpus)
             if all(uuids):   # the GPUs for good (their indexes shift when a GPU leaves the node)
@@ -408,6 +409,8 @@ class Engine:
             return None if g.idle else "not idle"
         if not v.mig_capable:
             return "not MIG-capable"
+        if placing and not g.mig_mode and v.mig_enable_needs_reset:
+            return "MIG off, and turning it on waits for a GPU reset"
         if g.sharers or g.whole is not None:
             return "in use by MPS shares or whole"
         return None
@@ -424,6 +427,22 @@ class Engine:
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
         also = f"; so are {', '.join(others[:3])}{more}" if others else ""
         return f"; GPU {first.index} of {node}: {first.closed}{also}"
+
+    @staticmethod
+    def _mig_off_note(r: Request, nodes: list[_Node]) -> str:
+        """For an exclusive request: the GPUs it could have had a slice of, were their MIG on (turning
+        it on waits for a GPU reset, which a request cannot wait for), and what to do."""
+        if r.kind != "exclusive":
+            return ""
+        off = [f"{n.view.name} GPU {g.view.index}" for n in nodes for g in n.gpus
+               if not g.mig_mode and g.view.mig_enable_needs_reset and not g.view.lost and not g.view.closed
+               and g.idle and (not r.gpu_models or g.view.model in r.gpu_models)]
+        if not off:
+            return ""
+        more = f" and {len(off) - 3} more" if len(off) > 3 else ""
+        return (f"; {len(off)} idle GPU(s) have MIG off ({', '.join(off[:3])}{more}), and turning it on "
+                "there waits for a GPU reset: `fastshare mig enable --gpu N` on the node, then reset the "
+                "GPU (nvidia-smi -r -i N) or reboot")
 
     def _tag_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
         """Why the KubeShare tags (of ``r`` or of the sharers on ``g``) keep share ``r`` off ``g``."""

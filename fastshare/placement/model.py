@@ -155,6 +155,9 @@ class GpuView:
     # why it takes no NEW share while those it holds stay held (not over-committed), e.g. a MIG mode
     # change pending until a GPU reset, which the operator drains it for; "" when open
     closed: str = ""
+    # turning MIG on waits for a GPU reset (Ampere): with MIG off it takes no MIG slice, since an
+    # exclusive request cannot turn MIG on there and go on
+    mig_enable_needs_reset: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mig_unheld", tuple(sorted(tuple(i) for i in self.mig_unheld)))

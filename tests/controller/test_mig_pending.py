@@ -84,3 +84,25 @@ def test_a_gpu_whose_mig_mode_change_is_pending_takes_no_new_share(cluster):
     slice_ = allocate(client, "exclusive", mig_profile="1g.5gb")
     assert slice_.state == pb.ALLOCATION_STATE_ACTIVE and slice_.devices[0].gpu_index == other
     assert_consistent(cluster)
+
+
+def test_an_exclusive_request_does_not_leave_an_ampere_gpu_with_a_pending_mig_enable(cluster):
+    """An exclusive request placed on an A100 with MIG off made the controller turn MIG on, which
+    waits for a GPU reset there: the allocation failed, and the GPU was left with a pending change,
+    taking no new share; each retry did the same to the next idle GPU. Now such a request is refused
+    up front, saying how to turn MIG on, and no GPU's mode changes."""
+    cluster.add_machine("n1", ["A100-SXM4-40GB", "A100-SXM4-40GB"])
+    cluster.start_controller()
+    cluster.start_agent("n1")
+    client = cluster.client()
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as refused:
+            allocate(client, "exclusive", mig_profile="1g.5gb")
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+        for says in ("have MIG off", "waits for a GPU reset", "fastshare mig enable --gpu N"):
+            assert says in refused.value.details(), refused.value.details()
+    machine = simnvml.load_machine(cluster.root / "n1.json")
+    assert [(g["mig_current"], g["mig_pending"]) for g in machine["gpus"]] == [(0, 0), (0, 0)], machine
+    assert not any(g.mig_change_pending for g in cluster.node("n1").gpus)
+    assert allocate(client, "mps", memory_bytes=GiB).state == pb.ALLOCATION_STATE_ACTIVE   # still open
+    assert_consistent(cluster)

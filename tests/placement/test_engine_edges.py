@@ -207,3 +207,29 @@ def test_a_gpu_whose_mig_mode_change_is_pending_takes_no_new_share_but_keeps_its
         assert "lost" not in refused.reason, refused.reason
     eng.release("w1")
     assert eng.place(Request("f2", kind="fastpod", sm_percent=10, gpu_memory_mib=1024)).gpus == (0,)
+
+
+def test_an_exclusive_request_takes_no_gpu_whose_mig_enable_waits_for_a_reset():
+    """An exclusive request on a GPU with MIG off turns MIG on first. On an Ampere GPU that waits for a
+    GPU reset: the allocation failed ("waits for a GPU reset") and left the GPU with a pending change,
+    taking no new share of any kind; the next request did the same to the next idle GPU. Now such a
+    GPU takes no slice while its MIG is off, and the rejection says what to do; a Hopper GPU, where
+    MIG comes on at once, still does."""
+    from fastshare.controller.ledger import gpu_view
+
+    ampere = NodeView("a", 8000, 65536, tuple(
+        gpu_view(i, f"GPU-a{i}", "A100-SXM4-40GB", 40 << 30, 108, True, False) for i in range(2)))
+    eng = Engine([ampere])
+    refused = eng.place(Request("e1", kind="exclusive", gpu_memory_mib=4096))
+    assert isinstance(refused, Rejection), refused
+    for says in ("2 idle GPU(s) have MIG off (a GPU 0, a GPU 1)", "waits for a GPU reset",
+                 "fastshare mig enable --gpu N", "nvidia-smi -r -i N"):
+        assert says in refused.reason, refused.reason
+    assert eng.place(Request("f1", kind="fastpod", sm_percent=10, gpu_memory_mib=1024))   # still shared
+    on = NodeView("a", 8000, 65536, (gpu_view(0, "GPU-a0", "A100-SXM4-40GB", 40 << 30, 108, True, True),))
+    placed = Engine([on]).place(Request("e2", kind="exclusive", gpu_memory_mib=4096))
+    assert placed and not placed.enable_mig, placed
+    hopper = NodeView("h", 8000, 65536,
+                      (gpu_view(0, "GPU-h0", "H100-SXM5-80GB", 80 << 30, 132, True, False),))
+    placed = Engine([hopper]).place(Request("e3", kind="exclusive", gpu_memory_mib=4096))
+    assert placed and placed.enable_mig, placed

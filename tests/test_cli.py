@@ -134,3 +134,14 @@ def test_run_says_its_allocation_failed_while_it_is_still_being_ended():
     for state in (pb.ALLOCATION_STATE_RELEASING, pb.ALLOCATION_STATE_FAILED):
         said = _how_it_ended(Client(state), "fs-1")
         assert said.startswith("the allocation failed: device gone: GPU GPU-1"), (state, said)
+
+
+@pytest.mark.parametrize("current, pending, shown", [(False, False, "off"), (True, True, "on"),
+                                                     (False, True, "off (on after a GPU reset)"),
+                                                     (True, False, "on (off after a GPU reset)")])
+def test_node_status_shows_a_mig_mode_change_waiting_for_a_reset(current, pending, shown):
+    """`fastshare node status` showed "pending" for an enable waiting for a reset but "on" for a
+    disable waiting for one (an Ampere GPU about to lose its MIG slices looked settled)."""
+    from fastshare.cli.node import _mig_mode
+
+    assert _mig_mode(current, pending) == shown

@@ -161,6 +161,12 @@ def _call(fn, *args):
              "is `fastshare node serve` running and the socket readable by you?" if unreachable else None)
 
 
+def _mig_mode(current: bool, pending: bool) -> str:
+    """A GPU's MIG mode, and the change that waits for a GPU reset (Ampere) if one does."""
+    now = "on" if current else "off"
+    return now if current == pending else f"{now} ({'on' if pending else 'off'} after a GPU reset)"
+
+
 @node.command("status")
 @_SOCKET
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -175,7 +181,7 @@ def status(unix_socket: str, as_json: bool) -> None:
     print_table(f"node {inv.node_name} (agent {inv.agent_version}, driver {inv.driver_version})",
                 ["gpu", "uuid", "name", "MIG", "mig devices"],
                 [[g.index, g.uuid or "-", g.name or "-",
-                  "LOST" if g.lost else "on" if g.mig_enabled else ("pending" if g.mig_pending else "off"),
+                  "LOST" if g.lost else _mig_mode(g.mig_enabled, g.mig_pending),
                   ", ".join(f"{m.profile_name}@{m.start}{'*' if m.created_by_agent else ''}"
                             for m in g.mig_devices)] for g in inv.gpus])
     lost = [[g.index, g.uuid or "unknown (lost before the agent read it)", f"NVML_ERROR_{g.lost}"]

@@ -38,3 +38,28 @@ def test_the_naive_handler_really_hangs_there():
     """Proves the test above can fail: the pattern the servers used before hangs."""
     with pytest.raises(subprocess.TimeoutExpired):
         _run(NAIVE, timeout=5)
+
+
+def test_a_stop_signal_delivered_to_another_thread_wakes_a_main_thread_waiting_without_timeout():
+    """The kernel delivers a process signal to any thread that does not block it (a gRPC or worker
+    thread as well). The Python handler runs only on the main thread, and only once that thread
+    runs bytecode: blocked in the stop event's wait() without a timeout, as the servers are, it
+    never did, and the controller, stopped by SIGTERM, hung until killed (CI: test_server's
+    test_stops_cleanly_on_sigterm, 1 run in ~20 under load). The C-level handler now writes to a
+    wakeup pipe, from whichever thread the signal lands on."""
+    script = textwrap.dedent("""
+        import signal, sys, threading, time
+        from fastshare.stop_signal import stop_on_signals
+        stop = threading.Event()
+        stop_on_signals(stop)
+        other = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+        other.start()
+        def fire():
+            time.sleep(0.5)
+            signal.pthread_kill(other.ident, signal.SIGTERM)   # lands on that thread, not main
+        threading.Thread(target=fire, daemon=True).start()
+        stop.wait()                                           # no timeout, as the servers wait
+        sys.exit(0)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], timeout=30, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -81,8 +81,10 @@ class Proc:
         self.args = args
         self.log = log
         self._log = open(log, "ab")  # noqa: SIM115 - lives as long as the process
+        # PYTHONFAULTHANDLER: a child that does not stop in time dumps its threads' stacks (SIGABRT)
         self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                      env={**os.environ, **(env or {})}, start_new_session=True)
+                                      env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
+                                      start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -101,9 +103,13 @@ class Proc:
             self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:   # its stacks into its log first, for the failure
+                self.popen.send_signal(signal.SIGABRT)
+                try:
+                    self.popen.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.popen.kill()
+                    self.popen.wait(timeout=10)
         self._log.close()
         return self.popen.returncode
 

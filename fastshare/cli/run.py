@@ -226,13 +226,24 @@ def _run_child(client, allocation, command, lease_ttl: int, quiet: bool) -> int:
         for signum in received:          # a signal that came before the child existed
             child.send_signal(signum)
         renewer.start()
-        status = child.wait()
+        status = _wait_waking(child)
     finally:
         stop.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _release(client, allocation.id, quiet)
     return status if status >= 0 else 128 - status
+
+
+def _wait_waking(child: subprocess.Popen) -> int:
+    """The child's exit status. The kernel may deliver a signal sent to this process to any of its
+    threads (gRPC's, the lease's); the Python handler that forwards it runs on the main thread
+    only once that thread runs again, which a wait() without timeout never did."""
+    while True:
+        try:
+            return child.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _how_it_ended(client, allocation_id: str) -> str:

@@ -52,22 +52,6 @@ def test_releases_when_the_command_crashes(cluster, env):
     assert_consistent(cluster)
 
 
-def test_forwards_signals_to_the_command(cluster, env):
-    script = 'trap "echo got-term; exit 7" TERM; echo ready; while :; do sleep 0.1; done'
-    args = [fastshare_bin(), "run", "--kind", "mps", "--mem", "1GiB", "--", "sh", "-c", script]
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "got-term" in stdout
-    assert proc.returncode == 7, stderr
-    assert _active(cluster) == []
-
-
 def _tgkill(pid: int, tid: int, sig: int) -> None:
     """A signal to one thread of another process (tgkill(2); Python has none for that)."""
     import ctypes
@@ -79,19 +63,24 @@ def _tgkill(pid: int, tid: int, sig: int) -> None:
     assert ctypes.CDLL(None, use_errno=True).syscall(number, pid, tid, sig) == 0, ctypes.get_errno()
 
 
-def test_forwards_a_signal_that_lands_on_another_thread(cluster, env):
-    """The kernel delivers a signal sent to the process to any thread not blocking it; the Python
-    handler that forwards it runs only on the main thread, which sat in the command's wait():
-    a SIGTERM landing on a gRPC or lease thread was never forwarded (`systemctl stop`, a Pod's
-    termination and Ctrl-C at times did nothing until the kill). Now the main thread wakes for it."""
+@pytest.mark.parametrize("to_thread", [False, True], ids=["process", "other-thread"])
+def test_forwards_signals_to_the_command(cluster, env, to_thread):
+    """``to_thread``: the signal lands on a thread other than the main one. The kernel delivers a
+    signal sent to the process to any thread not blocking it; the Python handler that forwards it
+    runs only on the main thread, which sat in the command's wait(): a SIGTERM landing on a gRPC or
+    lease thread was never forwarded (`systemctl stop`, a Pod's termination and Ctrl-C at times did
+    nothing until the kill). Now the main thread wakes for it."""
     script = 'trap "echo got-term; exit 7" TERM; echo ready; while :; do sleep 0.1; done'
     args = [fastshare_bin(), "run", "--kind", "mps", "--mem", "1GiB", "--", "sh", "-c", script]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        others = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
-        assert others, "fastshare run has no thread but the main one"
-        _tgkill(proc.pid, others[0], signal.SIGTERM)
+        if to_thread:
+            others = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
+            assert others, "fastshare run has no thread but the main one"
+            _tgkill(proc.pid, others[0], signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -535,26 +535,36 @@ def test_two_gpus_lost_before_the_agent_read_them_stay_unnamed(tmp_path):
         shutil.rmtree(run, ignore_errors=True)
 
 
-def test_links_read_while_a_gpu_was_lost_are_read_again_once_it_answers(tmp_path):
-    """The GPU links are read once: read while GPU 1 was lost (its links unknown, taken for the
-    farthest), they stayed so after a GPU reset brought it back, and whole-GPU groups were placed
-    as if it had no NVLink until the agent restarted. They are read again once it answers; a GPU
-    lost later keeps the links as read (the wiring does not change, and it takes nothing)."""
+@pytest.fixture
+def gpu1_lost(tmp_path: Path) -> Iterator[tuple[Agent, Path]]:
+    """An agent started on three NVLinked A100s, GPU 1 lost (fallen off the bus) when it started."""
     run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
     machine = tmp_path / "m.json"
     simnvml.create_machine(machine, ["A100-SXM4-40GB"] * 3)
     simnvml.lose_gpu(machine, 1)
     agent = in_process_agent(tmp_path, run, machine)
     try:
-        nvlink = {(0, 1, -1), (0, 2, -1), (1, 2, -1)}
-        assert set(agent.snapshot().links) == {(0, 1, 50), (0, 2, -1), (1, 2, 50)}
-        simnvml.reset_gpu(machine, 1)
-        assert set(agent.snapshot().links) == nvlink
-        simnvml.lose_gpu(machine, 2)
-        assert set(agent.snapshot().links) == nvlink
+        yield agent, machine
     finally:
         agent.journal.close()
         shutil.rmtree(run, ignore_errors=True)
+
+
+NVLINKED = {(0, 1, -1), (0, 2, -1), (1, 2, -1)}
+READ_WHILE_GPU1_LOST = {(0, 1, 50), (0, 2, -1), (1, 2, 50)}   # its links unknown: the farthest
+
+
+def test_links_read_while_a_gpu_was_lost_are_read_again_once_it_answers(gpu1_lost):
+    """The GPU links are read once: read while GPU 1 was lost (its links unknown, taken for the
+    farthest), they stayed so after a GPU reset brought it back, and whole-GPU groups were placed
+    as if it had no NVLink until the agent restarted. They are read again once it answers; a GPU
+    lost later keeps the links as read (the wiring does not change, and it takes nothing)."""
+    agent, machine = gpu1_lost
+    assert set(agent.snapshot().links) == READ_WHILE_GPU1_LOST
+    simnvml.reset_gpu(machine, 1)
+    assert set(agent.snapshot().links) == NVLINKED
+    simnvml.lose_gpu(machine, 2)
+    assert set(agent.snapshot().links) == NVLINKED
 
 
 def test_a_mig_change_for_a_gpu_lost_before_the_agent_read_it_is_refused_saying_so(agent, tmp_path):
@@ -706,33 +716,24 @@ def test_a_mig_mode_change_on_a_gpu_named_by_the_journal_says_it_is_lost(tmp_pat
         shutil.rmtree(run, ignore_errors=True)
 
 
-def test_links_kept_as_read_when_reading_them_again_fails(tmp_path, monkeypatch):
+def test_links_kept_as_read_when_reading_them_again_fails(gpu1_lost, monkeypatch):
     """Links read while GPU 1 was lost are read again once it answers; when that read failed,
     the agent reported no links at all (the controller then placed every whole-GPU group without
     topology), where before it kept the links it had read. Now it keeps them and retries."""
     from fastshare.device.api import DeviceError
 
-    run = Path(tempfile.mkdtemp(prefix="fsh-", dir="/tmp"))
-    machine = tmp_path / "m.json"
-    simnvml.create_machine(machine, ["A100-SXM4-40GB"] * 3)
-    simnvml.lose_gpu(machine, 1)
-    agent = in_process_agent(tmp_path, run, machine)
-    try:
-        read = {(0, 1, 50), (0, 2, -1), (1, 2, 50)}
-        assert set(agent.snapshot().links) == read
-        simnvml.reset_gpu(machine, 1)
-        real = agent.devices.topology
+    agent, machine = gpu1_lost
+    assert set(agent.snapshot().links) == READ_WHILE_GPU1_LOST
+    simnvml.reset_gpu(machine, 1)
+    real = agent.devices.topology
 
-        def failing():
-            raise DeviceError("reading the GPU topology failed: NVML_ERROR_UNKNOWN", "UNKNOWN")
+    def failing():
+        raise DeviceError("reading the GPU topology failed: NVML_ERROR_UNKNOWN", "UNKNOWN")
 
-        monkeypatch.setattr(agent.devices, "topology", failing)
-        assert set(agent.snapshot().links) == read
-        monkeypatch.setattr(agent.devices, "topology", real)
-        assert set(agent.snapshot().links) == {(0, 1, -1), (0, 2, -1), (1, 2, -1)}
-    finally:
-        agent.journal.close()
-        shutil.rmtree(run, ignore_errors=True)
+    monkeypatch.setattr(agent.devices, "topology", failing)
+    assert set(agent.snapshot().links) == READ_WHILE_GPU1_LOST
+    monkeypatch.setattr(agent.devices, "topology", real)
+    assert set(agent.snapshot().links) == NVLINKED
 
 
 def test_a_forced_mig_enable_made_without_the_agent_drops_the_shares_at_its_start(mig_off, tmp_path):

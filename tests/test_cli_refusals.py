@@ -6,6 +6,9 @@ directory left behind."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 from click.testing import CliRunner
 
@@ -452,11 +455,30 @@ def test_bench_placement_reads_every_trace_before_the_first_run(tmp_path, monkey
     assert "line 2: gpu_milli must be 0..1000 (got 5000)" in result.output
 
 
+@contextlib.contextmanager
+def _fake_agent(tmp_path, servicer) -> Iterator[str]:
+    """``servicer`` served as a node agent on a unix socket (its path), e.g. an older agent's answers."""
+    from concurrent import futures
+
+    import grpc
+
+    from fastshare.v1 import agent_pb2_grpc
+
+    sock = tmp_path / "node.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    try:
+        yield str(sock)
+    finally:
+        server.stop(None)
+
+
 def test_mig_enable_force_through_an_agent_that_ignores_it_is_refused_with_a_hint(tmp_path):
     """`mig enable --force` now goes to the node agent as SetMigMode's force. An agent older than that
     field ignores it and refuses as before while a share holds the GPU (MIG is never enabled under a
     share unasked): the CLI says so, instead of leaving the user wondering why --force did not work."""
-    from concurrent import futures
 
     import grpc
 
@@ -473,16 +495,8 @@ def test_mig_enable_force_through_an_agent_that_ignores_it_is_refused_with_a_hin
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "GPU GPU-0 has shares (w); release them before changing its MIG mode")
 
-    sock = tmp_path / "node.sock"
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    agent_pb2_grpc.add_NodeAgentServicer_to_server(OlderAgent(), server)
-    server.add_insecure_port(f"unix:{sock}")
-    server.start()
-    try:
-        result = CliRunner().invoke(main, ["mig", "enable", "--gpu", "0", "--force",
-                                           "--unix-socket", str(sock)])
-    finally:
-        server.stop(None)
+    with _fake_agent(tmp_path, OlderAgent()) as sock:
+        result = CliRunner().invoke(main, ["mig", "enable", "--gpu", "0", "--force", "--unix-socket", sock])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert [(r.gpu_uuid, r.enabled, r.force) for r in asked] == [("GPU-0", True, True)]
     assert "GPU 0: GPU GPU-0 has shares (w); release them" in result.output, result.output
@@ -493,7 +507,6 @@ def test_mig_config_force_through_an_agent_that_ignores_it_is_refused_with_a_hin
     """`mig config --apply --force` (and mig_config with force, e.g. the role re-run right after an
     upgrade, its agent not restarted yet) sends SetMigMode with force; an agent older than that field
     refuses as before: the error says the agent ignores force, not only 'release them'."""
-    from concurrent import futures
 
     import grpc
 
@@ -514,17 +527,10 @@ def test_mig_config_force_through_an_agent_that_ignores_it_is_refused_with_a_hin
 
     config = tmp_path / "mig.yaml"
     config.write_text('{"version": "v1", "mig-configs": {"c": [{"devices": [0], "mig-enabled": true}]}}')
-    sock = tmp_path / "node.sock"
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    agent_pb2_grpc.add_NodeAgentServicer_to_server(OlderAgent(), server)
-    server.add_insecure_port(f"unix:{sock}")
-    server.start()
-    try:
+    with _fake_agent(tmp_path, OlderAgent()) as sock:
         result = CliRunner().invoke(main, ["mig", "config", "--file", str(config), "--select", "c", "--apply",
                                            "--force", "--gpu-backend", "sim", "--sim-state", str(machine),
-                                           "--unix-socket", str(sock)])
-    finally:
-        server.stop(None)
+                                           "--unix-socket", sock])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "GPU 0: GPU " in result.output and "release them" in result.output, result.output
     assert "older than this fastshare and ignores force" in result.output, result.output

@@ -137,3 +137,171 @@ def test_apply_failure_names_the_gpu_and_the_step(devices, machine: Path):
     simnvml.add_process(machine, 0, mig_uuid=inst.uuid)   # appears between plan and apply
     with pytest.raises(DeviceError, match=r"GPU 0: step 'destroy 7g.40gb .*IN_USE"):
         apply_host(devices, plans)
+
+
+def _one(entry: str) -> str:
+    return f"version: v1\nmig-configs: {{a: [{entry}]}}"
+
+
+@pytest.mark.parametrize(("source", "says"), [
+    ("version: v1\nmig-configs: [", "not valid YAML"),
+    ("- version\n- v1", "config must be a mapping with 'version' and 'mig-configs'"),
+    ("version: v1", "mig-configs: must be a non-empty mapping"),
+    ("version: v1\nmig-configs: {}", "mig-configs: must be a non-empty mapping"),
+    ("version: v1\nmig-configs: [a]", "mig-configs: must be a non-empty mapping"),
+    ("version: v1\nmig-configs: {a: [{devices: all, mig-enabled: false}]}\ncolour: red\nsize: 1",
+     "unknown top-level key(s): colour, size"),
+    ("version: v1\nmig-configs: {a: null}", "mig-configs.a: must be a non-empty list of entries"),
+    ("version: v1\nmig-configs: {a: []}", "mig-configs.a: must be a non-empty list of entries"),
+    ("version: v1\nmig-configs: {a: {devices: all, mig-enabled: false}}",
+     "mig-configs.a: must be a non-empty list of entries"),
+    ("version: v1\nmig-configs: {a: [{devices: all, mig-enabled: false}, all]}",
+     "mig-configs.a[1]: must be a mapping"),
+    (_one("{devices: all, mig-enabled: false, colour: red}"),
+     "mig-configs.a[0]: unknown key(s) colour (allowed: devices, device-filter, mig-enabled, mig-devices)"),
+    (_one("{mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all' or a non-empty list"),
+    (_one("{devices: [], mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
+    (_one("{devices: [0, -1], mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
+    (_one("{devices: [true], mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
+    (_one("{devices: ['0'], mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
+    (_one("{devices: 0, mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
+    (_one("{devices: all}"), "mig-configs.a[0].mig-enabled: must be true or false, got None"),
+    (_one("{devices: all, mig-enabled: 1}"), "mig-configs.a[0].mig-enabled: must be true or false, got 1"),
+    (_one("{devices: all, mig-enabled: true, mig-devices: [1g.5gb]}"),
+     "mig-configs.a[0].mig-devices: must be a mapping of profile name -> count"),
+    (_one("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: true}}"),
+     "mig-configs.a[0].mig-devices.1g.5gb: count must be an integer >= 0, got True"),
+    (_one("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: '2'}}"),
+     "mig-configs.a[0].mig-devices.1g.5gb: count must be an integer >= 0, got '2'"),
+    (_one("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: 1.5}}"), "count must be an integer >= 0"),
+    (_one("{devices: all, mig-enabled: true, device-filter: [0x20B010DE]}"),   # YAML reads a number
+     "mig-configs.a[0].device-filter: must be a string or a list of strings"),
+    (_one("{devices: all, mig-enabled: true, device-filter: {A100: 1}}"),
+     "mig-configs.a[0].device-filter: must be a string or a list of strings"),
+])
+def test_every_malformed_part_is_refused_naming_it(source: str, says: str):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(source)
+    assert says in str(caught.value)
+
+
+def test_parse_gives_each_entry_as_written_and_where_it_is():
+    configs = parse_config({"version": "v1", "mig-configs": {
+        "a": [{"devices": [0, 2], "mig-enabled": True, "mig-devices": {"3g.20gb": 2, "1g.5gb": 0},
+               "device-filter": "0x20b010de"}],
+        7: [{"devices": "all", "mig-enabled": False, "mig-devices": None},
+            {"devices": [3], "mig-enabled": True, "device-filter": ["L4", "T4"]}]}})
+    assert configs == {
+        "a": [DeviceSpec((0, 2), True, (("3g.20gb", 2), ("1g.5gb", 0)), ("0x20b010de",), "mig-configs.a[0]")],
+        "7": [DeviceSpec("all", False, (), (), "mig-configs.7[0]"),
+              DeviceSpec((3,), True, (), ("L4", "T4"), "mig-configs.7[1]")]}
+
+
+def _descriptions(steps: list[dict]) -> list[str]:
+    return [s["description"] for s in steps]
+
+
+def test_enabling_mig_plans_each_gpu_as_its_architecture_takes_it(devices):
+    """MIG off: an Ampere GPU's enable waits for a GPU reset (the layout is checked now and created
+    by the first run after it); a Hopper's takes effect at once, its instances made in the same run."""
+    devices.set_mig_mode(1, False)                                 # Hopper: off at once
+    specs = {1: DeviceSpec((1,), True, (("3g.40gb", 2),), where="w[0]"),
+             2: DeviceSpec((2,), True, (("1g.5gb", 1), ("3g.20gb", 1), ("2g.10gb", 1)), where="w[1]")}
+    h100, a100 = plan_host(devices, specs)
+    assert a100.to_dict() == {
+        "gpu": 2, "mig_enabled": True, "mode_change": True, "layout": "3g.20gb=1,2g.10gb=1,1g.5gb=1",
+        "changed": True,
+        "notes": ["MIG mode change waits for a GPU reset; instances are created by the first run after it"],
+        "reset_required": True, "steps": []}
+    assert h100.to_dict() | {"steps": _descriptions(h100.to_dict()["steps"])} == {
+        "gpu": 1, "mig_enabled": True, "mode_change": True, "layout": "3g.40gb=2", "changed": True,
+        "notes": [], "reset_required": False,
+        "steps": ["create 3g.40gb (id 9) at start 0 (memory slices 0..3)",
+                  "create 3g.40gb (id 9) at start 4 (memory slices 4..7)"]}
+    h100_done, a100_done = apply_host(devices, [h100, a100])
+    assert (h100_done["reset_required"], h100_done["steps"]) == (False, h100.to_dict()["steps"])
+    assert sorted(m.profile_name for m in devices.mig_instances(1)) == ["3g.40gb", "3g.40gb"]
+    assert (a100_done["reset_required"], a100_done["steps"]) == (True, [])
+    gpu2 = devices.gpu(2)
+    assert (gpu2.mig_current, gpu2.mig_pending, gpu2.mig_instances) == (False, True, ())
+
+
+def test_a_layout_that_cannot_fit_is_refused_also_while_mig_waits_for_a_reset(devices):
+    """A GPU whose instances are made only after the reset: the layout is still checked now."""
+    spec = DeviceSpec((2,), True, (("7g.40gb", 1), ("1g.5gb", 1)), where="w[0]")
+    with pytest.raises(ConfigError, match=r"^w\[0\]: GPU 2 \(NVIDIA A100-SXM4-40GB\): impossible layout"):
+        plan_host(devices, {2: spec})
+    assert not devices.gpu(2).mig_pending
+
+
+def test_layout_errors_name_the_entry_and_the_gpu_once(devices):
+    spec = DeviceSpec((0,), True, (("9g.99gb", 1),), where="w[0]")
+    with pytest.raises(ConfigError) as caught:
+        plan_host(devices, {0: spec})                              # MIG on: NVML's profile table
+    assert str(caught.value).startswith(
+        "w[0]: unknown MIG profile '9g.99gb' on GPU 0 (NVIDIA A100-SXM4-40GB)")
+    assert str(caught.value).count("GPU 0") == 1
+    with pytest.raises(ConfigError) as caught:
+        plan_host(devices, {2: DeviceSpec((2,), True, (("9g.99gb", 1),), where="w[1]")})   # MIG off: catalog
+    assert str(caught.value).startswith("w[1]: GPU 2 (NVIDIA A100-SXM4-40GB): unknown MIG profile '9g.99gb'")
+
+
+def test_disabling_mig_plans_and_applies_per_architecture(devices, machine: Path):
+    """all-disabled: instances destroyed first, then the mode; Ampere keeps MIG until a reset, Hopper
+    drops it at once, an enable still pending (GPU 2) is cancelled; a GPU without MIG needs nothing."""
+    configs = parse_config(CONFIG)
+    apply_host(devices, plan_host(devices, resolve(configs, "custom", devices.gpus())))
+    plans = plan_host(devices, resolve(configs, "all-disabled", devices.gpus()))
+    dicts = [p.to_dict() for p in plans]
+    assert [(d["gpu"], d["mig_enabled"], d["mode_change"], d["layout"], d["changed"], d["reset_required"])
+            for d in dicts] == [(0, False, True, "", True, True), (1, False, True, "", True, False),
+                                (2, False, True, "", True, False), (3, False, False, "", False, False)]
+    assert [d["notes"] for d in dicts] == [["MIG mode change waits for a GPU reset"], [], [],
+                                           ["GPU has no MIG; nothing to do"]]
+    assert _descriptions(dicts[0]["steps"]) == ["destroy 7g.40gb (id 0) at start 0 (memory slices 0..7)"]
+    results = apply_host(devices, plans)
+    assert [r["steps"] for r in results] == [d["steps"] for d in dicts]
+    assert [r["reset_required"] for r in results] == [True, False, False, False]
+    assert [(g.mig_current, g.mig_pending, g.mig_instances) for g in devices.gpus()] == [
+        (True, False, ()), (False, False, ()), (False, False, ()), (False, False, ())]
+    again = plan_host(devices, resolve(configs, "all-disabled", devices.gpus()))
+    assert [(p.mode_change, p.changed, p.reset_required) for p in again] == [
+        (False, False, True), (False, False, False), (False, False, False), (False, False, False)]
+    simnvml.reset_gpu(machine, 0)
+    assert not any(p.changed or p.reset_required
+                   for p in plan_host(devices, resolve(configs, "all-disabled", devices.gpus())))
+
+
+def test_mig_on_a_gpu_without_mig_is_refused_naming_the_entry(devices, machine: Path):
+    before = machine.read_bytes()
+    with pytest.raises(ConfigError, match=r"^w\[0\]: GPU 3 \(NVIDIA L4\) does not support MIG$"):
+        plan_host(devices, {0: DeviceSpec((0,), True, where="w[1]"),
+                            3: DeviceSpec((3,), True, where="w[0]")})
+    assert machine.read_bytes() == before
+
+
+def test_a_mode_change_under_running_processes_is_refused_before_any_change(devices, machine: Path):
+    """NVML refuses it; refused at planning, naming the GPU, so no other GPU is changed first."""
+    simnvml.add_process(machine, 2)
+    enable = DeviceSpec((2,), True, (("3g.20gb", 1),), where="w[0]")
+    with pytest.raises(ConfigError, match=r"^w\[0\]: GPU 2 \(NVIDIA A100-SXM4-40GB\) has 1 running "
+                                          r"process\(es\); NVML cannot change its MIG mode"):
+        plan_host(devices, {2: enable})
+    off = DeviceSpec((2,), False, where="w[0]")
+    assert not plan_host(devices, {2: off})[0].changed              # MIG already off: no mode change
+    simnvml.remove_process(machine, simnvml.load_machine(machine)["gpus"][2]["processes"][0]["pid"])
+    devices.set_mig_mode(2, True)                                    # Ampere: enable pending
+    simnvml.add_process(machine, 2)
+    assert not plan_host(devices, {2: enable})[0].mode_change        # already asked: fine
+    with pytest.raises(ConfigError, match=r"^w\[0\]: GPU 2 .* has 1 running process\(es\)"):
+        plan_host(devices, {2: off})                                 # cancelling it is a mode change
+
+
+def test_enabling_mig_on_a_gpu_a_share_holds_whole_needs_force(devices):
+    gpu = devices.gpu(2)
+    spec = DeviceSpec((2,), True, (("3g.20gb", 1),), where="w[0]")
+    with pytest.raises(ConfigError, match=rf"^w\[0\]: GPU 2 .*{gpu.uuid} is held whole by"):
+        plan_host(devices, {2: spec}, held={gpu.uuid})
+    assert plan_host(devices, {2: spec}, held={gpu.uuid}, force=True)[0].mode_change
+    devices.set_mig_mode(2, True)                                    # already asked: no change of mode
+    assert plan_host(devices, {2: spec}, held={gpu.uuid})[0].reset_required

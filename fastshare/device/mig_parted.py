@@ -251,7 +251,8 @@ def _disable_plan(devices: Devices, gpu: GpuInfo, spec: DeviceSpec, force: bool,
     _refuse_mode_change_in_use(spec, gpu, mode_change)
     reset_required = gpu.mig_current and (not mode_change or _waits_for_reset(gpu))
     notes = ("MIG mode change waits for a GPU reset",) if reset_required else ()
-    return GpuPlan(gpu.index, False, mode_change, plan, shape, notes=notes, reset_required=reset_required)
+    return GpuPlan(gpu.index, False, mode_change, plan, shape, notes=notes, reset_required=reset_required,
+                   force=force, held=frozenset(held))
 
 
 def _refuse_mode_change_in_use(spec: DeviceSpec, gpu: GpuInfo, mode_change: bool) -> None:

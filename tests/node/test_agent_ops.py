@@ -449,6 +449,35 @@ def test_mig_commands_tell_an_agent_serving_elsewhere_from_one_starting(agent, s
         assert "serving on no unix socket" in out and "set unix_socket in its node.yaml" in out, out
 
 
+def test_cli_mig_config_force_disables_mig_under_a_held_instance_through_the_agent(agent, sim_machine,
+                                                                                   tmp_path):
+    """`mig config --apply --force` with `mig-enabled: false` on a GPU whose MIG device a share holds:
+    the plan was made with --force, but the agent was asked (PlanMigLayout, ApplyMigLayout) without
+    it and refused, telling the user to use the --force just given. Now the instances go, MIG goes
+    off and the share is reported lost to the forced change."""
+    agent.start()
+    stub = agent.unix()
+    gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
+    stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"3g.40gb": 2}), timeout=60)
+    mig = stub.PrepareShare(share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=0),
+                            timeout=60).device_uuids[0]
+    path = tmp_path / "off.yaml"
+    path.write_text(json.dumps({"version": "v1", "mig-configs": {"off": [
+        {"devices": [GPU_MIG], "mig-enabled": False}]}}))
+    config = ["mig", "config", "--file", str(path), "--select", "off", "--apply",
+              "--gpu-backend", "sim", "--sim-state", str(sim_machine)]
+    out = _run_cli(agent, *config, ok=False)
+    for says in (f"GPU {GPU_MIG}", mig, "held by fastshare share ex", "--force"):
+        assert says in out, (says, out)
+    forced = json.loads(_run_cli(agent, *config, "--force", "--json"))
+    assert [s["action"] for s in forced["gpus"][0]["steps"]] == ["destroy", "destroy"], forced
+    inv = stub.GetInventory(INV, timeout=30)
+    assert not inv.gpus[GPU_MIG].mig_enabled and not inv.gpus[GPU_MIG].mig_devices, inv.gpus[GPU_MIG]
+    lost = {s.id: s.reason for s in wait_for(lambda: stub.GetInventory(INV, timeout=30).lost_shares,
+                                             what="the share reported lost")}
+    assert list(lost) == ["ex"] and "forced MIG layout change" in lost["ex"], lost
+
+
 def test_an_agent_waits_for_a_mig_change_made_without_it(agent, sim_machine, tmp_path):
     """`mig config --apply` with no agent running (the boot unit, the role with the agent stopped)
     holds the agent's state directory while it changes MIG: an agent started meanwhile waits for it

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
-from fastshare.device import DeviceError, simnvml
-from fastshare.device.mig_parted import ConfigError, DeviceSpec, apply_host, parse_config, plan_host, resolve
+from fastshare.device import DeviceError, open_devices, simnvml
+from fastshare.device.mig_parted import (
+    ConfigError,
+    DeviceSpec,
+    apply_host,
+    apply_host_via_agent,
+    check_host_via_agent,
+    parse_config,
+    plan_host,
+    resolve,
+)
+from fastshare.node.client import channel, stub
+from fastshare.node.local_agent import held_by_agent
+from fastshare.node.service import Metrics, NodeAgentService
+from fastshare.v1 import agent_pb2, agent_pb2_grpc
+from tests.node.harness import in_process_agent, share
 
 CONFIG = """
 version: v1
@@ -305,3 +323,85 @@ def test_enabling_mig_on_a_gpu_a_share_holds_whole_needs_force(devices):
     assert plan_host(devices, {2: spec}, held={gpu.uuid}, force=True)[0].mode_change
     devices.set_mig_mode(2, True)                                    # already asked: no change of mode
     assert plan_host(devices, {2: spec}, held={gpu.uuid})[0].reset_required
+
+
+# --- through a node agent (served in this process, real gRPC on a unix socket) --------------------
+@pytest.fixture
+def agent(tmp_path: Path, machine: Path):
+    """(stub, server) of a node agent on ``machine``; the test may stop the server."""
+    run = Path(tempfile.mkdtemp(prefix="fsm-", dir="/tmp"))     # a unix socket path must stay short
+    node = in_process_agent(tmp_path, run, machine)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentService(node, Metrics(node)), server)
+    server.add_insecure_port(f"unix:{run / 'agent.sock'}")
+    server.start()
+    ch = channel(unix_socket=run / "agent.sock")
+    yield stub(ch), server
+    ch.close()
+    server.stop(None)
+    shutil.rmtree(run, ignore_errors=True)
+
+
+def _held(agent_stub) -> dict[str, list[str]]:
+    return held_by_agent(agent_stub.GetInventory(agent_pb2.GetInventoryRequest(), timeout=30))
+
+
+def test_the_agents_calls_do_what_apply_host_does(agent, devices, machine: Path, tmp_path: Path):
+    """Same plans, same results and the same GPUs, directly or by the agent's calls: Ampere's enable
+    waits for its reset, Hopper's (MIG off, planned on the catalog) gets its instances in the run,
+    a disable destroys the instances first, an enable still pending is cancelled."""
+    agent_stub, _ = agent
+    devices.set_mig_mode(1, False)
+    twin = tmp_path / "twin.json"
+    shutil.copy(machine, twin)
+    configs = parse_config(CONFIG)
+    with open_devices("sim", twin) as direct:
+        for name in ("balanced", "all-disabled"):
+            by_agent = apply_host_via_agent(agent_stub, devices,
+                                            plan_host(devices, resolve(configs, name, devices.gpus())))
+            alone = apply_host(direct, plan_host(direct, resolve(configs, name, direct.gpus())))
+            assert by_agent == alone
+            assert [(g.mig_current, g.mig_pending, [(m.profile_name, m.start) for m in g.mig_instances])
+                    for g in devices.gpus()] == \
+                   [(g.mig_current, g.mig_pending, [(m.profile_name, m.start) for m in g.mig_instances])
+                    for g in direct.gpus()]
+        assert [r["reset_required"] for r in by_agent] == [True, False, False, False]
+        assert [len(r["steps"]) for r in alone] == [4, 7, 0, 0]
+
+
+def test_the_agent_checks_every_gpu_before_any_changes(agent, devices, machine: Path):
+    """An instance a share holds (here one the plan was not told of, as one the agent is preparing)
+    is refused by the agent's PlanMigLayout before any GPU changes, naming the GPU and the share."""
+    agent_stub, _ = agent
+    configs = parse_config(CONFIG)
+    balanced = plan_host(devices, resolve(configs, "balanced", devices.gpus()))
+    apply_host_via_agent(agent_stub, devices, balanced)
+    h100 = devices.gpu(1)
+    agent_stub.PrepareShare(share("ex", "exclusive", [h100.uuid], mig_profile="1g.10gb",
+                                  mig_start=h100.mig_instances[0].start), timeout=60)
+    plans = plan_host(devices, resolve(configs, "all-disabled", devices.gpus()))     # held not given
+    before = machine.read_bytes()
+    for call in (check_host_via_agent, apply_host_via_agent):
+        with pytest.raises(ConfigError, match=r"^GPU 1: .*held by fastshare share ex") as caught:
+            call(agent_stub, devices, plans)
+        assert "answered" not in str(caught.value)
+        assert machine.read_bytes() == before                       # GPU 0 first in order: untouched too
+    held = _held(agent_stub)
+    with pytest.raises(ConfigError, match="held by fastshare share ex"):
+        plan_host(devices, resolve(configs, "all-disabled", devices.gpus()), held=held)
+    forced = plan_host(devices, resolve(configs, "all-disabled", devices.gpus()), held=held, force=True)
+    check_host_via_agent(agent_stub, devices, forced)
+    apply_host_via_agent(agent_stub, devices, forced)
+    assert [g.mig_instances for g in devices.gpus()] == [(), (), (), ()]
+    assert not devices.gpu(1).mig_current
+
+
+def test_an_agent_that_stopped_answering_is_named_with_its_status(agent, devices):
+    agent_stub, server = agent
+    server.stop(None)
+    plans = plan_host(devices, {0: DeviceSpec((0,), True, (("1g.5gb", 1),), where="w[0]")})
+    for call in (check_host_via_agent, apply_host_via_agent):
+        with pytest.raises(ConfigError, match=r"^GPU 0: the node agent answered UNAVAILABLE: "):
+            call(agent_stub, devices, plans)
+    assert devices.gpu(0).mig_instances == ()
+

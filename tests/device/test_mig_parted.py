@@ -183,6 +183,7 @@ def _one(entry: str) -> str:
     (_one("{devices: [true], mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
     (_one("{devices: ['0'], mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
     (_one("{devices: 0, mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
+    (_one("{devices: {0: 1}, mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
     (_one("{devices: all}"), "mig-configs.a[0].mig-enabled: must be true or false, got None"),
     (_one("{devices: all, mig-enabled: 1}"), "mig-configs.a[0].mig-enabled: must be true or false, got 1"),
     (_one("{devices: all, mig-enabled: true, mig-devices: [1g.5gb]}"),
@@ -311,6 +312,7 @@ def test_a_mode_change_under_running_processes_is_refused_before_any_change(devi
     devices.set_mig_mode(2, True)                                    # Ampere: enable pending
     simnvml.add_process(machine, 2)
     assert not plan_host(devices, {2: enable})[0].mode_change        # already asked: fine
+    apply_host(devices, plan_host(devices, {2: enable}))            # and the run leaves the mode alone
     with pytest.raises(ConfigError, match=r"^w\[0\]: GPU 2 .* has 1 running process\(es\)"):
         plan_host(devices, {2: off})                                 # cancelling it is a mode change
 
@@ -405,3 +407,15 @@ def test_an_agent_that_stopped_answering_is_named_with_its_status(agent, devices
             call(agent_stub, devices, plans)
     assert devices.gpu(0).mig_instances == ()
 
+
+
+def test_a_plan_made_while_mig_waited_for_its_reset_is_carried_out_after_it(devices, machine: Path):
+    """Planned while the enable was pending (no steps known yet), applied after the GPU reset: the
+    instances are laid out then, on NVML's own profiles."""
+    devices.set_mig_mode(2, True)
+    plans = plan_host(devices, {2: DeviceSpec((2,), True, (("3g.20gb", 2),), where="w[0]")})
+    assert plans[0].plan is None and plans[0].reset_required
+    simnvml.reset_gpu(machine, 2)
+    (result,) = apply_host(devices, plans)
+    assert [s["action"] for s in result["steps"]] == ["create", "create"] and not result["reset_required"]
+    assert [m.profile_name for m in devices.mig_instances(2)] == ["3g.20gb", "3g.20gb"]

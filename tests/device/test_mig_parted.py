@@ -78,8 +78,10 @@ def test_resolve_uses_indexes_and_filters(devices):
     with pytest.raises(ConfigError, match="config 'nope' not found; available: all-disabled, balanced"):
         resolve(configs, "nope", gpus)
     bad = parse_config("version: v1\nmig-configs: {x: [{devices: [9], mig-enabled: false}]}")
-    with pytest.raises(ConfigError, match=r"GPU index\(es\) \[9\] do not exist"):
+    with pytest.raises(ConfigError) as caught:
         resolve(bad, "x", gpus)
+    assert str(caught.value) == ("mig-configs.x[0].devices: GPU index(es) [9] do not exist on this host "
+                                 "(valid: [0, 1, 2, 3])")
     twice = parse_config("version: v1\nmig-configs: {x: [{devices: all, mig-enabled: false},"
                          " {devices: [1], mig-enabled: true}]}")
     with pytest.raises(ConfigError, match=r"GPU 1 is matched by both mig-configs.x\[0\] and .*x\[1\]"):
@@ -162,7 +164,9 @@ def _one(entry: str) -> str:
 
 
 @pytest.mark.parametrize(("source", "says"), [
-    ("version: v1\nmig-configs: [", "not valid YAML"),
+    ("version: v1\nmig-configs: [", "not valid YAML: "),
+    ("version: v2\nmig-configs: {a: [{devices: all, mig-enabled: false}]}",
+     "version: must be 'v1', got 'v2'"),
     ("- version\n- v1", "config must be a mapping with 'version' and 'mig-configs'"),
     ("version: v1", "mig-configs: must be a non-empty mapping"),
     ("version: v1\nmig-configs: {}", "mig-configs: must be a non-empty mapping"),
@@ -175,8 +179,9 @@ def _one(entry: str) -> str:
      "mig-configs.a: must be a non-empty list of entries"),
     ("version: v1\nmig-configs: {a: [{devices: all, mig-enabled: false}, all]}",
      "mig-configs.a[1]: must be a mapping"),
-    (_one("{devices: all, mig-enabled: false, colour: red}"),
-     "mig-configs.a[0]: unknown key(s) colour (allowed: devices, device-filter, mig-enabled, mig-devices)"),
+    (_one("{devices: all, mig-enabled: false, colour: red, size: 1}"),
+     "mig-configs.a[0]: unknown key(s) colour, size "
+     "(allowed: devices, device-filter, mig-enabled, mig-devices)"),
     (_one("{mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all' or a non-empty list"),
     (_one("{devices: [], mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
     (_one("{devices: [0, -1], mig-enabled: false}"), "mig-configs.a[0].devices: must be 'all'"),
@@ -193,6 +198,8 @@ def _one(entry: str) -> str:
     (_one("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: '2'}}"),
      "mig-configs.a[0].mig-devices.1g.5gb: count must be an integer >= 0, got '2'"),
     (_one("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: 1.5}}"), "count must be an integer >= 0"),
+    (_one("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: -1}}"),
+     "count must be an integer >= 0, got -1"),
     (_one("{devices: all, mig-enabled: true, device-filter: [0x20B010DE]}"),   # YAML reads a number
      "mig-configs.a[0].device-filter: must be a string or a list of strings"),
     (_one("{devices: all, mig-enabled: true, device-filter: {A100: 1}}"),
@@ -201,7 +208,7 @@ def _one(entry: str) -> str:
 def test_every_malformed_part_is_refused_naming_it(source: str, says: str):
     with pytest.raises(ConfigError) as caught:
         parse_config(source)
-    assert says in str(caught.value)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_parse_gives_each_entry_as_written_and_where_it_is():

@@ -6,10 +6,11 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from fastshare.state_lock import LockedError, StateDirLock
+from fastshare.state_lock import LockedError, StateDirLock, holder_and_note, lock_name
 from fastshare.state_lock import holder as live_holder
 
 HOLD = ("import sys, time\nfrom fastshare.state_lock import StateDirLock\n"
@@ -57,3 +58,87 @@ def test_holder_names_the_live_owner_and_a_look_does_not_stop_it_starting(tmp_pa
             StateDirLock(tmp_path, "node agent").acquire()
     finally:
         os.close(fd)
+
+
+def test_the_lock_file_is_private_and_named_after_its_owner(tmp_path):
+    """The state directory is made 0700 when absent and the lock file is 0600 (least privilege)."""
+    state = tmp_path / "new" / "state"
+    with StateDirLock(state, "node agent") as lock:
+        assert lock.path == state / "node-agent.lock"
+        assert (os.stat(state).st_mode & 0o777, os.stat(lock.path).st_mode & 0o777) == (0o700, 0o600)
+        assert lock_name("controller") == "controller.lock"
+        assert live_holder(state, "node agent") == str(os.getpid())
+
+
+def test_the_holder_leaves_its_pid_and_note_for_whoever_finds_it_held(tmp_path):
+    """An flock conflicts between two opens of the file, in one process too: no second process needed."""
+    first = StateDirLock(tmp_path, "node agent", "--agent-journal")
+    first.acquire(note="a MIG change made while no node agent runs")
+    try:
+        assert holder_and_note(tmp_path, "node agent") == (str(os.getpid()),
+                                                           "a MIG change made while no node agent runs")
+        with pytest.raises(LockedError) as caught:
+            StateDirLock(tmp_path, "node agent", "--agent-journal").acquire()
+        note = "a MIG change made while no node agent runs"
+        assert (caught.value.pid, caught.value.note) == (str(os.getpid()), note)
+        assert str(caught.value) == (f"{note} (pid {os.getpid()}) is already using the state directory "
+                                     f"{tmp_path}; stop it first or give this one a different "
+                                     "--agent-journal")
+    finally:
+        first.release()
+    assert holder_and_note(tmp_path, "node agent") is None   # released: the pid left in the file is no holder
+    with StateDirLock(tmp_path, "node agent"):                # a shorter record replaces the whole file
+        assert holder_and_note(tmp_path, "node agent") == (str(os.getpid()), "")
+        assert (tmp_path / "node-agent.lock").read_text() == f"{os.getpid()}\n\n"
+
+
+def test_a_holder_that_left_no_pid_is_named_unknown(tmp_path):
+    """The instant between taking the lock and writing the pid (or an empty file of an old version)."""
+    path = tmp_path / "controller.lock"
+    path.write_text("")
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert holder_and_note(tmp_path, "controller") == ("unknown", "")
+        with pytest.raises(LockedError, match=r"^another controller \(pid unknown\) is already") as caught:
+            StateDirLock(tmp_path).acquire()
+        assert (caught.value.pid, caught.value.note) == ("unknown", "")
+        os.pwrite(fd, b" 41 \n", 0)
+        assert holder_and_note(tmp_path, "controller") == ("41", "")
+    finally:
+        os.close(fd)
+    assert LockedError("x").pid == "unknown" and LockedError("x").note == ""
+
+
+def test_patience_waits_for_the_holder_then_gives_up(tmp_path):
+    held = StateDirLock(tmp_path)
+    held.acquire()
+    started = time.monotonic()
+    with pytest.raises(LockedError, match="another controller"):
+        StateDirLock(tmp_path).acquire(patience=0.5)
+    assert 0.5 <= time.monotonic() - started < 3
+    threading.Timer(0.3, held.release).start()
+    waiting = StateDirLock(tmp_path)
+    waiting.acquire(patience=10)
+    assert live_holder(tmp_path, "controller") == str(os.getpid())
+    waiting.release()
+    waiting.release()                                                # twice: nothing to do
+    assert live_holder(tmp_path, "controller") is None
+
+
+def test_the_context_manager_releases_also_on_an_error(tmp_path):
+    with pytest.raises(RuntimeError), StateDirLock(tmp_path):
+        assert live_holder(tmp_path, "controller") == str(os.getpid())
+        raise RuntimeError("boom")
+    assert live_holder(tmp_path, "controller") is None
+
+
+def test_without_patience_a_held_lock_is_refused_at_once(tmp_path):
+    """The controller (and a MIG change made without an agent) must not wait: refused on the spot
+    even though the holder lets go a moment later."""
+    held = StateDirLock(tmp_path)
+    held.acquire()
+    threading.Timer(0.8, held.release).start()
+    with pytest.raises(LockedError):
+        StateDirLock(tmp_path).acquire()
+    StateDirLock(tmp_path).release()                                 # never acquired: nothing to do

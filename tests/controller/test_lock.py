@@ -142,3 +142,29 @@ def test_without_patience_a_held_lock_is_refused_at_once(tmp_path):
     with pytest.raises(LockedError):
         StateDirLock(tmp_path).acquire()
     StateDirLock(tmp_path).release()                                 # never acquired: nothing to do
+
+
+def test_no_descriptor_is_left_open_by_a_refusal_or_a_release(tmp_path):
+    """The agent retries a refused lock (a MIG change under way); each try must not leak its file."""
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    held = StateDirLock(tmp_path)
+    held.acquire()
+    before = open_fds()
+    for _ in range(3):
+        with pytest.raises(LockedError):
+            StateDirLock(tmp_path).acquire()
+    assert open_fds() == before
+    held.release()
+    assert open_fds() == before - 1
+
+
+def test_a_damaged_record_still_names_what_it_can(tmp_path):
+    (tmp_path / "controller.lock").write_bytes(b"\xff12\n\xfe\n")
+    fd = os.open(tmp_path / "controller.lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert holder_and_note(tmp_path, "controller") == ("\ufffd12", "\ufffd")
+    finally:
+        os.close(fd)

@@ -426,3 +426,16 @@ def test_a_plan_made_while_mig_waited_for_its_reset_is_carried_out_after_it(devi
     (result,) = apply_host(devices, plans)
     assert [s["action"] for s in result["steps"]] == ["create", "create"] and not result["reset_required"]
     assert [m.profile_name for m in devices.mig_instances(2)] == ["3g.20gb", "3g.20gb"]
+
+
+def test_an_agent_that_does_not_know_the_gpu_says_so_as_a_refusal(agent, tmp_path: Path):
+    """The devices read (another machine file: other UUIDs) and the agent's GPUs differ: its
+    NOT_FOUND is passed on as its own words, naming the GPU, not as a failure of the agent."""
+    other = tmp_path / "other.json"
+    simnvml.create_machine(other, ["A100-SXM4-40GB"], mig_enabled=True)
+    agent_stub, _ = agent
+    with open_devices("sim", other) as elsewhere:
+        plans = plan_host(elsewhere, {0: DeviceSpec((0,), True, (("1g.5gb", 1),), where="w[0]")})
+        with pytest.raises(ConfigError, match=rf"^GPU 0: .*{elsewhere.gpu(0).uuid}") as caught:
+            check_host_via_agent(agent_stub, elsewhere, plans)
+    assert "answered" not in str(caught.value)

@@ -365,7 +365,7 @@ def test_the_agents_calls_do_what_apply_host_does(agent, devices, machine: Path,
     shutil.copy(machine, twin)
     configs = parse_config(CONFIG)
     with open_devices("sim", twin) as direct:
-        for name in ("balanced", "all-disabled"):
+        for name in ("all-disabled", "balanced", "all-disabled"):   # first: MIG on, no instances
             by_agent = apply_host_via_agent(agent_stub, devices,
                                             plan_host(devices, resolve(configs, name, devices.gpus())))
             alone = apply_host(direct, plan_host(direct, resolve(configs, name, direct.gpus())))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fastshare.state_lock import LockedError, StateDirLock, holder_and_note, lock_name
+from fastshare.state_lock import Holder, LockedError, StateDirLock, held_by, lock_name
 from fastshare.state_lock import holder as live_holder
 
 HOLD = ("import sys, time\nfrom fastshare.state_lock import StateDirLock\n"
@@ -74,22 +74,25 @@ def test_the_holder_leaves_its_pid_and_note_for_whoever_finds_it_held(tmp_path):
     """An flock conflicts between two opens of the file, in one process too: no second process needed."""
     first = StateDirLock(tmp_path, "node agent", "--agent-journal")
     first.acquire(note="a MIG change made while no node agent runs")
+    note = "a MIG change made while no node agent runs"
     try:
-        assert holder_and_note(tmp_path, "node agent") == (str(os.getpid()),
-                                                           "a MIG change made while no node agent runs")
+        assert held_by(tmp_path, "node agent") == (str(os.getpid()), note, "")
         with pytest.raises(LockedError) as caught:
             StateDirLock(tmp_path, "node agent", "--agent-journal").acquire()
-        note = "a MIG change made while no node agent runs"
-        assert (caught.value.pid, caught.value.note) == (str(os.getpid()), note)
+        assert caught.value.holder == Holder(str(os.getpid()), note)
         assert str(caught.value) == (f"{note} (pid {os.getpid()}) is already using the state directory "
                                      f"{tmp_path}; stop it first or give this one a different "
                                      "--agent-journal")
     finally:
         first.release()
-    assert holder_and_note(tmp_path, "node agent") is None   # released: the pid left in the file is no holder
-    with StateDirLock(tmp_path, "node agent"):                # a shorter record replaces the whole file
-        assert holder_and_note(tmp_path, "node agent") == (str(os.getpid()), "")
-        assert (tmp_path / "node-agent.lock").read_text() == f"{os.getpid()}\n\n"
+    assert held_by(tmp_path, "node agent") is None   # released: the pid left in the file is no holder
+    with StateDirLock(tmp_path, "node agent") as lock:        # a shorter record replaces the whole file
+        assert held_by(tmp_path, "node agent") == (str(os.getpid()), "", "")
+        assert (tmp_path / "node-agent.lock").read_text() == f"{os.getpid()}\n\n\n"
+        lock.status("serving on /run/x.sock")                # what it does now, the note kept
+        assert held_by(tmp_path, "node agent") == Holder(str(os.getpid()), "", "serving on /run/x.sock")
+        lock.status("")
+        assert (tmp_path / "node-agent.lock").read_text() == f"{os.getpid()}\n\n\n"
 
 
 def test_a_holder_that_left_no_pid_is_named_unknown(tmp_path):
@@ -99,15 +102,14 @@ def test_a_holder_that_left_no_pid_is_named_unknown(tmp_path):
     fd = os.open(path, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        assert holder_and_note(tmp_path, "controller") == ("unknown", "")
+        assert held_by(tmp_path, "controller") == Holder("unknown")
         with pytest.raises(LockedError, match=r"^another controller \(pid unknown\) is already") as caught:
             StateDirLock(tmp_path).acquire()
-        assert (caught.value.pid, caught.value.note) == ("unknown", "")
+        assert caught.value.holder == Holder("unknown", "", "")
         os.pwrite(fd, b" 41 \n", 0)
-        assert holder_and_note(tmp_path, "controller") == ("41", "")
+        assert held_by(tmp_path, "controller") == Holder("41")
     finally:
         os.close(fd)
-    assert LockedError("x").pid == "unknown" and LockedError("x").note == ""
 
 
 def test_patience_waits_for_the_holder_then_gives_up(tmp_path):
@@ -165,6 +167,6 @@ def test_a_damaged_record_still_names_what_it_can(tmp_path):
     fd = os.open(tmp_path / "controller.lock", os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        assert holder_and_note(tmp_path, "controller") == ("\ufffd12", "\ufffd")
+        assert held_by(tmp_path, "controller") == ("\ufffd12", "\ufffd", "")
     finally:
         os.close(fd)

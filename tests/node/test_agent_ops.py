@@ -93,16 +93,23 @@ def test_mig_layout_plan_apply_and_shares_are_never_destroyed(agent, devices):
     assert len(devices.mig_instances(GPU_MIG)) == 3
 
 
-def test_a_forced_layout_drops_the_shares_it_destroys_saying_so(agent):
-    """A forced ApplyMigLayout destroyed a held slice; the next housekeeping then dropped the share as
-    "destroyed outside fastshare (by hand, ...)", and the controller ended its allocation so."""
-    agent.settings["reconcile_interval_s"] = 1     # a housekeeping that would find it first
-    agent.start()
+def _held_slice(agent):
+    """The running agent's stub, its MIG GPU laid out as two 3g.40gb, and the MIG device (at start
+    0) an exclusive share "ex" holds."""
     stub = agent.unix()
     gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
     stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"3g.40gb": 2}), timeout=60)
     mig = stub.PrepareShare(share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=0),
                             timeout=60).device_uuids[0]
+    return stub, gpu, mig
+
+
+def test_a_forced_layout_drops_the_shares_it_destroys_saying_so(agent):
+    """A forced ApplyMigLayout destroyed a held slice; the next housekeeping then dropped the share as
+    "destroyed outside fastshare (by hand, ...)", and the controller ended its allocation so."""
+    agent.settings["reconcile_interval_s"] = 1     # a housekeeping that would find it first
+    agent.start()
+    stub, gpu, mig = _held_slice(agent)
     other = next(m.uuid for m in stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].mig_devices if m.start == 4)
     stub.PrepareShare(fastpod("fp", other), timeout=60)
     stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"7g.80gb": 1}, force=True),
@@ -456,11 +463,7 @@ def test_cli_mig_config_force_disables_mig_under_a_held_instance_through_the_age
     it and refused, telling the user to use the --force just given. Now the instances go, MIG goes
     off and the share is reported lost to the forced change."""
     agent.start()
-    stub = agent.unix()
-    gpu = stub.GetInventory(INV, timeout=30).gpus[GPU_MIG].uuid
-    stub.ApplyMigLayout(agent_pb2.MigLayoutRequest(gpu_uuid=gpu, profiles={"3g.40gb": 2}), timeout=60)
-    mig = stub.PrepareShare(share("ex", "exclusive", [gpu], mig_profile="3g.40gb", mig_start=0),
-                            timeout=60).device_uuids[0]
+    stub, _, mig = _held_slice(agent)
     path = tmp_path / "off.yaml"
     path.write_text(json.dumps({"version": "v1", "mig-configs": {"off": [
         {"devices": [GPU_MIG], "mig-enabled": False}]}}))

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import grpc
 
 from fastshare.cli._output import fail, print_json, print_table
 from fastshare.cli.gpu import backend_options, devices_from
@@ -47,7 +46,6 @@ _socket_option = click.option(
     help="the node agent's socket: while an agent answers there, it makes the change under its lock of the "
          "GPU, so a share it is preparing counts too (--gpu-backend, --sim-state and --agent-journal are "
          "then not used); with no agent there, the change is made directly")
-_AGENT_TIMEOUT_S = 300     # a layout change on a real GPU takes seconds per instance
 _UINT32_MAX = 2**32 - 1
 
 
@@ -91,14 +89,12 @@ def _note_forced_enable(agent_journal: str | None, gpu_uuids: list[str]) -> None
 
 def _ask(method: Callable[..., Any], request: Any, what: str, hint: str | None = None) -> Any:
     """One call to the local agent; a refusal or failure ends the command, saying ``what`` first."""
+    from fastshare.node.local_agent import AgentRefused, ask
+
     try:
-        return method(request, timeout=_AGENT_TIMEOUT_S)
-    except grpc.RpcError as exc:
-        refused = exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
-                                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND)
-        details = (exc.details() or "").removeprefix("profiles: ")   # the agent's name for --layout
-        fail(f"{what}: {details}" if refused else f"{what}: the node agent answered {exc.code().name}: "
-             f"{details}", hint if refused else None)
+        return ask(method, request)
+    except AgentRefused as exc:
+        fail(f"{what}: {exc}", hint if exc.refused else None)
 
 
 def _agent_inventory(agent: Any, gpu_index: int) -> tuple[Any, dict[str, list[str]]]:

@@ -335,13 +335,11 @@ def _apply_gpu(devices: Devices, gp: GpuPlan) -> list[Step]:
 # While a node agent runs, the plans are carried out by its calls (under its lock of each GPU, so a
 # share it is preparing counts): SetMigMode for a mode change, ApplyMigLayout for the instances, each
 # GPU first checked by PlanMigLayout, so that the agent's refusals come before any change too.
-AGENT_TIMEOUT_S = 300     # a layout change on a real GPU takes seconds per instance
 # SetMigMode refuses a forced enable only if it is older than its force field (it ignores it)
 # or for what force never covers (processes on the GPU).
 _OLDER_AGENT = ("force does not override processes on the GPU; a node agent that asks to release its "
                 "shares despite force is older than this fastshare and ignores force: upgrade and "
                 "restart it, or release the shares")
-_REFUSALS = ("FAILED_PRECONDITION", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND")
 
 
 def check_host_via_agent(agent: Any, devices: Devices, plans: Sequence[GpuPlan]) -> None:
@@ -391,14 +389,11 @@ def _profiles(gp: GpuPlan) -> dict[str, int]:
 
 
 def _call(method: Any, request: Any, gp: GpuPlan) -> Any:
-    import grpc
+    from fastshare.node.local_agent import AgentRefused, ask
 
     try:
-        return method(request, timeout=AGENT_TIMEOUT_S)
-    except grpc.RpcError as exc:
-        details = (exc.details() or "").removeprefix("profiles: ")   # the agent's name for the layout
-        if exc.code().name not in _REFUSALS:
-            details = f"the node agent answered {exc.code().name}: {details}"
-        elif type(request).__name__ == "SetMigModeRequest" and request.enabled and request.force:
-            details += f" ({_OLDER_AGENT})"
-        raise ConfigError(f"GPU {gp.gpu_index}: {details}") from None
+        return ask(method, request)
+    except AgentRefused as exc:
+        forced_enable = type(request).__name__ == "SetMigModeRequest" and request.enabled and request.force
+        older = f" ({_OLDER_AGENT})" if exc.refused and forced_enable else ""
+        raise ConfigError(f"GPU {gp.gpu_index}: {exc}{older}") from None

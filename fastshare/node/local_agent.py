@@ -24,6 +24,33 @@ _AS_ROOT = "run as root (the agent's state directory is 0700)"
 _PATIENCE_S = 2.0
 
 
+AGENT_TIMEOUT_S = 300     # a layout change on a real GPU takes seconds per instance
+# the agent's answers that refuse the change (the rest are failures: say so, with the code)
+_REFUSALS = ("FAILED_PRECONDITION", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND")
+
+
+class AgentRefused(Exception):
+    """The local agent refused a call (``refused``) or failed it; the message is what it said."""
+
+    def __init__(self, message: str, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+def ask(method: Any, request: Any) -> Any:
+    """One call to the local agent (a stub's ``method``); raises AgentRefused with its words (the
+    code named for a failure; "profiles: ", its name for a layout, left out)."""
+    import grpc
+
+    try:
+        return method(request, timeout=AGENT_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        details = (exc.details() or "").removeprefix("profiles: ")
+        refused = exc.code().name in _REFUSALS
+        raise AgentRefused(details if refused else f"the node agent answered {exc.code().name}: {details}",
+                           refused) from None
+
+
 class LocalAgentError(Exception):
     """MIG must not be changed now (or whether it may cannot be told); ``hint`` says what to do."""
 

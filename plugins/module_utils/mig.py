@@ -120,14 +120,12 @@ def without_agent(agent_journal):
 
 def agent_held(agent):
     """The devices the running agent's shares hold (UUID -> share ids), from its inventory."""
-    import grpc
-
     from fastshare.v1 import agent_pb2
 
     try:
-        inventory = agent.GetInventory(agent_pb2.GetInventoryRequest(), timeout=mig_parted.AGENT_TIMEOUT_S)
-    except grpc.RpcError as exc:
-        raise MigConfigError(f"node agent: it answered {exc.code().name}: {exc.details()}") from None
+        inventory = node_agent.ask(agent.GetInventory, agent_pb2.GetInventoryRequest())
+    except node_agent.AgentRefused as exc:
+        raise MigConfigError(f"node agent: {exc}") from None
     return node_agent.held_by_agent(inventory)
 
 

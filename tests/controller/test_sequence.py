@@ -178,6 +178,12 @@ def _ahead(seconds: float) -> int:
     return time.time_ns() // 1000 + int(seconds * 1e6)
 
 
+def _clock_past(share_id: str) -> None:
+    """Wait until the clock, the numbering's source, has passed the share's number."""
+    while time.time_ns() // 1000 <= sequence_of(share_id):
+        time.sleep(0.05)
+
+
 def _hold(agent: RecordingAgent, sequence: int, owner: str, device: str = "GPU-0") -> str:
     share_id = f"fs-{sequence:x}-0000abcd"
     agent.prepare(agent_pb2.Share(id=share_id, kind=common_pb2.SHARE_KIND_MPS, device_uuids=[device],
@@ -249,8 +255,7 @@ def test_a_share_on_a_node_unreachable_at_start_is_judged_as_at_start(tmp_path):
         reconciler.start()
         before = _mps(core)
         assert sequence_of(before.id) < sequence_of(lost), "the start took too long for this test"
-        while time.time_ns() // 1000 <= sequence_of(stuck):
-            time.sleep(0.05)
+        _clock_past(stuck)
         after = _mps(core)
         assert sequence_of(after.id) > sequence_of(stuck)
 
@@ -335,8 +340,7 @@ def test_a_number_passed_by_a_refused_allocation_is_still_judged_as_at_start(tmp
         reconciler = Reconciler(core)
         reconciler.start()
         core.set_schedulable("n1", False, "full")
-        while time.time_ns() // 1000 <= sequence_of(lost):
-            time.sleep(0.05)
+        _clock_past(lost)
         with pytest.raises(Rejected):
             _mps(core)                                  # numbered past the lost share, no record
 
@@ -366,8 +370,7 @@ def test_a_node_still_away_across_restarts_is_judged_as_at_the_start_it_was_firs
         assert time.time_ns() // 1000 < sequence_of(lost), "the start took too long for this test"
         core = ControllerCore(store, agents)
         Reconciler(core).start()
-        while time.time_ns() // 1000 <= sequence_of(lost):
-            time.sleep(0.05)
+        _clock_past(lost)
         after = _mps(core)                           # the mark passes the lost share's number
         assert sequence_of(after.id) > sequence_of(lost)
     finally:

@@ -86,27 +86,10 @@ def test_gpu_list_shows_a_lost_gpu_and_the_others(machine: Path):
     assert [g["lost"] for g in listed] == ["", "GPU_IS_LOST", "", ""]
 
 
-def test_an_unknown_error_on_one_gpu_is_not_taken_for_a_lost_gpu(machine: Path, monkeypatch):
-    """UNKNOWN is also what one passing failure reads as: a GPU taken for lost has its shares
-    dropped for good, so only GPU_IS_LOST counts; UNKNOWN fails the listing, as before."""
-    with open_devices("sim", machine) as devices:
-        nvml = devices._nvml
-        real = nvml.nvmlDeviceGetMigMode
-
-        def flaky(handle):
-            if nvml.nvmlDeviceGetIndex(handle) == 1:
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
-            return real(handle)
-
-        monkeypatch.setattr(nvml, "nvmlDeviceGetMigMode", flaky)
-        with pytest.raises(DeviceError) as exc:
-            devices.gpus()
-        assert exc.value.code == "UNKNOWN"
-
-
+@pytest.mark.parametrize("call", ["nvmlDeviceGetUUID", "nvmlDeviceGetMigMode"])
 @pytest.mark.parametrize("read_before", [True, False])
 def test_an_unknown_error_on_one_gpu_names_the_gpu_and_what_it_may_be(machine: Path, monkeypatch,
-                                                                      read_before: bool):
+                                                                      read_before: bool, call: str):
     """Some drivers answer NVML_ERROR_UNKNOWN for a GPU fallen off the bus; it is not taken for
     lost (a passing driver failure, or the agent's device access lost to a cgroup reload, answer
     the same, and the shares of a lost GPU are dropped for good). The listing failed with
@@ -115,14 +98,14 @@ def test_an_unknown_error_on_one_gpu_names_the_gpu_and_what_it_may_be(machine: P
     with open_devices("sim", machine) as devices:
         uuid = devices.gpus()[1].uuid if read_before else None
         nvml = devices._nvml
-        real = nvml.nvmlDeviceGetUUID
+        real = getattr(nvml, call)
 
         def failing(handle):
             if nvml.nvmlDeviceGetIndex(handle) == 1:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
             return real(handle)
 
-        monkeypatch.setattr(nvml, "nvmlDeviceGetUUID", failing)
+        monkeypatch.setattr(nvml, call, failing)
         with pytest.raises(DeviceError) as exc:
             devices.gpus()
     message = str(exc.value)

@@ -350,15 +350,13 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
     """Make the host's GPUs match a named mig-parted config (plan, or --apply)."""
     from fastshare.device.mig_parted import (
         ConfigError,
-        apply_host,
         apply_host_via_agent,
         check_host_via_agent,
-        forced_enables,
         parse_config,
         plan_host,
         resolve,
     )
-    from fastshare.node.local_agent import held_by_agent
+    from fastshare.node.local_agent import LocalAgentError, apply_directly, held_by_agent
     from fastshare.v1 import agent_pb2
 
     try:
@@ -376,9 +374,8 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
                 configs = parse_config(text)
                 plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force, held=held)
                 if agent is None:
-                    if do_apply:
-                        _note_forced_enable(agent_journal, forced_enables(devices, plans))
-                    results = apply_host(devices, plans) if do_apply else [p.to_dict() for p in plans]
+                    results = (apply_directly(devices, plans, agent_journal) if do_apply else
+                               [p.to_dict() for p in plans])
                 elif do_apply:
                     results = apply_host_via_agent(agent, devices, plans)
                 else:
@@ -386,6 +383,8 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
                     results = [p.to_dict() for p in plans]
             except ConfigError as exc:
                 fail(f"{config_file.name}: {exc}")
+            except LocalAgentError as exc:   # the journal cannot take the note of a forced enable
+                fail(str(exc), exc.hint)
     if as_json:
         print_json({"config": name, "applied": do_apply, "changed": any(p.changed for p in plans),
                     "gpus": results})

@@ -171,6 +171,16 @@ def note_forced_enable(agent_journal: Path | str | None, gpu_uuids: Iterable[str
         journal.close()
 
 
+def apply_directly(devices: Any, plans: Any, agent_journal: Path | str | None,
+                   dir_option: str = "--agent-journal") -> list[dict[str, Any]]:
+    """mig_parted.apply_host with no agent running (under :func:`without_agent`): a forced MIG
+    enable under shares is journaled first (:func:`note_forced_enable`)."""
+    from fastshare.device import mig_parted
+
+    note_forced_enable(agent_journal, mig_parted.forced_enables(devices, plans), dir_option)
+    return mig_parted.apply_host(devices, plans)
+
+
 def held_by_agent(inventory: Any) -> dict[str, list[str]]:
     """The devices the agent's shares hold (UUID -> share ids), from its GetInventory reply, as
     :func:`fastshare.node.journal.held_device_uuids` reads them from its journal: a MIG device an

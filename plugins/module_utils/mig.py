@@ -150,9 +150,7 @@ def apply_plans(devices, plans, agent=None, agent_journal=None):
     try:
         if agent is not None:
             return mig_parted.apply_host_via_agent(agent, devices, plans)
-        forced = mig_parted.forced_enables(devices, plans)
-        node_agent.note_forced_enable(agent_journal, forced, "agent_journal")
-        return mig_parted.apply_host(devices, plans)
+        return node_agent.apply_directly(devices, plans, agent_journal, "agent_journal")
     except node_agent.LocalAgentError as exc:
         raise _refused(exc) from None
     except mig_parted.ConfigError as exc:

@@ -371,8 +371,7 @@ class Engine:
             return [], "the cluster view has no nodes"
         parts = []
         for why, names in sorted(ruled_out.items()):
-            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-            parts.append(f"{len(names)} node(s) {why} ({', '.join(names[:3])}{more})")
+            parts.append(f"{len(names)} node(s) {why} ({_some(names)})")
         if no_sel:
             parts.append(f"{no_sel} node(s) do not match node_selector {sel}")
         if no_cpu:
@@ -424,8 +423,7 @@ class Engine:
         if not closed:
             return ""
         (node, first), others = closed[0], [f"{name} GPU {v.index}" for name, v in closed[1:]]
-        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
-        also = f"; so are {', '.join(others[:3])}{more}" if others else ""
+        also = f"; so are {_some(others)}" if others else ""
         return f"; GPU {first.index} of {node}: {first.closed}{also}"
 
     @staticmethod
@@ -439,8 +437,7 @@ class Engine:
                and g.idle and (not r.gpu_models or g.view.model in r.gpu_models)]
         if not off:
             return ""
-        more = f" and {len(off) - 3} more" if len(off) > 3 else ""
-        return (f"; {len(off)} idle GPU(s) have MIG off ({', '.join(off[:3])}{more}), and turning it on "
+        return (f"; {len(off)} idle GPU(s) have MIG off ({_some(off)}), and turning it on "
                 "there waits for a GPU reset: `fastshare mig enable --gpu N` on the node, then reset the "
                 "GPU (nvidia-smi -r -i N) or reboot")
 
@@ -544,9 +541,8 @@ class Engine:
         tagged = [f"{g.label(n.view.name)} ({why})" for n, g in usable
                   if self._room_problem(r, g) is None and (why := self._tag_problem(r, g, n.view.name))]
         if tagged:
-            more = f" and {len(tagged) - 3} more" if len(tagged) > 3 else ""
             return (f"{what} is free on {len(tagged)} GPU(s), but the sharing tags rule them out: "
-                    f"{', '.join(tagged[:3])}{more}")
+                    f"{_some(tagged)}")
         cap = self.mps_oversubscription if r.kind == "mps" else 1.0
 
         def free(g: _Gpu) -> float:  # the most one share can get: never more than the device has
@@ -657,6 +653,12 @@ class Engine:
         n, g, p, s = best
         slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)
+
+
+def _some(names: list[str]) -> str:
+    """The first three of ``names``, and how many more, for a message that must stay short."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"{', '.join(names[:3])}{more}"
 
 
 def _clash(r: Request, g: _Gpu) -> str | None:

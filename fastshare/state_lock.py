@@ -52,25 +52,39 @@ class StateDirLock:
         no node agent runs), written after the pid for whoever finds it held."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            held = self._take(fd, patience)
+        except BaseException:   # the file is not left open (nor the lock held) by a failed acquire
+            os.close(fd)
+            raise
+        if held is not None:
+            os.close(fd)
+            who = (f"{held.note} (pid {held.pid})" if held.note else
+                   f"another {self.owner} (pid {held.pid})")
+            raise LockedError(
+                f"{who} is already using the state directory "
+                f"{self.path.parent}; stop it first or give this one a different {self.where}",
+                held)
+        self._fd, self._note = fd, note
+        try:
+            self.status("")
+        except BaseException:
+            self.release()
+            raise
+
+    @staticmethod
+    def _take(fd: int, patience: float) -> Holder | None:
+        """Lock ``fd`` within ``patience`` seconds: None, or (the fd not locked) who holds it."""
         deadline = time.monotonic() + patience
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                return None
             except BlockingIOError:
                 if time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
-                held = _read(fd)
-                os.close(fd)
-                who = (f"{held.note} (pid {held.pid})" if held.note else
-                       f"another {self.owner} (pid {held.pid})")
-                raise LockedError(
-                    f"{who} is already using the state directory "
-                    f"{self.path.parent}; stop it first or give this one a different {self.where}",
-                    held) from None
-        self._fd, self._note = fd, note
-        self.status("")
+                return _read(fd)
 
     def status(self, status: str) -> None:
         """Say, for whoever finds the lock held, what the holder is doing (e.g. a node agent: that

@@ -162,6 +162,26 @@ def test_no_descriptor_is_left_open_by_a_refusal_or_a_release(tmp_path):
     assert open_fds() == before - 1
 
 
+def test_a_failed_record_write_leaves_the_lock_free_and_no_descriptor(tmp_path, monkeypatch):
+    """A full disk when the holder writes its pid: the acquire fails, and neither the lock nor its
+    file stays held by a process that goes on (a caller's ``with`` never reaches ``__exit__``)."""
+    import errno
+
+    before = len(os.listdir("/proc/self/fd"))
+
+    def no_space(*_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr("fastshare.state_lock.os.pwrite", no_space)
+        with pytest.raises(OSError, match="No space"):
+            StateDirLock(tmp_path).acquire()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert live_holder(tmp_path, "controller") is None
+    with StateDirLock(tmp_path):
+        pass
+
+
 def test_a_damaged_record_still_names_what_it_can(tmp_path):
     (tmp_path / "controller.lock").write_bytes(b"\xff12\n\xfe\n")
     fd = os.open(tmp_path / "controller.lock", os.O_RDWR)

@@ -334,7 +334,11 @@ def _apply_gpu(devices: Devices, gp: GpuPlan) -> list[Step]:
 # --- through the node agent ---------------------------------------------------------------------
 # While a node agent runs, the plans are carried out by its calls (under its lock of each GPU, so a
 # share it is preparing counts): SetMigMode for a mode change, ApplyMigLayout for the instances, each
-# GPU first checked by PlanMigLayout, so that the agent's refusals come before any change too.
+# GPU first checked by PlanMigLayout, so that the agent's refusals come before any change too. A
+# disable is one SetMigMode with destroy_instances: the instances go and MIG goes off under one hold
+# of the lock, so no share the controller places meanwhile makes the mode change fail after the
+# instances went. An agent older than that field refuses it while instances exist; it gets the two
+# calls it took before (ApplyMigLayout to no instances, then SetMigMode).
 # SetMigMode refuses a forced enable only if it is older than its force field (it ignores it)
 # or for what force never covers (processes on the GPU).
 _OLDER_AGENT = ("force does not override processes on the GPU; a node agent that asks to release its "
@@ -367,20 +371,46 @@ def apply_host_via_agent(agent: Any, devices: Devices, plans: Sequence[GpuPlan])
         if gp.mig_enabled and gp.mode_change:
             request = agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=True, force=gp.force)
             _call(agent.SetMigMode, request, gp)
-        # the instances when MIG is on (a disable destroys them first); the agent re-plans under its
-        # lock on NVML's own profiles (also when MIG just came on and the plan used the catalog's)
-        if devices.gpu(gp.gpu_index).mig_current and (gp.plan is None or gp.plan.changed or gp.from_catalog):
-            request = agent_pb2.MigLayoutRequest(gpu_uuid=uuid, profiles=_profiles(gp), force=gp.force)
-            reply = _call(agent.ApplyMigLayout, request, gp)
-            size = {p.profile_id: p.memory_slices for p in devices.mig_profiles(gp.gpu_index)}
-            done = [Step(a.op, a.profile_id, a.profile_name, a.start, size.get(a.profile_id, 0))
-                    for a in reply.actions]
         if not gp.mig_enabled and gp.mode_change:
-            _call(agent.SetMigMode, agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=False), gp)
+            done = _disable_via_agent(agent, devices, gp, uuid)
+        # the instances when MIG is on; the agent re-plans under its lock on NVML's own profiles
+        # (also when MIG just came on and the plan used the catalog's)
+        elif devices.gpu(gp.gpu_index).mig_current and (
+                gp.plan is None or gp.plan.changed or gp.from_catalog):
+            request = agent_pb2.MigLayoutRequest(gpu_uuid=uuid, profiles=_profiles(gp), force=gp.force)
+            done = _steps(devices, gp, _call(agent.ApplyMigLayout, request, gp).actions)
         now = devices.gpu(gp.gpu_index)
         results.append(gp.to_dict() | {"steps": [s.to_dict() for s in done],
                                        "reset_required": now.mig_current != now.mig_pending})
     return results
+
+
+def _disable_via_agent(agent: Any, devices: Devices, gp: GpuPlan, uuid: str) -> list[Step]:
+    """MIG off, its instances destroyed first, in one SetMigMode (two calls for an older agent)."""
+    from fastshare.node.local_agent import AgentRefused, ask
+    from fastshare.v1 import agent_pb2
+
+    request = agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=False, force=gp.force,
+                                          destroy_instances=True)
+    try:
+        return _steps(devices, gp, ask(agent.SetMigMode, request).actions)
+    except AgentRefused as exc:
+        if not (exc.refused and devices.gpu(gp.gpu_index).mig_instances):
+            raise ConfigError(f"GPU {gp.gpu_index}: {exc}") from None
+    # refused with the instances there, as an older agent refuses: its two calls (what refuses them,
+    # a share or processes on an instance, makes ApplyMigLayout refuse as well, before any change)
+    request = agent_pb2.MigLayoutRequest(gpu_uuid=uuid, profiles={}, force=gp.force)
+    done = _steps(devices, gp, _call(agent.ApplyMigLayout, request, gp).actions)
+    _call(agent.SetMigMode, agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=False), gp)
+    return done
+
+
+def _steps(devices: Devices, gp: GpuPlan, actions: Any) -> list[Step]:
+    """The agent's MigActions as Steps."""
+    if not actions:
+        return []
+    size = {p.profile_id: p.memory_slices for p in devices.mig_profiles(gp.gpu_index)}
+    return [Step(a.op, a.profile_id, a.profile_name, a.start, size.get(a.profile_id, 0)) for a in actions]
 
 
 def _profiles(gp: GpuPlan) -> dict[str, int]:

@@ -1002,12 +1002,16 @@ class Agent:
 
     # --- MIG mode -----------------------------------------------------------------------------
 
-    def set_mig_mode(self, gpu_uuid: str, enabled: bool, deadline: Deadline,
-                     force: bool = False) -> tuple[bool, bool]:
-        """Returns (pending reset, changed). Enabling MIG under shares that use the GPU whole is
-        refused as without an agent (``refuse_enable_under_share``) unless ``force``: they are
-        then dropped before the reply, as lost with that cause (journaled before the change, so
-        that a restart after a crash in between drops them so too)."""
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool, deadline: Deadline, force: bool = False,
+                     destroy_instances: bool = False) -> tuple[bool, bool, list[dict]]:
+        """Returns (pending reset, changed, instances destroyed as ApplyMigLayout's actions). Enabling
+        MIG under shares that use the GPU whole is refused as without an agent
+        (``refuse_enable_under_share``) unless ``force``: they are then dropped before the reply, as
+        lost with that cause (journaled before the change, so that a restart after a crash in between
+        drops them so too). A disable with ``destroy_instances`` first destroys the GPU's MIG
+        instances under the same lock, as ApplyMigLayout to no profiles does (those shares hold only
+        with ``force``, their shares dropped so too; never those processes run on); without it, it
+        is refused while shares hold them (and NVML refuses it while any exists)."""
         gpu = self._gpu(gpu_uuid)
         if gpu.lost:   # also one named from the journal, listed blank (no name, no MIG)
             raise AgentError("FAILED_PRECONDITION",
@@ -1016,33 +1020,51 @@ class Agent:
                              "(nvidia-smi -r) or a reboot")
         if not gpu.mig_capable:
             raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} ({gpu.name}) does not support MIG")
-        noted = False
+        taken: list[str] = []          # devices whose shares a forced change takes, noted before it
+        actions: list[dict] = []
+        destroying = switched = False
         try:
             with self._device_locks.hold(gpu_uuid, deadline):
                 gpu = self._gpu(gpu_uuid)   # as the last mode change (under this lock) left it
                 if gpu.mig_current == enabled and gpu.mig_pending == enabled:
-                    return False, False
+                    return False, False, []
                 if enabled:
-                    noted = self._before_mig_enable(gpu, force)
-                else:   # cancelling an enable still pending leaves the shares using the GPU whole be
-                    holders = [*(self._live_shares(gpu_uuid) if gpu.mig_current else ()),
-                               *(r for m in gpu.mig_instances for r in self._live_shares(m.uuid or ""))]
-                    if holders:
-                        raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} has shares "
-                                                                f"({', '.join(r.spec.id for r in holders)}); "
-                                                                "release them before changing its MIG mode")
+                    if self._before_mig_enable(gpu, force):
+                        taken.append(gpu_uuid)
+                else:
+                    self._refuse_disable_under_shares(gpu, destroy_instances)
+                    if destroy_instances and gpu.mig_current:
+                        from fastshare.node.layout import destroy_all  # it builds on this module
+
+                        destroying = True
+                        actions = destroy_all(self, gpu, force, taken)
                 try:
                     pending = self.devices.set_mig_mode(gpu.index, enabled)
                 except DeviceError as exc:
                     raise _device_error(exc, f"setting MIG mode of GPU {gpu_uuid}") from None
+                switched = True
                 faults.point("agent.after_mig_mode")
                 self.refresh_devices()  # before the lock goes: prepares re-check the mode under it
         finally:
-            if noted:   # also after a failure: then the GPU is as it was, and the note goes
+            if taken:   # also after a failure: then what a note names is still there, and the note goes
                 self._drop_vanished()
-                self._settle_taken([gpu_uuid])
-        self._changed()
-        return pending, True
+                self._settle_taken(taken)
+            if switched or destroying:   # also when instances went and then the mode change failed
+                self._changed()
+        return pending, True, actions
+
+    def _refuse_disable_under_shares(self, gpu: GpuInfo, destroy_instances: bool) -> None:
+        """Under the GPU's lock, before MIG is disabled: refused while shares use the GPU whole with MIG
+        on (cancelling an enable still pending leaves them be), and without ``destroy_instances`` while
+        shares hold its MIG instances (with it, node.layout refuses them unless forced)."""
+        holders = [r for r in self._live_shares(gpu.uuid) if r.spec.kind != "exclusive"] if gpu.mig_current \
+            else []
+        if not destroy_instances:
+            holders += [r for m in gpu.mig_instances for r in self._live_shares(m.uuid or "")]
+        if holders:
+            raise AgentError("FAILED_PRECONDITION", f"GPU {gpu.uuid} has shares "
+                                                    f"({', '.join(sorted({r.spec.id for r in holders}))}); "
+                                                    "release them before changing its MIG mode")
 
     def _before_mig_enable(self, gpu: GpuInfo, force: bool) -> bool:
         """Under the GPU's lock, before MIG is enabled: refuse if shares use the GPU whole (they

@@ -30,7 +30,8 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
             plan, placed, current, layout = _plan(agent, gpu, profiles, force)
             if apply and plan.changed:
                 try:
-                    _run_steps(agent, gpu, plan, placed, layout, noted)
+                    _run_steps(agent, gpu, plan, placed, noted, f"destroyed by a forced MIG layout change to "
+                               f"{layout} (ApplyMigLayout with force, e.g. `fastshare mig apply --force`)")
                 finally:   # before the lock goes: an MPS prepare looks its device up under it
                     agent.refresh_devices()
     finally:
@@ -39,10 +40,27 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
             agent._settle_taken(noted)   # the note of one NVML did not destroy goes too
         if apply and plan is not None and plan.changed:   # also after a failed step: watchers look again
             agent._changed()
+    return _actions(plan, current), plan.changed
+
+
+def destroy_all(agent: Agent, gpu: GpuInfo, force: bool, noted: list[str]) -> list[dict]:
+    """Under the GPU's lock, before MIG is disabled (SetMigMode with destroy_instances): destroy its
+    MIG instances as apply_layout to no profiles does, with the same refusals before any change;
+    the held ones destroyed (only with ``force``) are added to ``noted``. Returns the actions."""
+    plan, placed, current, _ = _plan(agent, gpu, {}, force)
+    if plan.changed:
+        try:
+            _run_steps(agent, gpu, plan, placed, noted, "destroyed by a forced MIG disable (SetMigMode with "
+                       "force, e.g. `fastshare mig config --force` with mig-enabled: false)")
+        finally:
+            agent.refresh_devices()
+    return _actions(plan, current)
+
+
+def _actions(plan: mig_layout.Plan, current: list[MigInstance]) -> list[dict]:
     uuid_at = {m.start: m.uuid or "" for m in current}
     return [{"op": s.action, "profile_name": s.profile_name, "profile_id": s.profile_id, "start": s.start,
-             "mig_uuid": uuid_at.get(s.start, "") if s.action == "destroy" else ""}
-            for s in plan.steps], plan.changed
+             "mig_uuid": uuid_at.get(s.start, "") if s.action == "destroy" else ""} for s in plan.steps]
 
 
 def _plan(agent: Agent, gpu: GpuInfo, profiles: dict[str, int],
@@ -72,18 +90,16 @@ def _plan(agent: Agent, gpu: GpuInfo, profiles: dict[str, int],
 
 
 def _run_steps(agent: Agent, gpu: GpuInfo, plan: mig_layout.Plan, placed: list[mig_layout.Placed],
-               layout: str, noted: list[str]) -> None:
+               noted: list[str], cause: str) -> None:
     """Under the GPU's lock. A held instance (destroyed only with force: the plan keeps held
-    instances otherwise) is noted in the journal as destroyed by this layout before it goes, so
+    instances otherwise) is noted in the journal as destroyed by this change (``cause``) before it goes, so
     its shares are dropped with that cause, not as destroyed by hand, also by an agent restarted
     after a crash between the destroy and the drop; it is added to ``noted`` (whose notes go
     again once the shares are dropped, or if the instance is still there)."""
     for step in plan.steps:
         victim = next((p for p in placed if p.start == step.start), None)
         if step.action == "destroy" and victim is not None and victim.shares:
-            agent.journal.note_taken(victim.label, (
-                f"destroyed by a forced MIG layout change to {layout} (ApplyMigLayout with force, "
-                "e.g. `fastshare mig apply --force`)"))
+            agent.journal.note_taken(victim.label, cause)
             noted.append(victim.label)
         _run(agent, gpu.uuid, gpu.index, step)
 

@@ -251,8 +251,10 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
 
     @rpc(mutating=True)
     def SetMigMode(self, request, context, deadline):
-        pending, changed = self.agent.set_mig_mode(request.gpu_uuid, request.enabled, deadline, request.force)
-        return agent_pb2.SetMigModeReply(pending=pending, changed=changed)
+        pending, changed, actions = self.agent.set_mig_mode(request.gpu_uuid, request.enabled, deadline,
+                                                            request.force, request.destroy_instances)
+        return agent_pb2.SetMigModeReply(pending=pending, changed=changed,
+                                         actions=[agent_pb2.MigAction(**a) for a in actions])
 
     @rpc(mutating=False)
     def PlanMigLayout(self, request, context, deadline):

@@ -338,10 +338,26 @@ def test_enabling_mig_on_a_gpu_a_share_holds_whole_needs_force(devices):
 @pytest.fixture
 def agent(tmp_path: Path, machine: Path):
     """(stub, server) of a node agent on ``machine``; the test may stop the server."""
+    yield from _served(tmp_path, machine, NodeAgentService)
+
+
+class _OlderService(NodeAgentService):
+    def SetMigMode(self, request, context):   # as an agent without destroy_instances answered
+        request.ClearField("destroy_instances")
+        return super().SetMigMode(request, context)
+
+
+@pytest.fixture
+def older_agent(tmp_path: Path, machine: Path):
+    """(stub, server) of a node agent older than SetMigMode's destroy_instances."""
+    yield from _served(tmp_path, machine, _OlderService)
+
+
+def _served(tmp_path: Path, machine: Path, service: type[NodeAgentService]):
     run = Path(tempfile.mkdtemp(prefix="fsm-", dir="/tmp"))     # a unix socket path must stay short
     node = in_process_agent(tmp_path, run, machine)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentService(node, Metrics(node)), server)
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(service(node, Metrics(node)), server)
     server.add_insecure_port(f"unix:{run / 'agent.sock'}")
     server.start()
     ch = channel(unix_socket=run / "agent.sock")
@@ -439,3 +455,68 @@ def test_an_agent_that_does_not_know_the_gpu_says_so_as_a_refusal(agent, tmp_pat
         with pytest.raises(ConfigError, match=rf"^GPU 0: .*{elsewhere.gpu(0).uuid}") as caught:
             check_host_via_agent(agent_stub, elsewhere, plans)
     assert "answered" not in str(caught.value)
+
+
+class _PlacesBetweenCalls:
+    """The agent's stub as the command sees it, while the controller places an exclusive share on
+    GPU ``gpu`` (the agent makes its MIG instance on demand) right after the command's first
+    change returns: wherever the agent's lock of the GPU is free between two calls."""
+
+    def __init__(self, agent_stub, gpu: str) -> None:
+        self._stub, self._gpu, self.placed = agent_stub, gpu, None
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+        if name not in ("ApplyMigLayout", "SetMigMode"):
+            return method
+
+        def call(request, **kwargs):
+            reply = method(request, **kwargs)
+            if self.placed is None:
+                try:
+                    self._stub.PrepareShare(share("ex", "exclusive", [self._gpu], mig_profile="1g.10gb"),
+                                            timeout=60)
+                    self.placed = True
+                except grpc.RpcError as exc:   # MIG already off: nothing to place it on
+                    self.placed = exc.details()
+            return reply
+        return call
+
+
+def test_a_disable_through_the_agent_is_one_step_a_share_placed_meanwhile_cannot_split(agent, devices):
+    """`mig-enabled: false` on a GPU with instances: destroyed and MIG off in one call under the agent's
+    lock of the GPU. A share the controller places between two calls would find the instances gone
+    and MIG still on, and make the mode change fail halfway; here it comes after: MIG is off."""
+    agent_stub, _ = agent
+    configs = parse_config(CONFIG)
+    balanced = plan_host(devices, resolve(configs, "balanced", devices.gpus()))
+    apply_host_via_agent(agent_stub, devices, balanced)
+    h100 = devices.gpu(1)
+    assert len(h100.mig_instances) == 7
+    placing = _PlacesBetweenCalls(agent_stub, h100.uuid)
+    off = plan_host(devices, {1: DeviceSpec((1,), False, where="w")})
+    (result,) = apply_host_via_agent(placing, devices, off)
+    assert "MIG is disabled" in placing.placed
+    assert [s["action"] for s in result["steps"]] == ["destroy"] * 7 and not result["reset_required"]
+    assert (devices.gpu(1).mig_current, devices.gpu(1).mig_instances) == (False, ())
+
+
+def test_an_agent_older_than_destroy_instances_gets_the_two_calls(older_agent, devices):
+    """Such an agent refuses the one-call disable while instances exist (NVML refuses, or its shares
+    hold them): the command makes the two calls it made before, and what refuses those refuses before
+    any change, as before."""
+    agent_stub, _ = older_agent
+    configs = parse_config(CONFIG)
+    balanced = plan_host(devices, resolve(configs, "balanced", devices.gpus()))
+    apply_host_via_agent(agent_stub, devices, balanced)
+    h100 = devices.gpu(1)
+    agent_stub.PrepareShare(share("ex", "exclusive", [h100.uuid], mig_profile="1g.10gb",
+                                  mig_start=h100.mig_instances[0].start), timeout=60)
+    off = {1: DeviceSpec((1,), False, where="w")}
+    with pytest.raises(ConfigError, match=r"^GPU 1: .*held by fastshare share ex"):
+        apply_host_via_agent(agent_stub, devices, plan_host(devices, off))     # the share not told
+    assert devices.gpu(1) == h100
+    agent_stub.ReleaseShare(agent_pb2.ReleaseShareRequest(share_id="ex"), timeout=60)
+    (result,) = apply_host_via_agent(agent_stub, devices, plan_host(devices, off))
+    assert [s["action"] for s in result["steps"]] == ["destroy"] * 7
+    assert (devices.gpu(1).mig_current, devices.gpu(1).mig_instances) == (False, ())

@@ -218,7 +218,7 @@ def test_mig_profiles_are_read_again_once_mig_mode_changes(tmp_path, monkeypatch
     agent = in_process_agent(tmp_path, run, machine)
     try:
         gpu = agent.devices.gpus()[0].uuid
-        assert agent.set_mig_mode(gpu, True, Deadline(60)) == (False, True)   # Hopper: at once
+        assert agent.set_mig_mode(gpu, True, Deadline(60)) == (False, True, [])   # Hopper: at once
         spec = ShareSpec("ex", "exclusive", (gpu,), mig_profile="1g.10gb")
         prepared, _ = agent.prepare(spec, Deadline(60))
         assert prepared.device_uuids[0].startswith("MIG-")
@@ -638,9 +638,9 @@ def test_a_forced_mig_enable_drops_the_shares_that_lose_the_gpu_saying_so(mig_of
         assert says in str(refused.value), (says, str(refused.value))
     assert not agent.devices.gpus()[0].mig_current and agent.journal.share("w") is not None
 
-    assert agent.set_mig_mode(h100, True, Deadline(60), force=True) == (False, True)   # Hopper: at once
+    assert agent.set_mig_mode(h100, True, Deadline(60), force=True) == (False, True, [])   # Hopper: at once
     assert agent.devices.gpus()[0].mig_current
-    assert agent.set_mig_mode(a100, True, Deadline(60), force=True) == (True, True)    # Ampere: pending
+    assert agent.set_mig_mode(a100, True, Deadline(60), force=True) == (True, True, [])    # Ampere: pending
     assert agent.journal.shares() == [] and agent.mps.running_devices() == []
     lost = _lost(agent)
     for share_id, gpu in (("w", h100), ("fp", a100)):
@@ -676,16 +676,16 @@ def test_cancelling_a_pending_mig_enable_leaves_the_shares_using_the_gpu_whole_t
     agent, machine = mig_off
     a100 = agent.devices.gpus()[1].uuid
     agent.prepare(ShareSpec("w", "whole", (a100,)), Deadline(60))
-    assert agent.set_mig_mode(a100, True, Deadline(60), force=True) == (True, True)   # pending; w dropped
+    assert agent.set_mig_mode(a100, True, Deadline(60), force=True) == (True, True, [])   # pending; w dropped
     with pytest.raises(AgentError, match="MIG mode change pending"):
         agent.prepare(ShareSpec("w2", "whole", (a100,)), Deadline(60))
-    assert agent.set_mig_mode(a100, False, Deadline(60)) == (False, True)
+    assert agent.set_mig_mode(a100, False, Deadline(60)) == (False, True, [])
     agent.prepare(ShareSpec("w2", "whole", (a100,)), Deadline(60))
     data = simnvml.load_machine(machine)
     data["gpus"][1]["mig_pending"] = 1   # nvidia-smi -mig 1 by hand under w2: pending until a reset
     machine.write_text(json.dumps(data))
     agent.refresh_devices()
-    assert agent.set_mig_mode(a100, False, Deadline(60)) == (False, True)
+    assert agent.set_mig_mode(a100, False, Deadline(60)) == (False, True, [])
     gpu = agent.devices.gpus()[1]
     assert not gpu.mig_current and not gpu.mig_pending
     assert [r.spec.id for r in agent.journal.shares()] == ["w2"]
@@ -817,9 +817,47 @@ def test_prepare_on_a_gpu_whose_mig_mode_change_is_pending_is_refused_saying_so(
     agent.release("fp", Deadline(60))
     simnvml.reset_gpu(machine, 1)                          # MIG on now
     agent.refresh_devices()
-    assert agent.set_mig_mode(a100, False, Deadline(60)) == (True, True)   # disable: pending until a reset
+    assert agent.set_mig_mode(a100, False, Deadline(60)) == (True, True, [])   # disable: pending till a reset
     with pytest.raises(AgentError) as refused:
         agent.prepare(ShareSpec("ex2", "exclusive", (a100,), mig_profile="1g.5gb"), Deadline(60))
     assert refused.value.code == "FAILED_PRECONDITION", refused.value
     assert _pending_words(1) in str(refused.value), refused.value
     assert agent.devices.mig_instances(1) == [] and agent.journal.share("ex2") is None
+
+
+
+def test_a_mig_disable_with_destroy_instances_destroys_them_under_the_same_lock(agent):
+    """`mig config` with mig-enabled false through the agent destroyed the instances (ApplyMigLayout)
+    and then asked for the disable (SetMigMode): between the two the lock was free, and a share placed
+    there made the disable fail after the instances went. With destroy_instances one call does both
+    under the GPU's lock: refused before any change while a share holds an instance (force: the share
+    is dropped, lost with the forced disable as cause), never over processes; without it, a disable is
+    refused while instances exist, as before."""
+    gpu = agent.devices.gpus()[GPU_MIG]
+    apply_layout(agent, gpu.uuid, {"3g.40gb": 1, "1g.10gb": 1}, False, True, Deadline(60))
+    agent.prepare(ShareSpec("ex", "exclusive", (gpu.uuid,), mig_profile="1g.10gb"), Deadline(60))
+    held = agent.journal.share("ex").device_uuid
+    idle = next(m for m in agent.devices.mig_instances(GPU_MIG) if m.uuid != held)
+    pid = None
+    for force, destroy, says in ((False, False, "ex"), (False, True, "held by fastshare share ex"),
+                                 (True, True, "NVML cannot destroy it even with force")):
+        if force:   # force never covers processes on an instance
+            pid = simnvml.add_process(agent.config.sim_state, GPU_MIG, mig_uuid=idle.uuid)
+        before = agent.devices.mig_instances(GPU_MIG)
+        assert len(before) == 3
+        with pytest.raises(AgentError) as refused:
+            agent.set_mig_mode(gpu.uuid, False, Deadline(60), force=force, destroy_instances=destroy)
+        assert refused.value.code == "FAILED_PRECONDITION" and says in str(refused.value), str(refused.value)
+        assert agent.devices.mig_instances(GPU_MIG) == before and agent.devices.gpus()[GPU_MIG].mig_current
+        assert agent.journal.share("ex") is not None and agent.journal.taken() == {}
+    simnvml.remove_process(agent.config.sim_state, pid)
+
+    pending, changed, actions = agent.set_mig_mode(gpu.uuid, False, Deadline(60), force=True,
+                                                   destroy_instances=True)
+    assert (pending, changed) == (False, True)                          # Hopper: at once
+    assert sorted((a["op"], a["start"], a["mig_uuid"]) for a in actions) == \
+        sorted(("destroy", m.start, m.uuid) for m in before)
+    assert not agent.devices.gpus()[GPU_MIG].mig_current and agent.devices.mig_instances(GPU_MIG) == []
+    assert agent.journal.shares() == [] and agent.journal.migs(gpu.uuid) == [] and agent.journal.taken() == {}
+    lost = _lost(agent)
+    assert list(lost) == ["ex"] and "forced MIG disable" in lost["ex"], lost

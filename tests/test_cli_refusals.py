@@ -518,8 +518,10 @@ def test_mig_config_force_through_an_agent_that_ignores_it_is_refused_with_a_hin
     uuid = simnvml.load_machine(machine)["gpus"][0]["uuid"]
 
     class OlderAgent(agent_pb2_grpc.NodeAgentServicer):
-        def GetInventory(self, request, context):
-            return agent_pb2.Inventory(shares=[agent_pb2.Share(id="w", device_uuids=[uuid])])
+        def GetInventory(self, request, context):   # no pci_device_id: the GPUs are read from NVML
+            return agent_pb2.Inventory(gpus=[agent_pb2.Gpu(index=0, uuid=uuid, name="NVIDIA H100 80GB HBM3",
+                                                           mig_capable=True)],
+                                       shares=[agent_pb2.Share(id="w", device_uuids=[uuid])])
 
         def SetMigMode(self, request, context):   # as an agent without the force field answered
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,

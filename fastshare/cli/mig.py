@@ -153,6 +153,25 @@ def _layout_via_agent(agent: Any, gpu_index: int, layout: str, force: bool,
             instances, ",".join(f"{name}={n}" for name, n in now.items()))
 
 
+@contextlib.contextmanager
+def _devices_of(agent: Any, gpu_backend: str | None, sim_state: str | None) -> Iterator[Devices]:
+    """The GPUs as the node agent's inventory gives them while it answers (it makes the changes;
+    no backend of our own needed), else as the backend reads them (also for an agent too old to give
+    what planning needs)."""
+    from fastshare.device.api import DeviceError
+    from fastshare.node.local_agent import inventory_devices
+
+    try:
+        devices = inventory_devices(agent) if agent is not None else None
+        if devices is not None:
+            yield devices
+            return
+    except DeviceError as exc:
+        fail(str(exc))
+    with devices_from(gpu_backend, sim_state) as devices:
+        yield devices
+
+
 def _held(agent_journal: str | None) -> dict[str, list[str]]:
     """Devices the node agent's shares hold (none without an agent journal)."""
     from fastshare.node.journal import held_device_uuids
@@ -342,8 +361,9 @@ COMMANDS = [mig_group]
               help="the node agent's socket: while an agent answers there, the changes are its calls "
                    "(SetMigMode, ApplyMigLayout, each GPU checked by PlanMigLayout first) under its lock of "
                    "the GPU, so a share it is preparing counts too, and the shares it holds count as in use "
-                   "(--agent-journal is then not used); with no "
-                   "agent there, the change is made directly, holding the agent's state directory")
+                   "(--agent-journal is then not used, nor --gpu-backend: the GPUs are read from its "
+                   "inventory); with no agent there, the change is made directly, holding the agent's state "
+                   "directory")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name: str, do_apply: bool,
                force: bool, agent_journal: str | None, unix_socket: str, as_json: bool) -> None:
@@ -369,7 +389,7 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
             held = _held(agent_journal)
         else:
             held = held_by_agent(_ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), "node agent"))
-        with devices_from(gpu_backend, sim_state) as devices:
+        with _devices_of(agent, gpu_backend, sim_state) as devices:
             try:
                 configs = parse_config(text)
                 plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force, held=held)

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from fastshare.device.api import DeviceError, Devices, GpuInfo, MigInstance, MigProfile, Topology
+from fastshare.device.catalog import find_model
 from fastshare.node.config import AGENT_LOCK_OWNER, MIG_CHANGE_NOTE, SERVING
 from fastshare.state_lock import Holder, LockedError, StateDirLock, held_by
 
@@ -196,3 +198,69 @@ def held_by_agent(inventory: Any) -> dict[str, list[str]]:
             if not mig_share and s.id not in held.get(uuid, []):
                 held.setdefault(uuid, []).append(s.id)
     return {uuid: sorted(ids) for uuid, ids in held.items()}
+
+
+class InventoryDevices(Devices):
+    """The host's GPUs as the local node agent's inventory gives them, read again at each call: what
+    `mig config` plans from while the agent makes the changes (its calls), so it needs no GPU backend
+    of its own. Read-only: a change through it raises DeviceError."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def _inventory(self) -> Any:
+        from fastshare.v1 import agent_pb2
+
+        try:
+            return ask(self._agent.GetInventory, agent_pb2.GetInventoryRequest())
+        except AgentRefused as exc:
+            raise DeviceError(f"node agent: {exc}") from None
+
+    def driver_version(self) -> str:
+        return self._inventory().driver_version
+
+    def gpus(self) -> list[GpuInfo]:
+        return [_gpu_info(g) for g in self._inventory().gpus]
+
+    def mig_profiles(self, gpu_index: int) -> list[MigProfile]:
+        """The agent's profiles of the GPU (with MIG off the catalog's, as NvmlDevices gives them)."""
+        gpu = next((g for g in self._inventory().gpus if g.index == gpu_index), None)
+        if gpu is None:
+            self.gpu(gpu_index)   # raises, naming the valid indexes
+        profiles = [MigProfile(p.profile_id, p.name, p.slices, p.memory_slices, p.memory_bytes >> 20,
+                               p.sm_count, p.max_instances, tuple(p.placements)) for p in gpu.mig_profiles]
+        model = find_model(gpu.name)
+        return profiles or (list(model.profiles) if model and not gpu.mig_enabled else [])
+
+    def mig_instances(self, gpu_index: int) -> list[MigInstance]:
+        return list(self.gpu(gpu_index).mig_instances)
+
+    def topology(self) -> Topology:
+        raise DeviceError("the node agent's inventory gives no topology to `mig config`", "NOT_SUPPORTED")
+
+    def _no_change(self, *args: Any) -> Any:
+        raise DeviceError("MIG is changed by the node agent's calls, not through its inventory",
+                          "NOT_SUPPORTED")
+
+    set_mig_mode = create_mig_instance = destroy_mig_instance = set_compute_mode = _no_change
+
+
+def inventory_devices(agent: Any) -> InventoryDevices | None:
+    """:class:`InventoryDevices` of the local agent, or None if its inventory lacks what planning
+    needs (an agent older than Gpu.pci_device_id, which a device-filter selects by): then the
+    caller reads the GPUs itself, as before."""
+    devices = InventoryDevices(agent)
+    if any(not g.lost and not g.pci_device_id for g in devices.gpus()):
+        return None
+    return devices
+
+
+def _gpu_info(g: Any) -> GpuInfo:
+    model = find_model(g.name)
+    instances = tuple(MigInstance(m.gpu_uuid, g.index, m.profile_id, m.profile_name, m.start, m.size, m.gi_id,
+                                  m.ci_id if m.HasField("ci_id") else None, m.uuid or None, m.sm_count,
+                                  m.memory_bytes >> 20, m.processes)
+                      for m in sorted(g.mig_devices, key=lambda m: m.start))
+    return GpuInfo(g.index, g.uuid, g.name, g.memory_bytes >> 20, g.sm_count, g.pci_bus_id, g.mig_capable,
+                   g.mig_enabled, g.mig_pending, g.compute_mode, g.processes, instances,
+                   model.key if model else None, g.pci_device_id, g.lost)

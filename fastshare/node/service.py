@@ -324,10 +324,12 @@ def inventory_proto(snap: Snapshot) -> agent_pb2.Inventory:
             index=g.index, uuid=g.uuid, name=g.name, memory_bytes=g.memory_mib * _MIB, sm_count=g.sm_count,
             pci_bus_id=g.pci_bus_id, mig_capable=g.mig_capable, mig_enabled=g.mig_current,
             mig_pending=g.mig_pending, compute_mode=g.compute_mode, processes=g.processes, lost=g.lost,
+            pci_device_id=g.pci_device_id,
             mig_devices=[_mig_proto(m, snap.agent_migs, snap.share_of_device) for m in g.mig_instances],
             mig_profiles=[agent_pb2.MigProfileInfo(
                 profile_id=p.profile_id, name=p.name, slices=p.slices, memory_slices=p.memory_slices,
-                memory_bytes=p.memory_mib * _MIB, sm_count=p.sm_count, placements=p.placements)
+                memory_bytes=p.memory_mib * _MIB, sm_count=p.sm_count, placements=p.placements,
+                max_instances=p.max_instances)
                 for p in snap.profiles.get(g.uuid, [])]))
     return agent_pb2.Inventory(
         node_name=snap.node_name, agent_version=snap.agent_version, driver_version=snap.driver_version,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from concurrent import futures
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from click.testing import CliRunner
 
+from fastshare.cli import main
 from fastshare.device import DeviceError, open_devices, simnvml
 from fastshare.device.mig_parted import (
     ConfigError,
@@ -353,7 +356,14 @@ def older_agent(tmp_path: Path, machine: Path):
     yield from _served(tmp_path, machine, _OlderService)
 
 
-def _served(tmp_path: Path, machine: Path, service: type[NodeAgentService]):
+@pytest.fixture
+def agent_socket(tmp_path: Path, machine: Path):
+    """The unix socket of a node agent on ``machine``."""
+    for _, _, sock in _served(tmp_path, machine, NodeAgentService, with_socket=True):
+        yield sock
+
+
+def _served(tmp_path: Path, machine: Path, service: type[NodeAgentService], with_socket: bool = False):
     run = Path(tempfile.mkdtemp(prefix="fsm-", dir="/tmp"))     # a unix socket path must stay short
     node = in_process_agent(tmp_path, run, machine)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -361,7 +371,7 @@ def _served(tmp_path: Path, machine: Path, service: type[NodeAgentService]):
     server.add_insecure_port(f"unix:{run / 'agent.sock'}")
     server.start()
     ch = channel(unix_socket=run / "agent.sock")
-    yield stub(ch), server
+    yield (stub(ch), server, str(run / "agent.sock")) if with_socket else (stub(ch), server)
     ch.close()
     server.stop(None)
     shutil.rmtree(run, ignore_errors=True)
@@ -520,3 +530,22 @@ def test_an_agent_older_than_destroy_instances_gets_the_two_calls(older_agent, d
     (result,) = apply_host_via_agent(agent_stub, devices, plan_host(devices, off))
     assert [s["action"] for s in result["steps"]] == ["destroy"] * 7
     assert (devices.gpu(1).mig_current, devices.gpu(1).mig_instances) == (False, ())
+
+
+def test_mig_config_through_the_agent_needs_no_gpu_backend(agent_socket, machine: Path, tmp_path: Path):
+    """While the node agent answers, `mig config` reads the GPUs from its inventory (the PCI device
+    ids a device-filter selects by included): it opened NVML itself, and without --gpu-backend it
+    failed ("choose a backend") although the agent makes every change."""
+    config = tmp_path / "mig.yaml"
+    config.write_text(CONFIG)
+    args = ["mig", "config", "--file", str(config), "--select", "balanced", "--unix-socket", agent_socket,
+            "--agent-journal", str(tmp_path / "none" / "journal.db"), "--json"]
+    env = {"FASTSHARE_GPU_BACKEND": "", "FASTSHARE_SIM_STATE": ""}
+    plan = CliRunner().invoke(main, args, env=env)
+    assert plan.exit_code == 0, plan.output
+    assert [(g["gpu"], g["layout"]) for g in json.loads(plan.output)["gpus"]] == [
+        (0, "3g.20gb=1,2g.10gb=1,1g.5gb=2"), (1, "1g.10gb=7"), (2, "3g.20gb=1,2g.10gb=1,1g.5gb=2")]
+    applied = CliRunner().invoke(main, [*args, "--apply"], env=env)
+    assert applied.exit_code == 0, applied.output
+    with open_devices("sim", machine) as devices:
+        assert [len(g.mig_instances) for g in devices.gpus()] == [4, 7, 0, 0]   # GPU 2: waits for a reset

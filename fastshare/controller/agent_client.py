@@ -12,6 +12,16 @@ whole GPUs) always go alone. An agent without the batch RPCs (an older version) 
 calls, each sent at once when it is made, once that is known. A call that waits in the queue
 for as long as the RPC deadline fails as DEADLINE_EXCEEDED without being sent.
 
+Who answers. gRPC checks only that the agent's certificate lists the name dialled; the
+controller dials node NODE's agent by :func:`certs.agent_name` (``NODE.agent.fastshare.invalid``),
+which only NODE's own node certificate may list, so gRPC's own check on every connection is a
+check of the role too. Before a client's first call it looks at the agent's certificate with a
+TLS handshake of its own: one that lists that name is dialled by it from then on; a node
+certificate of NODE issued before node certificates had it (the upgrade) is dialled by NODE, as
+before, with this role check repeated on every new connection and a warning to issue it again;
+any other (another node's certificate listing NODE as a host name, the controller's, one without
+a role) gets nothing: PERMISSION_DENIED, naming the certificate's role and the command to run.
+
 ``term``: the leader term of a Kubernetes-mode controller (its fencing token), sent as call
 metadata with the calls that change a GPU; an agent that has seen a newer term refuses the
 call (:attr:`AgentError.seen_term`, see :mod:`fastshare.node.terms`). None (the standalone
@@ -20,17 +30,21 @@ controller): no term is sent.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from cryptography import x509
 
 from fastshare.controller.coalesce import Coalescer, QueueTimeout
-from fastshare.security.tls import TlsPaths, mtls_channel
+from fastshare.security.certs import agent_name, reissue_command, role_of
+from fastshare.security.tls import PeerIdentity, TlsPaths, mtls_channel, server_certificate
 from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
+log = logging.getLogger("fastshare.controller.agents")
 DEFAULT_DEADLINE = 10.0
 # Codes that say "could not get an answer", not "the agent said no".
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -79,13 +93,16 @@ class AgentTarget:
 
 
 class AgentClient:
-    """One node agent. The server certificate must name the node (not merely its address)."""
+    """One node agent. Its certificate must be the node's own (see the module docstring)."""
 
     def __init__(self, target: AgentTarget, tls: TlsPaths, deadline: float = DEFAULT_DEADLINE) -> None:
         self.target = target
         self.deadline = deadline
-        self._channel = mtls_channel(target.address, tls, server_name=target.node)
-        self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
+        self._tls = tls
+        self._checked = threading.Event()   # the agent's certificate was looked at, for this connection
+        self._check_lock = threading.Lock()
+        self._is_closed = False
+        self._dial(agent_name(target.node))
         self._batching = True    # until an agent without the batch RPCs says UNIMPLEMENTED
         self._closed_why = "the node was forgotten"   # said to a call made after ``close``
         self._prepares = Coalescer(self._sender("PrepareShare", agent_pb2.PrepareSharesRequest),
@@ -96,13 +113,79 @@ class AgentClient:
     def close(self, why: str = "") -> None:
         """``why``: what a call made on this client from now on is told."""
         self._closed_why = why or self._closed_why
+        self._is_closed = True
         self._channel.close()
+
+    def _dial(self, server_name: str) -> None:
+        """A channel that checks the agent by ``server_name``. One replaced here is not closed:
+        calls in flight on it finish (it closes once nothing refers to it)."""
+        channel = mtls_channel(self.target.address, self._tls, server_name=server_name)
+        if server_name != agent_name(self.target.node):
+            connected = False
+
+            def on_state(state: grpc.ChannelConnectivity) -> None:
+                nonlocal connected
+                if state is grpc.ChannelConnectivity.READY:
+                    connected = True
+                elif connected and self._channel is channel:   # the checked connection is gone
+                    connected = False
+                    self._checked.clear()
+
+            channel.subscribe(on_state)
+        self._server_name, self._channel = server_name, channel
+        self._stub = agent_pb2_grpc.NodeAgentStub(channel)
+
+    def _checked_stub(self, method: str) -> agent_pb2_grpc.NodeAgentStub:
+        """The stub to call the agent with, once its certificate is known to be the node's;
+        AgentError (PERMISSION_DENIED) if it is not, UNAVAILABLE if it cannot be looked at."""
+        if not self._checked.is_set():
+            with self._check_lock:
+                if not self._checked.is_set():
+                    self._check(method)
+        return self._stub
+
+    def _check(self, method: str) -> None:
+        node, address = self.target.node, self.target.address
+        if self._is_closed:   # a closed client dials nothing (a new channel would reopen it)
+            raise AgentError(node, method, grpc.StatusCode.UNAVAILABLE,
+                             f"the channel to this node was closed; {self._closed_why}")
+        try:
+            cert = server_certificate(address, self._tls, node, self.deadline)
+        except (OSError, ValueError) as exc:
+            raise AgentError(node, method, grpc.StatusCode.UNAVAILABLE,
+                             f"cannot look at the certificate of the agent at {address}: {exc}") from None
+        try:
+            names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value \
+                .get_values_for_type(x509.DNSName)
+        except x509.ExtensionNotFound:
+            names = []
+        cns = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+        peer = PeerIdentity(str(cns[0].value) if cns else "", (), role_of(cert))
+        if agent_name(node).lower() in {name.lower() for name in names}:
+            if self._server_name != agent_name(node):   # issued again since: gRPC checks the name
+                self._dial(agent_name(node))
+            self._checked.set()                       # for good: gRPC checks it on every connection
+            return
+        why = peer.why_not_node(node)
+        if why:
+            message = f"the agent at {address} is not node {node}'s, sending it nothing: {why}"
+            log.error("node %s: %s", node, message)
+            raise AgentError(node, method, grpc.StatusCode.PERMISSION_DENIED, message)
+        # Node NODE's certificate from before agent names: dialled by NODE, checked again on each
+        # new connection (between this handshake and gRPC's, a relay could still swap the server).
+        if self._server_name != node:
+            log.warning("node %s: the agent's certificate lacks the name %s that only node %s's certificate "
+                        "may list, so the controller must check its role with a handshake of its own; issue "
+                        "it again with `%s` (fastshare.gpu.pki does at its next run)", node, agent_name(node),
+                        node, reissue_command("node", node))
+            self._dial(node)
+        self._checked.set()
 
     def _call(self, method: str, request: object, deadline: float | None = None,
               term: int | None = None) -> object:
         try:
-            return getattr(self._stub, method)(request, timeout=deadline or self.deadline,
-                                               metadata=_metadata(term))
+            return getattr(self._checked_stub(method), method)(request, timeout=deadline or self.deadline,
+                                                               metadata=_metadata(term))
         except grpc.RpcError as exc:
             raise AgentError.of(self.target.node, method, exc) from None
         except ValueError as exc:
@@ -154,8 +237,10 @@ class AgentClient:
             if len(calls) > 1 and len(terms) == 1 and self._batching:
                 requests = [request for _, request in calls]
                 try:
-                    reply = getattr(self._stub, batch_method)(
+                    reply = getattr(self._checked_stub(batch_method), batch_method)(
                         batch_type(calls=requests), timeout=self.deadline, metadata=_metadata(terms.pop()))
+                except AgentError as exc:   # not the node's agent, or it cannot be looked at
+                    return [exc for _ in requests]
                 except grpc.RpcError as exc:
                     if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
                         return [AgentError.of(self.target.node, batch_method, exc) for _ in requests]

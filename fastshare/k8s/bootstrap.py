@@ -20,7 +20,8 @@ A node named like one of the controller's own certificate's names (its Service's
 is refused before all that: gRPC clients check a server's name, not its role, so that node's
 certificate would pass every agent's check of the controller.
 
-The certificate: role node, CN = the node, SANs = the node's name and the Pod's
+The certificate: role node, CN = the node, SANs = the node's name, its agent name (what the
+controller dials the agent by, :func:`fastshare.security.certs.agent_name`) and the Pod's
 ``status.hostIP`` (from the Pod, never from the CSR), valid for :data:`DEFAULT_LIFETIME`
 (the agent renews it at 2/3 of that). Signed by :func:`fastshare.security.certs.sign_leaf`,
 the same code as ``fastshare certs issue``.
@@ -186,13 +187,15 @@ class NodeCertIssuer:
         host_ip = self._check_pod(pod, node)
         self._check_node(node)
         ca_cert, ca_key = certs.load_ca(self.ca_dir)
-        cert = certs.sign_leaf(ca_cert, ca_key, node, public_key, certs.san_entries([node, host_ip]),
-                               "node", self.settings.lifetime)
+        cert = certs.sign_leaf(ca_cert, ca_key, node, public_key,
+                               certs.san_entries([node, certs.agent_name(node), host_ip]), "node",
+                               self.settings.lifetime)
         issued = Issued(cert.public_bytes(serialization.Encoding.PEM),
                         ca_cert.public_bytes(serialization.Encoding.PEM), node,
                         f"{self.settings.namespace}/{pod_name}", host_ip, cert.not_valid_after_utc)
-        log.info("issued a node certificate for node %s (SANs %s, %s) to Pod %s, serial %x, valid until %s",
-                 node, node, host_ip, issued.pod, cert.serial_number, issued.not_after.isoformat())
+        log.info("issued a node certificate for node %s (SANs %s, %s, %s) to Pod %s, serial %x, valid "
+                 "until %s", node, node, certs.agent_name(node), host_ip, issued.pod, cert.serial_number,
+                 issued.not_after.isoformat())
         return issued
 
     def _check_not_controller(self, node: str) -> None:
@@ -203,6 +206,8 @@ class NodeCertIssuer:
             raise _denied(f"node name {node!r} is a name of the controller's own certificate (what the "
                           "agents dial and check): a node certificate for it could pose as the controller "
                           "to every agent; give the node another name")
+        if problem := certs.agent_name_problem("node", node, node):
+            raise _denied(f"node name {problem}; give the node another name")
 
     def _review(self, token: str) -> tuple[str, str]:
         """TokenReview: the Pod's name and uid the token is bound to."""

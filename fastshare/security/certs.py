@@ -26,6 +26,15 @@ this replaces: a certificate that merely *named* a node could act as it. Only `i
 key's holder) writes the OU, exactly one per certificate. Certificates issued before roles
 existed have none: :func:`role_of` gives None, and no server grants them a node's or the
 controller's authority (they keep what any client certificate may do).
+
+Names bound to a role. gRPC clients check a server by a name its certificate lists, not by its
+role; so the names clients dial by are reserved at issuance. The controller's name,
+:data:`CONTROLLER_NAME`, only the controller's certificate may list. A node agent's,
+:func:`agent_name` (``NODE.agent.fastshare.invalid``, under a suffix that never resolves), only
+that node's certificate lists: every node certificate gets it, and no other certificate may
+list a name under that suffix. The controller dials each agent by it, so a certificate that
+merely lists the node's host name (another node's, the controller's, one from before roles)
+cannot pose as that node's agent.
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ _ROLE_EKUS = {"node": [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIE
               "client": [ExtendedKeyUsageOID.CLIENT_AUTH]}
 # The name node agents dial and check the controller by (bare metal: the registrar's server name).
 CONTROLLER_NAME = "controller"
+# Node agents' names (see agent_name): .invalid never resolves (RFC 2606), so no host has one.
+AGENT_NAME_SUFFIX = "agent.fastshare.invalid"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # Clocks on a cluster drift; a certificate valid "from now" fails on a node a few seconds behind.
 _BACKDATE = dt.timedelta(minutes=5)
@@ -261,6 +272,33 @@ def _refuse_controller_name(role: str, name: str, sans: tuple[str, ...] | list[s
                 f"(`{reissue_command('controller', CONTROLLER_NAME)}`)")
 
 
+def agent_name(node: str) -> str:
+    """The name the controller dials node ``node``'s agent by: only that node's certificate lists it."""
+    return f"{node}.{AGENT_NAME_SUFFIX}"
+
+
+def agent_name_problem(role: str, name: str, value: str) -> str | None:
+    """Why a certificate with ``role`` and common name ``name`` may not list ``value`` (a name
+    under :data:`AGENT_NAME_SUFFIX` other than its own node's agent name), or None. gRPC matches
+    DNS names regardless of case and ``*.`` one label deep, so both are taken into account."""
+    lowered = value.lower()
+    reserved = lowered.removeprefix("*.")
+    if reserved != AGENT_NAME_SUFFIX and not reserved.endswith("." + AGENT_NAME_SUFFIX):
+        return None
+    if role == "node" and lowered == agent_name(name).lower():
+        return None
+    whose = f"the node certificate of {name!r}" if role == "node" else f"a {role} certificate"
+    return (f"{value!r} is refused for {whose}: the controller dials and checks node agents by the names "
+            f"under {AGENT_NAME_SUFFIX!r}, each only in its own node's certificate (which "
+            f"`{reissue_command('node', 'NODE')}` adds), so {whose} listing it could pose as a node's agent")
+
+
+def _refuse_agent_names(role: str, name: str, sans: tuple[str, ...] | list[str]) -> None:
+    for field, value in (("--name", name), *(("--san", san) for san in sans)):
+        if problem := agent_name_problem(role, name, value):
+            raise CertError(f"{field} {problem}")
+
+
 def sign_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, name: str,
               public_key: ec.EllipticCurvePublicKey, sans: list[x509.GeneralName], role: str,
               lifetime: dt.timedelta, now: dt.datetime | None = None) -> x509.Certificate:
@@ -270,6 +308,7 @@ def sign_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, nam
     and by the Kubernetes node bootstrap (a key from a CSR)."""
     if role not in ROLES:
         raise CertError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+    _refuse_agent_names(role, name, [str(entry.value) for entry in sans if isinstance(entry, x509.DNSName)])
     now = now or _now()
     if ca_cert.not_valid_after_utc <= now:
         raise CertError(f"the CA certificate expired on {ca_cert.not_valid_after_utc.isoformat()}; every "
@@ -297,10 +336,10 @@ def sign_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, nam
 
 def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[str] = (),
           role: str = DEFAULT_ROLE, days: int = DEFAULT_LEAF_DAYS) -> IssuedCert:
-    """Issue ``NAME.crt``/``NAME.key`` signed by the CA; CN = name, SAN = name + ``sans``,
-    with ``role`` (see the module docstring). The role also sets the extended key usage:
-    node and controller certificates serve and call (server and client auth), client
-    certificates only call."""
+    """Issue ``NAME.crt``/``NAME.key`` signed by the CA; CN = name, SAN = name + ``sans`` (+ the
+    node's :func:`agent_name` for a node certificate), with ``role`` (see the module docstring).
+    The role also sets the extended key usage: node and controller certificates serve and call
+    (server and client auth), client certificates only call."""
     validate_name("--name", name)
     if f"{name}.crt" == CA_CERT:
         raise CertError(f"--name {name!r} is reserved: {name}.crt and {name}.key are the CA's file names")
@@ -308,7 +347,8 @@ def issue(ca_dir: Path, name: str, out_dir: Path, sans: tuple[str, ...] | list[s
     if role not in ROLES:
         raise CertError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
     _refuse_controller_name(role, name, sans)
-    entries = san_entries((name, *sans))
+    _refuse_agent_names(role, name, sans)
+    entries = san_entries((name, *sans, *([agent_name(name)] if role == "node" else [])))
     ca_cert, ca_key, bundle = _load_ca_bundle(ca_dir)   # one read: the bundle handed out holds the signer
     key = ec.generate_private_key(ec.SECP256R1())
     try:

@@ -20,7 +20,7 @@ from typing import cast
 
 from cryptography import x509
 
-from fastshare.security.certs import describe, reissue_command
+from fastshare.security.certs import agent_name, describe, reissue_command
 
 RENEW_FRACTION = 2 / 3
 FIRST_BACKOFF_S = 1.0
@@ -110,7 +110,8 @@ def expiry_notice(cert_path: Path, role: str, name: str,
     ends = dt.datetime.fromisoformat(str(info["not_after"]))
     if ends - now > EXPIRY_WARNING:
         return None
-    sans = "".join(f" --san {san}" for san in cast(list[str], info["sans"]) if san != name)
+    implied = {name, agent_name(name)}   # what issue adds by itself
+    sans = "".join(f" --san {san}" for san in cast(list[str], info["sans"]) if san not in implied)
     renew = (f"renew it with `{reissue_command(role, name)}{sans} --ca CA_DIR --out OUT_DIR` where the CA "
              "is, and put the new certificate and key in place of this one and its key (or run the playbook "
              "again: its pki role renews certificates due within pki_renew_days); they are re-read without "

@@ -24,7 +24,7 @@ from fs_collection import COLLECTION, REPO, run, run_module, run_tasks, tool
 from fastshare.device import mig_parted
 from fastshare.k8s import manifests
 from fastshare.security.certs import describe, init_ca
-from tests.security.handmade import issue_roleless_cert
+from tests.security.handmade import issue_roleless_cert, issue_unchecked
 
 
 @pytest.mark.parametrize(("role", "bad_vars", "expected"), [
@@ -608,6 +608,15 @@ def test_pki_gives_a_certificate_from_before_roles_its_role_once(collections_pat
     assert converge() is True, "a certificate without the role must be issued again"
     assert describe(tls / "gpu9.crt")["role"] == "node"
     assert converge() is False, "once it has the role, a second run changes nothing"
+    # A node certificate from before node certificates listed the agent name (the name the
+    # controller dials the agent by): issued again with it, once.
+    issue_unchecked(ca, "gpu9", ca / "issued" / "gpu9", sans=("10.0.0.9",), role="node")
+    for name in ("gpu9.crt", "gpu9.key"):
+        shutil.copy(ca / "issued" / "gpu9" / name, tls / name)
+    assert "gpu9.agent.fastshare.invalid" not in describe(tls / "gpu9.crt")["sans"]
+    assert converge() is True, "a node certificate without the agent name must be issued again"
+    assert "gpu9.agent.fastshare.invalid" in describe(tls / "gpu9.crt")["sans"]
+    assert converge() is False, "once it has the agent name, a second run changes nothing"
 
 
 def test_pki_carries_a_ca_rotation_to_the_host_in_three_runs(collections_path: Path, tmp_path: Path):

@@ -243,7 +243,7 @@ def test_an_agent_gets_its_own_node_certificate_and_only_that_node_name_is_accep
         cert = x509.load_pem_x509_certificate((tls_dir / "node.crt").read_bytes())
         assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == node
         assert certs.role_of(cert) == "node"
-        assert _sans(cert) == {node, "127.0.0.1"}                 # the Pod's hostIP, from the Pod
+        assert _sans(cert) == {node, certs.agent_name(node), "127.0.0.1"}   # the Pod's hostIP, from the Pod
         life = cert.not_valid_after_utc - dt.datetime.now(dt.UTC)
         assert dt.timedelta(hours=23) < life <= dt.timedelta(hours=24)
         cert.verify_directly_issued_by(x509.load_pem_x509_certificate(cluster.ca_file.read_bytes()))
@@ -301,7 +301,7 @@ def test_the_agent_waits_for_an_unreachable_controller_then_renews(cluster, tmp_
         waiting.join(60)
         assert not waiting.is_alive() and isinstance(got[0], x509.Certificate)
         first = got[0]
-        assert _sans(first) == {node, "10.1.2.3"}
+        assert _sans(first) == {node, certs.agent_name(node), "10.1.2.3"}
         first_key = (tmp_path / "tls" / "node.key").read_bytes()
         agent.start_renewals(first, stop)
 
@@ -382,7 +382,8 @@ def test_a_burst_over_the_rate_limit_is_refused_before_any_token_review_and_the_
                                  key=tmp_path / "tls" / "node.key", ca=tmp_path / "tls" / "ca.crt")
         caplog.set_level("WARNING", logger="fastshare.node.bootstrap")
         cert = Bootstrapper(config, timeout=5).obtain(threading.Event())
-        assert isinstance(cert, x509.Certificate) and _sans(cert) == {node, "10.9.8.7"}
+        assert isinstance(cert, x509.Certificate)
+        assert _sans(cert) == {node, certs.agent_name(node), "10.9.8.7"}
         waits = [r.getMessage() for r in caplog.records if "waiting for a node certificate" in r.getMessage()]
         assert len(waits) == 1 and "RESOURCE_EXHAUSTED" in waits[0], waits   # told when, waited that long
         assert len(reviews) == 3
@@ -519,7 +520,8 @@ def test_the_k8s_controller_process_issues_its_own_certificate_and_serves_agents
     stop = threading.Event()
     try:
         node_cert = _bootstrap_into(cluster, agent, port, tmp_path / "token", stop)
-        assert _sans(node_cert) == {node, "127.0.0.1"} and certs.role_of(node_cert) == "node"
+        assert _sans(node_cert) == {node, certs.agent_name(node), "127.0.0.1"}
+        assert certs.role_of(node_cert) == "node"
 
         own = x509.load_pem_x509_certificate((cert_dir / "controller.crt").read_bytes())
         assert own.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "controller"
@@ -660,6 +662,16 @@ def test_refused_when_the_csr_names_another_node_than_the_pods(cluster):
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     where = f"Pod {NS}/{pod.metadata.name}"
     assert f"the CSR asks for node '{other}' but {where} runs on '{node}'" in error.details()
+
+
+def test_refused_for_a_node_named_like_another_nodes_agent_name(cluster):
+    """The controller dials node N's agent by N's agent name (N.agent.fastshare.invalid), which only
+    N's certificate may list: a node named so would get a certificate that passes that check
+    for N. Refused before the token is even looked at, naming the name and why."""
+    name = f"{GPU_NODES[0]}.agent.fastshare.invalid"
+    error = _refused(cluster, _csr(name), "not-looked-at")
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
+    assert f"node name {name!r} is refused" in error.details() and "pose as a node's agent" in error.details()
 
 
 def test_refused_for_a_token_of_another_audience(cluster):

@@ -31,7 +31,7 @@ def test_init_then_issue_gives_a_chain_the_ca_verifies(tmp_path):
     leaf.verify_directly_issued_by(ca)
     assert isinstance(leaf.public_key(), ec.EllipticCurvePublicKey)
     san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.DNSName) == ["node-1", "node-1.lan"]
+    assert san.get_values_for_type(x509.DNSName) == ["node-1", "node-1.lan", "node-1.agent.fastshare.invalid"]
     assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
     eku = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
@@ -123,7 +123,7 @@ def test_cli_init_issue_show(tmp_path):
                          check=True, capture_output=True, text=True)
     info = json.loads(out.stdout)
     assert info["common_name"] == "agent-a" and info["role"] == "node"
-    assert set(info["sans"]) == {"agent-a", "::1"}
+    assert set(info["sans"]) == {"agent-a", "agent-a.agent.fastshare.invalid", "::1"}
     shown = subprocess.run(["fastshare", "certs", "show", "--json", str(tmp_path / "o" / "agent-a.crt")],
                            check=True, capture_output=True, text=True)
     assert json.loads(shown.stdout)["serial"] == info["serial"]
@@ -332,3 +332,47 @@ def test_cli_refuses_a_node_certificate_listing_controller(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode != 0 and "--san 'controller'" in done.stderr, done.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_node_certificate_lists_the_agent_name_the_controller_dials_it_by(tmp_path):
+    """The controller checks a node agent by a name only that node's certificate lists (gRPC checks
+    names, not roles): every node certificate gets it, from the CLI too; other roles do not."""
+    pki.init_ca(tmp_path / "ca")
+    issued = pki.issue(tmp_path / "ca", "gpu-1", tmp_path / "out", sans=["10.0.0.5"], role="node")
+    assert pki.describe(issued.cert_path)["sans"] == ["gpu-1", "gpu-1.agent.fastshare.invalid", "10.0.0.5"]
+    assert pki.agent_name("gpu-1") == "gpu-1.agent.fastshare.invalid"
+    client = pki.issue(tmp_path / "ca", "gpu-2", tmp_path / "out", role="client")
+    assert pki.describe(client.cert_path)["sans"] == ["gpu-2"]
+    done = subprocess.run(["fastshare", "certs", "issue", "--ca", str(tmp_path / "ca"), "--name", "gpu-3",
+                           "--role", "node", "--out", str(tmp_path / "o"), "--json"],
+                          check=True, capture_output=True, text=True)
+    assert json.loads(done.stdout)["sans"] == ["gpu-3", "gpu-3.agent.fastshare.invalid"]
+
+
+@pytest.mark.parametrize(("role", "kwargs", "field"), [
+    ("client", {"name": "ops", "sans": ["node-3.agent.fastshare.invalid"]},
+     "--san 'node-3.agent.fastshare.invalid'"),
+    ("controller", {"name": "controller", "sans": ["*.agent.fastshare.invalid"]},
+     "--san '*.agent.fastshare.invalid'"),
+    ("node", {"name": "gpu-1", "sans": ["GPU-2.Agent.Fastshare.Invalid"]},
+     "--san 'GPU-2.Agent.Fastshare.Invalid'"),
+    ("node", {"name": "gpu-1", "sans": ["*.agent.fastshare.invalid"]}, "--san '*.agent.fastshare.invalid'"),
+    ("client", {"name": "gpu-1.agent.fastshare.invalid"}, "--name 'gpu-1.agent.fastshare.invalid'"),
+    ("node", {"name": "x.agent.fastshare.invalid"}, "--name 'x.agent.fastshare.invalid'"),
+])
+def test_only_a_node_certificate_lists_its_own_agent_name(tmp_path, role, kwargs, field):
+    """A certificate listing node N's agent name (another node's, an operator's, the controller's;
+    any case, or a wildcard that covers it) could pose as N's agent to the controller: refused,
+    naming the field and why, and nothing written; the Kubernetes signer refuses it too."""
+    pki.init_ca(tmp_path / "ca")
+    with pytest.raises(pki.CertError) as caught:
+        pki.issue(tmp_path / "ca", out_dir=tmp_path / "out", role=role, **kwargs)
+    message = str(caught.value)
+    assert message.startswith(field), message
+    assert "pose as a node's agent" in message and "fastshare certs issue --role node" in message, message
+    assert not (tmp_path / "out").exists()
+    ca_cert, ca_key = pki.load_ca(tmp_path / "ca")
+    key = ec.generate_private_key(ec.SECP256R1())
+    with pytest.raises(pki.CertError, match="pose as a node's agent"):
+        pki.sign_leaf(ca_cert, ca_key, kwargs["name"], key.public_key(),
+                      pki.san_entries([kwargs["name"], *kwargs.get("sans", [])]), role, dt.timedelta(days=1))

@@ -1,0 +1,174 @@
+"""The controller talks to node N's agent, not to whatever certificate lists N's name: it dials
+N's agent by N's agent name (``N.agent.fastshare.invalid``, only N's node certificate lists it), and
+refuses, before it sends anything, a server whose certificate is not N's own. Real mTLS gRPC
+servers on loopback with certificates from `fastshare certs`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from fastshare.controller.agent_client import AgentClient, AgentError, AgentTarget
+from fastshare.security import certs
+from fastshare.security.tls import TlsPaths, server_credentials
+from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from tests.security.handmade import issue_roleless_cert, issue_unchecked
+
+from .conftest import Pki
+
+REISSUE = "fastshare certs issue --role node --name node-x"
+
+
+class Agent(agent_pb2_grpc.NodeAgentServicer):
+    """Records every call that reaches it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def Ping(self, request, context):
+        self.calls.append("Ping")
+        return common_pb2.Empty()
+
+    def PrepareShare(self, request, context):
+        self.calls.append(request.share.id)
+        return agent_pb2.PrepareShareReply(share=request.share, created=True)
+
+    def SetMigMode(self, request, context):
+        self.calls.append(f"SetMigMode {request.gpu_uuid}")
+        return agent_pb2.SetMigModeReply(changed=True)
+
+
+def _serve(pki: Pki, name: str, port: int = 0) -> tuple[grpc.Server, Agent, int]:
+    agent = Agent()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(agent, server)
+    port = server.add_secure_port(f"127.0.0.1:{port}", server_credentials(TlsPaths.in_dir(pki.dir, name)))
+    server.start()
+    return server, agent, port
+
+
+def _client(pki: Pki, port: int) -> AgentClient:
+    return AgentClient(AgentTarget("node-x", f"127.0.0.1:{port}"), TlsPaths.in_dir(pki.dir, "controller"),
+                       deadline=5)
+
+
+def _share(share_id: str, kind: int = common_pb2.SHARE_KIND_WHOLE) -> agent_pb2.Share:
+    return agent_pb2.Share(id=share_id, kind=kind)
+
+
+IMPOSTORS = {
+    # another node's certificate that lists node-x as one of its host names
+    "another node": ("gpu-9", lambda pki: certs.issue(pki.ca, "gpu-9", pki.dir, sans=["node-x", "127.0.0.1"],
+                                                      role="node"),
+                     "the node certificate of 'gpu-9' cannot act as node 'node-x'"),
+    "the controller role": ("ctl-2", lambda pki: certs.issue(pki.ca, "ctl-2", pki.dir,
+                                                             sans=["node-x", "127.0.0.1"], role="controller"),
+                            "'ctl-2' has the controller role"),
+    "no role": ("node-x", lambda pki: issue_roleless_cert(pki.ca, "node-x", pki.dir, sans=("127.0.0.1",)),
+                "'node-x' has no role"),
+}
+
+
+@pytest.mark.parametrize("impostor", list(IMPOSTORS))
+def test_the_controller_sends_nothing_to_a_server_whose_certificate_only_lists_the_node(
+        tmp_path, caplog, impostor):
+    """gRPC checked only that the agent's certificate lists the node's name, which another node's
+    certificate, the controller's or one from before roles may list too: that server got
+    PrepareShare, SetMigMode, every call for node-x (and the controller took its answers for the
+    node's). Now every call is refused before it is sent, as a definite refusal (not 'unreachable'),
+    naming the certificate's role and the command that issues node-x's certificate."""
+    caplog.set_level(logging.INFO)
+    pki = Pki(tmp_path)
+    name, issue, says = IMPOSTORS[impostor]
+    issue(pki)
+    server, agent, port = _serve(pki, name)
+    client = _client(pki, port)
+    try:
+        calls = {"PrepareShare": lambda: client.prepare(_share("s1")), "Ping": client.ping,
+                 "SetMigMode": lambda: client.set_mig_mode("GPU-0", True),
+                 "PrepareShares": lambda: client.prepare(_share("s2", common_pb2.SHARE_KIND_FASTPOD))}
+        with futures.ThreadPoolExecutor(4) as pool:   # batched ones too
+            outcomes = list(pool.map(lambda call: _outcome(call), [*calls.values(), *calls.values()]))
+        for outcome in outcomes:
+            assert isinstance(outcome, AgentError), outcome
+            assert outcome.code is grpc.StatusCode.PERMISSION_DENIED and not outcome.unreachable, outcome
+            message = str(outcome)
+            assert "is not node node-x's, sending it nothing" in message and says in message, message
+            assert REISSUE in message, message
+        assert agent.calls == []
+        assert says in caplog.text and REISSUE in caplog.text, caplog.text
+    finally:
+        client.close()
+        server.stop(None)
+
+
+def _outcome(call):
+    try:
+        return call()
+    except AgentError as exc:
+        return exc
+
+
+def test_a_node_certificate_with_the_agent_name_is_dialled_by_it_without_warnings(tmp_path, caplog):
+    """The certificate `fastshare certs issue --role node` writes now: calls go through; a server
+    later at the same address with a certificate that only lists the node's name gets nothing
+    (gRPC's own check of the agent name, on the new connection)."""
+    caplog.set_level(logging.INFO)
+    pki = Pki(tmp_path)
+    pki.issue("node-x")
+    certs.issue(pki.ca, "gpu-9", pki.dir, sans=["node-x", "127.0.0.1"], role="node")
+    server, agent, port = _serve(pki, "node-x")
+    client = _client(pki, port)
+    try:
+        assert client.prepare(_share("s1")).created and agent.calls == ["s1"]
+        assert "lacks the name" not in caplog.text
+        server.stop(None)
+        server, impostor, _ = _serve(pki, "gpu-9", port)
+        with pytest.raises(AgentError):
+            client.prepare(_share("s2"))
+        assert impostor.calls == []
+    finally:
+        client.close()
+        server.stop(None)
+
+
+def test_a_node_certificate_from_before_agent_names_works_with_a_warning_and_a_check_per_connection(
+        tmp_path, caplog):
+    """The upgrade: node-x's own certificate as issued before node certificates listed the agent
+    name. The controller still talks to it (dialled by the node's name, its role checked), warns
+    with the command that issues it again, and checks again on every new connection: a server put
+    at that address later with another node's certificate listing node-x gets nothing."""
+    caplog.set_level(logging.INFO)
+    pki = Pki(tmp_path)
+    issue_unchecked(pki.ca, "node-x", pki.dir, sans=("127.0.0.1",), role="node")
+    assert certs.agent_name("node-x") not in certs.describe(pki.dir / "node-x.crt")["sans"]
+    certs.issue(pki.ca, "gpu-9", pki.dir, sans=["node-x", "127.0.0.1"], role="node")
+    server, agent, port = _serve(pki, "node-x")
+    client = _client(pki, port)
+    try:
+        assert client.prepare(_share("s1")).created and client.ping() is None
+        assert agent.calls == ["s1", "Ping"]
+        assert "lacks the name node-x.agent.fastshare.invalid" in caplog.text and REISSUE in caplog.text
+        server.stop(None)
+        with pytest.raises(AgentError) as gone:    # nobody there: the connection is gone
+            client.ping()
+        assert gone.value.unreachable
+        time.sleep(0.5)
+        server, impostor, _ = _serve(pki, "gpu-9", port)
+        with pytest.raises(AgentError) as refused:
+            client.prepare(_share("s2"))
+        assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED, refused.value
+        assert "the node certificate of 'gpu-9'" in str(refused.value)
+        assert impostor.calls == []
+        # node-x's certificate issued again (with the agent name): talked to by that name again
+        server.stop(None)
+        pki.issue("node-x")
+        server, agent, _ = _serve(pki, "node-x", port)
+        assert client.prepare(_share("s3")).created and agent.calls == ["s3"]
+    finally:
+        client.close()
+        server.stop(None)

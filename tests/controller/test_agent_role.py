@@ -6,19 +6,25 @@ servers on loopback with certificates from `fastshare certs`."""
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 from concurrent import futures
 
 import grpc
 import pytest
 
-from fastshare.controller.agent_client import AgentClient, AgentError, AgentTarget
+from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool, AgentTarget
+from fastshare.controller.core import AgentFailed, ControllerCore, Request
+from fastshare.controller.model import Kind, Spec, State
+from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.security import certs
 from fastshare.security.tls import TlsPaths, server_credentials
 from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from tests.security.handmade import issue_roleless_cert, issue_unchecked
 
 from .conftest import Pki
+from .recording_agent import GiB, RecordingAgent
 
 REISSUE = "fastshare certs issue --role node --name node-x"
 
@@ -40,6 +46,14 @@ class Agent(agent_pb2_grpc.NodeAgentServicer):
     def SetMigMode(self, request, context):
         self.calls.append(f"SetMigMode {request.gpu_uuid}")
         return agent_pb2.SetMigModeReply(changed=True)
+
+    def GetInventory(self, request, context):
+        self.calls.append("GetInventory")
+        return RecordingAgent().inventory()
+
+    def ReleaseShare(self, request, context):
+        self.calls.append(f"ReleaseShare {request.share_id}")
+        return agent_pb2.ReleaseShareReply(released=True)
 
 
 def _serve(pki: Pki, name: str, port: int = 0) -> tuple[grpc.Server, Agent, int]:
@@ -172,3 +186,73 @@ def test_a_node_certificate_from_before_agent_names_works_with_a_warning_and_a_c
     finally:
         client.close()
         server.stop(None)
+
+
+class Relay:
+    """A TCP relay on loopback: each new connection goes to the port in ``to`` at the time."""
+
+    def __init__(self, to: int) -> None:
+        self.to = to
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self._listener.accept()
+            except OSError:
+                return
+            far = socket.create_connection(("127.0.0.1", self.to))
+            for a, b in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            sink.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_an_allocation_for_the_node_fails_with_the_reason_when_another_certificate_answers(tmp_path):
+    """The controller core with its real agent pool: node-x registered with its own agent; then
+    its address leads to a server with another node's certificate that lists node-x, and the
+    controller renews its certificate (new connections). The allocation for node-x is not sent
+    there: it fails, and its reason says whose certificate answered and what to run."""
+    pki = Pki(tmp_path)
+    pki.issue("node-x")
+    certs.issue(pki.ca, "gpu-9", pki.dir, sans=["node-x", "127.0.0.1"], role="node")
+    genuine, agent, genuine_port = _serve(pki, "node-x")
+    other, impostor, other_port = _serve(pki, "gpu-9")
+    relay = Relay(genuine_port)
+    store = SqliteStore(tmp_path / "state.db")
+    pool = AgentPool(TlsPaths.in_dir(pki.dir, "controller"), deadline=5)
+    core = ControllerCore(store, pool)
+    try:
+        core.register_node("node-x", relay.address, {})
+        assert agent.calls == ["GetInventory"]
+        relay.to = other_port
+        time.sleep(0.1)
+        certs.issue(pki.ca, "controller", pki.dir, sans=["127.0.0.1", "localhost"], role="controller")
+        time.sleep(1.2)   # the pool looks at its certificate files once a second
+        with pytest.raises(AgentFailed) as failed:
+            core.allocate(Request(Spec(Kind.MPS, memory_bytes=GiB), owner="me"))
+        assert not failed.value.unreachable
+        allocation = store.get_allocation(failed.value.allocation.id)
+        assert allocation.state is State.RELEASING, allocation   # released once node-x's agent answers
+        assert "PERMISSION_DENIED" in allocation.reason and "is not node node-x's" in allocation.reason
+        assert "the node certificate of 'gpu-9'" in allocation.reason and REISSUE in allocation.reason
+        assert impostor.calls == [] and agent.calls == ["GetInventory"]
+    finally:
+        pool.close()
+        store.close()
+        relay.close()
+        genuine.stop(None)
+        other.stop(None)

@@ -139,12 +139,13 @@ class AgentClient:
         """The stub to call the agent with, once its certificate is known to be the node's;
         AgentError (PERMISSION_DENIED) if it is not, UNAVAILABLE if it cannot be looked at."""
         if not self._checked.is_set():
-            with self._check_lock:
-                if not self._checked.is_set():
-                    self._check(method)
+            self._check(method)
         return self._stub
 
     def _check(self, method: str) -> None:
+        """Callers that find the client unchecked each look (no lock while they do: an agent that
+        does not answer would hold the others up one deadline each); what they find is applied
+        under the lock."""
         node, address = self.target.node, self.target.address
         if self._is_closed:   # a closed client dials nothing (a new channel would reopen it)
             raise AgentError(node, method, grpc.StatusCode.UNAVAILABLE,
@@ -162,9 +163,10 @@ class AgentClient:
         cns = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
         peer = PeerIdentity(str(cns[0].value) if cns else "", (), role_of(cert))
         if agent_name(node).lower() in {name.lower() for name in names}:
-            if self._server_name != agent_name(node):   # issued again since: gRPC checks the name
-                self._dial(agent_name(node))
-            self._checked.set()                       # for good: gRPC checks it on every connection
+            with self._check_lock:
+                if self._server_name != agent_name(node):   # issued again since: gRPC checks the name
+                    self._dial(agent_name(node))
+                self._checked.set()                       # for good: gRPC checks it on every connection
             return
         why = peer.why_not_node(node)
         if why:
@@ -173,13 +175,16 @@ class AgentClient:
             raise AgentError(node, method, grpc.StatusCode.PERMISSION_DENIED, message)
         # Node NODE's certificate from before agent names: dialled by NODE, checked again on each
         # new connection (between this handshake and gRPC's, a relay could still swap the server).
-        if self._server_name != node:
+        with self._check_lock:
+            if self._server_name == node:
+                self._checked.set()
+                return
             log.warning("node %s: the agent's certificate lacks the name %s that only node %s's certificate "
                         "may list, so the controller must check its role with a handshake of its own; issue "
                         "it again with `%s` (fastshare.gpu.pki does at its next run)", node, agent_name(node),
                         node, reissue_command("node", node))
             self._dial(node)
-        self._checked.set()
+            self._checked.set()
 
     def _call(self, method: str, request: object, deadline: float | None = None,
               term: int | None = None) -> object:

@@ -256,3 +256,23 @@ def test_an_allocation_for_the_node_fails_with_the_reason_when_another_certifica
         relay.close()
         genuine.stop(None)
         other.stop(None)
+
+
+def test_calls_to_an_agent_that_does_not_answer_wait_one_deadline_not_one_each(tmp_path):
+    """The look at the agent's certificate before the first call is made by each waiting call at
+    once, not one after another: calls to a hung agent (the TCP connection is taken, the TLS
+    handshake never answered) each fail after one deadline, as unreachable."""
+    pki = Pki(tmp_path)
+    hung = socket.create_server(("127.0.0.1", 0), backlog=16)   # never accepts, never answers
+    client = AgentClient(AgentTarget("node-x", f"127.0.0.1:{hung.getsockname()[1]}"),
+                         TlsPaths.in_dir(pki.dir, "controller"), deadline=1.5)
+    try:
+        started = time.monotonic()
+        with futures.ThreadPoolExecutor(4) as pool:
+            outcomes = list(pool.map(lambda i: _outcome(lambda: client.prepare(_share(f"s{i}"))), range(4)))
+        took = time.monotonic() - started
+        assert all(isinstance(o, AgentError) and o.unreachable for o in outcomes), outcomes
+        assert took < 4, f"4 calls took {took:.1f}s: they waited for each other's deadline"
+    finally:
+        client.close()
+        hung.close()

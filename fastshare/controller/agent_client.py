@@ -58,28 +58,34 @@ MAX_BATCH = 64
 
 
 TERM_KEY, SEEN_KEY = "fastshare-term", "fastshare-term-seen"   # see fastshare.node.terms
+REFUSAL_KEY = "fastshare-refusal"   # see the proto's Refusal
 
 
 class AgentError(Exception):
     """``seen_term``: set when the agent refused the call's leader term as older than one it has
-    seen (a newer controller leads)."""
+    seen (a newer controller leads). ``refusal``: the proto's Refusal, set when the agent refused a
+    share for its GPU's state rather than for what it asks (REFUSAL_UNSPECIFIED otherwise, and
+    from an agent that does not say)."""
 
     def __init__(self, node: str, method: str, code: grpc.StatusCode, details: str,
-                 seen_term: int | None = None) -> None:
+                 seen_term: int | None = None, refusal: int = agent_pb2.REFUSAL_UNSPECIFIED) -> None:
         super().__init__(f"node {node}: {method} failed: {code.name}: {details}")
         self.node = node
         self.code = code
         self.details = details
         self.seen_term = seen_term
+        self.refusal = refusal
 
     @classmethod
     def of(cls, node: str, method: str, exc: grpc.RpcError) -> AgentError:
-        seen = None
+        seen, refusal = None, agent_pb2.REFUSAL_UNSPECIFIED
         if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
             for key, value in exc.trailing_metadata() or ():
                 if key == SEEN_KEY and value.isdigit():
                     seen = int(value)
-        return cls(node, method, exc.code(), exc.details() or "", seen)
+                elif key == REFUSAL_KEY and value in agent_pb2.Refusal.keys():  # noqa: SIM118 - not a dict; a newer agent's: unknown
+                    refusal = agent_pb2.Refusal.Value(value)
+        return cls(node, method, exc.code(), exc.details() or "", seen, refusal)
 
     @property
     def unreachable(self) -> bool:
@@ -255,7 +261,7 @@ class AgentClient:
                 else:
                     return [r.reply if r.status.code == 0 else AgentError(
                         self.target.node, method, _CODES.get(r.status.code, grpc.StatusCode.UNKNOWN),
-                        r.status.message) for r in reply.results]
+                        r.status.message, refusal=r.status.refusal) for r in reply.results]
             return [self._outcome(method, request, term) for term, request in calls]
 
         return send

@@ -52,6 +52,7 @@ from fastshare.controller.validation import (
 )
 from fastshare.device import catalog
 from fastshare.placement.model import Assignment, MigSlot, NodeView, Rejection
+from fastshare.placement.model import Request as EngineRequest
 from fastshare.v1 import agent_pb2, common_pb2
 
 log = logging.getLogger("fastshare.controller")
@@ -116,6 +117,22 @@ class Busy(Exception):
 
 class NodeInUse(Exception):
     """The node's agent still heartbeats: it cannot be forgotten."""
+
+
+# Refusals of a share for its GPU's state, not for what it asks (see the proto's Refusal): a new
+# allocation so refused is placed again, elsewhere, at most this many times (each time its agent
+# refuses it so); a GPU that closed behind the controller's back then costs the user nothing.
+GPU_REFUSALS = frozenset({agent_pb2.REFUSAL_MIG_CHANGE_PENDING, agent_pb2.REFUSAL_GPU_LOST,
+                          agent_pb2.REFUSAL_MIG_MODE})
+PLACE_AGAIN = 2
+
+
+class _GpuRefused(Exception):
+    """The agent refused a new share for its GPU's state (``error.refusal`` in GPU_REFUSALS)."""
+
+    def __init__(self, error: AgentError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class AgentFailed(Exception):
@@ -343,7 +360,57 @@ class ControllerCore:
             intent = self.store.flush_soon()
             self._publish(record)
             faults.point("controller.after_commit")
-            return self.complete(record), intent
+            tries = PLACE_AGAIN
+            while True:
+                try:
+                    return self.complete(record, place_again=tries > 0), intent
+                except _GpuRefused as refused:
+                    tries -= 1
+                    record = self._place_again(record, engine_request, refused.error, excluded, checked)
+
+    def _place_again(self, allocation: Allocation, request: EngineRequest, error: AgentError,
+                     excluded: dict[str, str] | None, checked: Collection[str] | None) -> Allocation:
+        """A new (pending) allocation its agent refused for its GPU's state: take the node's view
+        again from its agent (the GPU now shows closed, lost or in the other MIG mode), give back
+        the reservation and place the request anew, recorded in one commit (a crash before it
+        leaves the pending record as it was, which the reconciler prepares, and which is then
+        refused and ends failed as before; after it, the reconciler prepares the new one). Where
+        that cannot be done (the agent does not answer, nothing else fits, the fresh view still
+        puts it on the same GPU) it is compensated, as any refusal. The caller holds the claim."""
+        why = f"prepare on {allocation.node} failed: {error.code.name}: {error.details}"
+        node = self.node_facts(allocation.node)
+        try:
+            inventory = self.agents.get(node.name, node.address).inventory()
+        except AgentError as exc:
+            raise AgentFailed(str(error), self.compensate(allocation, f"{why} (and its inventory: {exc})"),
+                              unreachable=False) from None
+        self.refresh_node(self.store.get_node(node.name) or node, inventory)
+        before = assignment_of(allocation)
+        self.ledger.release(allocation.id)
+        placed = self.ledger.place(request, excluded, checked)
+        if isinstance(placed, Rejection):
+            self._reserve(before)   # as the record still says, until it is compensated
+            raise AgentFailed(str(error), self.compensate(allocation, f"{why}; no other GPU takes it: "
+                                                                      f"{placed.reason}"), unreachable=False)
+        if _where(placed) == _where(before):   # the agent's inventory says otherwise than its refusal
+            raise AgentFailed(str(error), self.compensate(allocation, why), unreachable=False)
+        try:
+            moved = self.store.transition(allocation.id, [State.PENDING], State.PENDING, node=placed.node,
+                                          devices=_devices(placed, self.node_facts(placed.node)),
+                                          assignment=placed.to_dict())
+        except BaseException:
+            self.ledger.release(allocation.id)
+            self._reserve(before)
+            raise
+        log.warning("allocation %s: %s; placed again on node %s GPU(s) %s", allocation.id, why, placed.node,
+                    list(placed.gpus))
+        faults.point(faults.AFTER_PLACE_AGAIN)
+        return self._publish(moved)
+
+    def _reserve(self, assignment: Assignment) -> None:
+        """Count ``assignment`` again (its record still names it); one whose GPU is gone cannot be."""
+        with contextlib.suppress(ValueError):
+            self.ledger.adopt(assignment)
 
     def _same_request(self, existing: Allocation, request: Request) -> Allocation:
         """A retry: the same allocation, driven to active if a crash left it half-done."""
@@ -382,13 +449,16 @@ class ControllerCore:
             share.mig_start = mig["start"]
         return share
 
-    def complete(self, allocation: Allocation, agent_holds: bool = False) -> Allocation:
+    def complete(self, allocation: Allocation, agent_holds: bool = False,
+                 place_again: bool = False) -> Allocation:
         """Drive a pending (or prepared) allocation to active; compensate if the agent refuses.
 
         A share its agent does not hold (``agent_holds`` False: a new one, or one the agent
         lost) is not prepared where its GPU no longer takes it (the view changed under it, see
         ``Ledger.overcommitted``): the agent must not be given more than the GPU has. It is
-        compensated with the reason instead. The caller holds the claim on the allocation.
+        compensated with the reason instead. ``place_again``: a refusal for the GPU's state
+        (GPU_REFUSALS) raises _GpuRefused instead, the allocation left pending and reserved.
+        The caller holds the claim on the allocation.
         """
         if allocation.state is State.PENDING:
             node = self.node_facts(allocation.node)
@@ -411,6 +481,8 @@ class ControllerCore:
                                           allocation, unreachable=False)
                 reply = client.prepare(self.share_for(allocation))
             except AgentError as exc:
+                if place_again and exc.refusal in GPU_REFUSALS:
+                    raise _GpuRefused(exc) from None
                 failed = self.compensate(allocation, f"prepare on {node.name} failed: "
                                                      f"{exc.code.name}: {exc.details}")
                 raise AgentFailed(str(exc), failed, exc.unreachable) from None
@@ -940,6 +1012,11 @@ def _keep_cordon(fresh: Node, stored: Node | None) -> Node:
     if stored is None:
         return fresh
     return replace(fresh, cordoned=stored.cordoned, cordon_reason=stored.cordon_reason)
+
+
+def _where(assignment: Assignment) -> tuple[str, tuple[object, ...], bool]:
+    """Which GPUs an assignment takes, and whether it turns MIG on there first."""
+    return assignment.node, assignment.gpu_uuids or assignment.gpus, assignment.enable_mig
 
 
 def assignment_of(allocation: Allocation) -> Assignment:

@@ -20,6 +20,9 @@ POINTS = (
     "controller.after_release_commit",  # store says releasing, agent not asked yet
     "controller.after_agent_release",  # agent released the share, store still says releasing
 )
+# Reached only when an agent refuses a new share for its GPU's state (core.GPU_REFUSALS): the
+# allocation, still pending, recorded on another GPU, whose agent is not asked yet.
+AFTER_PLACE_AGAIN = "controller.after_place_again"
 
 
 def point(name: str) -> None:

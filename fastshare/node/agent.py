@@ -35,12 +35,19 @@ log = logging.getLogger("fastshare.node")
 _MIB = 1 << 20
 
 
-class AgentError(Exception):
-    """A request the agent refuses or cannot complete; ``code`` is a gRPC status code name."""
+# Why a share is refused when it is its GPU's state, not the request (the proto's Refusal, without
+# its REFUSAL_ prefix): another GPU may take it, and the controller places it again.
+MIG_CHANGE_PENDING, GPU_LOST, MIG_MODE = "MIG_CHANGE_PENDING", "GPU_LOST", "MIG_MODE"
 
-    def __init__(self, code: str, message: str) -> None:
+
+class AgentError(Exception):
+    """A request the agent refuses or cannot complete; ``code`` is a gRPC status code name,
+    ``refusal`` one of the names above when the GPU's state is why ("" otherwise)."""
+
+    def __init__(self, code: str, message: str, refusal: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.refusal = refusal
 
 
 def _device_error(exc: DeviceError, what: str) -> AgentError:
@@ -294,7 +301,7 @@ class Agent:
         if lost is not None:
             raise AgentError("FAILED_PRECONDITION", f"GPU {lost.index} ({lost.uuid}) of node "
                                                     f"{self.config.node_name} is lost (fell off the bus?): "
-                                                    f"NVML_ERROR_{lost.lost}; it takes no shares")
+                                                    f"NVML_ERROR_{lost.lost}; it takes no shares", GPU_LOST)
         with self._share_locks.hold(spec.id, deadline):
             if self.journal.forget_lost(spec.id):   # the controller prepares a pending record again
                 log.info("share %s was lost with its device; preparing it anew", spec.id)
@@ -321,7 +328,8 @@ class Agent:
         the controller does (an older one may still send it). Checked under the GPU's lock."""
         if gpu.mig_capable and gpu.mig_current != gpu.mig_pending:
             raise AgentError("FAILED_PRECONDITION", f"GPU {gpu.index} of {self.config.node_name}: "
-                                                    f"{mig_layout.mode_change_pending(gpu.index)}")
+                                                    f"{mig_layout.mode_change_pending(gpu.index)}",
+                             MIG_CHANGE_PENDING)
 
     def _prepare_whole(self, spec: ShareSpec, deadline: Deadline) -> Prepared:
         for u in spec.device_uuids:
@@ -332,8 +340,8 @@ class Agent:
             for u in spec.device_uuids:  # MIG mode only changes under this lock: check it here
                 self._refuse_mode_change_pending(self._gpu(u))
                 if self._gpu(u).mig_current:
-                    raise AgentError("FAILED_PRECONDITION", f"GPU {u} is in MIG mode; a whole GPU needs "
-                                                            "MIG disabled (or ask for kind exclusive)")
+                    raise AgentError("FAILED_PRECONDITION", f"GPU {u} is in MIG mode; a whole GPU needs MIG "
+                                                            "disabled (or ask for kind exclusive)", MIG_MODE)
                 holders = self._live_shares(u)
                 if holders:
                     raise AgentError("RESOURCE_EXHAUSTED", f"GPU {u} is not free: {len(holders)} share(s) "
@@ -380,7 +388,7 @@ class Agent:
         if not gpu.mig_current:
             hint = " (enabled, waiting for a GPU reset)" if gpu.mig_pending else ""
             raise AgentError("FAILED_PRECONDITION", f"MIG is disabled on GPU {gpu.uuid}{hint}; enable it "
-                                                    "with SetMigMode / `fastshare mig` first")
+                                                    "with SetMigMode / `fastshare mig` first", MIG_MODE)
         profile = self._mig_profile(gpu, spec.mig_profile)
         if spec.mig_start is not None and spec.mig_start not in profile.placements:
             raise AgentError("INVALID_ARGUMENT", f"share.mig_start {spec.mig_start} is not a placement of "
@@ -459,7 +467,8 @@ class Agent:
             self._refuse_mode_change_pending(self._gpu(dev.gpu.uuid))   # under the GPU's lock
             if dev.mig is None and self._gpu(dev.uuid).mig_current:  # checked under the GPU's lock
                 raise AgentError("FAILED_PRECONDITION", f"GPU {dev.uuid} is in MIG mode: MPS runs per MIG "
-                                                        "device; name a MIG device UUID (MIG-…) instead")
+                                                        "device; name a MIG device UUID (MIG-…) instead",
+                                 MIG_MODE)
             holders = self._check_mps_capacity(spec, dev)
             port = self._allocate_port() if spec.kind == "fastpod" else None
             prepared = self._mps_prepared(spec, dev.uuid, port)

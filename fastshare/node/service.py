@@ -76,6 +76,15 @@ class Metrics:
 MAX_BATCH = 256   # calls in one PrepareShares / ReleaseShares
 
 
+REFUSAL_KEY = "fastshare-refusal"   # trailing metadata of a refusal about the GPU (the Refusal's name)
+
+
+def refusal(exc: Exception) -> int:
+    """The proto Refusal of a call that raised ``exc`` (REFUSAL_UNSPECIFIED unless about the GPU)."""
+    why = getattr(exc, "refusal", "")
+    return agent_pb2.Refusal.Value(f"REFUSAL_{why}") if why else agent_pb2.REFUSAL_UNSPECIFIED
+
+
 def failure(name: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status a call that raised ``exc`` answers with; the agent's own faults are logged."""
     if isinstance(exc, AgentError):
@@ -120,6 +129,8 @@ def rpc(mutating: bool) -> Callable:
                 code = status.name
                 if isinstance(exc, terms.StaleTerm):
                     context.set_trailing_metadata(((terms.SEEN_KEY, str(exc.seen)),))
+                elif why := refusal(exc):
+                    context.set_trailing_metadata(((REFUSAL_KEY, agent_pb2.Refusal.Name(why)),))
                 context.abort(status, message)
             finally:
                 self.metrics.latency.labels(name).observe(time.perf_counter() - started)
@@ -227,7 +238,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             except Exception as exc:
                 status, message = failure(name, exc)
                 self.metrics.errors.labels(name, status.name).inc()
-                status_pb = agent_pb2.CallStatus(code=status.value[0], message=message)
+                status_pb = agent_pb2.CallStatus(code=status.value[0], message=message, refusal=refusal(exc))
                 results.append(result_type(status=status_pb))
         return results
 

@@ -106,3 +106,119 @@ def test_an_exclusive_request_does_not_leave_an_ampere_gpu_with_a_pending_mig_en
     assert not any(g.mig_change_pending for g in cluster.node("n1").gpus)
     assert allocate(client, "mps", memory_bytes=GiB).state == pb.ALLOCATION_STATE_ACTIVE   # still open
     assert_consistent(cluster)
+
+
+def _enable_mig(cluster, machine, uuid: str, index: int) -> None:
+    request = agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=True)
+    cluster.agents["n1"].stub(cluster.pki).SetMigMode(request, timeout=60)
+
+
+def _disable_mig(cluster, machine, uuid: str, index: int) -> None:
+    request = agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=False)
+    cluster.agents["n1"].stub(cluster.pki).SetMigMode(request, timeout=60)
+
+
+def _lose(cluster, machine, uuid: str, index: int) -> None:
+    simnvml.lose_gpu(machine, index)
+    cluster.agents["n1"].share_ids(cluster.pki)   # its inventory: the agent reads its GPUs again
+
+
+_FASTPOD = dict(sm_percent=10, memory_bytes=GiB, quota_request=0.2, quota_limit=0.5)
+# GPUs, MIG on at start, how the GPU changes behind the controller's back, the changed GPU's field
+# in `fastshare status` that then says so, and the request
+_BEHIND_ITS_BACK = {
+    "A100 mig enable pending, fastpod": (["A100-SXM4-40GB"] * 2, False, _enable_mig, "mig_change_pending",
+                                         "fastpod", _FASTPOD),
+    "A100 mig enable pending, mps": (["A100-SXM4-40GB"] * 2, False, _enable_mig, "mig_change_pending", "mps",
+                                     dict(memory_bytes=GiB)),
+    "A100 mig enable pending, whole": (["A100-SXM4-40GB"] * 2, False, _enable_mig, "mig_change_pending",
+                                       "whole", dict(gpu_count=1)),
+    "A100 mig disable pending, exclusive": (["A100-SXM4-40GB"] * 2, True, _disable_mig, "mig_change_pending",
+                                            "exclusive", dict(mig_profile="1g.5gb")),
+    "H100 mig enabled at once, mps": (["H100-SXM5-80GB"] * 2, False, _enable_mig, "mig_enabled", "mps",
+                                      dict(memory_bytes=GiB)),
+    "H100 mig enabled at once, whole": (["H100-SXM5-80GB"] * 2, False, _enable_mig, "mig_enabled", "whole",
+                                        dict(gpu_count=1)),
+    "gpu lost, fastpod": (["V100-SXM2-32GB"] * 2, False, _lose, "lost", "fastpod", _FASTPOD),
+    "gpu lost, whole": (["V100-SXM2-32GB"] * 2, False, _lose, "lost", "whole", dict(gpu_count=1)),
+}
+
+
+@pytest.mark.parametrize("case", list(_BEHIND_ITS_BACK))
+def test_a_share_refused_because_its_gpu_closed_behind_the_controllers_back_is_placed_again(cluster, case):
+    """Gap 1: the controller learns of a GPU's MIG mode change (pending or done) or of its loss from
+    the agent's inventory, once per reconcile pass. An allocation placed there before it did was
+    refused by the agent and ended FAILED, although the other GPU was free: the user got a failure
+    from a race they cannot see. Now the agent says, in a structured field, that the refusal is about
+    the GPU; the controller takes the node's view again, gives back the first GPU's reservation and
+    places the allocation once more: it is active on the other GPU, the changed GPU holds nothing
+    and `fastshare status` shows it changed."""
+    models, mig_on, change, shown, kind, kw = _BEHIND_ITS_BACK[case]
+    cluster.add_machine("n1", models, mig_enabled=mig_on)
+    cluster.start_controller(extra=["--reconcile-interval", "3600"])   # no pass looks at the node meanwhile
+    cluster.start_agent("n1")
+    client = cluster.client()
+    # where the engine puts this request: there again while its view is the same
+    first = allocate(client, kind, **kw)
+    closing = first.devices[0].gpu_index
+    client.call("Release", pb.ReleaseAllocationRequest(allocation_id=first.id))
+    change(cluster, cluster.root / "n1.json", first.devices[0].gpu_uuid, closing)
+    assert not any(getattr(g, shown) for g in cluster.node("n1").gpus), "the controller saw it already"
+
+    placed = allocate(client, kind, **kw)
+    assert placed.state == pb.ALLOCATION_STATE_ACTIVE, placed
+    assert placed.devices[0].gpu_index == 1 - closing, placed
+    gpus = {g.index: g for g in cluster.node("n1").gpus}
+    assert getattr(gpus[closing], shown), gpus[closing]
+    assert not gpus[closing].memory_bytes_used and not gpus[closing].whole_held, gpus[closing]
+    assert cluster.agents["n1"].share_ids(cluster.pki) == {placed.id}
+    assert_consistent(cluster)
+
+
+def test_a_share_refused_for_its_gpu_where_no_other_gpu_takes_it_fails_saying_both(cluster):
+    """Placed again, nothing else fits (the other GPU is held whole): the allocation ends failed as
+    before, its reason the agent's refusal and why no other GPU takes it; nothing is left held."""
+    cluster.add_machine("n1", ["A100-SXM4-40GB"] * 2)
+    cluster.start_controller(extra=["--reconcile-interval", "3600"])
+    cluster.start_agent("n1")
+    client = cluster.client()
+    held = allocate(client, "whole", gpu_count=1)
+    other = 1 - held.devices[0].gpu_index
+    _enable_mig(cluster, None, cluster.node("n1").gpus[other].uuid, other)
+    with pytest.raises(grpc.RpcError) as refused:
+        allocate(client, "whole", gpu_count=1)
+    failed = next(a for a in cluster.status().allocations if a.id != held.id)
+    assert failed.state == pb.ALLOCATION_STATE_FAILED, failed
+    assert _pending(other) in failed.reason and "no other GPU takes it" in failed.reason, failed.reason
+    assert _pending(other) in refused.value.details(), refused.value.details()
+    gpus = {g.index: g for g in cluster.node("n1").gpus}
+    assert gpus[other].mig_change_pending and not gpus[other].whole_held, gpus[other]
+    assert cluster.agents["n1"].share_ids(cluster.pki) == {held.id}
+    assert_consistent(cluster)
+
+
+def test_a_controller_killed_after_placing_a_refused_share_again_completes_it_there(cluster):
+    """Killed after recording the allocation on the other GPU, before its agent was asked: the
+    restarted controller prepares it there (not on the GPU that refused it), and nothing is held twice."""
+    cluster.add_machine("n1", ["A100-SXM4-40GB"] * 2)
+    cluster.start_controller(extra=["--reconcile-interval", "3600"])
+    cluster.start_agent("n1")
+    client = cluster.client()
+    first = allocate(client, "mps", memory_bytes=GiB)
+    closing = first.devices[0].gpu_index
+    client.call("Release", pb.ReleaseAllocationRequest(allocation_id=first.id))
+    cluster.controller.stop()
+    cluster.start_controller(env={"FASTSHARE_FAULT": "controller.after_place_again"},
+                             extra=["--reconcile-interval", "3600"])
+    cluster.wait_node("n1", available=True)
+    _enable_mig(cluster, None, first.devices[0].gpu_uuid, closing)
+    with pytest.raises(grpc.RpcError):
+        allocate(cluster.client(), "mps", memory_bytes=GiB)
+    cluster.controller.popen.wait(timeout=30)   # it killed itself there
+    cluster.start_controller()
+    wait_for(lambda: set(states(cluster).values()) == {"released", "active"}, 60, "the pending one completed")
+    placed = next(a for a in cluster.status().allocations if a.state == pb.ALLOCATION_STATE_ACTIVE)
+    assert placed.devices[0].gpu_index == 1 - closing, placed
+    assert cluster.node("n1").gpus[closing].mig_change_pending
+    assert cluster.agents["n1"].share_ids(cluster.pki) == {placed.id}
+    assert_consistent(cluster)

@@ -3,10 +3,11 @@ and the batch is acknowledged only once the journal holds all of it."""
 
 import grpc
 
+from fastshare.device import simnvml
 from fastshare.node import sharefiles
 from fastshare.v1 import agent_pb2
 
-from .harness import GPU_A, GPU_B, fastpod, rpc_error, share
+from .harness import GPU_A, GPU_B, GPU_MIG, fastpod, rpc_error, share
 
 INV = agent_pb2.GetInventoryRequest()
 
@@ -62,3 +63,30 @@ def test_a_batch_is_bounded_and_an_empty_one_does_nothing(agent):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "calls: at most 256" in err.details()
     assert stub.PrepareShares(agent_pb2.PrepareSharesRequest(), timeout=60).results == []
     assert agent.unix().GetInventory(INV, timeout=30).shares == []
+
+
+def test_a_refusal_for_the_gpus_state_says_so_in_a_field_alone_and_in_a_batch(agent, sim_machine):
+    """The controller told a refusal for the GPU's state (MIG mode, a lost GPU, a pending MIG change:
+    another GPU may take the share) from one for the request only by the message's words. Now the
+    agent says it in a field: trailing metadata 'fastshare-refusal' alone, CallStatus.refusal in a
+    batch; any other refusal carries none."""
+    agent.start()
+    gpus = [g.uuid for g in agent.unix().GetInventory(INV, timeout=30).gpus]
+    stub = agent.mtls()
+    err = rpc_error(stub.PrepareShare, share("w", "whole", [gpus[GPU_MIG]]))   # MIG is on there
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+    said = tuple(err.trailing_metadata())
+    assert ("fastshare-refusal", "REFUSAL_MIG_MODE") in said, said
+    err = rpc_error(stub.PrepareShare, fastpod("big", gpus[GPU_A], sm=101))
+    assert not [k for k, _ in err.trailing_metadata() or () if k == "fastshare-refusal"], err
+
+    simnvml.lose_gpu(sim_machine, GPU_B)
+    agent.unix().GetInventory(INV, timeout=30)   # the agent reads its GPUs again
+    reply = stub.PrepareShares(agent_pb2.PrepareSharesRequest(calls=[
+        fastpod("on-mig", gpus[GPU_MIG]), fastpod("on-lost", gpus[GPU_B]),
+        fastpod("fits", gpus[GPU_A], sm=80), fastpod("too-big", gpus[GPU_A], sm=70)]), timeout=60)
+    assert [(r.status.code, r.status.refusal) for r in reply.results] == [
+        (grpc.StatusCode.FAILED_PRECONDITION.value[0], agent_pb2.REFUSAL_MIG_MODE),
+        (grpc.StatusCode.FAILED_PRECONDITION.value[0], agent_pb2.REFUSAL_GPU_LOST),
+        (0, agent_pb2.REFUSAL_UNSPECIFIED),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], agent_pb2.REFUSAL_UNSPECIFIED)], reply

@@ -1,0 +1,96 @@
+"""A new allocation its agent refuses for the GPU's state is placed again (see the real-agent tests
+in test_mig_pending); here the limits, with a stand-in agent that refuses as told: an older agent
+(no refusal field), an agent whose inventory contradicts its refusal, and one that refuses every GPU.
+Real SQLite store and ledger."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from fastshare.controller.agent_client import AgentError
+from fastshare.controller.core import PLACE_AGAIN, AgentFailed, ControllerCore
+from fastshare.controller.model import Kind, Spec, State
+from fastshare.controller.sqlite_store import SqliteStore
+from fastshare.controller.validation import Request
+from fastshare.v1 import agent_pb2
+
+from .recording_agent import GiB, RecordingAgent
+
+
+class RefusingAgent(RecordingAgent):
+    """Four L4s; a prepare on a GPU in ``refuse`` is refused with ``refusal``; the inventory shows the
+    GPUs refused so far lost (unless ``contradict``: it shows every GPU working)."""
+
+    def __init__(self, refuse: set[str], refusal: int, contradict: bool = False) -> None:
+        super().__init__()
+        self.refuse, self.refusal, self.contradict = refuse, refusal, contradict
+        self.refused: list[str] = []
+
+    def inventory(self) -> agent_pb2.Inventory:
+        return agent_pb2.Inventory(gpus=[
+            agent_pb2.Gpu(index=i, uuid=f"GPU-{i}", name="NVIDIA L4", memory_bytes=22 * GiB, sm_count=58,
+                          lost="GPU_IS_LOST" if f"GPU-{i}" in self.refused and not self.contradict else "")
+            for i in range(4)], shares=list(self.shares.values()))
+
+    def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
+        gpu = share.device_uuids[0]
+        if gpu in self.refuse:
+            self.refused.append(gpu)
+            raise AgentError("n1", "PrepareShare", grpc.StatusCode.FAILED_PRECONDITION,
+                             f"GPU {gpu} is lost (fell off the bus?)", refusal=self.refusal)
+        return super().prepare(share)
+
+
+def _core(tmp_path, agent: RefusingAgent) -> ControllerCore:
+    core = ControllerCore(SqliteStore(tmp_path / "state.db"), agent)
+    core.register_node("n1", "127.0.0.1:1", {})
+    return core
+
+
+def _whole(core: ControllerCore):
+    return core.allocate(Request(spec=Spec(Kind.WHOLE, gpu_count=1), owner="me"))
+
+
+def test_placed_again_on_another_gpu_its_first_reservation_given_back(tmp_path):
+    """The store's record and the ledger name the second GPU only; the agent holds the share once."""
+    agent = RefusingAgent(set(), agent_pb2.REFUSAL_GPU_LOST)
+    core = _core(tmp_path, agent)
+    first = _whole(core)   # where the engine puts it: there again while its view is the same
+    core.release(first.id)
+    agent.refuse = {first.devices[0].gpu_uuid}
+    placed = _whole(core)
+    assert placed.state is State.ACTIVE and placed.devices[0].gpu_uuid != first.devices[0].gpu_uuid
+    assert agent.refused == [first.devices[0].gpu_uuid]
+    assert core.store.get_allocation(placed.id).devices == placed.devices
+    assert set(agent.shares) == {placed.id}
+    assert [u["gpu"] for u in core.ledger.usage() if u["whole"]] == [placed.devices[0].gpu_index]
+
+
+@pytest.mark.parametrize("refusal, contradict", [(agent_pb2.REFUSAL_UNSPECIFIED, False),
+                                                 (agent_pb2.REFUSAL_GPU_LOST, True)])
+def test_an_older_agent_or_one_whose_inventory_contradicts_its_refusal_fails_it_as_before(
+        tmp_path, refusal, contradict):
+    """An agent without the refusal field (older): the allocation ends failed, as before, after one
+    prepare. One whose inventory still shows the GPU working: not placed on it again, failed."""
+    agent = RefusingAgent({f"GPU-{i}" for i in range(4)}, refusal, contradict)
+    core = _core(tmp_path, agent)
+    with pytest.raises(AgentFailed) as failed:
+        _whole(core)
+    assert len(agent.refused) == 1, agent.refused
+    record = core.get(failed.value.allocation.id)
+    assert record.state is State.FAILED and "is lost" in record.reason, record
+    assert not core.ledger.holds(record.id)
+
+
+def test_refused_on_every_gpu_it_is_placed_again_a_bounded_number_of_times(tmp_path):
+    """Never a loop: PLACE_AGAIN more tries, each on another GPU, then failed as before."""
+    agent = RefusingAgent({f"GPU-{i}" for i in range(4)}, agent_pb2.REFUSAL_GPU_LOST)
+    core = _core(tmp_path, agent)
+    with pytest.raises(AgentFailed) as failed:
+        _whole(core)
+    assert len(agent.refused) == PLACE_AGAIN + 1 == len(set(agent.refused)), agent.refused
+    record = core.get(failed.value.allocation.id)
+    assert record.state is State.FAILED and record.node == "n1", record
+    assert record.devices[0].gpu_uuid == agent.refused[-1], (record.devices, agent.refused)
+    assert not core.ledger.holds(record.id)

@@ -1013,11 +1013,11 @@ class Agent:
 
     def set_mig_mode(self, gpu_uuid: str, enabled: bool, deadline: Deadline, force: bool = False,
                      destroy_instances: bool = False) -> tuple[bool, bool, list[dict]]:
-        """Returns (pending reset, changed, instances destroyed as ApplyMigLayout's actions). Enabling
-        MIG under shares that use the GPU whole is refused as without an agent
-        (``refuse_enable_under_share``) unless ``force``: they are then dropped before the reply, as
-        lost with that cause (journaled before the change, so that a restart after a crash in between
-        drops them so too). A disable with ``destroy_instances`` first destroys the GPU's MIG
+        """Returns (pending reset, changed, instances destroyed as ApplyMigLayout's actions); a change
+        already pending is not made again (not changed, forced or not). Enabling MIG under shares
+        that use the GPU whole is refused as without an agent (``refuse_enable_under_share``) unless
+        ``force``: they are then dropped before the reply, as lost with that cause (journaled before
+        the change, so that a restart after a crash in between drops them so too). A disable with ``destroy_instances`` first destroys the GPU's MIG
         instances under the same lock, as ApplyMigLayout to no profiles does (those shares hold only
         with ``force``, their shares dropped so too; never those processes run on); without it, it
         is refused while shares hold them (and NVML refuses it while any exists)."""
@@ -1037,6 +1037,8 @@ class Agent:
                 gpu = self._gpu(gpu_uuid)   # as the last mode change (under this lock) left it
                 if gpu.mig_current == enabled and gpu.mig_pending == enabled:
                     return False, False, []
+                if gpu.mig_pending == enabled:   # asked for already, waits for a GPU reset: nothing to
+                    return True, False, []       # change (nor, forced, any share to drop for it)
                 if enabled:
                     if self._before_mig_enable(gpu, force):
                         taken.append(gpu_uuid)

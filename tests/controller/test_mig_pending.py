@@ -146,7 +146,7 @@ _BEHIND_ITS_BACK = {
 
 @pytest.mark.parametrize("case", list(_BEHIND_ITS_BACK))
 def test_a_share_refused_because_its_gpu_closed_behind_the_controllers_back_is_placed_again(cluster, case):
-    """Gap 1: the controller learns of a GPU's MIG mode change (pending or done) or of its loss from
+    """The controller learns of a GPU's MIG mode change (pending or done) or of its loss from
     the agent's inventory, once per reconcile pass. An allocation placed there before it did was
     refused by the agent and ended FAILED, although the other GPU was free: the user got a failure
     from a race they cannot see. Now the agent says, in a structured field, that the refusal is about

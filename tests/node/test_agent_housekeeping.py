@@ -667,6 +667,30 @@ def test_a_forced_mig_enable_nvml_refuses_keeps_the_shares(mig_off):
     assert _lost(agent) == {}
 
 
+def test_a_mig_mode_change_already_pending_is_not_changed_again_forced_or_not(mig_off):
+    """SetMigMode for the mode an Ampere GPU already waits for (the reset) answered `changed`,
+    forced or not, though it changed nothing (`fastshare mig` without an agent says no mode change
+    there). Now it answers pending and not changed. Force does nothing more there: a share using the
+    GPU whole under an enable made by hand stays held (the call does not change the mode it loses
+    the GPU to), as without force."""
+    agent, machine = mig_off
+    a100 = agent.devices.gpus()[1].uuid
+    assert agent.set_mig_mode(a100, True, Deadline(60)) == (True, True, [])
+    assert agent.set_mig_mode(a100, True, Deadline(60)) == (True, False, [])
+    assert agent.set_mig_mode(a100, True, Deadline(60), force=True) == (True, False, [])
+    assert agent.set_mig_mode(a100, False, Deadline(60)) == (False, True, [])   # cancelled: MIG stays off
+    agent.prepare(ShareSpec("w", "whole", (a100,)), Deadline(60))
+    data = simnvml.load_machine(machine)
+    data["gpus"][1]["mig_pending"] = 1   # nvidia-smi -mig 1 by hand under w: pending until a reset
+    machine.write_text(json.dumps(data))
+    agent.refresh_devices()
+    assert agent.set_mig_mode(a100, True, Deadline(60), force=True) == (True, False, [])
+    assert [r.spec.id for r in agent.journal.shares()] == ["w"] and _lost(agent) == {}
+    assert agent.journal.taken() == {}
+    gpu = agent.devices.gpus()[1]
+    assert (gpu.mig_current, gpu.mig_pending) == (False, True, [])
+
+
 def test_cancelling_a_pending_mig_enable_leaves_the_shares_using_the_gpu_whole_their_gpu(mig_off):
     """An Ampere GPU's MIG enable waits for a reset; cancelling it (SetMigMode disabled, e.g. `mig config`
     with mig-enabled false through the agent) keeps MIG off, so a share using the GPU whole keeps it.

@@ -937,3 +937,53 @@ def test_a_gpu_whose_mig_mode_change_is_pending_takes_no_replica_saying_why(
         assert agent.shares(tls) == [] and not view.records()
     finally:
         _delete_and_stop(view, namespace, "migpend", agent, core, tls)
+
+
+def test_a_replica_refused_because_its_gpu_closed_behind_the_controllers_back_is_placed_again(
+        api_client, namespace, fastpod_crd, pki, caplog):
+    """In-cluster as standalone (the same core): `fastshare mig enable` on an idle A100 the
+    controller has not seen yet (no reconcile pass meanwhile). The replica's allocation placed there
+    was refused by the agent and failed (the replica unscheduled, AgentUnavailable, until a later
+    pass); now it is placed again at once on the other GPU, and the controller's view shows the
+    first one pending."""
+    import logging
+
+    from fastshare.controller.agent_client import AgentClient, AgentTarget
+
+    caplog.set_level(logging.INFO, logger="fastshare")
+
+    root, tls = pki
+    core = client.CoreV1Api(api_client)
+    agent = Agent(root, root / "ca", f"replace-{uuid.uuid4().hex[:4]}", ["A100-SXM4-40GB"] * 2, mig=False)
+    agent.start(tls)
+    register_node(core, agent)
+    view = View(api_client, namespace, "replace", {agent.name: agent}, tls)
+    c = KubeController(api_client, AgentPool(tls, deadline=10.0),
+                       KubeSettings(namespace=namespace, workers=3, node_interval=0.5, resync_interval=3,
+                                    watch_timeout=10),
+                       CoreSettings(heartbeat_timeout=3.0, reconcile_interval=3600.0, busy_wait=10.0))
+    try:
+        c.start()
+        wait_for(lambda: c.core.node_facts(agent.name) is not None, "the node known", timeout=60)
+        gpu0 = simnvml.load_machine(agent.machine)["gpus"][0]["uuid"]
+        probe = AgentClient(AgentTarget(agent.name, agent.address), tls, deadline=30)
+        try:   # an idle node's first whole GPU is GPU 0 (as the standalone tests show)
+            assert probe.set_mig_mode(gpu0, True).pending
+        finally:
+            probe.close()
+        assert not c.core.node_facts(agent.name).gpus[0].mig_change_pending
+        view.objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fastpod_manifest(
+            "replace", {"kind": "whole", "count": 1, "models": ["A100-SXM4-40GB"]}, 1))
+        wait_for(lambda: view.settled(1), "the replica active", timeout=120)
+        (entry,) = view.active().values()
+        assert entry["gpuUUIDs"] != [gpu0], entry
+        assert c.core.node_facts(agent.name).gpus[0].mig_change_pending
+        said = [r.getMessage() for r in caplog.records]
+        assert any("placed again" in m and "MIG mode change pending" in m for m in said), said
+        assert not any("releasing it" in m for m in said), said   # no allocation compensated (failed)
+    finally:
+        try:
+            _delete_and_stop(view, namespace, "replace", agent, core, tls)
+        finally:
+            c.stop()
+            c.core.agents.close()

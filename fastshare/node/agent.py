@@ -1017,10 +1017,11 @@ class Agent:
         already pending is not made again (not changed, forced or not). Enabling MIG under shares
         that use the GPU whole is refused as without an agent (``refuse_enable_under_share``) unless
         ``force``: they are then dropped before the reply, as lost with that cause (journaled before
-        the change, so that a restart after a crash in between drops them so too). A disable with ``destroy_instances`` first destroys the GPU's MIG
-        instances under the same lock, as ApplyMigLayout to no profiles does (those shares hold only
-        with ``force``, their shares dropped so too; never those processes run on); without it, it
-        is refused while shares hold them (and NVML refuses it while any exists)."""
+        the change, so that a restart after a crash in between drops them so too). A disable with
+        ``destroy_instances`` first destroys the GPU's MIG instances under the same lock, as
+        ApplyMigLayout to no profiles does (those shares hold only with ``force``, their shares
+        dropped so too; never those processes run on); without it, it is refused while shares hold
+        them (and NVML refuses it while any exists)."""
         gpu = self._gpu(gpu_uuid)
         if gpu.lost:   # also one named from the journal, listed blank (no name, no MIG)
             raise AgentError("FAILED_PRECONDITION",

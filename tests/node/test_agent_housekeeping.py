@@ -688,7 +688,7 @@ def test_a_mig_mode_change_already_pending_is_not_changed_again_forced_or_not(mi
     assert [r.spec.id for r in agent.journal.shares()] == ["w"] and _lost(agent) == {}
     assert agent.journal.taken() == {}
     gpu = agent.devices.gpus()[1]
-    assert (gpu.mig_current, gpu.mig_pending) == (False, True, [])
+    assert (gpu.mig_current, gpu.mig_pending) == (False, True)
 
 
 def test_cancelling_a_pending_mig_enable_leaves_the_shares_using_the_gpu_whole_their_gpu(mig_off):

@@ -367,6 +367,7 @@ class ControllerCore:
                 except _GpuRefused as refused:
                     tries -= 1
                     record = self._place_again(record, engine_request, refused.error, excluded, checked)
+                    intent = self.store.flush_soon()   # the answer names the new placement: it is the intent
 
     def _place_again(self, allocation: Allocation, request: EngineRequest, error: AgentError,
                      excluded: dict[str, str] | None, checked: Collection[str] | None) -> Allocation:

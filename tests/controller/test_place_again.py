@@ -94,3 +94,33 @@ def test_refused_on_every_gpu_it_is_placed_again_a_bounded_number_of_times(tmp_p
     assert record.state is State.FAILED and record.node == "n1", record
     assert record.devices[0].gpu_uuid == agent.refused[-1], (record.devices, agent.refused)
     assert not core.ledger.holds(record.id)
+
+
+def test_the_answer_waits_for_the_new_placement_on_disk(tmp_path):
+    """allocate answers once what it answers survives a power loss. The barrier covered the first
+    (pending) record only: a power loss after the answer could take the commit that moved it, the
+    reconciler then prepared the old placement (refused again) and failed an allocation the caller
+    was told is active elsewhere. The barrier covers the commit that placed it again."""
+    agent = RefusingAgent(set(), agent_pb2.REFUSAL_GPU_LOST)
+    core = _core(tmp_path, agent)
+    first = _whole(core)
+    core.release(first.id)
+    agent.refuse = {first.devices[0].gpu_uuid}
+    group = core.store._group
+    moved_at, tickets = [], []
+    transition, sync = core.store.transition, core.store.sync
+
+    def recording_transition(allocation_id, from_states, to, **changes):
+        done = transition(allocation_id, from_states, to, **changes)
+        if to is State.PENDING:
+            moved_at.append(group._committed)
+        return done
+
+    def recording_sync(ticket=None):
+        tickets.append(group._committed if ticket is None else ticket)
+        sync(ticket)
+
+    core.store.transition, core.store.sync = recording_transition, recording_sync
+    placed = _whole(core)
+    assert placed.devices[0].gpu_uuid != first.devices[0].gpu_uuid
+    assert len(moved_at) == 1 and tickets and tickets[-1] >= moved_at[0], (moved_at, tickets)

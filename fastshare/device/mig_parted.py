@@ -395,7 +395,8 @@ def _disable_via_agent(agent: Any, devices: Devices, gp: GpuPlan, uuid: str) -> 
     try:
         return _steps(devices, gp, ask(agent.SetMigMode, request).actions)
     except AgentRefused as exc:
-        if not (exc.refused and devices.gpu(gp.gpu_index).mig_instances):
+        instances = devices.gpu(gp.gpu_index).mig_instances
+        if not (exc.refused and instances) or _knows_destroy_instances(agent, uuid):
             raise ConfigError(f"GPU {gp.gpu_index}: {exc}") from None
     # refused with the instances there, as an older agent refuses: its two calls (what refuses them,
     # a share or processes on an instance, makes ApplyMigLayout refuse as well, before any change)
@@ -403,6 +404,20 @@ def _disable_via_agent(agent: Any, devices: Devices, gp: GpuPlan, uuid: str) -> 
     done = _steps(devices, gp, _call(agent.ApplyMigLayout, request, gp).actions)
     _call(agent.SetMigMode, agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=False), gp)
     return done
+
+
+def _knows_destroy_instances(agent: Any, uuid: str) -> bool:
+    """Whether the agent knows SetMigMode's destroy_instances: its refusal of it then came before any
+    change, for what the two calls of an older agent would meet only after the instances went (a
+    share using the GPU whole). Gpu.pci_device_id came in the same release; an older agent leaves it 0."""
+    from fastshare.node.local_agent import AgentRefused, ask
+    from fastshare.v1 import agent_pb2
+
+    try:
+        inventory = ask(agent.GetInventory, agent_pb2.GetInventoryRequest())
+    except AgentRefused:
+        return True   # cannot be told: no change is the safe answer
+    return any(g.uuid == uuid and g.pci_device_id for g in inventory.gpus)
 
 
 def _steps(devices: Devices, gp: GpuPlan, actions: Any) -> list[Step]:

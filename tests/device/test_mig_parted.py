@@ -349,6 +349,12 @@ class _OlderService(NodeAgentService):
         request.ClearField("destroy_instances")
         return super().SetMigMode(request, context)
 
+    def GetInventory(self, request, context):   # nor Gpu.pci_device_id (the same release)
+        reply = super().GetInventory(request, context)
+        for gpu in reply.gpus:
+            gpu.ClearField("pci_device_id")
+        return reply
+
 
 @pytest.fixture
 def older_agent(tmp_path: Path, machine: Path):
@@ -549,3 +555,43 @@ def test_mig_config_through_the_agent_needs_no_gpu_backend(agent_socket, machine
     assert applied.exit_code == 0, applied.output
     with open_devices("sim", machine) as devices:
         assert [len(g.mig_instances) for g in devices.gpus()] == [4, 7, 0, 0]   # GPU 2: waits for a reset
+
+
+class _RefusesEveryDisable:
+    """A node agent that knows destroy_instances (its inventory says the PCI device id, as this one
+    does) and refuses a disable for what ApplyMigLayout does not check (as it refuses while a share
+    uses the GPU whole under a MIG enable made by hand): with or without destroy_instances."""
+
+    def __init__(self, agent_stub) -> None:
+        self._stub, self.asked = agent_stub, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._stub, name)
+
+    def SetMigMode(self, request, **kwargs):
+        self.asked.append(request.destroy_instances)
+        if request.enabled:
+            return self._stub.SetMigMode(request, **kwargs)
+
+        class Refused(grpc.RpcError):
+            def code(self):
+                return grpc.StatusCode.FAILED_PRECONDITION
+
+            def details(self):
+                return "GPU has shares (whole); release them before changing its MIG mode"
+        raise Refused()
+
+
+def test_an_agent_that_knows_destroy_instances_refusing_the_disable_leaves_the_instances(agent, devices):
+    """Its refusal came before any change: the command does not go on with the two calls an older
+    agent gets (they destroyed the instances, then the mode change was refused: part of it done)."""
+    agent_stub, _ = agent
+    balanced = plan_host(devices, resolve(parse_config(CONFIG), "balanced", devices.gpus()))
+    apply_host_via_agent(agent_stub, devices, balanced)
+    before = devices.gpu(1)
+    assert len(before.mig_instances) == 7
+    refusing = _RefusesEveryDisable(agent_stub)
+    with pytest.raises(ConfigError, match=r"^GPU 1: GPU has shares"):
+        apply_host_via_agent(refusing, devices, plan_host(devices, {1: DeviceSpec((1,), False, where="w")}))
+    assert refusing.asked == [True]
+    assert devices.gpu(1) == before

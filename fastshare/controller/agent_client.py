@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,18 +125,22 @@ class AgentClient:
 
     def _dial(self, server_name: str) -> None:
         """A channel that checks the agent by ``server_name``. One replaced here is not closed:
-        calls in flight on it finish (it closes once nothing refers to it)."""
+        calls in flight on it finish (it closes once nothing refers to it). A channel dialled by
+        the node's name is watched for new connections; the watch (gRPC polls for it in a thread
+        until the channel goes) refers to it and to this client only weakly, or neither would go."""
         channel = mtls_channel(self.target.address, self._tls, server_name=server_name)
         if server_name != agent_name(self.target.node):
             connected = False
+            client, dialled = weakref.ref(self), weakref.ref(channel)
 
             def on_state(state: grpc.ChannelConnectivity) -> None:
                 nonlocal connected
+                me = client()
                 if state is grpc.ChannelConnectivity.READY:
                     connected = True
-                elif connected and self._channel is channel:   # the checked connection is gone
+                elif connected and me is not None and me._channel is dialled():   # the checked one is gone
                     connected = False
-                    self._checked.clear()
+                    me._checked.clear()
 
             channel.subscribe(on_state)
         self._server_name, self._channel = server_name, channel

@@ -5,6 +5,7 @@ servers on loopback with certificates from `fastshare certs`."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 import threading
@@ -23,7 +24,7 @@ from fastshare.security.tls import TlsPaths, server_credentials
 from fastshare.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from tests.security.handmade import issue_roleless_cert, issue_unchecked
 
-from .conftest import Pki
+from .conftest import Pki, wait_for
 from .recording_agent import GiB, RecordingAgent
 
 REISSUE = "fastshare certs issue --role node --name node-x"
@@ -276,3 +277,46 @@ def test_calls_to_an_agent_that_does_not_answer_wait_one_deadline_not_one_each(t
     finally:
         client.close()
         hung.close()
+
+
+def _threads_settle_at(most: int) -> int:
+    deadline = time.monotonic() + 5
+    while True:
+        gc.collect()
+        count = threading.active_count()
+        if count <= most or time.monotonic() > deadline:
+            return count
+        time.sleep(0.2)
+
+
+def test_channels_to_an_agent_from_before_agent_names_leave_no_thread_behind_once_replaced(tmp_path):
+    """A channel that checks an agent by its node's name (its certificate predates agent names)
+    is watched for new connections. The watch kept the channel, and the client, alive: each client
+    the pool dropped at a renewal of the controller's certificate, and each channel replaced once the
+    agent's certificate was issued again, left a thread polling a channel nobody used (and its
+    connection open) for as long as the controller ran. Now they go once no call uses them."""
+    pki = Pki(tmp_path)
+    issue_unchecked(pki.ca, "node-x", pki.dir, sans=("127.0.0.1",), role="node")
+    server, _, port = _serve(pki, "node-x")
+    pool = AgentPool(TlsPaths.in_dir(pki.dir, "controller"), deadline=5)
+    address = f"127.0.0.1:{port}"
+    try:
+        pool.get("node-x", address).ping()
+        watched = threading.active_count()
+        for _ in range(3):   # the controller's certificate renewed: the pool makes new clients
+            certs.issue(pki.ca, "controller", pki.dir, sans=["127.0.0.1", "localhost"], role="controller")
+            time.sleep(1.1)   # the pool looks at its certificate files once a second
+            pool.get("node-x", address).ping()
+        assert _threads_settle_at(watched) <= watched, [t.name for t in threading.enumerate()]
+        # node-x's certificate issued again: its client dials it by the agent name, unwatched
+        server.stop(None)
+        pki.issue("node-x")
+        server, agent, _ = _serve(pki, "node-x", port)
+        time.sleep(0.5)
+        client = pool.get("node-x", address)
+        wait_for(lambda: _outcome(client.ping) is None, 10, "a ping through the reissued certificate")
+        assert agent.calls[-1:] == ["Ping"] and client._server_name == certs.agent_name("node-x")
+        assert _threads_settle_at(watched - 1) <= watched - 1, [t.name for t in threading.enumerate()]
+    finally:
+        pool.close()
+        server.stop(None)

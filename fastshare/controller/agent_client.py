@@ -119,9 +119,10 @@ class AgentClient:
 
     def close(self, why: str = "") -> None:
         """``why``: what a call made on this client from now on is told."""
-        self._closed_why = why or self._closed_why
-        self._is_closed = True
-        self._channel.close()
+        with self._check_lock:   # a check under way dials no new channel after this
+            self._closed_why = why or self._closed_why
+            self._is_closed = True
+            self._channel.close()
 
     def _dial(self, server_name: str) -> None:
         """A channel that checks the agent by ``server_name``. One replaced here is not closed:
@@ -158,9 +159,7 @@ class AgentClient:
         does not answer would hold the others up one deadline each); what they find is applied
         under the lock."""
         node, address = self.target.node, self.target.address
-        if self._is_closed:   # a closed client dials nothing (a new channel would reopen it)
-            raise AgentError(node, method, grpc.StatusCode.UNAVAILABLE,
-                             f"the channel to this node was closed; {self._closed_why}")
+        self._refuse_if_closed(method)
         try:
             cert = server_certificate(address, self._tls, node, self.deadline)
         except (OSError, ValueError) as exc:
@@ -175,6 +174,7 @@ class AgentClient:
         peer = PeerIdentity(str(cns[0].value) if cns else "", (), role_of(cert))
         if agent_name(node).lower() in {name.lower() for name in names}:
             with self._check_lock:
+                self._refuse_if_closed(method)
                 if self._server_name != agent_name(node):   # issued again since: gRPC checks the name
                     self._dial(agent_name(node))
                 self._checked.set()                       # for good: gRPC checks it on every connection
@@ -187,6 +187,7 @@ class AgentClient:
         # Node NODE's certificate from before agent names: dialled by NODE, checked again on each
         # new connection (between this handshake and gRPC's, a relay could still swap the server).
         with self._check_lock:
+            self._refuse_if_closed(method)
             if self._server_name == node:
                 self._checked.set()
                 return
@@ -196,6 +197,12 @@ class AgentClient:
                         node, reissue_command("node", node))
             self._dial(node)
             self._checked.set()
+
+    def _refuse_if_closed(self, method: str) -> None:
+        """A closed client dials nothing (a new channel would reopen it)."""
+        if self._is_closed:
+            raise AgentError(self.target.node, method, grpc.StatusCode.UNAVAILABLE,
+                             f"the channel to this node was closed; {self._closed_why}")
 
     def _call(self, method: str, request: object, deadline: float | None = None,
               term: int | None = None) -> object:

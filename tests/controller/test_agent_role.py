@@ -194,6 +194,8 @@ class Relay:
 
     def __init__(self, to: int) -> None:
         self.to = to
+        self.gate: threading.Event | None = None   # when set: each connection waits for it
+        self.waiting = False
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -204,6 +206,9 @@ class Relay:
                 near, _ = self._listener.accept()
             except OSError:
                 return
+            if self.gate is not None:
+                self.waiting = True
+                self.gate.wait()
             far = socket.create_connection(("127.0.0.1", self.to))
             for a, b in ((near, far), (far, near)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
@@ -319,4 +324,33 @@ def test_channels_to_an_agent_from_before_agent_names_leave_no_thread_behind_onc
         assert _threads_settle_at(watched - 1) <= watched - 1, [t.name for t in threading.enumerate()]
     finally:
         pool.close()
+        server.stop(None)
+
+
+def test_a_call_whose_check_was_under_way_when_the_client_was_closed_is_not_sent(tmp_path):
+    """The pool closes a client (the node forgotten, its agent moved) while a call on it is looking
+    at the agent's certificate (node-x's from before agent names). That call dialled a new channel
+    on the closed client and sent itself to the old address; the channel was never closed. Now
+    it fails as the calls on a closed client do, and nothing is sent."""
+    pki = Pki(tmp_path)
+    issue_unchecked(pki.ca, "node-x", pki.dir, sans=("127.0.0.1",), role="node")
+    server, agent, port = _serve(pki, "node-x")
+    relay = Relay(port)
+    gate = threading.Event()
+    relay.gate = gate
+    client = AgentClient(AgentTarget("node-x", relay.address), TlsPaths.in_dir(pki.dir, "controller"),
+                         deadline=5)
+    try:
+        with futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(_outcome, client.ping)
+            wait_for(lambda: relay.waiting, 5, "the certificate check to reach the relay")
+            client.close("its agent moved to 10.0.0.9:50051")
+            gate.set()
+            outcome = call.result(10)
+        assert isinstance(outcome, AgentError) and outcome.unreachable, outcome
+        assert "its agent moved to 10.0.0.9:50051" in str(outcome), outcome
+        assert agent.calls == []
+    finally:
+        gate.set()
+        relay.close()
         server.stop(None)

@@ -210,9 +210,17 @@ class AgentClient:
             return getattr(self._checked_stub(method), method)(request, timeout=deadline or self.deadline,
                                                                metadata=_metadata(term))
         except grpc.RpcError as exc:
-            raise AgentError.of(self.target.node, method, exc) from None
+            raise self._failed(method, exc) from None
         except ValueError as exc:
             raise self._closed(method, exc) from None
+
+    def _failed(self, method: str, exc: grpc.RpcError) -> AgentError:
+        """The call's error. Not reached (UNAVAILABLE): the next call looks at the agent's
+        certificate again, for it may be one gRPC's check now refuses (issued again without the
+        agent name, by an older version) that this client would otherwise never look at."""
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:
+            self._checked.clear()
+        return AgentError.of(self.target.node, method, exc)
 
     def _closed(self, method: str, exc: ValueError) -> AgentError:
         """gRPC raises ValueError for a call on a closed channel: the pool closed it (the node was
@@ -266,7 +274,7 @@ class AgentClient:
                     return [exc for _ in requests]
                 except grpc.RpcError as exc:
                     if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
-                        return [AgentError.of(self.target.node, batch_method, exc) for _ in requests]
+                        return [self._failed(batch_method, exc) for _ in requests]
                     self._batching = False
                 except ValueError as exc:
                     return [self._closed(batch_method, exc) for _ in requests]   # raises if not that

@@ -354,3 +354,27 @@ def test_a_call_whose_check_was_under_way_when_the_client_was_closed_is_not_sent
         gate.set()
         relay.close()
         server.stop(None)
+
+
+def test_an_agent_whose_certificate_no_longer_lists_the_agent_name_is_looked_at_again(tmp_path, caplog):
+    """node-x's agent was checked by its agent name, then its certificate was issued again without it
+    (an older controller replica signed its renewal during a rolling upgrade, a CA host with an older
+    fastshare): every new connection failed gRPC's check of the agent name, and the client, checked
+    "for good", never looked again: node-x stayed unreachable until the pool was rebuilt. Now a call
+    the agent could not be reached for has the next one look at its certificate again."""
+    caplog.set_level(logging.INFO)
+    pki = Pki(tmp_path)
+    pki.issue("node-x")
+    server, agent, port = _serve(pki, "node-x")
+    client = _client(pki, port)
+    try:
+        client.ping()
+        server.stop(None)
+        issue_unchecked(pki.ca, "node-x", pki.dir, sans=("127.0.0.1",), role="node")
+        server, agent, _ = _serve(pki, "node-x", port)
+        wait_for(lambda: _outcome(client.ping) is None, 10, "a ping to node-x's agent")
+        assert agent.calls[-1:] == ["Ping"]
+        assert "lacks the name node-x.agent.fastshare.invalid" in caplog.text
+    finally:
+        client.close()
+        server.stop(None)

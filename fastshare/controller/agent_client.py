@@ -193,8 +193,10 @@ class AgentClient:
                 return
             log.warning("node %s: the agent's certificate lacks the name %s that only node %s's certificate "
                         "may list, so the controller must check its role with a handshake of its own; issue "
-                        "it again with `%s` (fastshare.gpu.pki does at its next run)", node, agent_name(node),
-                        node, reissue_command("node", node))
+                        "it again with `%s` (fastshare.gpu.pki does at its next run; in Kubernetes mode the "
+                        "agent gets it with its next certificate: at 2/3 of the current one's life, or when "
+                        "its Pod is replaced)", node, agent_name(node), node,
+                        reissue_command("node", node))
             self._dial(node)
             self._checked.set()
 

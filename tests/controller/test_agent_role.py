@@ -168,6 +168,7 @@ def test_a_node_certificate_from_before_agent_names_works_with_a_warning_and_a_c
         assert client.prepare(_share("s1")).created and client.ping() is None
         assert agent.calls == ["s1", "Ping"]
         assert "lacks the name node-x.agent.fastshare.invalid" in caplog.text and REISSUE in caplog.text
+        assert "in Kubernetes mode the agent gets it with its next certificate" in caplog.text
         server.stop(None)
         with pytest.raises(AgentError) as gone:    # nobody there: the connection is gone
             client.ping()

@@ -15,10 +15,11 @@ for as long as the RPC deadline fails as DEADLINE_EXCEEDED without being sent.
 Who answers. gRPC checks only that the agent's certificate lists the name dialled; the
 controller dials node NODE's agent by :func:`certs.agent_name` (``NODE.agent.fastshare.invalid``),
 which only NODE's own node certificate may list, so gRPC's own check on every connection is a
-check of the role too. Before a client's first call it looks at the agent's certificate with a
-TLS handshake of its own: one that lists that name is dialled by it from then on; a node
-certificate of NODE issued before node certificates had it (the upgrade) is dialled by NODE, as
-before, with this role check repeated on every new connection and a warning to issue it again;
+check of the role too. Before a client's first call (and after one that could not reach the agent)
+it looks at the agent's certificate with a TLS handshake of its own: one that lists that name is
+dialled by it; a node certificate of NODE issued before node certificates had it (the upgrade) is
+dialled by NODE, as before, with this role check repeated before each new connection is used (a
+connection of its own, not the calls') and a warning to issue it again;
 any other (another node's certificate listing NODE as a host name, the controller's, one without
 a role) gets nothing: PERMISSION_DENIED, naming the certificate's role and the command to run.
 
@@ -177,7 +178,7 @@ class AgentClient:
                 self._refuse_if_closed(method)
                 if self._server_name != agent_name(node):   # issued again since: gRPC checks the name
                     self._dial(agent_name(node))
-                self._checked.set()                       # for good: gRPC checks it on every connection
+                self._checked.set()   # gRPC checks the name on each connection (see _failed)
             return
         why = peer.why_not_node(node)
         if why:

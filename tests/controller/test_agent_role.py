@@ -379,3 +379,37 @@ def test_an_agent_whose_certificate_no_longer_lists_the_agent_name_is_looked_at_
     finally:
         client.close()
         server.stop(None)
+
+
+def test_an_agent_that_cannot_be_looked_at_is_not_looked_at_again_until_a_backoff_passes(tmp_path):
+    """A node that does not answer costs one deadline per look at its certificate. The in-cluster
+    controller pings its nodes one after another each pass: without a pause between looks every dead
+    node added a deadline to every pass. After a failed look the calls fail at once, as unreachable,
+    naming what the look met, until a backoff passes (doubling, from BACKOFF_FIRST_S); then one looks
+    again."""
+    from fastshare.controller import agent_client
+
+    pki = Pki(tmp_path)
+    hung = socket.create_server(("127.0.0.1", 0), backlog=16)   # never accepts, never answers
+    client = AgentClient(AgentTarget("node-x", f"127.0.0.1:{hung.getsockname()[1]}"),
+                         TlsPaths.in_dir(pki.dir, "controller"), deadline=0.6)
+    try:
+        def timed_ping() -> tuple[float, AgentError]:
+            started = time.monotonic()
+            outcome = _outcome(client.ping)
+            assert isinstance(outcome, AgentError) and outcome.unreachable, outcome
+            return time.monotonic() - started, outcome
+
+        took, _ = timed_ping()
+        assert took >= 0.5
+        took, again = timed_ping()
+        assert took < 0.3, f"looked again at once ({took:.1f}s)"
+        assert "timed out" in again.details and "looked at again in" in again.details, again.details
+        time.sleep(agent_client.BACKOFF_FIRST_S + 0.1)
+        took, _ = timed_ping()
+        assert took >= 0.5, "the backoff passed: one looks again"
+        took, _ = timed_ping()
+        assert took < 0.3
+    finally:
+        client.close()
+        hung.close()

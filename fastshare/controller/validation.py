@@ -155,8 +155,10 @@ def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) 
         least = "> 0" if kind in (Kind.FASTPOD, Kind.MPS) else ">= 0"
         raise ValidationError("spec.memory_bytes", f"must be {least}, got {spec.memory_bytes}")
     if spec.memory_bytes and largest and spec.memory_bytes > largest:
-        raise ValidationError("spec.memory_bytes", f"must be <= the largest GPU's memory "
-                                                   f"({_human(largest)}), got {_human(spec.memory_bytes)}")
+        most, got = _human(largest), _human(spec.memory_bytes)
+        if most == got:   # rounded alike: "<= 79.6 GiB, got 79.6 GiB" would read as a refusal of no excess
+            most, got = f"{largest} bytes", f"{spec.memory_bytes} bytes"
+        raise ValidationError("spec.memory_bytes", f"must be <= the largest GPU's memory ({most}), got {got}")
     if kind is Kind.FASTPOD:
         if not 1 <= spec.sm_percent <= 100:
             raise ValidationError("spec.sm_percent", f"must be in 1..100, got {spec.sm_percent}")

@@ -253,3 +253,17 @@ def test_the_longest_allocation_id_passes():
     from fastshare.controller.validation import check_allocation_id
 
     check_allocation_id("f" * 128)
+
+
+def test_memory_just_over_the_largest_gpu_is_not_quoted_as_equal_to_it():
+    """A request a little over the largest GPU (80 GiB on an H100 whose NVML total is 79.65 GiB)
+    read "must be <= ... (79.6 GiB), got 79.6 GiB": both figures are exact bytes when rounding
+    makes them look the same."""
+    h100 = Gpu(0, "GPU-h", "NVIDIA H100 80GB HBM3", 81559 * 2**20, 132)
+    _check(Spec(Kind.MPS, memory_bytes=81560 * 2**20), "spec.memory_bytes",
+           r"largest GPU's memory \(85520809984 bytes\), got 85521858560 bytes", gpus=[h100])
+    one = Gpu(0, "GPU-o", "NVIDIA Small", GiB, 8)
+    _check(Spec(Kind.MPS, memory_bytes=GiB + 1), "spec.memory_bytes",
+           r"\(1073741824 bytes\), got 1073741825 bytes", gpus=[one])
+    _check(Spec(Kind.MPS, memory_bytes=2 * GiB), "spec.memory_bytes",     # distinct: rounded figures
+           r"largest GPU's memory \(1.0 GiB\), got 2.0 GiB", gpus=[one])

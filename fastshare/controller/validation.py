@@ -247,9 +247,10 @@ def check_node_labels(labels: dict[str, str]) -> None:
     if len(labels) > MAX_LIST_ENTRIES:
         raise ValidationError("labels", f"at most {MAX_LIST_ENTRIES} labels, got {len(labels)}")
     for key, value in labels.items():
-        if len(key) > MAX_LABEL_KEY_LENGTH or (problem := label_key_problem(key)):
-            raise ValidationError("labels", f"label key {key[:80]!r}: "
-                                            f"{problem or f'at most {MAX_LABEL_KEY_LENGTH} characters'}")
+        problem = (f"at most {MAX_LABEL_KEY_LENGTH} characters" if len(key) > MAX_LABEL_KEY_LENGTH
+                   else label_key_problem(key))
+        if problem:
+            raise ValidationError("labels", f"label key {key[:80]!r}: {problem}")
         if len(value) > MAX_LABEL_VALUE_LENGTH or (value and not _LABEL_VALUE_RE.fullmatch(value)):
             raise ValidationError("labels", f"label value {value[:80]!r} of {key!r}: empty or at most "
                                             f"{MAX_LABEL_VALUE_LENGTH} letters, digits, '-', '_' and '.', "

@@ -267,3 +267,17 @@ def test_memory_just_over_the_largest_gpu_is_not_quoted_as_equal_to_it():
            r"\(1073741824 bytes\), got 1073741825 bytes", gpus=[one])
     _check(Spec(Kind.MPS, memory_bytes=2 * GiB), "spec.memory_bytes",     # distinct: rounded figures
            r"largest GPU's memory \(1.0 GiB\), got 2.0 GiB", gpus=[one])
+
+
+def test_a_label_key_over_the_length_limit_is_refused_naming_the_limit():
+    """A key longer than any label key can be was checked first (before the key's syntax) and
+    left ``problem`` unassigned: RegisterNode answered INTERNAL (UnboundLocalError) instead of
+    naming the labels and the limit."""
+    from fastshare.controller.validation import check_node_labels
+
+    for labels in ({"k" * 318: "v"}, {"a": "b", "k" * 10_000: "v"}):
+        with pytest.raises(ValidationError, match=r"label key 'k{80}': at most 317 characters$") as exc:
+            check_node_labels(labels)
+        assert exc.value.field == "labels"
+    longest = ".".join(("a" * 63, "b" * 63, "c" * 63, "d" * 61)) + "/" + "n" * 63   # 253 + 1 + 63
+    check_node_labels({longest: "v"})

@@ -255,6 +255,21 @@ def test_the_longest_allocation_id_passes():
     check_allocation_id("f" * 128)
 
 
+def test_the_fastpod_crd_carries_the_ranges_the_controller_checks():
+    """The CRD's schema is rendered from these ranges: the API server refuses the same FastPods
+    (in-cluster a FastPod outside them is refused when applied, not at its first placement)."""
+    from fastshare.controller import validation
+    from fastshare.k8s import manifests
+
+    gpu = manifests.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["gpu"]["properties"]
+    assert (gpu["smCount"]["minimum"], gpu["smCount"]["maximum"]) == (1, validation.MAX_SM_COUNT)
+    assert (gpu["count"]["minimum"], gpu["count"]["maximum"]) == (1, validation.MAX_GPUS_PER_NODE)
+    assert gpu["models"]["maxItems"] == validation.MAX_LIST_ENTRIES
+    assert gpu["models"]["items"]["maxLength"] == validation.MAX_MODEL_LENGTH
+    assert {gpu[n]["pattern"] for n in ("affinity", "antiAffinity", "exclusion")} == {validation.TAG_PATTERN}
+
+
 def test_memory_just_over_the_largest_gpu_is_not_quoted_as_equal_to_it():
     """A request a little over the largest GPU (80 GiB on an H100 whose NVML total is 79.65 GiB)
     read "must be <= ... (79.6 GiB), got 79.6 GiB": both figures are exact bytes when rounding
@@ -281,3 +296,56 @@ def test_a_label_key_over_the_length_limit_is_refused_naming_the_limit():
         assert exc.value.field == "labels"
     longest = ".".join(("a" * 63, "b" * 63, "c" * 63, "d" * 61)) + "/" + "n" * 63   # 253 + 1 + 63
     check_node_labels({longest: "v"})
+
+
+H100 = Gpu(1, "GPU-h", "NVIDIA H100 80GB HBM3", 80 * GiB, 132, True, True)
+
+
+@pytest.mark.parametrize(("spec", "kw", "field", "message"), [
+    (Spec(Kind.MPS, memory_bytes=GiB, gpu_count=2), {}, "spec.gpu_count",
+     "kind mps uses one GPU; use kind whole for 2 GPUs"),
+    (Spec(Kind.MPS, memory_bytes=GiB, sm_percent=20), {}, "spec.sm_percent",
+     "does not apply to kind mps; leave it unset"),
+    (Spec(Kind.EXCLUSIVE, mig_profile="3g.20gb", sm_count=3), {}, "spec.mig_profile",
+     "kind exclusive needs exactly one of mig_profile, sm_count or sm_percent, "
+     "got ['mig_profile', 'sm_count']"),
+    (Spec(Kind.EXCLUSIVE), {}, "spec.mig_profile",
+     "kind exclusive needs exactly one of mig_profile, sm_count or sm_percent, got none"),
+    (Spec(Kind.MPS, memory_bytes=GiB, affinity="a b"), {}, "spec.affinity",
+     "tag 'a b' is invalid: 1-63 characters of letters, digits, '.', '_', '/', '-'"),
+    (Spec(Kind.MPS, memory_bytes=GiB), {"lease_ttl": 2}, "lease_ttl_seconds",
+     "must be 0 (no lease) or in 5..604800, got 2"),
+    (Spec(Kind.MPS, memory_bytes=GiB, models=("ok", "m" * 130, "m" * 129)), {}, "spec.models",
+     "entries of at most 128 characters, got 130"),                      # the first one too long
+    (Spec(Kind.WHOLE, gpu_count=17), {}, "spec.gpu_count", "must be in 1..16, got 17"),
+])
+def test_refusals_read_in_full(spec, kw, field, message):
+    """What a user reads: the field, the range or the choices, and what was given."""
+    with pytest.raises(ValidationError) as exc:
+        validate(Request(spec=spec, **kw), GPUS)
+    assert (exc.value.field, exc.value.detail) == (field, message)
+
+
+def test_no_mig_model_or_no_fitting_profile_says_so_with_each_models_reason():
+    with pytest.raises(ValidationError) as exc:
+        validate(Request(spec=Spec(Kind.EXCLUSIVE, sm_count=10)), [L4])
+    assert exc.value.detail == ("no MIG-capable GPU model is present (present: ['NVIDIA L4']); "
+                                "use kind fastpod, mps or whole")
+    with pytest.raises(ValidationError) as exc:
+        validate(Request(spec=Spec(Kind.EXCLUSIVE, sm_count=200)), [A100, H100, L4])
+    assert exc.value.field == "spec.sm_count"
+    assert exc.value.detail.startswith("no MIG profile of a GPU model present fits: 200 SMs requested but "
+                                       "the largest MIG slice on A100-SXM4-40GB has 98"), exc.value.detail
+    assert "GPU instead; 200 SMs requested but the largest MIG slice on H100-SXM5-80GB" in exc.value.detail
+
+
+def test_node_label_refusals_quote_at_most_80_characters_of_the_label():
+    from fastshare.controller.validation import check_node_labels
+
+    with pytest.raises(ValidationError) as exc:
+        check_node_labels({"k": "-" + "v" * 99})
+    assert exc.value.detail == (f"label value '-{'v' * 79}' of 'k': empty or at most 63 letters, digits, "
+                                "'-', '_' and '.', starting and ending with a letter or digit")
+    with pytest.raises(ValidationError) as exc:
+        check_node_labels({"-" + "k" * 99: "v"})
+    assert exc.value.detail.startswith(f"label key '-{'k' * 79}': must be [PREFIX/]NAME"), exc.value.detail

@@ -4,6 +4,7 @@ rebuild from persisted assignments."""
 import threading
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -473,3 +474,168 @@ def test_a_share_on_a_gpu_that_got_lost_is_over_committed_with_a_reason_that_doe
     assert "until enough is released" not in reason and "ends failed" in reason, reason
     moved = overcommit_reason("n GPU 0 is in MIG mode")   # any other change: releasing helps
     assert "until enough is released" in moved
+
+
+# --- behaviour pinned after mutation testing (second round) ------------------------------------
+def test_a_fresh_ledger_holds_nothing_and_says_its_mps_factor():
+    ledger = Ledger(mps_oversubscription=1.5)
+    assert ledger.mps_oversubscription == 1.5          # the controller compares its agents' factor
+    assert not ledger.release("x") and not ledger.holds("x")
+    assert ledger.overcommitted() == {} and ledger.over("x") == "" and ledger.misfit("x") == ""
+    assert ledger.node_names() == set() and ledger.usage() == []
+
+
+def test_a_held_out_node_keeps_its_shares_takes_nothing_new_and_says_why_until_released():
+    """A node holding shares newer than the store takes no new work until they are adopted; the
+    rejection names it with the caller's reason. A node held out before it registers is held out
+    once it does."""
+    ledger = _ledger()
+    spec = Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, quota_request=0.1, quota_limit=1.0,
+                models=("L4",))
+    held = _place(ledger, "f1", spec)
+    assert not ledger.held_out("b")
+    ledger.set_held_out("b", "hold shares the store has no record of")
+    assert ledger.held_out("b") and ledger.holds(held.request.id)
+    refused = _place(ledger, "f2", spec)
+    assert isinstance(refused, Rejection)
+    assert refused.reason.endswith("1 node(s) hold shares the store has no record of (b)"), refused.reason
+    ledger.set_held_out("b", "")
+    assert not ledger.held_out("b") and _place(ledger, "f2", spec).node == "b"
+    ledger.set_held_out("c", "are held out")              # not registered yet
+    assert ledger.held_out("c")
+    ledger.set_node(_node("c", ["L4"]), True)
+    ledger.set_cordoned("b", True)
+    refused = _place(ledger, "f3", spec)
+    assert isinstance(refused, Rejection) and "1 node(s) are held out (c)" in refused.reason, refused.reason
+
+
+def test_adopt_counts_a_share_the_node_holds_and_says_when_its_gpu_is_over_committed():
+    view = _node("n", ["L4"])
+    ledger = Ledger()
+    ledger.reset([(view, True)], [])
+    donor = Ledger()
+    donor.set_host("n", 1000, 1024)
+    donor.reset([(view, True)], [])
+    first = _place(donor, "a1", Spec(Kind.FASTPOD, sm_percent=70, memory_bytes=GiB, cpu_milli=100))
+    ledger.set_host("n", 0, 0)                  # others took the CPU: the share's Pod is there already
+    assert ledger.adopt(first) == "" and ledger.holds("a1") and ledger.over("a1") == ""
+    assert ledger.usage() == donor.usage()
+    assert donor.release("a1")
+    second = _place(donor, "a2", Spec(Kind.FASTPOD, sm_percent=50, memory_bytes=GiB))   # 120 % with a1
+    why = ledger.adopt(second)
+    assert why and "n GPU 0" in why, why
+    assert ledger.holds("a2") and ledger.over("a2") == why and ledger.overcommitted("n") == {"a2": why}
+    assert isinstance(_place(ledger, "x", Spec(Kind.FASTPOD, sm_percent=1, memory_bytes=GiB)), Rejection)
+    assert ledger.release("a1") and ledger.overcommitted() == {} and ledger.over("a2") == ""
+    stranger = replace(second, request=replace(second.request, id="a3"), node="gone")
+    with pytest.raises(ValueError, match="gone is not in the cluster view"):
+        ledger.adopt(stranger)
+
+
+def test_a_forgotten_node_is_gone_with_everything_told_about_it():
+    """remove_node (ForgetNode): no placement goes there, and a node of that name registering
+    again starts afresh: not cordoned, no host figures or room told for the old one."""
+    ledger = _ledger()
+    ledger.set_cordoned("b", True, "broken")
+    ledger.set_host("b", 0, 0)
+    ledger.set_room("b", 0)
+    ledger.remove_node("b")
+    assert ledger.node_names() == {"a"} and "H100-SXM5-80GB" not in ledger.models()
+    assert {u["node"] for u in ledger.usage()} == {"a"}
+    spec = Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, models=("L4",))
+    refused = ledger.to_request("f", spec)
+    assert isinstance(refused, Rejection) and "present: ['A100-SXM4-40GB']" in refused.reason, refused
+    ledger.set_node(_node("b", ["H100-SXM5-80GB", "L4"]), True)
+    placed = _place(ledger, "f", spec)
+    assert isinstance(placed, Assignment) and placed.node == "b", placed
+
+
+def test_a_named_mig_profile_becomes_its_shape_and_the_tags_reach_the_engine():
+    """The engine's request for a profile name carries the profile's SMs and memory (the least of
+    the models that have it); affinity tags are passed on, and none given is None."""
+    ledger = _ledger()
+    on_h100 = ledger.to_request("h", Spec(Kind.EXCLUSIVE, mig_profile="3g.40gb"))
+    assert (on_h100.sm_count, on_h100.gpu_memory_mib, on_h100.mig_profile) == (60, 40320, "3g.40gb")
+    both = ledger.to_request("b", Spec(Kind.EXCLUSIVE, mig_profile="1g.10gb"))
+    assert (both.gpu_models, both.sm_count, both.gpu_memory_mib) == (
+        ("A100-SXM4-40GB", "H100-SXM5-80GB"), 14, 9856)
+    tagged = ledger.to_request("t", Spec(Kind.MPS, memory_bytes=GiB, affinity="team-a", anti_affinity="noisy",
+                                         exclusion="secret"))
+    assert (tagged.affinity, tagged.anti_affinity, tagged.exclusion, tagged.mig_profile) == (
+        "team-a", "noisy", "secret", None)
+    plain = ledger.to_request("p", Spec(Kind.MPS, memory_bytes=GiB))
+    assert (plain.affinity, plain.anti_affinity, plain.exclusion) == (None, None, None)
+
+
+def test_nodes_not_registered_are_not_named_in_a_rejection():
+    """Cordon, hold-out and availability told for a node that has not registered are kept for
+    when it does, but a rejection counts and names only the nodes there are."""
+    ledger = _ledger()
+    ledger.set_cordoned("ghost", True, "new rack")
+    ledger.set_held_out("phantom", "are held out")
+    ledger.set_available("spectre", False)
+    refused = _place(ledger, "w", Spec(Kind.WHOLE, gpu_count=4))
+    assert isinstance(refused, Rejection), refused
+    for name in ("ghost", "phantom", "spectre", "cordoned", "held out", "unavailable"):
+        assert name not in refused.reason, refused.reason
+    ledger.set_node(_node("spectre", ["L4"]), True)
+    assert _place(ledger, "f", Spec(Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, models=("L4",)))
+
+
+def test_host_figures_below_zero_offer_nothing_and_do_not_disturb_held_shares():
+    """Others may take more than a node's allocatable: it then offers no CPU/memory (not a
+    negative amount); a held share over-committed on its GPU is judged again at a release on
+    the node without its host figures being checked (its Pod is on the node already)."""
+    view = _node("n", ["A100-SXM4-40GB"])
+    generous = Ledger(mps_oversubscription=2.0)
+    generous.set_host("n", 4000, 4096)
+    generous.reset([(view, True)], [])
+    held = [_place(generous, f"m{i}", Spec(Kind.MPS, memory_bytes=25 * GiB, cpu_milli=500)) for i in range(3)]
+    ledger = Ledger()
+    ledger.set_host("n", -5, -5)
+    assert ledger.reset([(view, True)], held) == [] and sorted(ledger.overcommitted()) == ["m1", "m2"]
+    refused = _place(ledger, "x", Spec(Kind.WHOLE, gpu_count=1, cpu_milli=1))
+    assert isinstance(refused, Rejection) and "lack 1 milli-CPU; most free is 0 on n" in refused.reason
+    assert ledger.release("m0")
+    assert sorted(ledger.overcommitted()) == ["m1", "m2"] and ledger.holds("m1") and ledger.holds("m2")
+    assert ledger.release("m1") and ledger.overcommitted() == {} and ledger.holds("m2")
+
+
+def test_a_gpu_view_without_uuids_keeps_the_indexes_and_all_gone_gpus_are_named():
+    """A view whose GPUs report no UUID (an older agent) keeps a held assignment on its indexes;
+    a whole assignment whose GPUs both left is reported naming each."""
+    view = _node("n", ["L4", "L4", "L4"])
+    ledger = Ledger()
+    ledger.reset([(view, True)], [])
+    pair = _place(ledger, "w", Spec(Kind.WHOLE, gpu_count=2))
+    assert pair.gpus == (0, 1) and pair.gpu_uuids == ("GPU-n-0", "GPU-n-1")
+    anonymous = replace(view, gpus=tuple(replace(g, uuid="") for g in view.gpus))
+    fresh = Ledger()
+    assert fresh.reset([(anonymous, True)], [pair]) == [] and fresh.holds("w")
+    third = replace(view, gpus=(replace(view.gpus[2], index=0),), links=())
+    failed = Ledger().reset([(third, True)], [pair])
+    assert [(a.request.id, why) for a, why in failed] == [("w", (
+        "GPU GPU-n-0 (GPU 0 when it was placed) is no longer on node n (removed, replaced or fallen off the "
+        "bus); GPU GPU-n-1 (GPU 1 when it was placed) is no longer on node n (removed, replaced or fallen "
+        "off the bus)"))]
+
+
+def test_negative_host_figures_offer_no_cpu_or_memory():
+    ledger = _ledger()
+    for name in ("a", "b"):
+        ledger.set_host(name, -5, -5)
+    for spec in (Spec(Kind.MPS, memory_bytes=GiB, cpu_milli=1),
+                 Spec(Kind.MPS, memory_bytes=GiB, host_memory_bytes=1)):
+        assert isinstance(_place(ledger, "x", spec), Rejection), spec
+
+
+def test_misfit_of_a_share_beside_no_over_committed_one_is_empty():
+    """Only shares on a GPU that holds an over-committed one are judged; any other fits."""
+    view = _node("n", ["A100-SXM4-40GB", "A100-SXM4-40GB"])
+    ledger = Ledger()
+    ledger.reset([(view, True)], [])
+    on = {a.gpus[0]: a.request.id for a in (
+        _place(ledger, f"f{i}", Spec(Kind.FASTPOD, sm_percent=60, memory_bytes=GiB)) for i in range(2))}
+    ledger.set_node(_mig_on(view, 0), True)
+    assert list(ledger.overcommitted()) == [on[0]]
+    assert ledger.misfit(on[1]) == "" and ledger.misfit(on[0]) and list(ledger.overcommitted()) == [on[0]]

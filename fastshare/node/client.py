@@ -1,5 +1,7 @@
 """Dialling a node agent: the local unix socket, or TCP with mTLS (or server-only TLS for
-the read-only port). Used by the CLI, the tests, the benchmark and the controller."""
+the read-only port). Used by the CLI (the local socket), the tests and the benchmark; the
+controller dials agents through :mod:`fastshare.controller.agent_client`, which checks that the
+certificate is the node's own."""
 
 from __future__ import annotations
 

@@ -22,8 +22,9 @@ dialled by NODE, as before, with this role check repeated before each new connec
 connection of its own, not the calls') and a warning to issue it again;
 any other (another node's certificate listing NODE as a host name, the controller's, one without
 a role) gets nothing: PERMISSION_DENIED, naming the certificate's role and the command to run.
-A look that cannot reach the agent is not made again for a backoff (BACKOFF_FIRST_S, doubling):
-the calls meanwhile fail at once as unreachable, as gRPC's own between its connection attempts.
+A look that cannot reach the agent, or finds another's certificate, is not made again for a
+backoff (BACKOFF_FIRST_S, doubling): the calls meanwhile fail at once with its error, as gRPC's own
+fail between its connection attempts.
 
 ``term``: the leader term of a Kubernetes-mode controller (its fencing token), sent as call
 metadata with the calls that change a GPU; an agent that has seen a newer term refuses the
@@ -59,9 +60,9 @@ BATCHED_KINDS = frozenset({common_pb2.SHARE_KIND_FASTPOD, common_pb2.SHARE_KIND_
 # so that a slow call (the first share on a GPU starts its MPS daemon) does not hold up the rest.
 MAX_IN_FLIGHT = 2
 MAX_BATCH = 64
-# An agent whose certificate could not be looked at (it does not answer) is not looked at again for
-# this long, doubling up to the most: each look can cost a whole deadline, and the in-cluster
-# controller's node sync pings its nodes one after another.
+# An agent whose certificate could not be looked at (it does not answer), or was another's, is not
+# looked at again for this long, doubling up to the most: each look can cost a whole deadline (the
+# in-cluster controller's node sync pings its nodes one after another) and a refusal a log line.
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 20.0
 
 
@@ -117,7 +118,8 @@ class AgentClient:
         self._check_lock = threading.Lock()
         self._is_closed = False
         # after a look at the certificate that could not reach the agent: none again before this
-        self._look_after, self._backoff, self._unreached = 0.0, BACKOFF_FIRST_S, ""
+        self._look_after, self._backoff = 0.0, BACKOFF_FIRST_S
+        self._last_look = grpc.StatusCode.UNAVAILABLE, ""
         self._dial(agent_name(target.node))
         self._batching = True    # until an agent without the batch RPCs says UNIMPLEMENTED
         self._closed_why = "the node was forgotten"   # said to a call made after ``close``
@@ -170,20 +172,14 @@ class AgentClient:
         node, address = self.target.node, self.target.address
         self._refuse_if_closed(method)
         wait = self._look_after - time.monotonic()
-        if wait > 0:   # the last look could not reach it: fail at once, as gRPC does between tries
-            raise AgentError(node, method, grpc.StatusCode.UNAVAILABLE,
-                             f"{self._unreached} (looked at again in {wait:.0f}s)")
+        if wait > 0:   # the last look failed: fail at once, as gRPC does between connection attempts
+            code, message = self._last_look
+            raise AgentError(node, method, code, f"{message} (looked at again in {wait:.0f}s)")
         try:
             cert = server_certificate(address, self._tls, node, self.deadline)
         except (OSError, ValueError) as exc:
             unreached = f"cannot look at the certificate of the agent at {address}: {exc}"
-            with self._check_lock:
-                self._unreached = unreached
-                self._look_after = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
-            raise AgentError(node, method, grpc.StatusCode.UNAVAILABLE, unreached) from None
-        with self._check_lock:
-            self._look_after, self._backoff = 0.0, BACKOFF_FIRST_S
+            raise self._look_failed(method, grpc.StatusCode.UNAVAILABLE, unreached) from None
         try:
             names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value \
                 .get_values_for_type(x509.DNSName)
@@ -202,7 +198,9 @@ class AgentClient:
         if why:
             message = f"the agent at {address} is not node {node}'s, sending it nothing: {why}"
             log.error("node %s: %s", node, message)
-            raise AgentError(node, method, grpc.StatusCode.PERMISSION_DENIED, message)
+            raise self._look_failed(method, grpc.StatusCode.PERMISSION_DENIED, message)
+        with self._check_lock:
+            self._look_after, self._backoff = 0.0, BACKOFF_FIRST_S
         # Node NODE's certificate from before agent names: dialled by NODE, checked again on each
         # new connection (between this handshake and gRPC's, a relay could still swap the server).
         with self._check_lock:
@@ -218,6 +216,16 @@ class AgentClient:
                         reissue_command("node", node))
             self._dial(node)
             self._checked.set()
+
+    def _look_failed(self, method: str, code: grpc.StatusCode, message: str) -> AgentError:
+        """The error of a look that found no agent of this node (unreachable, or another's
+        certificate); the calls of the next backoff get it at once, without a look (each may cost a
+        deadline) or another log line."""
+        with self._check_lock:
+            self._last_look = code, message
+            self._look_after = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+        return AgentError(self.target.node, method, code, message)
 
     def _refuse_if_closed(self, method: str) -> None:
         """A closed client dials nothing (a new channel would reopen it)."""

@@ -15,7 +15,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool, AgentTarget
+from fastshare.controller.agent_client import BACKOFF_FIRST_S, AgentClient, AgentError, AgentPool, AgentTarget
 from fastshare.controller.core import AgentFailed, ControllerCore, Request
 from fastshare.controller.model import Kind, Spec, State
 from fastshare.controller.sqlite_store import SqliteStore
@@ -173,7 +173,7 @@ def test_a_node_certificate_from_before_agent_names_works_with_a_warning_and_a_c
         with pytest.raises(AgentError) as gone:    # nobody there: the connection is gone
             client.ping()
         assert gone.value.unreachable
-        time.sleep(0.5)
+        time.sleep(BACKOFF_FIRST_S + 0.1)   # the failed look's backoff passes (it doubles: 2 s next)
         server, impostor, _ = _serve(pki, "gpu-9", port)
         with pytest.raises(AgentError) as refused:
             client.prepare(_share("s2"))
@@ -184,6 +184,7 @@ def test_a_node_certificate_from_before_agent_names_works_with_a_warning_and_a_c
         server.stop(None)
         pki.issue("node-x")
         server, agent, _ = _serve(pki, "node-x", port)
+        time.sleep(2 * BACKOFF_FIRST_S + 0.1)
         assert client.prepare(_share("s3")).created and agent.calls == ["s3"]
     finally:
         client.close()
@@ -387,8 +388,6 @@ def test_an_agent_that_cannot_be_looked_at_is_not_looked_at_again_until_a_backof
     node added a deadline to every pass. After a failed look the calls fail at once, as unreachable,
     naming what the look met, until a backoff passes (doubling, from BACKOFF_FIRST_S); then one looks
     again."""
-    from fastshare.controller import agent_client
-
     pki = Pki(tmp_path)
     hung = socket.create_server(("127.0.0.1", 0), backlog=16)   # never accepts, never answers
     client = AgentClient(AgentTarget("node-x", f"127.0.0.1:{hung.getsockname()[1]}"),
@@ -405,7 +404,7 @@ def test_an_agent_that_cannot_be_looked_at_is_not_looked_at_again_until_a_backof
         took, again = timed_ping()
         assert took < 0.3, f"looked again at once ({took:.1f}s)"
         assert "timed out" in again.details and "looked at again in" in again.details, again.details
-        time.sleep(agent_client.BACKOFF_FIRST_S + 0.1)
+        time.sleep(BACKOFF_FIRST_S + 0.1)
         took, _ = timed_ping()
         assert took >= 0.5, "the backoff passed: one looks again"
         took, _ = timed_ping()
@@ -413,3 +412,27 @@ def test_an_agent_that_cannot_be_looked_at_is_not_looked_at_again_until_a_backof
     finally:
         client.close()
         hung.close()
+
+
+def test_calls_to_an_impostor_are_refused_at_once_and_logged_once_per_look(tmp_path, caplog):
+    """Each call to a server with another's certificate made a handshake of its own and logged an
+    ERROR: a controller calling it in a loop flooded its log. Now the refusal holds for a backoff:
+    the calls meanwhile are refused at once, with the same reason, and nothing more is logged."""
+    caplog.set_level(logging.ERROR)
+    pki = Pki(tmp_path)
+    name, issue, says = IMPOSTORS["another node"]
+    issue(pki)
+    server, agent, port = _serve(pki, name)
+    client = _client(pki, port)
+    try:
+        outcomes = [_outcome(client.ping) for _ in range(5)]
+        assert all(isinstance(o, AgentError) and o.code is grpc.StatusCode.PERMISSION_DENIED
+                   and says in str(o) for o in outcomes), outcomes
+        assert caplog.text.count("sending it nothing") == 1, caplog.text
+        time.sleep(BACKOFF_FIRST_S + 0.1)
+        assert isinstance(_outcome(client.ping), AgentError)
+        assert caplog.text.count("sending it nothing") == 2, "the backoff passed: looked at again"
+        assert agent.calls == []
+    finally:
+        client.close()
+        server.stop(None)

@@ -372,6 +372,7 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
         ConfigError,
         apply_host_via_agent,
         check_host_via_agent,
+        lost_left_out,
         parse_config,
         plan_host,
         resolve,
@@ -392,7 +393,10 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
         with _devices_of(agent, gpu_backend, sim_state) as devices:
             try:
                 configs = parse_config(text)
-                plans = plan_host(devices, resolve(configs, name, devices.gpus()), force=force, held=held)
+                gpus = devices.gpus()
+                chosen = resolve(configs, name, gpus)
+                skipped = lost_left_out(configs, name, gpus, chosen)   # lost, under `devices: all`
+                plans = plan_host(devices, chosen, force=force, held=held)
                 if agent is None:
                     results = (apply_directly(devices, plans, agent_journal) if do_apply else
                                [p.to_dict() for p in plans])
@@ -405,9 +409,11 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
                 fail(f"{config_file.name}: {exc}")
             except LocalAgentError as exc:   # the journal cannot take the note of a forced enable
                 fail(str(exc), exc.hint)
+    for left_out in skipped:
+        click.echo(f"Warning: {left_out['reason']}", err=True)
     if as_json:
         print_json({"config": name, "applied": do_apply, "changed": any(p.changed for p in plans),
-                    "gpus": results})
+                    "gpus": results, "skipped": skipped})
         return
     rows = []
     for r in results:

@@ -162,7 +162,12 @@ def _entry(where: str, e: Any) -> DeviceSpec:
 
 def resolve(configs: Mapping[str, list[DeviceSpec]], name: str,
             gpus: Sequence[GpuInfo]) -> dict[int, DeviceSpec]:
-    """GPU index -> the entry that applies to it; GPUs no entry matches are left alone."""
+    """GPU index -> the entry that applies to it; GPUs no entry matches are left alone.
+
+    A lost GPU (fallen off the bus) is resolved only by an entry that names its index, whatever the
+    entry's device-filter (a GPU lost before it was read has no name nor PCI id to match): plan_host
+    then refuses it. ``devices: all`` leaves it out (:func:`lost_left_out` says so): nothing can change
+    on it until a reset, and the GPUs that work can still be configured."""
     if name not in configs:
         raise ConfigError(f"config {name!r} not found; available: {', '.join(sorted(configs))}")
     chosen: dict[int, DeviceSpec] = {}
@@ -174,12 +179,30 @@ def resolve(configs: Mapping[str, list[DeviceSpec]], name: str,
                 raise ConfigError(f"{spec.where}.devices: GPU index(es) {missing} do not exist on this host "
                                   f"(valid: {sorted(known)})")
         for gpu in gpus:
-            if spec.matches(gpu):
+            if (spec.devices != "all" and gpu.index in spec.devices) if gpu.lost else spec.matches(gpu):
                 if gpu.index in chosen:
                     raise ConfigError(f"GPU {gpu.index} is matched by both {chosen[gpu.index].where} and "
                                       f"{spec.where}")
                 chosen[gpu.index] = spec
     return chosen
+
+
+def lost_left_out(configs: Mapping[str, list[DeviceSpec]], name: str, gpus: Sequence[GpuInfo],
+                  chosen: Mapping[int, DeviceSpec]) -> list[dict[str, Any]]:
+    """The lost GPUs config ``name`` leaves out (its ``devices: all``, as :func:`resolve` does), each
+    as {"gpu", "lost", "reason"}: the reason is the warning to give."""
+    everywhere = next((spec.where for spec in configs[name] if spec.devices == "all"), None)
+    if everywhere is None:
+        return []
+    return [{"gpu": g.index, "lost": g.lost,
+             "reason": f"{_lost_gpu(g)}; left out of `devices: all` ({everywhere}): it takes no MIG change "
+                       f"until it is reset. Reset it (nvidia-smi -r -i {g.index}) or reboot, then run again"}
+            for g in gpus if g.lost and g.index not in chosen]
+
+
+def _lost_gpu(gpu: GpuInfo) -> str:
+    return (f"GPU {gpu.index} ({gpu.uuid or 'UUID unknown'}) is lost (fell off the bus?): NVML answers "
+            f"NVML_ERROR_{gpu.lost}")
 
 
 def _shape(devices: Devices, gpu: GpuInfo) -> GpuShape:
@@ -205,8 +228,12 @@ def plan_host(devices: Devices, chosen: Mapping[int, DeviceSpec], *, force: bool
     An instance is in use when processes run on it or its UUID is in ``held`` (devices that
     fastshare shares hold, from the node agent's journal or inventory): in-use instances are kept
     unless ``force``; ``force`` never covers running processes, because NVML refuses to destroy
-    those."""
+    those. A lost GPU in ``chosen`` is refused."""
     gpus = {g.index: g for g in devices.gpus()}
+    for index in sorted(chosen):   # NVML fails every call on a lost GPU: refused before any change
+        if gpus[index].lost:
+            raise ConfigError(f"{chosen[index].where}: {_lost_gpu(gpus[index])}; no GPU was changed. Reset "
+                              f"it (nvidia-smi -r -i {index}) or reboot, then run again")
     return [_plan_gpu(devices, gpus[index], chosen[index], force, held) for index in sorted(chosen)]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from concurrent import futures
@@ -595,3 +596,102 @@ def test_an_agent_that_knows_destroy_instances_refusing_the_disable_leaves_the_i
         apply_host_via_agent(refusing, devices, plan_host(devices, {1: DeviceSpec((1,), False, where="w")}))
     assert refusing.asked == [True]
     assert devices.gpu(1) == before
+
+
+# --- a lost GPU (fallen off the bus): listed with `lost` set, by the backend or the agent's inventory --
+LOST_CONFIG = CONFIG + """
+  named:
+    - devices: [0, 1]
+      mig-enabled: false
+  named-on:
+    - devices: [2]
+      mig-enabled: true
+      mig-devices: {"3g.20gb": 2}
+    - devices: [1]
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+"""
+
+
+def _mig_config(via: str, request, machine: Path, tmp_path: Path, name: str, *more: str):
+    """`fastshare mig config --select NAME` directly (sim backend) or through a node agent."""
+    config = tmp_path / "mig.yaml"
+    config.write_text(LOST_CONFIG)
+    sock = request.getfixturevalue("agent_socket") if via == "agent" else ""
+    env = ({"FASTSHARE_GPU_BACKEND": "", "FASTSHARE_SIM_STATE": ""} if via == "agent" else
+           {"FASTSHARE_GPU_BACKEND": "sim", "FASTSHARE_SIM_STATE": str(machine)})
+    args = ["mig", "config", "--file", str(config), "--select", name, "--unix-socket", sock,
+            "--agent-journal", str(tmp_path / "none" / "journal.db"), *more]
+    return CliRunner().invoke(main, args, env=env)
+
+
+@pytest.mark.parametrize("via", ["direct", "agent"])
+@pytest.mark.parametrize("name", ["named", "named-on"])
+@pytest.mark.parametrize("apply", [[], ["--apply"]])
+def test_a_lost_gpu_a_config_names_is_refused_before_any_change(via, name, apply, request, machine: Path,
+                                                                 tmp_path: Path):
+    """GPU 1 fell off the bus (the agent read it before). Directly it was listed blank: an enable was
+    refused as "GPU 1 () does not support MIG", a disable planned as nothing to do and applied until
+    NVML failed on it, GPU 0 already changed; through the agent it was planned as last read and the
+    agent answered INTERNAL, or the disable changed GPU 0 first. Now: refused before any change on any
+    GPU, naming the entry, the GPU, that it is lost and what to do; the same on both paths."""
+    if via == "agent":
+        request.getfixturevalue("agent_socket")     # reads the GPUs while GPU 1 still works
+    simnvml.lose_gpu(machine, 1)
+    before = machine.read_bytes()
+    result = _mig_config(via, request, machine, tmp_path, name, *apply)
+    assert result.exit_code == 1, result.output
+    assert machine.read_bytes() == before
+    entry = "named[0]" if name == "named" else "named-on[1]"
+    message = result.output.replace("\n", " ")
+    lost = rf"mig-configs\.{re.escape(entry)}: GPU 1 .*is lost \(fell off the bus"
+    assert re.search(lost, message), message
+    assert "NVML_ERROR_GPU_IS_LOST" in message and "nvidia-smi -r -i 1" in message and "reboot" in message
+    assert "no GPU was changed" in message and "answered" not in message, message
+
+
+@pytest.mark.parametrize("via", ["direct", "agent"])
+@pytest.mark.parametrize("name", ["balanced", "all-disabled"])
+def test_a_lost_gpu_under_devices_all_is_left_out_with_a_warning(via, name, request, machine: Path,
+                                                                  tmp_path: Path):
+    """`devices: all` means the GPUs there are: a lost one is left out (nothing can change on it until
+    a reset, and the agent gives it no shares), with a warning saying so and what to do, and the others
+    are configured. Directly it was left out of `balanced` without a word (blank, no filter matched)
+    and planned as "MIG off, nothing to do" under `all-disabled`, whose --apply then failed on it after
+    GPU 0 changed; through the agent `balanced` failed (INTERNAL) and `all-disabled` failed halfway."""
+    if via == "agent":
+        request.getfixturevalue("agent_socket")
+    simnvml.lose_gpu(machine, 1)
+    plan = _mig_config(via, request, machine, tmp_path, name, "--json")
+    assert plan.exit_code == 0, plan.output
+    warning = plan.stderr.replace("\n", " ")
+    assert re.search(r"Warning: GPU 1 .*is lost \(fell off the bus.*NVML_ERROR_GPU_IS_LOST.* left out",
+                     warning), warning
+    assert "devices: all" in warning and "nvidia-smi -r -i 1" in warning and "run again" in warning, warning
+    planned = json.loads(plan.stdout)
+    assert 1 not in [g["gpu"] for g in planned["gpus"]]
+    (skipped,) = planned["skipped"]
+    assert (skipped["gpu"], skipped["lost"]) == (1, "GPU_IS_LOST") and "left out" in skipped["reason"]
+    applied = _mig_config(via, request, machine, tmp_path, name, "--apply", "--json")
+    assert applied.exit_code == 0, applied.output
+    assert "Warning: GPU 1" in applied.stderr
+    assert [g["gpu"] for g in json.loads(applied.stdout)["gpus"]] == [g["gpu"] for g in planned["gpus"]]
+    with open_devices("sim", machine) as devices:
+        gpus = devices.gpus()
+    if name == "balanced":
+        assert len(gpus[0].mig_instances) == 4 and gpus[2].mig_pending
+    else:
+        assert not gpus[0].mig_pending
+    simnvml.reboot(machine)   # back after a reboot, as it was
+    with open_devices("sim", machine) as devices:
+        assert devices.gpu(1).mig_current
+
+
+def test_plan_host_refuses_a_lost_gpu_it_is_given(devices, machine: Path):
+    """What the Ansible mig_config module (its `layout` option names GPUs) and other callers give
+    plan_host directly: a lost GPU is refused, naming it, whatever the entry asks."""
+    simnvml.lose_gpu(machine, 1)
+    for spec in (DeviceSpec((1,), False, where="w[0]"),
+                 DeviceSpec((1,), True, (("1g.10gb", 7),), where="w[0]")):
+        with pytest.raises(ConfigError, match=r"^w\[0\]: GPU 1 \(UUID unknown\) is lost \(fell off the bus"):
+            plan_host(devices, {0: DeviceSpec((0,), False, where="w[1]"), 1: spec})

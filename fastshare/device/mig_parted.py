@@ -192,10 +192,13 @@ def lost_left_out(configs: Mapping[str, list[DeviceSpec]], name: str, gpus: Sequ
     """The lost GPUs config ``name`` leaves out (its ``devices: all``, as :func:`resolve` does), each
     as {"gpu", "lost", "reason"}: the reason is the warning to give."""
     everywhere = next((spec.where for spec in configs[name] if spec.devices == "all"), None)
-    if everywhere is None:
-        return []
+    return [] if everywhere is None else left_out_lost(gpus, chosen, everywhere)
+
+
+def left_out_lost(gpus: Sequence[GpuInfo], chosen: Collection[int], where: str) -> list[dict[str, Any]]:
+    """The lost GPUs not in ``chosen``, left out of the ``devices: all`` of entry ``where``."""
     return [{"gpu": g.index, "lost": g.lost,
-             "reason": f"{_lost_gpu(g)}; left out of `devices: all` ({everywhere}): it takes no MIG change "
+             "reason": f"{_lost_gpu(g)}; left out of `devices: all` ({where}): it takes no MIG change "
                        f"until it is reset. Reset it (nvidia-smi -r -i {g.index}) or reboot, then run again"}
             for g in gpus if g.lost and g.index not in chosen]
 

@@ -27,15 +27,21 @@ class MigConfigError(Exception):
 
 
 def layout_targets(layout, gpus):
-    """{gpu index: mig_parted.DeviceSpec} from the module's ``layout`` option."""
+    """({gpu index: mig_parted.DeviceSpec}, the lost GPUs left out) from the module's ``layout`` option.
+
+    A lost GPU (fallen off the bus) is left out of ``devices: all`` (each left out as
+    mig_parted.left_out_lost gives it: the reason is the warning to give); one named by index is
+    kept, for mig_parted.plan_host to refuse before any change."""
     by_index = {g.index: g for g in gpus}
     valid = f"0..{len(gpus) - 1}" if gpus else "none: the host has no GPU"
     targets = {}
+    everywhere = None
     for n, entry in enumerate(layout):
         where = f"layout[{n}]"
         devices = entry["devices"]
         if devices == "all":
-            indexes = sorted(by_index)
+            indexes = sorted(i for i, g in by_index.items() if not g.lost)
+            everywhere = everywhere or where
         elif isinstance(devices, list) and devices and all(_is_index(d) for d in devices):
             indexes = [int(d) for d in devices]
         else:
@@ -50,7 +56,7 @@ def layout_targets(layout, gpus):
                 raise MigConfigError(f"{where}.devices: GPU {index} is already configured by an "
                                      "earlier layout entry")
             gpu = by_index[index]
-            if entry["mig_enabled"] and not gpu.mig_capable:
+            if entry["mig_enabled"] and not gpu.mig_capable and not gpu.lost:
                 raise MigConfigError(f"{where}.devices: GPU {index} ({gpu.name}) does not support MIG; "
                                      "leave it out of devices or set mig_enabled: false")
             wanted = entry["mig_devices"] or {}
@@ -58,7 +64,7 @@ def layout_targets(layout, gpus):
                 raise MigConfigError(f"{where}: mig_devices requires mig_enabled=true")
             counts = tuple((str(k), _count(where, k, v)) for k, v in wanted.items())
             targets[index] = mig_parted.DeviceSpec((index,), entry["mig_enabled"], counts, where=where)
-    return targets
+    return targets, (mig_parted.left_out_lost(gpus, targets, everywhere) if everywhere else [])
 
 
 def _is_index(value):
@@ -74,7 +80,7 @@ def _count(where, profile, value):
 
 
 def config_file_targets(path, name, gpus):
-    """{gpu index: mig_parted.DeviceSpec} from a mig-parted config file.
+    """({gpu index: mig_parted.DeviceSpec}, the lost GPUs left out) from a mig-parted config file.
 
     Parsing, ``device-filter`` matching and the one-entry-per-GPU rule are fastshare's
     (``fastshare.device.mig_parted``), as for every other consumer of these files.
@@ -85,7 +91,9 @@ def config_file_targets(path, name, gpus):
     except OSError as exc:
         raise MigConfigError(f"config_file: cannot read {path}: {exc.strerror}") from None
     try:
-        return mig_parted.resolve(mig_parted.parse_config(text), name, gpus)
+        configs = mig_parted.parse_config(text)
+        targets = mig_parted.resolve(configs, name, gpus)
+        return targets, mig_parted.lost_left_out(configs, name, gpus, targets)
     except (mig_parted.ConfigError, ValueError) as exc:
         raise MigConfigError(f"config_file {path}: {exc}") from None
 

@@ -42,6 +42,9 @@ options:
       devices:
         description:
           - V(all), or a list of GPU indexes (NVML order).
+          - A lost GPU (fallen off the bus, NVML_ERROR_GPU_IS_LOST) is left out of V(all) with a
+            warning; one named by index is refused before any GPU changes (reset it or reboot). The
+            same holds for the C(devices) of O(config_file) entries.
         type: raw
         default: all
       mig_enabled:
@@ -344,10 +347,12 @@ def _observed(gpu_plan, result, gpu_now):
 def run(module, devices):
     gpus = {g.index: g for g in devices.gpus()}
     if module.params["config_file"]:
-        targets = config_file_targets(module.params["config_file"], module.params["config_name"],
-                                      list(gpus.values()))
+        targets, left_out = config_file_targets(module.params["config_file"], module.params["config_name"],
+                                                list(gpus.values()))
     else:
-        targets = layout_targets(module.params["layout"], list(gpus.values()))
+        targets, left_out = layout_targets(module.params["layout"], list(gpus.values()))
+    for lost in left_out:   # fallen off the bus, under devices: all (one named is refused)
+        module.warn(lost["reason"])
     journal = module.params["agent_journal"]
     # A running agent makes the changes; none is changed beside a starting one; without one, its
     # state directory is held meanwhile (fastshare.node.local_agent, as for `fastshare mig config`).

@@ -371,6 +371,32 @@ def test_mig_parted_config_file_with_device_filter(mig, machine, tmp_path):
     assert both["failed"] and "mutually exclusive" in both["msg"]
 
 
+def test_a_lost_gpu_is_refused_when_named_and_left_out_of_all_with_a_warning(mig, machine, tmp_path):
+    """GPU 1 (H100) fell off the bus: listed blank, as not MIG-capable. A layout naming it was refused
+    as "does not support MIG; leave it out of devices", `devices: all` planned it as "nothing to do"
+    and a config file's device-filter left it out, without a word. Now, as `fastshare mig config`: a
+    GPU named by index is refused before any change, saying it is lost and to reset it or reboot;
+    `devices: all` leaves it out with a warning and configures the others."""
+    simnvml.lose_gpu(machine, 1)
+    before = machine.read_bytes()
+    for layout in ([{"devices": [0, 1], "mig_enabled": False}],
+                   [{"devices": [1], "mig_devices": {"1g.10gb": 7}}]):
+        named = mig(layout)
+        assert named["failed"] and named["changed"] is False, named
+        assert "GPU 1 (UUID unknown) is lost (fell off the bus?)" in named["msg"], named["msg"]
+        assert "nvidia-smi -r -i 1" in named["msg"] and "reboot" in named["msg"], named["msg"]
+    assert machine.read_bytes() == before
+    config = tmp_path / "config.yaml"
+    config.write_text(MIG_PARTED.split("    - devices: [1]")[0])   # devices: all only
+    for result in (mig([{"devices": "all", "mig_enabled": False}]),
+                   mig(None, config_file=str(config), config_name="balanced")):
+        assert not result.get("failed"), result.get("msg")
+        assert 1 not in [g["index"] for g in result["gpus"]]
+        (warning,) = [w for w in result.get("warnings", []) if "GPU 1" in w]
+        assert "is lost" in warning and "left out" in warning and "nvidia-smi -r -i 1" in warning, warning
+    assert layout_on_disk(machine, 0) == [(9, 4), (14, 0), (19, 2), (19, 3)]
+
+
 # --- beside a node agent ----------------------------------------------------------------------
 # The node agent tests' harness: a real `fastshare node serve` on a simulated machine.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

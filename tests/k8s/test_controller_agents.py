@@ -296,11 +296,12 @@ def test_one_replica_key_allocated_by_two_controllers_at_once_is_one_share(
 
 
 def _controller_process(control_plane, namespace, pki, fault: str, log: Path) -> subprocess.Popen:
-    """`fastshare k8s controller` that kills itself (SIGKILL) at ``fault``."""
+    """`fastshare k8s controller` that kills itself (SIGKILL) at ``fault``. Its lease lasts 10 s: with
+    3 s (a renewal due within 2 s) a loaded machine made it lose leadership before its first pass."""
     exe = shutil.which("fastshare") or str(Path(sys.executable).parent / "fastshare")
     args = [exe, "k8s", "controller", "--kubeconfig", str(control_plane.kubeconfig),
             "--namespace", namespace, "--lease-namespace", namespace, "--identity", "doomed",
-            "--tls-dir", str(pki[0] / "controller"), "--lease-duration", "3", "--node-interval", "0.5",
+            "--tls-dir", str(pki[0] / "controller"), "--lease-duration", "10", "--node-interval", "0.5",
             "--api-port", "0"]
     return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, faults.ENV: fault})

@@ -159,17 +159,13 @@ def _devices_of(agent: Any, gpu_backend: str | None, sim_state: str | None) -> I
     no backend of our own needed), else as the backend reads them (also for an agent too old to give
     what planning needs)."""
     from fastshare.device.api import DeviceError
-    from fastshare.node.local_agent import inventory_devices
+    from fastshare.node.local_agent import planning_devices
 
     try:
-        devices = inventory_devices(agent) if agent is not None else None
-        if devices is not None:
+        with planning_devices(agent, lambda: devices_from(gpu_backend, sim_state)) as devices:
             yield devices
-            return
     except DeviceError as exc:
         fail(str(exc))
-    with devices_from(gpu_backend, sim_state) as devices:
-        yield devices
 
 
 def _held(agent_journal: str | None) -> dict[str, list[str]]:

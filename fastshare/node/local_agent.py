@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +253,17 @@ def inventory_devices(agent: Any) -> InventoryDevices | None:
     if any(not g.lost and not g.pci_device_id for g in devices.gpus()):
         return None
     return devices
+
+
+@contextlib.contextmanager
+def planning_devices(agent: Any, open_backend: Callable[[], contextlib.AbstractContextManager[Devices]],
+                     ) -> Iterator[Devices]:
+    """The GPUs a MIG layout is planned from (`fastshare mig config`, the mig_config module): the
+    running ``agent``'s inventory (it makes the changes, so no GPU backend is needed), else the
+    devices ``open_backend()`` opens (no agent answered, or one too old: :func:`inventory_devices`)."""
+    devices = inventory_devices(agent) if agent is not None else None
+    with (devices if devices is not None else open_backend()) as opened:
+        yield opened
 
 
 def _gpu_info(g: Any) -> GpuInfo:

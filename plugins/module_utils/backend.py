@@ -62,11 +62,14 @@ def try_open_backend(module):
 SIM_STATE_ERRORS = ("NOT_FOUND", "CORRUPTED")
 
 
-def fail_backend(module, error):
-    """Fail the module naming the backend option and NVML's (or the machine file's) reason."""
+def fail_backend(module, error, why=None):
+    """Fail the module naming the backend option and NVML's (or the machine file's) reason (and
+    ``why`` the backend was needed, if given)."""
     backend = module.params["gpu_backend"]
     option = f"sim_state={module.params['sim_state']}" if backend == "sim" else f"gpu_backend={backend}"
-    module.fail_json(msg=f"cannot open the {backend} GPU backend ({option}): {error}", nvml_error=error.code)
+    reason = f"; it is needed because {why}" if why else ""
+    module.fail_json(msg=f"cannot open the {backend} GPU backend ({option}): {error}{reason}",
+                     nvml_error=error.code)
 
 
 def open_backend(module):

@@ -116,6 +116,12 @@ def local_agent(unix_socket, agent_journal):
         raise _refused(exc) from None
 
 
+def planning_devices(agent, open_backend):
+    """The GPUs to plan from: the running ``agent``'s inventory, else ``open_backend()``'s
+    (fastshare.node.local_agent, as for `fastshare mig config`)."""
+    return node_agent.planning_devices(agent, open_backend)
+
+
 @contextlib.contextmanager
 def without_agent(agent_journal):
     """Hold the node agent's state directory while MIG is changed directly (no agent answered)."""

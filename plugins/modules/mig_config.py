@@ -22,6 +22,11 @@ description:
     or moved; and the module fails naming the instance. O(force=true) lets the module destroy
     instances held by fastshare shares; running processes always block destruction, because
     NVML refuses it.
+  - While the node agent answers on O(unix_socket), the GPUs are read from its inventory, also in
+    check mode, so the module opens no GPU backend of its own, and O(gpu_backend) and O(sim_state)
+    are not used. Without an agent there (or with one too old to give the GPUs' PCI device ids),
+    the module reads the GPUs through O(gpu_backend), and O(sim_state) is required with
+    O(gpu_backend=sim).
   - Enabling or disabling MIG on an Ampere GPU (A100, A30) stays pending until the GPU is reset;
     the module then reports RV(reset_required) and RV(reboot_required) and leaves the MIG devices
     of that GPU for the next run after the reset. Hopper and later apply the mode at once and
@@ -91,13 +96,15 @@ options:
     type: path
   unix_socket:
     description:
-      - The fastshare node agent's unix socket. While an agent answers there, the module changes
-        nothing beside it; the agent makes the changes (C(SetMigMode), C(ApplyMigLayout)) under its
+      - The fastshare node agent's unix socket. While an agent answers there, the module reads the
+        GPUs from its inventory (no GPU backend needed) and changes nothing beside it; the agent
+        makes the changes (C(SetMigMode), C(ApplyMigLayout)) under its
         lock of each GPU, so a share it holds or is preparing counts as in use, and every GPU is
         checked by the agent (C(PlanMigLayout)) before anything changes, also in check mode.
       - O(force) means the same then; the agent drops the shares a forced change takes their
         device from, reported lost to the controller with that cause.
-      - With no agent answering there, the module changes MIG directly (see O(agent_journal)).
+      - With no agent answering there, the module changes MIG directly through O(gpu_backend)
+        (see O(agent_journal)).
     type: str
     default: /run/fastshare/node.sock
 attributes:
@@ -130,6 +137,8 @@ EXAMPLES = r"""
         mig_devices:
           3g.20gb: 2
 
+# While the node agent answers on unix_socket, it reads the GPUs and makes the changes: no backend
+# options needed. Without one, the module uses gpu_backend (default nvml).
 - name: A mixed layout on GPU 0, MIG off on GPU 1, shares protected (by the running agent, if any)
   fastshare.gpu.mig_config:
     agent_journal: /var/lib/fastshare/node/journal.db
@@ -276,12 +285,13 @@ import contextlib  # noqa: E402  (Ansible: imports follow the docs)
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 from ansible_collections.fastshare.gpu.plugins.module_utils.backend import (  # noqa: E402
-    BACKEND_REQUIRED_IF,
     DeviceError,
     JournalError,
     backend_argument_spec,
+    fail_backend,
     held_device_uuids,
-    open_backend,
+    require_fastshare,
+    try_open_backend,
 )
 from ansible_collections.fastshare.gpu.plugins.module_utils.mig import (  # noqa: E402
     MigConfigError,
@@ -292,6 +302,7 @@ from ansible_collections.fastshare.gpu.plugins.module_utils.mig import (  # noqa
     layout_targets,
     local_agent,
     plan_targets,
+    planning_devices,
     predicted_devices,
     predicted_mode,
     step_dict,
@@ -344,7 +355,23 @@ def _observed(gpu_plan, result, gpu_now):
     return gpu_plan, result["steps"], mode, result["reset_required"], _devices_of(gpu_now.mig_instances)
 
 
-def run(module, devices):
+def _open_backend(module, agent):
+    """The GPUs through the backend options: no node agent answers on unix_socket (or one too old to
+    plan from), so the module reads them itself; fails naming the option that is missing or wrong."""
+    socket_path = module.params["unix_socket"]
+    on = f"on unix_socket {socket_path}" if socket_path else "(unix_socket is empty)"
+    why = (f"no node agent answers {on}" if agent is None else
+           f"the node agent {on} is too old to plan from (its inventory has no PCI device ids)")
+    if module.params["gpu_backend"] == "sim" and not module.params["sim_state"]:
+        module.fail_json(msg=f"gpu_backend is sim but sim_state is missing (needed while {why})",
+                         changed=False)
+    devices, error = try_open_backend(module)
+    if error is not None:
+        fail_backend(module, error, why)
+    return devices
+
+
+def run(module, devices, agent):
     gpus = {g.index: g for g in devices.gpus()}
     if module.params["config_file"]:
         targets, left_out = config_file_targets(module.params["config_file"], module.params["config_name"],
@@ -354,9 +381,7 @@ def run(module, devices):
     for lost in left_out:   # fallen off the bus, under devices: all (one named is refused)
         module.warn(lost["reason"])
     journal = module.params["agent_journal"]
-    # A running agent makes the changes; none is changed beside a starting one; without one, its
-    # state directory is held meanwhile (fastshare.node.local_agent, as for `fastshare mig config`).
-    agent = local_agent(module.params["unix_socket"], journal)
+    # A running agent makes the changes; without one, its state directory is held meanwhile.
     directly = agent is None and not module.check_mode
     with without_agent(journal) if directly else contextlib.nullcontext():
         gpus = {g.index: g for g in devices.gpus()}   # again, now that no agent changes them beside
@@ -395,7 +420,7 @@ def run(module, devices):
 
 
 def main():
-    module = AnsibleModule(argument_spec=argument_spec(), required_if=BACKEND_REQUIRED_IF,
+    module = AnsibleModule(argument_spec=argument_spec(),
                            required_one_of=[("layout", "config_file")],
                            mutually_exclusive=[("layout", "config_file")],
                            required_together=[("config_file", "config_name")],
@@ -404,15 +429,17 @@ def main():
         module.fail_json(msg="config_file must be the path of a mig-parted file, got ''", changed=False)
     if module.params["layout"] is None and module.params["config_file"] is None:
         module.fail_json(msg="one of layout or config_file is needed (layout is null)", changed=False)
-    devices = open_backend(module)
+    require_fastshare(module)
     try:
-        result = run(module, devices)
+        # A running agent reads the GPUs and makes the changes (no backend needed); none is changed
+        # beside a starting one (fastshare.node.local_agent, as for `fastshare mig config`).
+        agent = local_agent(module.params["unix_socket"], module.params["agent_journal"])
+        with planning_devices(agent, lambda: _open_backend(module, agent)) as devices:
+            result = run(module, devices, agent)
     except (MigConfigError, JournalError) as exc:
         module.fail_json(msg=str(exc), changed=False)
     except DeviceError as exc:
         module.fail_json(msg=str(exc), nvml_error=exc.code)
-    finally:
-        devices.close()
     module.exit_json(**result)
 
 

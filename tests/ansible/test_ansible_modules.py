@@ -101,8 +101,9 @@ def test_modules_fail_cleanly_without_the_fastshare_package(collections_path: Pa
 
 # --- argument errors --------------------------------------------------------------------------
 BAD_ARGS = [
+    # no node agent answers on the default unix_socket here: the GPUs are read through the backend
     ({"sim_state": "DROP", "layout": []},
-     "gpu_backend is sim but all of the following are missing: sim_state"),
+     "gpu_backend is sim but sim_state is missing (needed while no node agent answers on unix_socket"),
     ({"gpu_backend": "cuda", "layout": []}, "gpu_backend"),
     ({"layout": [{"devices": "some"}]}, "layout[0].devices must be 'all' or a non-empty list"),
     ({"layout": [{"devices": [7]}]}, "GPU 7 does not exist (valid: 0..2)"),
@@ -463,3 +464,53 @@ def test_refused_while_a_node_agent_is_starting(mig, machine, tmp_path):
         hold.kill()
         hold.wait()
     assert mig(layout, **extra)["changed"] is True          # the agent is gone: directly, as before
+
+
+def test_plans_from_the_running_agents_inventory_without_a_backend(collections_path, agent,  # noqa: F811
+                                                                   sim_machine, tmp_path):  # noqa: F811
+    """`fastshare mig config` plans from the node agent's inventory while it answers; the module
+    opened its GPU backend first and required its options (gpu_backend=sim without sim_state was
+    refused, nvml failed on a host without a driver) although the agent reads the GPUs and makes
+    the changes. Now plan, check mode, diff mode and apply need no backend beside the agent."""
+    agent.start()
+    stub = agent.unix()
+    layout = [{"devices": [GPU_MIG], "mig_devices": {"3g.40gb": 2}}]
+    before = sim_machine.read_bytes()
+    for backend in ({}, {"gpu_backend": "sim"}):   # nvml (no driver here), sim without sim_state
+        args = {"unix_socket": agent.unix_socket, "layout": layout, **backend}
+        preview = run_module(collections_path, MIG_CONFIG, args, check=True, diff=True)
+        assert preview.get("changed") and [s["action"] for s in preview["steps"]] == ["create", "create"], \
+            preview
+        assert "3g.40gb at start 4 (memory slices 4..7)" in preview["diff"]["after"], preview["diff"]
+        assert sim_machine.read_bytes() == before
+    made = run_module(collections_path, MIG_CONFIG, args, diff=True)
+    migs = stub.GetInventory(agent_pb2.GetInventoryRequest(), timeout=30).gpus[GPU_MIG].mig_devices
+    assert made["changed"] and len(migs) == 2 and all(m.created_by_agent for m in migs), made
+    assert [d["uuid"] for d in made["gpus"][0]["mig_devices"]] == [m.uuid for m in migs]
+    assert run_module(collections_path, MIG_CONFIG, args)["changed"] is False
+    # a mig-parted file's device-filter selects by the PCI device id the agent's inventory gives
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\nmig-configs:\n  h100:\n    - devices: all\n"
+                      "      device-filter: ['0x233010DE']\n      mig-enabled: true\n"
+                      "      mig-devices: {'7g.80gb': 1}\n")
+    planned = run_module(collections_path, MIG_CONFIG, {"unix_socket": agent.unix_socket,
+                                                        "config_file": str(config), "config_name": "h100"},
+                         check=True)
+    assert [g["index"] for g in planned["gpus"]] == [GPU_MIG], planned
+    assert [s["action"] for s in planned["steps"]] == ["destroy", "destroy", "create"], planned
+
+
+def test_without_an_agent_the_backend_is_needed_and_named(collections_path, machine, tmp_path):
+    """No agent answers on unix_socket: the GPUs are read through the backend, and a missing one
+    is named together with the socket nobody answered on."""
+    where = {"unix_socket": str(tmp_path / "node.sock"),
+             "agent_journal": str(tmp_path / "state" / "journal.db"),
+             "layout": [{"devices": "all", "mig_enabled": False}]}
+    tasks = [{MIG_CONFIG: where | {"gpu_backend": "sim"}}, {MIG_CONFIG: where}]
+    sim, nvml = run_tasks(collections_path, tasks, tmp_path)
+    assert sim.get("failed") and sim["changed"] is False, sim
+    assert sim["msg"] == (f"gpu_backend is sim but sim_state is missing (needed while no node agent answers "
+                          f"on unix_socket {tmp_path / 'node.sock'})"), sim["msg"]
+    if nvml.get("failed"):   # a host with a working NVIDIA driver has GPUs to read
+        assert "cannot open the nvml GPU backend (gpu_backend=nvml)" in nvml["msg"], nvml["msg"]
+        assert f"no node agent answers on unix_socket {tmp_path / 'node.sock'}" in nvml["msg"], nvml["msg"]

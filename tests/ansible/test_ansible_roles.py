@@ -547,8 +547,8 @@ def _converge_pki(collections_path: Path, tmp_path: Path, **extra) -> bool:
     results = run_tasks(collections_path, [
         {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"}, "vars": role_vars}],
         tmp_path, gather_facts=True)
-    failed = [r.get("msg") for r in results if r.get("failed")]
-    assert not failed, failed
+    failed = [str(r.get("msg")) for r in results if r.get("failed")]
+    assert not failed, "\n".join(failed)   # a string: pytest shortens other messages
     return any(r.get("changed") for r in results)
 
 
@@ -617,6 +617,68 @@ def test_pki_gives_a_certificate_from_before_roles_its_role_once(collections_pat
     assert converge() is True, "a node certificate without the agent name must be issued again"
     assert "gpu9.agent.fastshare.invalid" in describe(tls / "gpu9.crt")["sans"]
     assert converge() is False, "once it has the agent name, a second run changes nothing"
+
+
+def _fastshare_before_agent_names(tmp_path: Path) -> str:
+    """A `fastshare` for the CA host from before node certificates listed the agent name."""
+    script = tmp_path / "old-fastshare"
+    script.write_text(f"#!{sys.executable}\n"
+                      "import sys\n"
+                      "from fastshare.security import certs\n"
+                      "certs.agent_name = lambda node: node   # it listed only the node's own names\n"
+                      "from fastshare.cli import main\n"
+                      "sys.exit(main())\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_pki_fails_once_when_the_ca_host_fastshare_predates_agent_names(collections_path: Path,
+                                                                       tmp_path: Path):
+    """With a fastshare on the CA host from before agent names, the node certificate it issued
+    never had the name the role expects: each run issued it again (and restarted the agent), for
+    ever, and nothing said why. Now the run fails naming the SAN and what to do, and leaves the
+    certificate and key from before in place, on the CA host and on the node."""
+    tls, issued = tmp_path / "tls", tmp_path / "ca" / "issued" / "gpu9"
+    old = _fastshare_before_agent_names(tmp_path)
+
+    def converge(**extra) -> bool:
+        return _converge_pki(collections_path, tmp_path, pki_role="node", **extra)
+
+    with pytest.raises(AssertionError) as refused:
+        converge(pki_fastshare=old)
+    assert "gpu9.agent.fastshare.invalid" in str(refused.value)
+    assert "upgrade fastshare on localhost" in str(refused.value).lower() and old in str(refused.value)
+    assert not issued.exists() and not tls.exists()
+    # A node certificate the old fastshare issued before the role expected the agent name.
+    issue_unchecked(tmp_path / "ca", "gpu9", issued, sans=("10.0.0.9",), role="node")
+    tls.mkdir()
+    for name in ("gpu9.crt", "gpu9.key"):
+        shutil.copy(issued / name, tls / name)
+    before = {path: path.read_bytes() for directory in (issued, tls) for path in directory.glob("gpu9.*")}
+    with pytest.raises(AssertionError) as refused:
+        converge(pki_fastshare=old)
+    assert "gpu9.agent.fastshare.invalid" in str(refused.value)
+    assert {path: path.read_bytes() for path in before} == before, "the certificate issued before changed"
+    assert sorted(p.name for p in (tmp_path / "ca").iterdir()) == ["ca.crt", "ca.key", "issued"], \
+        "a staging directory was left behind"
+    # fastshare upgraded on the CA host: issued once with the name
+    assert converge() is True
+    assert "gpu9.agent.fastshare.invalid" in describe(tls / "gpu9.crt")["sans"]
+    assert converge() is False
+
+
+def test_pki_names_a_san_the_inventory_writes_otherwise_than_the_certificate(collections_path: Path,
+                                                                             tmp_path: Path):
+    """An IPv6 address in capitals (say as ansible_host): the certificate lists it in lower case,
+    so the SANs never matched and every run issued the certificate again. Now the run fails
+    saying to write it as the certificate does, not to upgrade anything."""
+    with pytest.raises(AssertionError) as refused:
+        _converge_pki(collections_path, tmp_path, pki_sans=["gpu9", "2001:DB8::9"])
+    assert "Write 2001:DB8::9 in pki_sans" in str(refused.value), str(refused.value)
+    assert "2001:db8::9" in str(refused.value) and "Upgrade" not in str(refused.value)
+    assert not (tmp_path / "ca" / "issued").exists()
+    assert _converge_pki(collections_path, tmp_path, pki_sans=["gpu9", "2001:db8::9"]) is True
+    assert _converge_pki(collections_path, tmp_path, pki_sans=["gpu9", "2001:db8::9"]) is False
 
 
 def test_pki_carries_a_ca_rotation_to_the_host_in_three_runs(collections_path: Path, tmp_path: Path):

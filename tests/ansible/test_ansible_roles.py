@@ -538,15 +538,16 @@ def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Pat
     assert bad["failed"] and "values" in bad["msg"]
 
 
-def _converge_pki(collections_path: Path, tmp_path: Path, **extra) -> bool:
-    """roles/pki for node gpu9 with the CA on localhost, files under tmp_path; whether it changed."""
+def _converge_pki(collections_path: Path, tmp_path: Path, check: bool = False, **extra) -> bool:
+    """roles/pki for node gpu9 with the CA on localhost, files under tmp_path; whether it changed
+    (``check``: in check mode)."""
     fastshare = str(Path(sys.executable).with_name("fastshare"))
     role_vars = {"pki_ca_host": "localhost", "pki_ca_dir": str(tmp_path / "ca"), "pki_name": "gpu9",
                  "pki_sans": ["gpu9", "10.0.0.9"], "pki_fastshare": fastshare,
                  "pki_dest_dir": str(tmp_path / "tls"), "pki_owner": "root", "pki_group": "root", **extra}
     results = run_tasks(collections_path, [
         {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"}, "vars": role_vars}],
-        tmp_path, gather_facts=True)
+        tmp_path, gather_facts=True, extra_args=["--check"] if check else None)
     failed = [str(r.get("msg")) for r in results if r.get("failed")]
     assert not failed, "\n".join(failed)   # a string: pytest shortens other messages
     return any(r.get("changed") for r in results)
@@ -680,6 +681,17 @@ def test_pki_names_a_san_the_inventory_writes_otherwise_than_the_certificate(col
     assert _converge_pki(collections_path, tmp_path, pki_sans=["gpu9", "2001:db8::9"]) is True
     assert _converge_pki(collections_path, tmp_path, pki_sans=["gpu9", "2001:db8::9"]) is False
 
+
+
+def test_pki_check_mode_with_a_certificate_due_changes_nothing(collections_path: Path, tmp_path: Path):
+    """In check mode the command that reads the certificate issued before was skipped, and the
+    role failed parsing its empty output (from_json) whenever a certificate existed."""
+    issued = tmp_path / "ca" / "issued" / "gpu9"
+    assert _converge_pki(collections_path, tmp_path) is True
+    before = {path: path.read_bytes() for path in (*issued.iterdir(), *(tmp_path / "tls").iterdir())}
+    _converge_pki(collections_path, tmp_path, check=True, pki_sans=["gpu9", "10.0.0.10"])
+    assert {path: path.read_bytes() for path in before} == before
+    assert sorted(p.name for p in (tmp_path / "ca").iterdir()) == ["ca.crt", "ca.key", "issued"]
 
 def test_pki_carries_a_ca_rotation_to_the_host_in_three_runs(collections_path: Path, tmp_path: Path):
     """The bare-metal CA rotation of the README: the bundle in the CA directory's ca.crt reaches

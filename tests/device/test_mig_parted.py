@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from fastshare.cli import main
 from fastshare.device import DeviceError, open_devices, simnvml
+from fastshare.device.api import GpuInfo
 from fastshare.device.mig_parted import (
     ConfigError,
     DeviceSpec,
@@ -411,16 +412,23 @@ def test_the_agents_calls_do_what_apply_host_does(agent, devices, machine: Path,
         assert [len(r["steps"]) for r in alone] == [4, 7, 0, 0]
 
 
-def test_the_agent_checks_every_gpu_before_any_changes(agent, devices, machine: Path):
-    """An instance a share holds (here one the plan was not told of, as one the agent is preparing)
-    is refused by the agent's PlanMigLayout before any GPU changes, naming the GPU and the share."""
-    agent_stub, _ = agent
-    configs = parse_config(CONFIG)
-    balanced = plan_host(devices, resolve(configs, "balanced", devices.gpus()))
+def _balanced_with_a_held_slice(agent_stub, devices) -> GpuInfo:
+    """The "balanced" config applied through the agent, then share "ex" prepared on the H100's first
+    slice (the agent holds it; the plans below are not told). Returns the H100 as it is then."""
+    balanced = plan_host(devices, resolve(parse_config(CONFIG), "balanced", devices.gpus()))
     apply_host_via_agent(agent_stub, devices, balanced)
     h100 = devices.gpu(1)
     agent_stub.PrepareShare(share("ex", "exclusive", [h100.uuid], mig_profile="1g.10gb",
                                   mig_start=h100.mig_instances[0].start), timeout=60)
+    return devices.gpu(1)
+
+
+def test_the_agent_checks_every_gpu_before_any_changes(agent, devices, machine: Path):
+    """An instance a share holds (here one the plan was not told of, as one the agent is preparing)
+    is refused by the agent's PlanMigLayout before any GPU changes, naming the GPU and the share."""
+    agent_stub, _ = agent
+    _balanced_with_a_held_slice(agent_stub, devices)
+    configs = parse_config(CONFIG)
     plans = plan_host(devices, resolve(configs, "all-disabled", devices.gpus()))     # held not given
     before = machine.read_bytes()
     for call in (check_host_via_agent, apply_host_via_agent):
@@ -523,12 +531,7 @@ def test_an_agent_older_than_destroy_instances_gets_the_two_calls(older_agent, d
     hold them): the command makes the two calls it made before, and what refuses those refuses before
     any change, as before."""
     agent_stub, _ = older_agent
-    configs = parse_config(CONFIG)
-    balanced = plan_host(devices, resolve(configs, "balanced", devices.gpus()))
-    apply_host_via_agent(agent_stub, devices, balanced)
-    h100 = devices.gpu(1)
-    agent_stub.PrepareShare(share("ex", "exclusive", [h100.uuid], mig_profile="1g.10gb",
-                                  mig_start=h100.mig_instances[0].start), timeout=60)
+    h100 = _balanced_with_a_held_slice(agent_stub, devices)
     off = {1: DeviceSpec((1,), False, where="w")}
     with pytest.raises(ConfigError, match=r"^GPU 1: .*held by fastshare share ex"):
         apply_host_via_agent(agent_stub, devices, plan_host(devices, off))     # the share not told

@@ -1023,11 +1023,7 @@ class Agent:
         dropped so too; never those processes run on); without it, it is refused while shares hold
         them (and NVML refuses it while any exists)."""
         gpu = self._gpu(gpu_uuid)
-        if gpu.lost:   # also one named from the journal, listed blank (no name, no MIG)
-            raise AgentError("FAILED_PRECONDITION",
-                             f"GPU {gpu.index} ({gpu_uuid}) of node {self.config.node_name} is lost (fell "
-                             f"off the bus?): NVML_ERROR_{gpu.lost}; it takes no changes until a GPU reset "
-                             "(nvidia-smi -r) or a reboot")
+        self.refuse_mig_change_if_lost(gpu)
         if not gpu.mig_capable:
             raise AgentError("FAILED_PRECONDITION", f"GPU {gpu_uuid} ({gpu.name}) does not support MIG")
         taken: list[str] = []          # devices whose shares a forced change takes, noted before it
@@ -1064,6 +1060,15 @@ class Agent:
             if switched or destroying:   # also when instances went and then the mode change failed
                 self._changed()
         return pending, True, actions
+
+    def refuse_mig_change_if_lost(self, gpu: GpuInfo) -> None:
+        """A MIG mode or layout change on a lost GPU (also one named from the journal, listed blank:
+        no name, no MIG) is refused saying so, not as a failed NVML read."""
+        if gpu.lost:
+            raise AgentError("FAILED_PRECONDITION",
+                             f"GPU {gpu.index} ({gpu.uuid}) of node {self.config.node_name} is lost (fell "
+                             f"off the bus?): NVML_ERROR_{gpu.lost}; it takes no changes until a GPU reset "
+                             f"(nvidia-smi -r -i {gpu.index}) or a reboot")
 
     def _refuse_disable_under_shares(self, gpu: GpuInfo, destroy_instances: bool) -> None:
         """Under the GPU's lock, before MIG is disabled: refused while shares use the GPU whole with MIG

@@ -23,6 +23,7 @@ def apply_layout(agent: Agent, gpu_uuid: str, profiles: dict[str, int], force: b
     Shares on an instance destroyed by ``force`` are dropped before the reply, with that cause,
     also when a later step fails."""
     gpu = agent._gpu(gpu_uuid)
+    agent.refuse_mig_change_if_lost(gpu)
     plan: mig_layout.Plan | None = None
     noted: list[str] = []   # held instances noted as destroyed by this layout (only with force)
     try:

@@ -567,6 +567,21 @@ def test_links_read_while_a_gpu_was_lost_are_read_again_once_it_answers(gpu1_los
     assert set(agent.snapshot().links) == NVLINKED
 
 
+def test_a_mig_layout_on_a_lost_gpu_is_refused_as_set_mig_mode_refuses_it(agent):
+    """PlanMigLayout and ApplyMigLayout on a GPU the agent knows is lost answered INTERNAL ("reading
+    the MIG layout of GPU ... failed"), as the agent's own fault; SetMigMode refused it saying it is
+    lost and what to do. Now all three refuse it alike (FAILED_PRECONDITION, lost, reset or reboot)."""
+    gpu = agent.devices.gpus()[GPU_MIG].uuid
+    simnvml.lose_gpu(agent.config.sim_state, GPU_MIG)
+    agent.housekeeping()
+    for apply in (False, True):
+        with pytest.raises(AgentError) as refused:
+            apply_layout(agent, gpu, {"3g.40gb": 1}, False, apply, Deadline(60))
+        message = str(refused.value)
+        assert refused.value.code == "FAILED_PRECONDITION", message
+        assert f"GPU {GPU_MIG} ({gpu})" in message and "is lost" in message and "reboot" in message, message
+
+
 def test_a_mig_change_for_a_gpu_lost_before_the_agent_read_it_is_refused_saying_so(agent, tmp_path):
     """`fastshare mig enable/apply --gpu N` sends the UUID the agent's inventory gives GPU N: none
     for a GPU lost before the agent read it. The agent took the empty UUID for the first GPU without

@@ -231,7 +231,7 @@ class AgentClient:
         """A closed client dials nothing (a new channel would reopen it)."""
         if self._is_closed:
             raise AgentError(self.target.node, method, grpc.StatusCode.UNAVAILABLE,
-                             f"the channel to this node was closed; {self._closed_why}")
+                             f"the channel to this node was closed (none is sent); {self._closed_why}")
 
     def _call(self, method: str, request: object, deadline: float | None = None,
               term: int | None = None) -> object:

@@ -190,6 +190,7 @@ class AgentClient:
         if agent_name(node).lower() in {name.lower() for name in names}:
             with self._check_lock:
                 self._refuse_if_closed(method)
+                self._backoff = BACKOFF_FIRST_S
                 if self._server_name != agent_name(node):   # issued again since: gRPC checks the name
                     self._dial(agent_name(node))
                 self._checked.set()   # gRPC checks the name on each connection (see _failed)
@@ -199,12 +200,11 @@ class AgentClient:
             message = f"the agent at {address} is not node {node}'s, sending it nothing: {why}"
             log.error("node %s: %s", node, message)
             raise self._look_failed(method, grpc.StatusCode.PERMISSION_DENIED, message)
-        with self._check_lock:
-            self._look_after, self._backoff = 0.0, BACKOFF_FIRST_S
         # Node NODE's certificate from before agent names: dialled by NODE, checked again on each
         # new connection (between this handshake and gRPC's, a relay could still swap the server).
         with self._check_lock:
             self._refuse_if_closed(method)
+            self._backoff = BACKOFF_FIRST_S
             if self._server_name == node:
                 self._checked.set()
                 return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import socket
 import threading
 import time
@@ -436,3 +437,31 @@ def test_calls_to_an_impostor_are_refused_at_once_and_logged_once_per_look(tmp_p
     finally:
         client.close()
         server.stop(None)
+
+
+def test_the_backoff_starts_again_from_the_first_after_a_look_that_found_the_node(tmp_path):
+    """The backoff doubles while looks fail; once a look finds the node's certificate, the next
+    outage starts again from BACKOFF_FIRST_S (the agent-name path kept the doubled one)."""
+    pki = Pki(tmp_path)
+    pki.issue("node-x")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = _client(pki, port)
+    server = None
+    try:
+        for _ in range(3):   # nobody there: three looks, the backoff doubled twice (4 s next)
+            assert isinstance(_outcome(client.ping), AgentError)
+            time.sleep(max(0.0, client._look_after - time.monotonic()) + 0.05)
+        server, agent, _ = _serve(pki, "node-x", port)
+        assert client.ping() is None and agent.calls == ["Ping"]
+        server.stop(None)
+        server = None
+        assert isinstance(_outcome(client.ping), AgentError)       # gone: the next call looks again
+        assert isinstance(_outcome(client.ping), AgentError)       # that look fails
+        again = _outcome(client.ping)                              # within its backoff: the first one
+        assert isinstance(again, AgentError) and re.search(r"looked at again in [01]s", again.details), again
+    finally:
+        client.close()
+        if server is not None:
+            server.stop(None)

@@ -439,15 +439,15 @@ def _disable_via_agent(agent: Any, devices: Devices, gp: GpuPlan, uuid: str) -> 
 def _knows_destroy_instances(agent: Any, uuid: str) -> bool:
     """Whether the agent knows SetMigMode's destroy_instances: its refusal of it then came before any
     change, for what the two calls of an older agent would meet only after the instances went (a
-    share using the GPU whole). Gpu.pci_device_id came in the same release; an older agent leaves it 0."""
-    from fastshare.node.local_agent import AgentRefused, ask
+    share using the GPU whole). A GPU it does not list, or lists as lost: no change is the safe answer."""
+    from fastshare.node.local_agent import AgentRefused, ask, lists_pci_ids
     from fastshare.v1 import agent_pb2
 
     try:
         inventory = ask(agent.GetInventory, agent_pb2.GetInventoryRequest())
     except AgentRefused:
         return True   # cannot be told: no change is the safe answer
-    return any(g.uuid == uuid and g.pci_device_id for g in inventory.gpus)
+    return lists_pci_ids(g for g in inventory.gpus if g.uuid == uuid)
 
 
 def _steps(devices: Devices, gp: GpuPlan, actions: Any) -> list[Step]:

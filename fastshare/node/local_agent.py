@@ -245,14 +245,19 @@ class InventoryDevices(Devices):
     set_mig_mode = create_mig_instance = destroy_mig_instance = set_compute_mode = _no_change
 
 
+def lists_pci_ids(gpus: Iterable[Any]) -> bool:
+    """Whether the agent that listed ``gpus`` (inventory protos or GpuInfo) is as new as
+    Gpu.pci_device_id, and so as SetMigMode's destroy_instances (the same release): every GPU it
+    could read has one (an older agent leaves it 0; a lost one may be listed blank)."""
+    return all(g.lost or g.pci_device_id for g in gpus)
+
+
 def inventory_devices(agent: Any) -> InventoryDevices | None:
     """:class:`InventoryDevices` of the local agent, or None if its inventory lacks what planning
     needs (an agent older than Gpu.pci_device_id, which a device-filter selects by): then the
     caller reads the GPUs itself, as before."""
     devices = InventoryDevices(agent)
-    if any(not g.lost and not g.pci_device_id for g in devices.gpus()):
-        return None
-    return devices
+    return devices if lists_pci_ids(devices.gpus()) else None
 
 
 @contextlib.contextmanager

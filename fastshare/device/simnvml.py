@@ -256,11 +256,16 @@ def _bus_id(gpu: dict[str, Any]) -> str:
 
 
 class SimNvml:
-    """The pynvml functions fastshare uses, acting on one simulated machine file."""
+    """The pynvml functions fastshare uses, acting on one simulated machine file.
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    ``privileged=False`` is a caller without the rights NVML wants for the aggregate
+    information of a MIG-enabled GPU's own handle (its memory and process list answer
+    NO_PERMISSION; its MIG device handles still answer)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, privileged: bool = True) -> None:
         self._path = Path(path) if path is not None else None
         self._refcount = 0
+        self._privileged = privileged
 
     def __getattr__(self, name: str) -> Any:
         # constants, structs and exception classes, exactly as pynvml names them
@@ -348,6 +353,15 @@ class SimNvml:
         gi = _gi(gpu, gi_id)
         return gpu, gi, _ci(gi, ci_id)
 
+    def _aggregate(self, st: dict[str, Any], handle: Any) -> tuple[dict, dict | None, dict | None]:
+        """``_device`` for the calls NVML documents as: "In MIG mode, if device handle is
+        provided, the API returns aggregate information, only if the caller has appropriate
+        privileges" (nvmlDeviceGetMemoryInfo, nvmlDeviceGetComputeRunningProcesses)."""
+        gpu, gi, ci = self._device(st, handle)
+        if gi is None and gpu["mig_current"] and not self._privileged:
+            raise _err(_pynvml.NVML_ERROR_NO_PERMISSION)
+        return gpu, gi, ci
+
     def _whole_gpu(self, st: dict[str, Any], handle: Any,
                    refuse: int = _pynvml.NVML_ERROR_INVALID_ARGUMENT) -> dict:
         """The GPU of a GPU handle; a MIG device handle gets ``refuse``, the code NVML answers."""
@@ -383,7 +397,7 @@ class SimNvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         with self._store().read() as st:
-            gpu, gi, _ = self._device(st, handle)
+            gpu, gi, _ = self._aggregate(st, handle)
             model = _model(gpu)
             if gi is None:
                 total = model.memory_mib
@@ -440,7 +454,7 @@ class SimNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         with self._store().read() as st:
-            gpu, gi, ci = self._device(st, handle)
+            gpu, gi, ci = self._aggregate(st, handle)
             procs = gpu["processes"] if gi is None else _procs(gpu, gi["id"], ci["id"])
         out = []
         for p in procs:

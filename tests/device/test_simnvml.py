@@ -353,3 +353,22 @@ def test_a_removed_gpu_is_gone_and_the_gpus_after_it_are_numbered_anew(nvml, mac
     simnvml.check_machine(simnvml.load_machine(machine))
     with pytest.raises(ValueError, match=r"gpu index 3 out of range 0\.\.2"):
         simnvml.remove_gpu(machine, 3)
+
+
+def test_an_unprivileged_caller_gets_no_aggregate_memory_or_processes_of_a_mig_gpu(machine: Path):
+    """NVML (nvmlDeviceGetMemoryInfo, nvmlDeviceGetComputeRunningProcesses): "In MIG mode, if
+    device handle is provided, the API returns aggregate information, only if the caller has
+    appropriate privileges. Per-instance information can be queried by using specific MIG
+    device handles." A GPU without MIG answers anyone."""
+    nvml = simnvml.SimNvml(machine, privileged=False)
+    nvml.nvmlInit()
+    h, _, _ = _full_mig_device(nvml, 0, 9, 0, 4)
+    for call in (nvml.nvmlDeviceGetMemoryInfo, nvml.nvmlDeviceGetComputeRunningProcesses):
+        with pytest.raises(pynvml.NVMLError_NoPermission):
+            call(h)
+    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)
+    assert nvml.nvmlDeviceGetMemoryInfo(mig).total == 19968 * 1024 * 1024
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(mig) == []
+    whole = nvml.nvmlDeviceGetHandleByIndex(2)                      # A100, MIG off
+    assert nvml.nvmlDeviceGetMemoryInfo(whole).total == 40960 * 1024 * 1024
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(whole) == []

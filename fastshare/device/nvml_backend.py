@@ -152,7 +152,7 @@ class NvmlDevices(Devices):
         instances = self._settled_instances(index, h, uuid) if current else ()
         return GpuInfo(
             index=index, uuid=uuid, name=name,
-            memory_mib=nvml.nvmlDeviceGetMemoryInfo(h).total // _MIB,
+            memory_mib=self._memory_mib(h, model),
             sm_count=self._sm_count(h, model),
             pci_bus_id=_text(pci.busId), pci_device_id=int(pci.pciDeviceId),
             mig_capable=capable, mig_current=current, mig_pending=pending,
@@ -160,6 +160,16 @@ class NvmlDevices(Devices):
             processes=len(self._processes(h)), mig_instances=instances,
             model=model.key if model else None,
         )
+
+    def _memory_mib(self, h: Any, model: catalog.GpuModel | None) -> int:
+        """NVML gives a MIG-enabled GPU's own handle its memory only with the privileges for
+        aggregate information (NO_PERMISSION otherwise): then the catalog's; 0 means unknown."""
+        try:
+            return self._nvml.nvmlDeviceGetMemoryInfo(h).total // _MIB
+        except self._nvml.NVMLError as exc:
+            if not self._is(exc, "NO_PERMISSION"):
+                raise
+            return model.memory_mib if model is not None else 0
 
     def _sm_count(self, h: Any, model: catalog.GpuModel | None) -> int:
         """NVML has no SM count for a whole GPU (GetAttributes is MIG-only): use the catalog,

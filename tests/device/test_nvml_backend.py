@@ -175,24 +175,27 @@ def test_real_nvml_inventory_is_read_only_and_consistent():
                 assert all(i.size > 0 for i in d.mig_instances(g.index))
 
 
-class _UnprivilegedSim(simnvml.SimNvml):
-    """A caller without the privileges NVML wants for the aggregate process list of a
-    MIG-enabled GPU's own handle; MIG device handles still answer (NVML documentation)."""
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle):
-        if not self.nvmlDeviceIsMigDeviceHandle(handle).value and \
-                self.nvmlDeviceGetMigMode(handle)[0]:
-            raise simnvml.NVMLError(simnvml.NVML_ERROR_NO_PERMISSION)
-        return super().nvmlDeviceGetComputeRunningProcesses(handle)
-
-
 def test_processes_on_a_mig_device_count_without_the_aggregate_list(devices, machine: Path):
     inst = devices.create_mig_instance(0, 14, 0)
     simnvml.add_process(machine, 0, mig_uuid=inst.uuid)
-    with NvmlDevices(_UnprivilegedSim(machine)) as unprivileged:
+    with NvmlDevices(simnvml.SimNvml(machine, privileged=False)) as unprivileged:
         assert unprivileged.mig_instances(0)[0].processes == 1
         with pytest.raises(DeviceError, match=f"IN_USE .*{inst.uuid}"):
             unprivileged.destroy_mig_instance(0, 0)
+
+
+def test_an_unprivileged_caller_lists_a_mig_gpu_with_its_memory(devices, machine: Path):
+    """NVML gives the aggregate memory of a MIG-enabled GPU's own handle only to a caller with
+    the privileges for it (NO_PERMISSION otherwise, as for its aggregate process list): the
+    listing must not fail for a user without them, and the GPU keeps its memory size."""
+    inst = devices.create_mig_instance(0, 14, 0)
+    simnvml.add_process(machine, 0, mig_uuid=inst.uuid)
+    expected = [(g.index, g.memory_mib) for g in devices.gpus()]
+    with NvmlDevices(simnvml.SimNvml(machine, privileged=False)) as unprivileged:
+        gpus = unprivileged.gpus()
+        assert [(g.index, g.memory_mib) for g in gpus] == expected
+        assert gpus[0].mig_instances[0].processes == 1
+        assert unprivileged.gpu(0).memory_mib == expected[0][1]
 
 
 def test_a_mig_device_destroyed_while_the_gpus_are_read_is_not_an_error(devices, machine: Path):

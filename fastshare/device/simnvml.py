@@ -539,6 +539,10 @@ class SimNvml:
 
     # --- GPU instance profiles and placements ----------------------------------------------------
     def nvmlDeviceGetGpuInstanceProfileInfo(self, handle: Any, profile: int, version: int = 2) -> Any:
+        """NOT_SUPPORTED while MIG is off, as the NVML header up to 12.2 documents ("If device
+        doesn't have MIG mode enabled or profile isn't supported"); later headers say only
+        "doesn't support MIG" and do not say what MIG off answers, so callers must not need it
+        (the backend takes the catalog's profiles then)."""
         if not 0 <= profile < _pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         with self._store().read() as st:

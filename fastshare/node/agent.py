@@ -36,8 +36,10 @@ _MIB = 1 << 20
 
 
 # Why a share is refused when it is its GPU's state, not the request (the proto's Refusal, without
-# its REFUSAL_ prefix): another GPU may take it, and the controller places it again.
-MIG_CHANGE_PENDING, GPU_LOST, MIG_MODE = "MIG_CHANGE_PENDING", "GPU_LOST", "MIG_MODE"
+# its REFUSAL_ prefix): another GPU may take it, and the controller places it again. GPU_GONE: the
+# GPU UUID is not on the node (taken out, or a new UUID after a reboot); the controller's view of
+# the node is older than that.
+MIG_CHANGE_PENDING, GPU_LOST, MIG_MODE, GPU_GONE = "MIG_CHANGE_PENDING", "GPU_LOST", "MIG_MODE", "GPU_GONE"
 
 
 class AgentError(Exception):
@@ -254,7 +256,8 @@ class Agent:
             if attempt == 0:
                 self.refresh_devices()
         known = ", ".join(g.uuid for g in self._gpus) or "none"
-        raise AgentError("NOT_FOUND", f"GPU {gpu_uuid} is not on node {self.config.node_name}; GPUs: {known}")
+        raise AgentError("NOT_FOUND", f"GPU {gpu_uuid} is not on node {self.config.node_name}; GPUs: {known}",
+                         GPU_GONE)
 
     def _device(self, device_uuid: str) -> _DeviceView:
         """A GPU or an existing MIG device by UUID."""

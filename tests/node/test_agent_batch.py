@@ -90,3 +90,33 @@ def test_a_refusal_for_the_gpus_state_says_so_in_a_field_alone_and_in_a_batch(ag
         (grpc.StatusCode.FAILED_PRECONDITION.value[0], agent_pb2.REFUSAL_GPU_LOST),
         (0, agent_pb2.REFUSAL_UNSPECIFIED),
         (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], agent_pb2.REFUSAL_UNSPECIFIED)], reply
+
+
+def test_a_share_on_a_gpu_no_longer_on_the_node_is_refused_as_such_alone_and_in_a_batch(agent, sim_machine):
+    """A GPU taken out of the node (or renumbered under a new UUID at a reboot) was refused as NOT_FOUND
+    with no refusal field, so the controller failed the allocation although another GPU could take
+    it. Now that refusal says REFUSAL_GPU_GONE (code still NOT_FOUND); a MIG profile or MIG device
+    that does not exist is about the request and carries none."""
+    agent.start()
+    gpus = [g.uuid for g in agent.unix().GetInventory(INV, timeout=30).gpus]
+    stub = agent.mtls()
+    gone = simnvml.remove_gpu(sim_machine, GPU_B)
+    assert gone == gpus[GPU_B]
+    agent.unix().GetInventory(INV, timeout=30)   # the agent reads its GPUs again
+    err = rpc_error(stub.PrepareShare, share("w", "whole", [gone]))
+    assert err.code() == grpc.StatusCode.NOT_FOUND and f"GPU {gone} is not on node" in err.details(), err
+    assert ("fastshare-refusal", "REFUSAL_GPU_GONE") in tuple(err.trailing_metadata()), err
+    for about_the_request in (share("x", "exclusive", [gpus[GPU_MIG]], mig_profile="9g.99gb"),
+                              share("m", "mps", ["MIG-00000000-0000-0000-0000-000000000000"])):
+        err = rpc_error(stub.PrepareShare, about_the_request)
+        assert err.code() == grpc.StatusCode.NOT_FOUND, err
+        assert not [k for k, _ in err.trailing_metadata() or () if k == "fastshare-refusal"], err
+
+    reply = stub.PrepareShares(agent_pb2.PrepareSharesRequest(calls=[
+        fastpod("on-gone", gone), share("x", "exclusive", [gpus[GPU_MIG]], mig_profile="9g.99gb"),
+        fastpod("fits", gpus[GPU_A])]), timeout=60)
+    not_found = grpc.StatusCode.NOT_FOUND.value[0]
+    assert [(r.status.code, r.status.refusal) for r in reply.results] == [
+        (not_found, agent_pb2.REFUSAL_GPU_GONE), (not_found, agent_pb2.REFUSAL_UNSPECIFIED),
+        (0, agent_pb2.REFUSAL_UNSPECIFIED)], reply
+    assert {s.id for s in agent.unix().GetInventory(INV, timeout=30).shares} == {"fits"}

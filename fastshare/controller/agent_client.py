@@ -88,9 +88,10 @@ class AgentError(Exception):
     @classmethod
     def of(cls, node: str, method: str, exc: grpc.RpcError) -> AgentError:
         seen, refusal = None, agent_pb2.REFUSAL_UNSPECIFIED
-        if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+        stale = exc.code() is grpc.StatusCode.FAILED_PRECONDITION   # a term refused, or a refusal
+        if stale or exc.code() is grpc.StatusCode.NOT_FOUND:        # REFUSAL_GPU_GONE's code
             for key, value in exc.trailing_metadata() or ():
-                if key == SEEN_KEY and value.isdigit():
+                if key == SEEN_KEY and value.isdigit() and stale:
                     seen = int(value)
                 elif key == REFUSAL_KEY and value in agent_pb2.Refusal.keys():  # noqa: SIM118 - not a dict; a newer agent's: unknown
                     refusal = agent_pb2.Refusal.Value(value)

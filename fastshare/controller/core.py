@@ -121,9 +121,10 @@ class NodeInUse(Exception):
 
 # Refusals of a share for its GPU's state, not for what it asks (see the proto's Refusal): a new
 # allocation so refused is placed again, elsewhere, at most this many times (each time its agent
-# refuses it so); a GPU that closed behind the controller's back then costs the user nothing.
+# refuses it so); a GPU that closed or left the node behind the controller's back then costs the
+# user nothing.
 GPU_REFUSALS = frozenset({agent_pb2.REFUSAL_MIG_CHANGE_PENDING, agent_pb2.REFUSAL_GPU_LOST,
-                          agent_pb2.REFUSAL_MIG_MODE})
+                          agent_pb2.REFUSAL_MIG_MODE, agent_pb2.REFUSAL_GPU_GONE})
 PLACE_AGAIN = 2
 
 
@@ -385,7 +386,7 @@ class ControllerCore:
         except AgentError as exc:
             raise AgentFailed(str(error), self.compensate(allocation, f"{why} (and its inventory: {exc})"),
                               unreachable=False) from None
-        self.refresh_node(self.store.get_node(node.name) or node, inventory)
+        self.refresh_node(self.store.get_node(node.name) or node, inventory, moving=allocation.id)
         before = assignment_of(allocation)
         self.ledger.release(allocation.id)
         placed = self.ledger.place(request, excluded, checked)
@@ -922,8 +923,10 @@ class ControllerCore:
             log.warning("node %s missed its heartbeats: unavailable, no new work", name)
         return lost
 
-    def refresh_node(self, node: Node, inventory: agent_pb2.Inventory) -> None:
-        """Take over GPU facts that changed on the node (e.g. MIG mode) without re-registration."""
+    def refresh_node(self, node: Node, inventory: agent_pb2.Inventory, moving: str = "") -> None:
+        """Take over GPU facts that changed on the node (e.g. MIG mode) without re-registration.
+        ``moving``: an allocation being placed again because its GPU left the node: that it cannot
+        be counted there any more is no error."""
         fresh = node_from_inventory(node.name, node.address, node.labels, inventory, node.last_heartbeat)
         if fresh.gpus == node.gpus:
             return
@@ -933,7 +936,7 @@ class ControllerCore:
             self.put_node(fresh)
             misfits = self.ledger.set_node(node_view(fresh), self.is_available(node.name))
         log.info("node %s: GPU facts changed (e.g. MIG mode); view refreshed", node.name)
-        self._log_misfits(node.name, misfits)
+        self._log_misfits(node.name, [(a, why) for a, why in misfits if a.request.id != moving])
 
     @staticmethod
     def _log_misfits(name: str, misfits: list[tuple[Assignment, str]]) -> None:

@@ -280,3 +280,37 @@ def test_a_call_on_a_client_replaced_for_a_new_address_does_not_say_the_node_was
         assert "forgotten" in forgotten.value.details, forgotten.value
     finally:
         pool.close()
+
+
+class _Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, *metadata: tuple[str, str]) -> None:
+        self._code, self._metadata = code, metadata
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "refused"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+@pytest.mark.parametrize("code, metadata, refusal, seen", [
+    (grpc.StatusCode.NOT_FOUND, [("fastshare-refusal", "REFUSAL_GPU_GONE")],
+     agent_pb2.REFUSAL_GPU_GONE, None),
+    (grpc.StatusCode.FAILED_PRECONDITION, [("fastshare-refusal", "REFUSAL_GPU_LOST")],
+     agent_pb2.REFUSAL_GPU_LOST, None),
+    (grpc.StatusCode.NOT_FOUND, [("fastshare-refusal", "REFUSAL_OF_A_NEWER_AGENT")],
+     agent_pb2.REFUSAL_UNSPECIFIED, None),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, [("fastshare-refusal", "REFUSAL_GPU_GONE")],
+     agent_pb2.REFUSAL_UNSPECIFIED, None),
+    (grpc.StatusCode.FAILED_PRECONDITION, [("fastshare-term-seen", "7")], agent_pb2.REFUSAL_UNSPECIFIED, 7),
+    (grpc.StatusCode.NOT_FOUND, [("fastshare-term-seen", "7")], agent_pb2.REFUSAL_UNSPECIFIED, None),
+])
+def test_a_refusals_kind_is_read_with_the_code_the_agent_sends_it_with(code, metadata, refusal, seen):
+    """A GPU gone from the node is refused NOT_FOUND: its kind was read only with FAILED_PRECONDITION,
+    so the controller failed the allocation. A kind this controller does not know (a newer agent's)
+    counts as none, and a leader term the agent saw only comes with FAILED_PRECONDITION (a stale term)."""
+    error = AgentError.of("n1", "PrepareShare", _Refused(code, *metadata))
+    assert (error.code, error.refusal, error.seen_term) == (code, refusal, seen)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 
 import grpc
 import pytest
@@ -172,6 +173,54 @@ def test_a_share_refused_because_its_gpu_closed_behind_the_controllers_back_is_p
     assert getattr(gpus[closing], shown), gpus[closing]
     assert not gpus[closing].memory_bytes_used and not gpus[closing].whole_held, gpus[closing]
     assert cluster.agents["n1"].share_ids(cluster.pki) == {placed.id}
+    assert_consistent(cluster)
+
+
+def _remove(machine, index: int) -> str:
+    """The GPU is taken out of the node (the others keep their bus ids, numbered again); its UUID."""
+    return simnvml.remove_gpu(machine, index)
+
+
+def _renumber(machine, index: int) -> str:
+    """The GPU comes back from a reboot under another UUID; its old UUID."""
+    data = json.loads(machine.read_text())
+    old, data["gpus"][index]["uuid"] = data["gpus"][index]["uuid"], f"GPU-{uuid.uuid4()}"
+    machine.write_text(json.dumps(data))
+    return old
+
+
+@pytest.mark.parametrize("kind, kw, change", [("whole", dict(gpu_count=1), _remove),
+                                              ("mps", dict(memory_bytes=GiB), _remove),
+                                              ("fastpod", _FASTPOD, _renumber)],
+                         ids=["removed, whole", "removed, mps", "new uuid, fastpod"])
+def test_a_share_whose_gpu_left_the_node_behind_the_controllers_back_is_placed_again(
+        cluster, kind, kw, change):
+    """A GPU taken out of the node (or renumbered under a new UUID) before the controller read the
+    node again: the agent refused the share placed on it (NOT_FOUND, "GPU ... is not on node") with no
+    refusal field, and the allocation ended FAILED although another GPU was free. Now the refusal says
+    REFUSAL_GPU_GONE: the controller reads the node's inventory again (without that GPU) and places the
+    allocation once more, on a GPU the node has."""
+    cluster.add_machine("n1", ["V100-SXM2-32GB"] * 2)
+    cluster.start_controller(extra=["--reconcile-interval", "3600"])   # no pass looks at the node meanwhile
+    cluster.start_agent("n1")
+    client = cluster.client()
+    # where the engine puts this request: there again while its view is the same
+    first = allocate(client, kind, **kw)
+    client.call("Release", pb.ReleaseAllocationRequest(allocation_id=first.id))
+    machine = cluster.root / "n1.json"
+    gone = change(machine, first.devices[0].gpu_index)
+    assert gone == first.devices[0].gpu_uuid
+    cluster.agents["n1"].share_ids(cluster.pki)   # its inventory: the agent reads its GPUs again
+    assert gone in {g.uuid for g in cluster.node("n1").gpus}, "the controller saw it already"
+
+    placed = allocate(client, kind, **kw)
+    assert placed.state == pb.ALLOCATION_STATE_ACTIVE, placed
+    on_node = [g["uuid"] for g in simnvml.load_machine(machine)["gpus"]]
+    assert placed.devices[0].gpu_uuid in on_node and placed.devices[0].gpu_uuid != gone, (placed, on_node)
+    assert placed.devices[0].gpu_index == on_node.index(placed.devices[0].gpu_uuid), placed
+    assert [g.uuid for g in cluster.node("n1").gpus] == on_node   # the controller's view is the node's
+    assert cluster.agents["n1"].share_ids(cluster.pki) == {placed.id}
+    assert "cannot be counted" not in cluster.controller.output()   # no error for the one placed again
     assert_consistent(cluster)
 
 

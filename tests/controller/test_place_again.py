@@ -20,18 +20,21 @@ from .recording_agent import GiB, RecordingAgent
 
 class RefusingAgent(RecordingAgent):
     """Four L4s; a prepare on a GPU in ``refuse`` is refused with ``refusal``; the inventory shows the
-    GPUs refused so far lost (unless ``contradict``: it shows every GPU working)."""
+    GPUs refused so far lost (unless ``contradict``: it shows every GPU working; ``gone``: it leaves
+    them out, the others numbered anew as NVML does)."""
 
-    def __init__(self, refuse: set[str], refusal: int, contradict: bool = False) -> None:
+    def __init__(self, refuse: set[str], refusal: int, contradict: bool = False, gone: bool = False) -> None:
         super().__init__()
-        self.refuse, self.refusal, self.contradict = refuse, refusal, contradict
+        self.refuse, self.refusal, self.contradict, self.gone = refuse, refusal, contradict, gone
         self.refused: list[str] = []
 
     def inventory(self) -> agent_pb2.Inventory:
+        closed = set() if self.contradict else set(self.refused)
+        uuids = [f"GPU-{i}" for i in range(4) if not (self.gone and f"GPU-{i}" in closed)]
         return agent_pb2.Inventory(gpus=[
-            agent_pb2.Gpu(index=i, uuid=f"GPU-{i}", name="NVIDIA L4", memory_bytes=22 * GiB, sm_count=58,
-                          lost="GPU_IS_LOST" if f"GPU-{i}" in self.refused and not self.contradict else "")
-            for i in range(4)], shares=list(self.shares.values()))
+            agent_pb2.Gpu(index=i, uuid=u, name="NVIDIA L4", memory_bytes=22 * GiB, sm_count=58,
+                          lost="GPU_IS_LOST" if u in closed else "")
+            for i, u in enumerate(uuids)], shares=list(self.shares.values()))
 
     def prepare(self, share: agent_pb2.Share) -> agent_pb2.PrepareShareReply:
         gpu = share.device_uuids[0]
@@ -68,11 +71,13 @@ def test_placed_again_on_another_gpu_its_first_reservation_given_back(tmp_path):
 
 
 @pytest.mark.parametrize("refusal, contradict", [(agent_pb2.REFUSAL_UNSPECIFIED, False),
+                                                 (max(agent_pb2.Refusal.values()) + 1, False),
                                                  (agent_pb2.REFUSAL_GPU_LOST, True)])
 def test_an_older_agent_or_one_whose_inventory_contradicts_its_refusal_fails_it_as_before(
         tmp_path, refusal, contradict):
-    """An agent without the refusal field (older): the allocation ends failed, as before, after one
-    prepare. One whose inventory still shows the GPU working: not placed on it again, failed."""
+    """An agent without the refusal field (older), or with a kind this controller does not know (a
+    newer agent's, in a batch's CallStatus): the allocation ends failed, as before, after one prepare.
+    One whose inventory still shows the GPU working: not placed on it again, failed."""
     agent = RefusingAgent({f"GPU-{i}" for i in range(4)}, refusal, contradict)
     core = _core(tmp_path, agent)
     with pytest.raises(AgentFailed) as failed:
@@ -124,3 +129,23 @@ def test_the_answer_waits_for_the_new_placement_on_disk(tmp_path):
     placed = _whole(core)
     assert placed.devices[0].gpu_uuid != first.devices[0].gpu_uuid
     assert len(moved_at) == 1 and tickets and tickets[-1] >= moved_at[0], (moved_at, tickets)
+
+
+def test_a_share_whose_gpu_left_the_node_where_no_other_gpu_takes_it_fails_saying_both(tmp_path):
+    """Its GPU gone from the node (REFUSAL_GPU_GONE) and every other GPU held: the allocation ends
+    failed, its reason the agent's refusal and why no other GPU takes it; it is counted nowhere (its
+    GPU is not in the view any more) and what the others hold stays counted."""
+    agent = RefusingAgent(set(), agent_pb2.REFUSAL_GPU_GONE, gone=True)
+    core = _core(tmp_path, agent)
+    held = [_whole(core) for _ in range(4)]
+    freed = held.pop()
+    core.release(freed.id)
+    agent.refuse = {freed.devices[0].gpu_uuid}
+    with pytest.raises(AgentFailed) as failed:
+        _whole(core)
+    record = core.get(failed.value.allocation.id)
+    assert record.state is State.FAILED, record
+    assert "no other GPU takes it" in record.reason, record.reason
+    assert agent.refused == [freed.devices[0].gpu_uuid] and not core.ledger.holds(record.id)
+    assert all(core.ledger.holds(a.id) for a in held)
+    assert [u["gpu"] for u in core.ledger.usage() if u["whole"]] == [0, 1, 2]

@@ -1066,12 +1066,13 @@ class Agent:
 
     def refuse_mig_change_if_lost(self, gpu: GpuInfo) -> None:
         """A MIG mode or layout change on a lost GPU (also one named from the journal, listed blank:
-        no name, no MIG) is refused saying so, not as a failed NVML read."""
+        no name, no MIG) is refused saying so, not as a failed NVML read; tagged GPU_LOST, as the
+        controller's SetMigMode for an exclusive share that turns MIG on places the share again."""
         if gpu.lost:
             raise AgentError("FAILED_PRECONDITION",
                              f"GPU {gpu.index} ({gpu.uuid}) of node {self.config.node_name} is lost (fell "
                              f"off the bus?): NVML_ERROR_{gpu.lost}; it takes no changes until a GPU reset "
-                             f"(nvidia-smi -r -i {gpu.index}) or a reboot")
+                             f"(nvidia-smi -r -i {gpu.index}) or a reboot", GPU_LOST)
 
     def _refuse_disable_under_shares(self, gpu: GpuInfo, destroy_instances: bool) -> None:
         """Under the GPU's lock, before MIG is disabled: refused while shares use the GPU whole with MIG

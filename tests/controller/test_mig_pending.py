@@ -271,3 +271,24 @@ def test_a_controller_killed_after_placing_a_refused_share_again_completes_it_th
     assert cluster.node("n1").gpus[closing].mig_change_pending
     assert cluster.agents["n1"].share_ids(cluster.pki) == {placed.id}
     assert_consistent(cluster)
+
+
+def test_an_exclusive_request_turning_mig_on_a_gpu_lost_behind_the_controllers_back_is_placed_again(cluster):
+    """An exclusive request on a Hopper GPU with MIG off first turns MIG on (SetMigMode), then
+    prepares its slice. A GPU lost before the controller read the node again was refused there
+    "is lost (fell off the bus?)" with no refusal field (only PrepareShare tagged GPU_LOST), so
+    the allocation ended FAILED although the other GPU was idle. Now SetMigMode's refusal says
+    REFUSAL_GPU_LOST too, and the allocation is placed again on the other GPU."""
+    cluster.add_machine("n1", ["H100-SXM5-80GB"] * 2, mig_enabled=False)
+    cluster.start_controller(extra=["--reconcile-interval", "3600"])   # no pass looks at the node meanwhile
+    cluster.start_agent("n1")
+    client = cluster.client()
+    _lose(cluster, cluster.root / "n1.json", "", 0)
+    assert not any(g.lost for g in cluster.node("n1").gpus), "the controller saw it already"
+
+    placed = allocate(client, "exclusive", mig_profile="1g.10gb")
+    assert placed.state == pb.ALLOCATION_STATE_ACTIVE, placed
+    assert placed.devices[0].gpu_index == 1, placed
+    assert cluster.node("n1").gpus[0].lost
+    assert cluster.agents["n1"].share_ids(cluster.pki) == {placed.id}
+    assert_consistent(cluster)

@@ -311,16 +311,50 @@ def apply_host(devices: Devices, plans: Sequence[GpuPlan]) -> list[dict[str, Any
 
     Order per GPU: destroy instances, switch the mode, create instances. Each result is the
     plan's dict with the steps actually carried out and whether a reset is still required."""
-    results = []
+    refuse_lost(devices, plans)
+    results: list[dict[str, Any]] = []
     for gp in plans:
         try:
             steps = _apply_gpu(devices, gp)
+            now = devices.gpu(gp.gpu_index)
         except DeviceError as exc:
-            raise DeviceError(f"GPU {gp.gpu_index}: {exc}", exc.code) from exc
-        now = devices.gpu(gp.gpu_index)
+            raise DeviceError(_stopped(f"GPU {gp.gpu_index}: {exc}", plans, results), exc.code) from exc
+        except ConfigError as exc:
+            raise ConfigError(_stopped(str(exc), plans, results)) from exc
         results.append(gp.to_dict() | {"steps": [s.to_dict() for s in steps],
                                        "reset_required": now.mig_current != now.mig_pending})
     return results
+
+
+def refuse_lost(devices: Devices, plans: Sequence[GpuPlan]) -> None:
+    """Right before the first change, every GPU of the plans is read again: one lost since it was
+    planned (plan_host refuses one lost then) is refused here, before any GPU changes, not after the
+    GPUs before it in the plans were changed."""
+    lost = [g for g in devices.gpus() if g.lost and g.index in {gp.gpu_index for gp in plans}]
+    if lost:
+        raise ConfigError(f"{_lost_gpu(lost[0])}, since it was planned; no GPU was changed. Reset it "
+                          f"(nvidia-smi -r -i {lost[0].index}) or reboot, then run the same command again")
+
+
+def _stopped(error: str, plans: Sequence[GpuPlan], results: Sequence[Mapping[str, Any]]) -> str:
+    """The error of the GPU that failed after the GPUs of ``results`` were done: what changed, what
+    was not reached, and that the same command finishes the job (it plans from what the GPUs have,
+    so what is done is kept and not done again)."""
+    failed = plans[len(results)].gpu_index
+    changed = [f"GPU {r['gpu']} ({_summary(r)})" for r in results if r["mode_change"] or r["steps"]]
+    rest = [f"GPU {gp.gpu_index}" for gp in plans[len(results) + 1:] if gp.changed]
+    return (f"{error}. Changed before it: {', '.join(changed) or 'no GPU'}; not reached: "
+            f"{', '.join(rest) or 'no GPU'}. Nothing is undone: once GPU {failed} is put right, run the "
+            "same command again; it makes only the changes still missing")
+
+
+def _summary(result: Mapping[str, Any]) -> str:
+    """What apply_host did to one GPU, from its result, in a few words."""
+    parts = [f"MIG {'enabled' if result['mig_enabled'] else 'disabled'}"] if result["mode_change"] else []
+    for action, past in (("destroy", "destroyed"), ("create", "created")):
+        if n := sum(s["action"] == action for s in result["steps"]):
+            parts.append(f"{n} MIG device{'s' if n > 1 else ''} {past}")
+    return ", ".join(parts)
 
 
 def forced_enables(devices: Devices, plans: Sequence[GpuPlan]) -> list[str]:
@@ -391,28 +425,39 @@ def check_host_via_agent(agent: Any, devices: Devices, plans: Sequence[GpuPlan])
 def apply_host_via_agent(agent: Any, devices: Devices, plans: Sequence[GpuPlan]) -> list[dict[str, Any]]:
     """:func:`apply_host` by the node agent's calls: the same order per GPU and the same result
     (steps as the agent carried them out); a refusal or failure is a ConfigError naming the GPU."""
+    check_host_via_agent(agent, devices, plans)
+    refuse_lost(devices, plans)
+    results: list[dict[str, Any]] = []
+    for gp in plans:
+        try:
+            results.append(_apply_gpu_via_agent(agent, devices, gp))
+        except DeviceError as exc:   # the agent's inventory could not be read
+            raise ConfigError(_stopped(f"GPU {gp.gpu_index}: {exc}", plans, results)) from exc
+        except ConfigError as exc:
+            raise ConfigError(_stopped(str(exc), plans, results)) from exc
+    return results
+
+
+def _apply_gpu_via_agent(agent: Any, devices: Devices, gp: GpuPlan) -> dict[str, Any]:
+    """One GPU of :func:`apply_host_via_agent`: its result."""
     from fastshare.v1 import agent_pb2
 
-    check_host_via_agent(agent, devices, plans)
-    results = []
-    for gp in plans:
-        uuid = devices.gpu(gp.gpu_index).uuid
-        done: list[Step] = []
-        if gp.mig_enabled and gp.mode_change:
-            request = agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=True, force=gp.force)
-            _call(agent.SetMigMode, request, gp)
-        if not gp.mig_enabled and gp.mode_change:
-            done = _disable_via_agent(agent, devices, gp, uuid)
-        # the instances when MIG is on; the agent re-plans under its lock on NVML's own profiles
-        # (also when MIG just came on and the plan used the catalog's)
-        elif devices.gpu(gp.gpu_index).mig_current and (
-                gp.plan is None or gp.plan.changed or gp.from_catalog):
-            request = agent_pb2.MigLayoutRequest(gpu_uuid=uuid, profiles=_profiles(gp), force=gp.force)
-            done = _steps(devices, gp, _call(agent.ApplyMigLayout, request, gp).actions)
-        now = devices.gpu(gp.gpu_index)
-        results.append(gp.to_dict() | {"steps": [s.to_dict() for s in done],
-                                       "reset_required": now.mig_current != now.mig_pending})
-    return results
+    uuid = devices.gpu(gp.gpu_index).uuid
+    done: list[Step] = []
+    if gp.mig_enabled and gp.mode_change:
+        request = agent_pb2.SetMigModeRequest(gpu_uuid=uuid, enabled=True, force=gp.force)
+        _call(agent.SetMigMode, request, gp)
+    if not gp.mig_enabled and gp.mode_change:
+        done = _disable_via_agent(agent, devices, gp, uuid)
+    # the instances when MIG is on; the agent re-plans under its lock on NVML's own profiles
+    # (also when MIG just came on and the plan used the catalog's)
+    elif devices.gpu(gp.gpu_index).mig_current and (
+            gp.plan is None or gp.plan.changed or gp.from_catalog):
+        request = agent_pb2.MigLayoutRequest(gpu_uuid=uuid, profiles=_profiles(gp), force=gp.force)
+        done = _steps(devices, gp, _call(agent.ApplyMigLayout, request, gp).actions)
+    now = devices.gpu(gp.gpu_index)
+    return gp.to_dict() | {"steps": [s.to_dict() for s in done],
+                           "reset_required": now.mig_current != now.mig_pending}
 
 
 def _disable_via_agent(agent: Any, devices: Devices, gp: GpuPlan, uuid: str) -> list[Step]:

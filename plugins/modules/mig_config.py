@@ -16,7 +16,11 @@ description:
     Instances that already sit at a suitable placement are kept, new ones are created at
     explicit placements (never where NVML's default placer would put them), and only what
     must change is destroyed or created. A second run with the same layout changes nothing.
-  - Every GPU is planned before anything is changed. An instance that is in use (processes
+  - Every GPU is planned before anything is changed, and read again right before the first change;
+    one lost since it was planned is refused before any change. Should a GPU fail midway anyway, the
+    message lists the GPUs changed before it and those not reached; running the task again, once that
+    GPU is put right, makes only the changes still missing.
+  - An instance that is in use (processes
     run on it, or a fastshare share holds it according to the node agent running on
     O(unix_socket), or to O(agent_journal) without one) is never destroyed
     or moved; and the module fails naming the instance. O(force=true) lets the module destroy

@@ -7,6 +7,7 @@ NVML. The state file is the ground truth: tests read it back to check what reall
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -514,3 +515,60 @@ def test_without_an_agent_the_backend_is_needed_and_named(collections_path, mach
     if nvml.get("failed"):   # a host with a working NVIDIA driver has GPUs to read
         assert "cannot open the nvml GPU backend (gpu_backend=nvml)" in nvml["msg"], nvml["msg"]
         assert f"no node agent answers on unix_socket {tmp_path / 'node.sock'}" in nvml["msg"], nvml["msg"]
+
+
+# A sitecustomize for the run that fails: GPU 1 falls off the bus as soon as GPU 0 gets its first MIG
+# device (in whichever process changes the GPUs: the module's, or the node agent's).
+_GPU_1_LOST_DURING_GPU_0 = '''
+import os
+
+from fastshare.device import simnvml
+
+_create = simnvml.SimNvml.nvmlDeviceCreateGpuInstanceWithPlacement
+_lost = []
+
+
+def _then_gpu_1_lost(self, handle, *args):
+    made = _create(self, handle, *args)
+    if self.nvmlDeviceGetIndex(handle) == 0 and not _lost:
+        _lost.append(simnvml.lose_gpu(self.state_path, 1))
+    return made
+
+
+if os.environ.get("FS_TEST_GPU_1_LOST"):
+    simnvml.SimNvml.nvmlDeviceCreateGpuInstanceWithPlacement = _then_gpu_1_lost
+'''
+
+
+@pytest.mark.parametrize("via", ["direct", "agent"])
+def test_a_gpu_lost_midway_says_what_changed_and_the_same_run_finishes(via, mig, machine, request,
+                                                                      collections_path, tmp_path):
+    """GPU 1 falls off the bus while GPU 0 is being changed: the module failed naming GPU 1 only. Now
+    its msg says GPU 0 changed (changed: true) and that the same run finishes the job, once GPU 1 is
+    back; it does, leaving GPU 0 as it is. Directly and through a running node agent."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_GPU_1_LOST_DURING_GPU_0)
+    lose = {"PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}", "FS_TEST_GPU_1_LOST": "1"}
+    args = {"layout": [{"devices": [0], "mig_devices": {"1g.5gb": 7}},
+                       {"devices": [1], "mig_devices": {"1g.10gb": 7}}]}
+    if via == "agent":
+        agent = request.getfixturevalue("agent")
+        simnvml.create_machine(agent.sim_state, ["A100-SXM4-40GB", "H100-SXM5-80GB", "T4"], mig_enabled=True,
+                               overwrite=True)
+        agent.start(env=lose)
+        machine, args = agent.sim_state, args | {"unix_socket": agent.unix_socket}
+        lose = {}
+    args |= {"gpu_backend": "sim", "sim_state": str(machine)}
+    failed = run_module(collections_path, MIG_CONFIG, args, env=lose)
+    assert failed["failed"] and failed["changed"] is True, failed
+    assert "GPU 1" in failed["msg"] and "NVML_ERROR_GPU_IS_LOST" in failed["msg"], failed["msg"]
+    assert "Changed before it: GPU 0 (7 MIG devices created)" in failed["msg"], failed["msg"]
+    assert "once GPU 1 is put right, run the same command again" in failed["msg"], failed["msg"]
+    gpu0 = layout_on_disk(machine, 0)
+    assert len(gpu0) == 7 and layout_on_disk(machine, 1) == []
+    simnvml.reset_gpu(machine, 1)
+    again = run_module(collections_path, MIG_CONFIG, args)
+    assert again["changed"] and not again.get("failed"), again
+    assert {s["gpu"] for s in again["steps"]} == {1}
+    assert layout_on_disk(machine, 0) == gpu0 and len(layout_on_disk(machine, 1)) == 7

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from fastshare.cli import main
-from fastshare.device import DeviceError, open_devices, simnvml
+from fastshare.device import DeviceError, mig_parted, open_devices, simnvml
 from fastshare.device.api import GpuInfo
 from fastshare.device.mig_parted import (
     ConfigError,
@@ -613,14 +613,27 @@ LOST_CONFIG = CONFIG + """
     - devices: [1]
       mig-enabled: true
       mig-devices: {"1g.10gb": 7}
+  halves:
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"1g.5gb": 7}
+    - devices: [1]
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+    - devices: [2]
+      mig-enabled: true
 """
 
 
-def _mig_config(via: str, request, machine: Path, tmp_path: Path, name: str, *more: str):
-    """`fastshare mig config --select NAME` directly (sim backend) or through a node agent."""
+def _mig_config(via: str, request, machine: Path, tmp_path: Path, name: str, *more: str,
+                sock: str | None = None):
+    """`fastshare mig config --select NAME` directly (sim backend) or through a node agent (the
+    agent_socket fixture's, or ``sock``)."""
     config = tmp_path / "mig.yaml"
     config.write_text(LOST_CONFIG)
-    sock = request.getfixturevalue("agent_socket") if via == "agent" else ""
+    if via == "agent" and sock is None:
+        sock = request.getfixturevalue("agent_socket")
+    sock = sock or ""
     env = ({"FASTSHARE_GPU_BACKEND": "", "FASTSHARE_SIM_STATE": ""} if via == "agent" else
            {"FASTSHARE_GPU_BACKEND": "sim", "FASTSHARE_SIM_STATE": str(machine)})
     args = ["mig", "config", "--file", str(config), "--select", name, "--unix-socket", sock,
@@ -698,3 +711,92 @@ def test_plan_host_refuses_a_lost_gpu_it_is_given(devices, machine: Path):
                  DeviceSpec((1,), True, (("1g.10gb", 7),), where="w[0]")):
         with pytest.raises(ConfigError, match=r"^w\[0\]: GPU 1 \(UUID unknown\) is lost \(fell off the bus"):
             plan_host(devices, {0: DeviceSpec((0,), False, where="w[1]"), 1: spec})
+
+
+# --- a GPU lost between the plan and the apply, or during it -------------------------------------
+def _losing_gpu_1_after_gpu_0(machine: Path) -> type[NodeAgentService]:
+    """A node agent whose GPU 1 falls off the bus right after it changed GPU 0's instances."""
+    gpu0 = simnvml.load_machine(machine)["gpus"][0]["uuid"]
+
+    class _Loses(NodeAgentService):
+        def ApplyMigLayout(self, request, context):
+            reply = super().ApplyMigLayout(request, context)
+            if request.gpu_uuid == gpu0:
+                simnvml.lose_gpu(machine, 1)
+            return reply
+
+    return _Loses
+
+
+@pytest.mark.parametrize("via", ["direct", "agent"])
+def test_a_gpu_lost_after_the_plan_is_refused_before_any_change(via, request, machine: Path, tmp_path: Path,
+                                                                monkeypatch):
+    """GPU 1 falls off the bus after `halves` was planned (and, through the agent, checked by its
+    PlanMigLayout). GPU 0 was changed, then the apply failed on GPU 1 ("reading GPU 1 failed"),
+    without a word about GPU 0. Now every GPU of the plan is read again right before the first change:
+    refused, naming GPU 1 and saying no GPU was changed; after its reset the same command does it all."""
+    if via == "agent":
+        request.getfixturevalue("agent_socket")
+    planned = "check_host_via_agent" if via == "agent" else "plan_host"
+    real = getattr(mig_parted, planned)
+
+    def then_lost(*args, **kwargs):
+        result = real(*args, **kwargs)
+        simnvml.lose_gpu(machine, 1)
+        return result
+
+    monkeypatch.setattr(mig_parted, planned, then_lost)
+    refused = _mig_config(via, request, machine, tmp_path, "halves", "--apply")
+    assert refused.exit_code == 1, refused.output
+    message = refused.output.replace("\n", " ")
+    assert re.search(r"GPU 1 \(GPU-[0-9a-f-]+\) is lost .*NVML_ERROR_GPU_IS_LOST", message), message
+    assert "no GPU was changed" in message and "nvidia-smi -r -i 1" in message, message
+    gpus = simnvml.load_machine(machine)["gpus"]
+    assert [len(g["gpu_instances"]) for g in gpus] == [0, 0, 0, 0] and not gpus[2]["mig_pending"]
+    monkeypatch.undo()
+    simnvml.reset_gpu(machine, 1)
+    again = _mig_config(via, request, machine, tmp_path, "halves", "--apply", "--json")
+    assert again.exit_code == 0, again.output
+    gpus = simnvml.load_machine(machine)["gpus"]
+    assert [len(g["gpu_instances"]) for g in gpus] == [7, 7, 0, 0] and gpus[2]["mig_pending"]
+
+
+@pytest.mark.parametrize("via", ["direct", "agent"])
+def test_a_gpu_lost_midway_says_what_was_changed_and_the_same_command_finishes(via, request, machine: Path,
+                                                                                tmp_path: Path, monkeypatch):
+    """GPU 1 falls off the bus after GPU 0 got its instances: the error named GPU 1 only (directly
+    "reading GPU 1 failed"), not that GPU 0 had changed nor what to do. Now it lists what was
+    changed (GPU 0) and what was not reached (GPU 2), and says that the same command, run again once
+    GPU 1 is back, finishes the job; it does, leaving GPU 0 as it is."""
+    sock = None
+    if via == "agent":
+        served = _served(tmp_path, machine, _losing_gpu_1_after_gpu_0(machine), with_socket=True)
+        _, _, sock = next(served)
+        request.addfinalizer(lambda: next(served, None))
+    else:
+        real = mig_parted.apply_plan
+
+        def then_lost(devices, gpu_index, plan):
+            done = real(devices, gpu_index, plan)
+            if gpu_index == 0:
+                simnvml.lose_gpu(machine, 1)
+            return done
+
+        monkeypatch.setattr(mig_parted, "apply_plan", then_lost)
+    failed = _mig_config(via, request, machine, tmp_path, "halves", "--apply", sock=sock)
+    assert failed.exit_code == 1, failed.output
+    message = failed.output.replace("\n", " ")
+    assert re.search(r"GPU 1\b.*NVML_ERROR_GPU_IS_LOST", message), message
+    assert "Changed before it: GPU 0 (7 MIG devices created); not reached: GPU 2." in message, message
+    assert "once GPU 1 is put right, run the same command again" in message, message
+    gpus = simnvml.load_machine(machine)["gpus"]
+    assert [len(g["gpu_instances"]) for g in gpus] == [7, 0, 0, 0] and not gpus[2]["mig_pending"]
+    gpu0 = gpus[0]["gpu_instances"]
+    monkeypatch.undo()
+    simnvml.reset_gpu(machine, 1)
+    again = _mig_config(via, request, machine, tmp_path, "halves", "--apply", "--json", sock=sock)
+    assert again.exit_code == 0, again.output
+    assert [g["changed"] for g in json.loads(again.stdout)["gpus"]] == [False, True, True]
+    gpus = simnvml.load_machine(machine)["gpus"]
+    assert [len(g["gpu_instances"]) for g in gpus] == [7, 7, 0, 0] and gpus[2]["mig_pending"]
+    assert gpus[0]["gpu_instances"] == gpu0

@@ -538,15 +538,20 @@ def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Pat
     assert bad["failed"] and "values" in bad["msg"]
 
 
+def _pki_vars(tmp_path: Path, **extra) -> dict:
+    """roles/pki's variables for node gpu9 with the CA on localhost, files under tmp_path."""
+    fastshare = str(Path(sys.executable).with_name("fastshare"))
+    return {"pki_ca_host": "localhost", "pki_ca_dir": str(tmp_path / "ca"), "pki_name": "gpu9",
+            "pki_sans": ["gpu9", "10.0.0.9"], "pki_fastshare": fastshare,
+            "pki_dest_dir": str(tmp_path / "tls"), "pki_owner": "root", "pki_group": "root", **extra}
+
+
 def _converge_pki(collections_path: Path, tmp_path: Path, check: bool = False, **extra) -> bool:
     """roles/pki for node gpu9 with the CA on localhost, files under tmp_path; whether it changed
     (``check``: in check mode)."""
-    fastshare = str(Path(sys.executable).with_name("fastshare"))
-    role_vars = {"pki_ca_host": "localhost", "pki_ca_dir": str(tmp_path / "ca"), "pki_name": "gpu9",
-                 "pki_sans": ["gpu9", "10.0.0.9"], "pki_fastshare": fastshare,
-                 "pki_dest_dir": str(tmp_path / "tls"), "pki_owner": "root", "pki_group": "root", **extra}
     results = run_tasks(collections_path, [
-        {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"}, "vars": role_vars}],
+        {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"},
+         "vars": _pki_vars(tmp_path, **extra)}],
         tmp_path, gather_facts=True, extra_args=["--check"] if check else None)
     failed = [str(r.get("msg")) for r in results if r.get("failed")]
     assert not failed, "\n".join(failed)   # a string: pytest shortens other messages
@@ -692,6 +697,57 @@ def test_pki_check_mode_with_a_certificate_due_changes_nothing(collections_path:
     _converge_pki(collections_path, tmp_path, check=True, pki_sans=["gpu9", "10.0.0.10"])
     assert {path: path.read_bytes() for path in before} == before
     assert sorted(p.name for p in (tmp_path / "ca").iterdir()) == ["ca.crt", "ca.key", "issued"]
+
+
+def _check_pki(collections_path: Path, tmp_path: Path, **extra) -> list[str]:
+    """roles/pki as _converge_pki runs it, in check mode: the messages of the tasks that reported a
+    change; nothing under tmp_path/ca or tmp_path/tls may have been written."""
+    def files() -> dict[Path, bytes]:
+        return {p: p.read_bytes() for d in ("ca", "tls") for p in (tmp_path / d).rglob("*") if p.is_file()}
+
+    before = files()
+    results = run_tasks(collections_path, [
+        {"ansible.builtin.include_role": {"name": f"{COLLECTION}.pki"},
+         "vars": _pki_vars(tmp_path, **extra)}],
+        tmp_path, gather_facts=True, extra_args=["--check"])
+    failed = [str(r.get("msg")) for r in results if r.get("failed")]
+    assert not failed, "\n".join(failed)
+    assert files() == before, "check mode wrote files"
+    return [str(r.get("msg", "")) for r in results if r.get("changed")]
+
+
+@pytest.mark.parametrize("fastshare", ["installed", "not installed yet"])
+def test_pki_check_mode_on_a_new_host_reports_the_certificate_and_fails_not(collections_path: Path,
+                                                                          tmp_path: Path, fastshare: str):
+    """A first run in check mode (no CA, no certificate; on a new host even no fastshare yet) failed
+    fetching the certificate it had not issued. Now it reports the certificate it would issue, as
+    changed, and writes nothing."""
+    extra = {} if fastshare == "installed" else {"pki_fastshare": str(tmp_path / "opt" / "fastshare")}
+    changed = _check_pki(collections_path, tmp_path, pki_role="node", **extra)
+    assert any("gpu9 would be issued" in m and "none issued before" in m for m in changed), changed
+    assert not (tmp_path / "ca").exists() and not (tmp_path / "tls").exists()
+
+
+def test_pki_check_mode_reports_a_certificate_it_would_issue_again(collections_path: Path, tmp_path: Path):
+    """In check mode the issuing was skipped and the certificate issued before compared with itself: a
+    certificate due (SANs changed, a node certificate without the agent name, close to its end) was
+    reported unchanged. Now check mode reports it as changed, saying why, and writes nothing."""
+    ca, tls = tmp_path / "ca", tmp_path / "tls"
+    assert _converge_pki(collections_path, tmp_path, pki_role="node") is True
+    assert _check_pki(collections_path, tmp_path, pki_role="node") == []
+    for extra, why in (({"pki_sans": ["gpu9", "10.0.0.10"]}, "SANs to add: 10.0.0.10; to drop: 10.0.0.9"),
+                       ({"pki_days": 60, "pki_renew_days": 40}, "within pki_renew_days (40)"),
+                       ({"pki_role": "controller"}, "role node, not controller")):
+        changed = _check_pki(collections_path, tmp_path, **({"pki_role": "node"} | extra))
+        assert any("gpu9 would be issued" in m and why in m for m in changed), (extra, changed)
+    # a node certificate from before node certificates listed the agent name
+    issue_unchecked(ca, "gpu9", ca / "issued" / "gpu9", sans=("10.0.0.9",), role="node")
+    for name in ("gpu9.crt", "gpu9.key"):
+        shutil.copy(ca / "issued" / "gpu9" / name, tls / name)
+    changed = _check_pki(collections_path, tmp_path, pki_role="node")
+    assert any("SANs to add: gpu9.agent.fastshare.invalid" in m for m in changed), changed
+    assert "gpu9.agent.fastshare.invalid" not in describe(tls / "gpu9.crt")["sans"]
+
 
 def test_pki_carries_a_ca_rotation_to_the_host_in_three_runs(collections_path: Path, tmp_path: Path):
     """The bare-metal CA rotation of the README: the bundle in the CA directory's ca.crt reaches

@@ -565,9 +565,9 @@ class Engine:
 
     def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         task = _policy_task(r)
-        best_key, best = None, None
+        best_score, best = None, []
         most = (0, None)
-        for order, n in enumerate(nodes):
+        for n in nodes:
             idle = [g.view.index for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
             most = max(most, (len(idle), n.view.name), key=lambda x: x[0])
             if len(idle) < r.gpus:
@@ -575,10 +575,11 @@ class Engine:
             free = tuple(MILLI if g.view.index in idle else 0 for g in n.gpus)
             model = n.gpus[0].view.model
             score, _ = self.policy.score(model, n.cpu_left, free, task)
-            key = (score, -order)
-            if best_key is None or key > best_key:
-                best_key, best = key, (n, idle)
-        if best is None:
+            if best_score is None or score > best_score:
+                best_score, best = score, [(n, idle)]
+            elif score == best_score:
+                best.append((n, idle))
+        if not best:
             models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
             where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
             mig = sum(1 for n in nodes for g in n.gpus if g.view.mig_enabled and not g.mig and not g.unheld()
@@ -591,8 +592,20 @@ class Engine:
             if lost:
                 where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
             return Rejection(f"no node has {r.gpus} idle{models} GPU(s){where}")
-        n, idle = best
-        return Assignment(r, n.view.name, _tightest_group(n.view, idle, r.gpus))
+        # Nodes the policy scores alike (two idle nodes always are) differ to the job in how its
+        # GPUs talk: the tightest group wins, then the node order.
+        groups: dict[tuple, tuple[tuple[int, ...], tuple[int, int]]] = {}   # alike nodes: worked out once
+
+        def tightest(n: _Node, idle: list[int]) -> tuple[tuple[int, ...], tuple[int, int]]:
+            key = (n.view.links, tuple(idle))
+            if key not in groups:
+                group = _tightest_group(n.view, idle, r.gpus)
+                groups[key] = (group, _group_cost(n.view, group))
+            return groups[key]
+
+        tied = best if r.gpus > 1 else best[:1]   # one GPU is as tight anywhere
+        n, (group, _cost) = min(((n, tightest(n, idle)) for n, idle in tied), key=lambda x: x[1][1])
+        return Assignment(r, n.view.name, group)
 
     def _place_exclusive(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         candidates = [(n, g) for n in nodes for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
@@ -677,10 +690,16 @@ def _clash(r: Request, g: _Gpu) -> str | None:
     return None
 
 
+def _group_cost(view: NodeView, group: tuple[int, ...]) -> tuple[int, int]:
+    """How far apart a group's GPUs are: its farthest link level, then the sum over its pairs."""
+    levels = [view.link_level(a, b) for a, b in itertools.combinations(group, 2)]
+    return max(levels, default=0), sum(levels)
+
+
 def _tightest_group(view: NodeView, idle: list[int], k: int) -> tuple[int, ...]:
     """The ``k`` idle GPUs with the closest links (max level, then sum), lowest indexes on ties."""
-    if k == len(idle):
-        return tuple(idle)
+    if k == len(idle) or not view.links:   # without links every group is as far apart
+        return tuple(sorted(idle)[:k])
     level = {(i, j): lv for i, j, lv in view.links}
 
     def link(a: int, b: int) -> int:

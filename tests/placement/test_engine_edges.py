@@ -233,3 +233,23 @@ def test_an_exclusive_request_takes_no_gpu_whose_mig_enable_waits_for_a_reset():
                       (gpu_view(0, "GPU-h0", "H100-SXM5-80GB", 80 << 30, 132, True, False),))
     placed = Engine([hopper]).place(Request("e3", kind="exclusive", gpu_memory_mib=4096))
     assert placed and placed.enable_mig, placed
+
+
+@pytest.mark.parametrize("policy", ["fastshare", "bestfit", "fgd"])
+def test_whole_gpus_go_to_the_node_with_the_tightest_group_among_those_scored_alike(policy):
+    """Two idle nodes score alike under any policy; the first one's two GPUs sit across the
+    system interconnect, the second one's on NVLink. A 2-GPU request went to the first (node
+    order broke the tie): its GPUs talked over the host bridge while an NVLink pair sat idle."""
+    from fastshare.placement import make_policy
+    from fastshare.placement.policies import Task, typical_shapes
+
+    far = node("a-far", n_gpus=2, links={(0, 1): 5})
+    near = node("b-near", n_gpus=2, links={(0, 1): 1})
+    typical = typical_shapes([Task(0, 1000, 2)])
+    eng = Engine([far, near], policy=make_policy(policy, typical))
+    w = eng.place(Request("w", "whole", gpus=2))
+    assert w and w.node == "b-near", w
+    # the tie only: where the policy prefers a node (the default: one already in use), it keeps it
+    eng = Engine([node("a-far", n_gpus=3, links={(0, 1): 5, (0, 2): 5, (1, 2): 5}), near])
+    assert eng.place(Request("one", "whole", gpus=1)).node == "a-far"
+    assert eng.place(Request("two", "whole", gpus=2)).node == "a-far"

@@ -610,8 +610,7 @@ class Engine:
     def _place_exclusive(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         candidates = [(n, g) for n in nodes for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
         if not candidates:
-            models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-            return Rejection(f"no MIG-capable GPU{models} is free of MPS shares and whole-GPU use")
+            return Rejection(_no_mig_gpu_reason(r, nodes))
         best_key, best = None, None
         too_big = []
         for order, (n, g) in enumerate(candidates):
@@ -666,6 +665,29 @@ class Engine:
         n, g, p, s = best
         slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)
+
+
+def _no_mig_gpu_reason(r: Request, nodes: list[_Node]) -> str:
+    """Why no GPU looked at can take a MIG slice now: none can ever (no such model, none
+    MIG-capable), some are lost, or the rest are in use (closed ones and those whose MIG mode
+    waits for a reset get notes of their own, in ``place``)."""
+    models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
+    wanted = [(n, g) for n in nodes for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
+    if not wanted:
+        return f"no GPU{models} on the {len(nodes)} node(s) looked at"
+    capable = [(n, g) for n, g in wanted if g.view.mig_capable]
+    if not capable:
+        names = ", ".join(sorted({g.view.model for _n, g in wanted}))
+        return (f"none of the {len(wanted)} GPU(s){models} looked at is MIG-capable ({names}): a slice needs "
+                "an A100, A30, H100, H200 or B200; ask for one of those, or for kind fastpod, mps or whole")
+    lost = [g.label(n.view.name) for n, g in capable if g.view.lost]
+    if any(g.sharers or g.whole is not None for _n, g in capable):
+        reason = f"no MIG-capable GPU{models} is free of MPS shares and whole-GPU use"
+    else:
+        reason = f"no MIG-capable GPU{models} takes a new slice now"
+    if lost:
+        reason += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {_some(lost)}"
+    return reason
 
 
 def _some(names: list[str]) -> str:

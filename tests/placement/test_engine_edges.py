@@ -4,6 +4,7 @@ refusals, node changes, and the words of some rejections."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -253,3 +254,30 @@ def test_whole_gpus_go_to_the_node_with_the_tightest_group_among_those_scored_al
     eng = Engine([node("a-far", n_gpus=3, links={(0, 1): 5, (0, 2): 5, (1, 2): 5}), near])
     assert eng.place(Request("one", "whole", gpus=1)).node == "a-far"
     assert eng.place(Request("two", "whole", gpus=2)).node == "a-far"
+
+
+def test_an_exclusive_rejection_says_whether_mig_gpus_are_busy_absent_or_lost():
+    """Every GPU an exclusive request could not use was reported as "no MIG-capable GPU is free
+    of MPS shares and whole-GPU use": also where none looked at can do MIG (T4s, or a model the
+    request names that no node has), where waiting never helps, and where the MIG GPU fell off
+    the bus, which needs an operator rather than a release."""
+    rej = Engine([node("t", n_gpus=2, key="T4")]).place(Request("x", "exclusive", sm_count=10))
+    assert isinstance(rej, Rejection)
+    assert rej.reason.startswith("none of the 2 GPU(s) looked at is MIG-capable (T4)"), rej.reason
+    assert "kind fastpod, mps or whole" in rej.reason
+    t4 = Engine([node("t", n_gpus=2, key="T4"), node("a", n_gpus=1)])
+    rej = t4.place(Request("x", "exclusive", sm_count=10, gpu_models=("T4",)))
+    assert rej.reason.startswith("none of the 2 GPU(s) of model T4 looked at is MIG-capable (T4)"), rej.reason
+    rej = t4.place(Request("y", "exclusive", sm_count=10, gpu_models=("H100-SXM5-80GB",)))
+    assert rej.reason == "no GPU of model H100-SXM5-80GB on the 2 node(s) looked at", rej.reason
+    lost = node("l", n_gpus=1)
+    gone = dataclasses.replace(lost.gpus[0], lost="lost (fell off the bus?)")
+    lost = dataclasses.replace(lost, gpus=(gone,))
+    rej = Engine([lost]).place(Request("z", "exclusive", sm_count=10))
+    assert rej.reason == ("no MIG-capable GPU takes a new slice now; 1 GPU(s) are lost (fell off the bus?): "
+                          "l GPU 0"), rej.reason
+    busy = Engine([node("b", n_gpus=1)])      # the one still worth waiting for
+    assert busy.place(Request("w", "whole", gpus=1))
+    assert busy.place(Request("v", "exclusive", sm_count=10)).reason == (
+        "no MIG-capable GPU is free of MPS shares and whole-GPU use")
+

@@ -657,11 +657,22 @@ class Engine:
                           f"{_fmt_mib(top.memory_mib)})" if top else ""
                 return Rejection(f"no MIG profile has {need} SMs and {_fmt_mib(r.gpu_memory_mib)}{largest}; "
                                  "use kind 'whole' for a full GPU")
-            slice_ = f"{r.mig_profile} slice" if r.mig_profile else (
-                f"slice of {r.sm_count or r.sm_percent or 0}{' SMs' if r.sm_count else ' % SMs'} and "
-                f"{_fmt_mib(r.gpu_memory_mib)}")
+            sms = f"{r.sm_count} SMs" if r.sm_count else f"{r.sm_percent:g} % SMs" if r.sm_percent else ""
+            size = " and ".join(x for x in (sms, _fmt_mib(r.gpu_memory_mib) if r.gpu_memory_mib else "") if x)
+            slice_ = f"{r.mig_profile} slice" if r.mig_profile else f"slice of {size}"
+            # a GPU whose slices are all too small is not full: no release makes room there
+            small = ""
+            if too_big:
+                largest = []
+                for model in sorted({g.view.model for _n, g, _need in too_big}):
+                    v = next(g.view for _n, g, _need in too_big if g.view.model == model)
+                    top = max(v.mig_profiles, key=lambda p: (p.sm_count, p.memory_mib), default=None)
+                    largest.append(f"{model}: the largest is {top.name}, {top.sm_count} SMs, "
+                                   f"{_fmt_mib(top.memory_mib)}" if top else f"{model}: no MIG profiles")
+                what = f"no {r.mig_profile} slice" if r.mig_profile else "no slice that large"
+                small = f"; {len(too_big)} more have {what} ({'; '.join(largest)})"
             return Rejection(f"no MIG-capable GPU has a free placement for a {slice_}; "
-                             f"{len(candidates)} candidate GPU(s) are full")
+                             f"{len(candidates) - len(too_big)} candidate GPU(s) are full{small}")
         n, g, p, s = best
         slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)

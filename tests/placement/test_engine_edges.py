@@ -281,3 +281,15 @@ def test_an_exclusive_rejection_says_whether_mig_gpus_are_busy_absent_or_lost():
     assert busy.place(Request("v", "exclusive", sm_count=10)).reason == (
         "no MIG-capable GPU is free of MPS shares and whole-GPU use")
 
+
+def test_an_exclusive_rejection_counts_as_full_only_the_gpus_that_could_serve_it():
+    """With an A100 (largest slice 98 of 108 SMs) and an H100 whose 7g.80gb is taken, a second
+    100 % request was told "2 candidate GPU(s) are full": the idle A100 was counted as full, so
+    the user waited for a release that can never make room there."""
+    eng = Engine([node("a", n_gpus=1), node("h", n_gpus=1, key="H100-SXM5-80GB")])
+    assert eng.place(Request("x", "exclusive", sm_percent=100)).node == "h"
+    rej = eng.place(Request("y", "exclusive", sm_percent=100))
+    assert isinstance(rej, Rejection)
+    assert rej.reason.startswith("no MIG-capable GPU has a free placement for a slice of 100 % SMs; "
+                                 "1 candidate GPU(s) are full; 1 more have no slice that large "
+                                 "(A100-SXM4-40GB: the largest is 7g.40gb, 98 SMs, "), rej.reason

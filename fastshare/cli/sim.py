@@ -30,7 +30,8 @@ def _default(name: str) -> str | None:
               show_default=True, help="Placement policy.")
 @click.option("--tune", type=Number(0, 10), default=1.3, show_default=True,
               help="Append random task copies until requested GPU = TUNE x capacity (0 = none).")
-@click.option("--seed", type=int, default=42, show_default=True, help="Arrival shuffle and tie order.")
+@click.option("--seed", type=click.IntRange(min=0), default=42, show_default=True,
+              help="Arrival shuffle and tie order.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True),
               help="Write the allocation curve (with the published FGD curve, and a zoom on where the "

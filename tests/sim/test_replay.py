@@ -319,6 +319,19 @@ def test_cli_sim_bad_file_options_are_usage_errors(tmp_path):
         assert f"Invalid value for '{option}'" in out.output and path in out.output, out.output
 
 
+
+def test_cli_sim_refuses_a_negative_seed(tmp_path):
+    """Python seeds its generator with the seed's absolute value: --seed -5 replayed exactly the
+    run of --seed 5 while the JSON said seed -5, so two "different" seeds agreed perfectly.
+    (`bench placement --seeds` never took negative seeds.)"""
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,65536,2,T4\n")
+    (tmp_path / "p.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1024,1,500\n")
+    args = ["sim", "--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--json"]
+    out = CliRunner().invoke(main, [*args, "--seed", "-5"])
+    assert out.exit_code == 2, out.output
+    assert "Invalid value for '--seed'" in out.output and ">=0" in out.output, out.output
+    assert CliRunner().invoke(main, [*args, "--seed", "0"]).exit_code == 0
+
 def test_cli_sim_plot_shows_the_published_curve_only_for_the_published_setting(tmp_path, monkeypatch):
     # the published FGD curve (the 1,213-node cluster at tune 1.3) was drawn as "FGD (published,
     # same seed)" beside a run on any other node list or tune, a comparison that does not hold

@@ -1,15 +1,18 @@
-"""Invariants over random request streams: capacity never exceeded, release is exact,
+"""Invariants over random request streams: capacity never exceeded, MIG slices only where the
+hardware allows them, sharing tags, node selectors and model lists honoured, release is exact,
 decisions are deterministic."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastshare.placement import Engine, Request
-from fastshare.placement.mig import used_mask
+from fastshare.placement import Engine, NodeView, Request
+from fastshare.placement.mig import compute_slices_total, used_mask
 
-from .conftest import node
+from .conftest import gpu, node
 
 kinds = st.sampled_from(["fastpod", "mps", "exclusive", "whole"])
 
@@ -20,7 +23,9 @@ def requests(draw, i: int) -> Request:
     common = {"cpu_milli": draw(st.integers(0, 20000)), "memory_mib": draw(st.integers(0, 50000)),
               "anti_affinity": draw(st.sampled_from([None, "x"])),
               "exclusion": draw(st.sampled_from([None, None, "e"])),
-              "affinity": draw(st.sampled_from([None, None, "a"]))}
+              "affinity": draw(st.sampled_from([None, None, "a"])),
+              "gpu_models": draw(st.sampled_from([(), (), ("T4",), ("A100-SXM4-40GB", "A30-24GB")])),
+              "node_selector": draw(st.sampled_from([{}, {}, {"zone": "a"}]))}
     if kind == "fastpod":
         return Request(f"r{i}", kind, sm_percent=draw(st.integers(1, 100)),
                        gpu_memory_mib=draw(st.integers(1, 45000)),
@@ -28,8 +33,14 @@ def requests(draw, i: int) -> Request:
     if kind == "mps":
         return Request(f"r{i}", kind, gpu_memory_mib=draw(st.integers(1, 45000)), **common)
     if kind == "exclusive":
-        return Request(f"r{i}", kind, sm_count=draw(st.integers(1, 98)), **common)
-    return Request(f"r{i}", kind, gpus=draw(st.integers(1, 3)), cpu_milli=common["cpu_milli"])
+        size = draw(st.sampled_from([{"sm_count": draw(st.integers(1, 98))},
+                                     {"sm_percent": draw(st.integers(1, 100))},
+                                     {"gpu_memory_mib": draw(st.integers(1, 40000))},
+                                     {"sm_count": 1, "mig_profile": draw(st.sampled_from(
+                                         ["1g.5gb", "1g.10gb", "3g.20gb", "2g.12gb"]))}]))
+        return Request(f"r{i}", kind, **size, **common)
+    return Request(f"r{i}", kind, gpus=draw(st.integers(1, 3)), cpu_milli=common["cpu_milli"],
+                   gpu_models=common["gpu_models"], node_selector=common["node_selector"])
 
 
 @st.composite
@@ -40,14 +51,22 @@ def streams(draw):
     return reqs, releases
 
 
+def a30_node(cpu: int = 32000, mem: int = 131072) -> NodeView:
+    """Two A30s (4 slices, other placements than the A100's), the first already in MIG mode."""
+    return NodeView("n4", cpu, mem, (gpu(0, "A30-24GB", mig_enabled=True), gpu(1, "A30-24GB")),
+                    {"zone": "b"})
+
+
 def cluster():
-    return [node("n1", n_gpus=2, cpu=64000), node("n2", n_gpus=2, key="T4", cpu=32000), node("n3", n_gpus=1)]
+    return [node("n1", n_gpus=2, cpu=64000, labels={"zone": "a"}), node("n2", n_gpus=2, key="T4", cpu=32000),
+            node("n3", n_gpus=1, labels={"zone": "a"}), a30_node()]
 
 
 def tight_cluster():
     """Host CPU and memory run out before the GPUs do (the other cluster rarely gets there)."""
-    return [node("n1", n_gpus=2, cpu=24000, mem=60000), node("n2", n_gpus=2, key="T4", cpu=16000, mem=40000),
-            node("n3", n_gpus=1, cpu=20000, mem=50000)]
+    return [node("n1", n_gpus=2, cpu=24000, mem=60000, labels={"zone": "a"}),
+            node("n2", n_gpus=2, key="T4", cpu=16000, mem=40000),
+            node("n3", n_gpus=1, cpu=20000, mem=50000, labels={"zone": "a"}), a30_node(16000, 40000)]
 
 
 def check_capacity(eng: Engine) -> None:
@@ -70,16 +89,30 @@ def check_capacity(eng: Engine) -> None:
             key = (a.node, a.gpus[0])
             quota[key] = quota.get(key, 0.0) + a.request.quota_request
     assert all(q <= 1 + 1e-9 for q in quota.values()), quota
+    for a in eng.assignments.values():   # where a request may go at all
+        r, view = a.request, nodes[a.node]
+        assert all(dict(view.labels).get(k) == v for k, v in r.node_selector), (r, view.labels)
+        assert not r.gpu_models or all(view.gpus[i].model in r.gpu_models for i in a.gpus), (r, a.gpus)
     for u in eng.usage():
         g = nodes[u["node"]].gpus[u["gpu"]]
         assert u["sm_used_percent"] <= 100
         assert u["memory_used_mib"] <= g.memory_mib * eng.mps_oversubscription
         uses = bool(u["sharers"]) + bool(u["mig"]) + (u["whole"] is not None)
         assert uses <= 1, u
+        assert not (g.mig_enabled and (u["sharers"] or u["whole"] is not None)), u
+        sharers = [eng.assignments[rid].request for rid in u["sharers"]]
+        assert len({s.exclusion for s in sharers}) <= 1, u                      # exclusion tags
+        anti = [s.anti_affinity for s in sharers if s.anti_affinity]
+        assert len(anti) == len(set(anti)), u                                  # anti-affinity tags
         inst = [(pid, s, z) for s, z, pid, _rid in u["mig"]]
         assert sum(z for _p, _s, z in inst) == bin(used_mask(inst)).count("1")  # no overlap
-        for _p, s, z in inst:
-            assert s + z <= 8
+        # only what the hardware allows: each slice at a start its profile has on this model,
+        # within the profile's instance count and the GPU's compute slices
+        profiles = {p.profile_id: p for p in g.mig_profiles}
+        for pid, s, z in inst:
+            assert pid in profiles and s in profiles[pid].placements and z == profiles[pid].memory_slices, u
+        assert all(n <= profiles[pid].max_instances for pid, n in Counter(p for p, _s, _z in inst).items()), u
+        assert sum(profiles[pid].slices for pid, _s, _z in inst) <= compute_slices_total(g.mig_profiles), u
 
 
 @settings(max_examples=60, deadline=None)
@@ -167,9 +200,9 @@ def changed_cluster():
         gpus[i] = dataclasses.replace(gpus[i], **kw)
         return dataclasses.replace(view, gpus=tuple(gpus))
 
-    n1, n2, n3 = cluster()
+    n1, n2, n3, *rest = cluster()
     return [change(n1, 0, mig_enabled=True), change(n2, 1, memory_mib=n2.gpus[1].memory_mib // 2),
-            change(n3, 0, mig_enabled=True)]
+            change(n3, 0, mig_enabled=True), *rest]
 
 
 def over_committed(eng: Engine) -> set[tuple[str, int]]:

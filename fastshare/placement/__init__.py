@@ -21,7 +21,8 @@ API (everything else in the package is internal)::
   ``whole`` (N idle GPUs on one node, tightest link group). A GPU in MIG mode takes no MPS
   shares and no whole requests; a GPU holding shares takes no MIG slice.
 - Constraints: host CPU/memory, ``gpu_models`` allow-list, ``node_selector`` labels,
-  KubeShare-style ``affinity`` / ``anti_affinity`` / ``exclusion`` tags between sharers.
+  KubeShare-style ``affinity`` / ``anti_affinity`` / ``exclusion`` tags between sharers (MPS
+  shares, or the MIG slices of one GPU).
 - Persistence: ``Assignment.to_dict/from_dict``, ``Engine.to_dict/from_dict`` (cluster view
   + assignments), ``Engine.restore(assignment)`` to rebuild the ledger after a restart.
 - Policies (``make_policy``): random, dotprod, gpuclustering, gpupacking, bestfit, fgd (the

@@ -256,12 +256,12 @@ class Engine:
                 g.mem_used -= r.gpu_memory_mib
                 if not g.sharers:
                     g.share_kind = None
-                if r.affinity and not any(s.affinity == r.affinity for s in g.sharers.values()):
-                    self._affinity.pop(r.affinity, None)
             elif r.kind == "exclusive":
                 del g.mig[rid]
             else:
                 g.whole = None
+            if r.affinity and not any(h.affinity == r.affinity for h in self._holders(g)):
+                self._affinity.pop(r.affinity, None)
         return a
 
     def restore(self, assignment: Assignment, check_host: bool = True, force: bool = False) -> str | None:
@@ -340,12 +340,12 @@ class Engine:
                 g.share_kind = r.kind
                 g.sm_used += r.sm_milli if r.kind == "fastpod" else 0
                 g.mem_used += r.gpu_memory_mib
-                if r.affinity:
-                    self._affinity[r.affinity] = (a.node, i)
             elif r.kind == "exclusive":
                 g.mig[r.id] = (a.mig.profile_id, a.mig.start, a.mig.size)
             else:
                 g.whole = r.id
+            if r.affinity and r.kind != "whole":
+                self._affinity[r.affinity] = (a.node, i)
         self._assignments[r.id] = a
 
     # ---- filters -----------------------------------------------------------------------------
@@ -412,7 +412,7 @@ class Engine:
             return "MIG off, and turning it on waits for a GPU reset"
         if g.sharers or g.whole is not None:
             return "in use by MPS shares or whole"
-        return None
+        return self._tag_problem(r, g, node, placing)
 
     @staticmethod
     def _closed_note(r: Request, nodes: list[_Node]) -> str:
@@ -441,13 +441,18 @@ class Engine:
                 "there waits for a GPU reset: `fastshare mig enable --gpu N` on the node, then reset the "
                 "GPU (nvidia-smi -r -i N) or reboot")
 
+    def _holders(self, g: _Gpu) -> list[Request]:
+        """Who shares ``g``: its MPS sharers, or the holders of its MIG slices (which split its
+        memory bandwidth and go down together), for the sharing tags."""
+        return [*g.sharers.values(), *(self._assignments[rid].request for rid in g.mig)]
+
     def _tag_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
-        """Why the KubeShare tags (of ``r`` or of the sharers on ``g``) keep share ``r`` off ``g``."""
+        """Why the KubeShare tags (of ``r`` or of those sharing ``g``) keep share or slice ``r`` off ``g``."""
         if check_affinity and r.affinity and r.affinity in self._affinity \
                 and self._affinity[r.affinity] != (node, g.view.index):
             bound_node, bound_gpu = self._affinity[r.affinity]
             return f"affinity tag {r.affinity!r} binds it to {bound_node} GPU {bound_gpu}"
-        for s in g.sharers.values():
+        for s in self._holders(g):
             if s.exclusion != r.exclusion:
                 return "exclusion tags differ"
             if r.anti_affinity and s.anti_affinity == r.anti_affinity:
@@ -610,7 +615,11 @@ class Engine:
     def _place_exclusive(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         candidates = [(n, g) for n in nodes for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
         if not candidates:
-            return Rejection(_no_mig_gpu_reason(r, nodes))
+            # the GPUs only the sharing tags rule out (a tag problem is the last one looked for)
+            tagged = [f"{g.label(n.view.name)} ({why})" for n in nodes for g in n.gpus
+                      if (why := self._gpu_problem(r, g, n.view.name))
+                      and why == self._tag_problem(r, g, n.view.name)]
+            return Rejection(_no_mig_gpu_reason(r, nodes, tagged))
         best_key, best = None, None
         too_big = []
         for order, (n, g) in enumerate(candidates):
@@ -678,10 +687,10 @@ class Engine:
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)
 
 
-def _no_mig_gpu_reason(r: Request, nodes: list[_Node]) -> str:
+def _no_mig_gpu_reason(r: Request, nodes: list[_Node], tagged: list[str]) -> str:
     """Why no GPU looked at can take a MIG slice now: none can ever (no such model, none
-    MIG-capable), some are lost, or the rest are in use (closed ones and those whose MIG mode
-    waits for a reset get notes of their own, in ``place``)."""
+    MIG-capable), the sharing tags rule out ``tagged``, some are lost, or the rest are in use
+    (closed ones and those whose MIG mode waits for a reset get notes of their own, in ``place``)."""
     models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
     wanted = [(n, g) for n in nodes for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
     if not wanted:
@@ -696,6 +705,10 @@ def _no_mig_gpu_reason(r: Request, nodes: list[_Node]) -> str:
         reason = f"no MIG-capable GPU{models} is free of MPS shares and whole-GPU use"
     else:
         reason = f"no MIG-capable GPU{models} takes a new slice now"
+    if tagged:
+        tags = f"the sharing tags rule out {len(tagged)} MIG-capable GPU(s){models}: {_some(tagged)}"
+        others = reason.replace("no ", "of the others no ", 1)
+        reason = tags if len(tagged) == len(capable) else f"{tags}; {others}"
     if lost:
         reason += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {_some(lost)}"
     return reason

@@ -46,7 +46,8 @@ class Request:
     (``gpu_models``), select nodes by labels (``node_selector``) and carry KubeShare-style tags:
     ``affinity`` (sharers with the same tag go to the same GPU), ``anti_affinity`` (sharers
     with the same tag never share a GPU) and ``exclusion`` (a GPU holding tag X only takes
-    sharers tagged X; untagged sharers only share with untagged ones).
+    sharers tagged X; untagged sharers only share with untagged ones). MIG slices of one GPU
+    share it too (its memory bandwidth, a reset); a whole GPU is shared with no one.
     """
 
     id: str

@@ -293,3 +293,32 @@ def test_an_exclusive_rejection_counts_as_full_only_the_gpus_that_could_serve_it
     assert rej.reason.startswith("no MIG-capable GPU has a free placement for a slice of 100 % SMs; "
                                  "1 candidate GPU(s) are full; 1 more have no slice that large "
                                  "(A100-SXM4-40GB: the largest is 7g.40gb, 98 SMs, "), rej.reason
+
+
+def test_sharing_tags_hold_for_mig_slices_too():
+    """Slices of one GPU share it (its memory bandwidth is split, a reset takes them all), and
+    `fastshare run --anti-affinity` promises "never share a GPU with others carrying this tag";
+    yet exclusive requests ignored every tag: two anti-affine slices landed on one GPU, an
+    exclusion-tagged slice beside untagged ones, and affine slices on different GPUs."""
+    eng = Engine([node("n", n_gpus=2)])
+    a = eng.place(Request("a", "exclusive", sm_count=14, anti_affinity="x"))
+    b = eng.place(Request("b", "exclusive", sm_count=14, anti_affinity="x"))
+    assert a and b and a.gpus != b.gpus, (a, b)
+    rej = eng.place(Request("c", "exclusive", sm_count=14, anti_affinity="x"))
+    assert isinstance(rej, Rejection) and "anti-affinity x already on it" in rej.reason, rej.reason
+    eng = Engine([node("n", n_gpus=2)])
+    s = eng.place(Request("s", "exclusive", sm_count=14, exclusion="secret"))
+    t = eng.place(Request("t", "exclusive", sm_count=14))
+    u = eng.place(Request("u", "exclusive", sm_count=14, exclusion="secret"))
+    assert s and t and u and t.gpus != s.gpus and u.gpus == s.gpus, (s, t, u)
+    two = [node("n", n_gpus=1, labels={"r": "1"}), node("m", n_gpus=1, labels={"r": "2"})]
+    eng = Engine(two)
+    p = eng.place(Request("p", "exclusive", sm_count=14, affinity="team"))
+    assert eng.place(Request("filler", "exclusive", sm_count=28, node_selector={"r": "2"})).node == "m"
+    q = eng.place(Request("q", "exclusive", sm_count=14, affinity="team"))   # best fit alone: m, the fuller
+    assert p and q and (q.node, q.gpus) == (p.node, p.gpus) == ("n", (0,)), (p, q)
+    eng.release("p")
+    assert eng.place(Request("o", "exclusive", sm_count=14, affinity="team")).node == "n"   # q holds it
+    eng.release("o")
+    eng.release("q")      # the binding goes with the last holder of the tag
+    assert eng.place(Request("r", "exclusive", sm_count=14, affinity="team")).node == "m"

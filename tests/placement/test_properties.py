@@ -73,7 +73,7 @@ def check_capacity(eng: Engine) -> None:
     nodes = {n.name: n for n in eng.nodes}
     bound: dict[str, set[tuple[str, int]]] = {}
     for a in eng.assignments.values():
-        if a.request.kind in ("fastpod", "mps") and a.request.affinity:
+        if a.request.kind != "whole" and a.request.affinity:
             bound.setdefault(a.request.affinity, set()).add((a.node, a.gpus[0]))
     assert all(len(places) == 1 for places in bound.values()), bound   # an affinity tag is one GPU
     cpu = dict.fromkeys(nodes, 0)
@@ -100,7 +100,7 @@ def check_capacity(eng: Engine) -> None:
         uses = bool(u["sharers"]) + bool(u["mig"]) + (u["whole"] is not None)
         assert uses <= 1, u
         assert not (g.mig_enabled and (u["sharers"] or u["whole"] is not None)), u
-        sharers = [eng.assignments[rid].request for rid in u["sharers"]]
+        sharers = [eng.assignments[rid].request for rid in [*u["sharers"], *(m[3] for m in u["mig"])]]
         assert len({s.exclusion for s in sharers}) <= 1, u                      # exclusion tags
         anti = [s.anti_affinity for s in sharers if s.anti_affinity]
         assert len(anti) == len(set(anti)), u                                  # anti-affinity tags

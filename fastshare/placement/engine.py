@@ -586,6 +586,8 @@ class Engine:
                 best.append((n, idle))
         if not best:
             models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
+            if models and not any(g.view.model in r.gpu_models for n in nodes for g in n.gpus):
+                return Rejection(f"no GPU of model{models} on the {len(nodes)} node(s) looked at")
             where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
             mig = sum(1 for n in nodes for g in n.gpus if g.view.mig_enabled and not g.mig and not g.unheld()
                       and not g.view.closed and (not r.gpu_models or g.view.model in r.gpu_models))

@@ -322,3 +322,14 @@ def test_sharing_tags_hold_for_mig_slices_too():
     eng.release("o")
     eng.release("q")      # the binding goes with the last holder of the tag
     assert eng.place(Request("r", "exclusive", sm_count=14, affinity="team")).node == "m"
+
+
+def test_a_whole_request_for_a_model_no_node_has_says_so():
+    """"no node has 1 idle H100 GPU(s)" read as if the H100s were busy; there were none, and
+    waiting never helps (shares and slices already said "no GPU of model ... looked at")."""
+    eng = Engine([node("n", n_gpus=2), node("m", n_gpus=2, key="T4")])
+    rej = eng.place(Request("w", "whole", gpus=1, gpu_models=("H100-SXM5-80GB",)))
+    assert rej.reason == "no GPU of model H100-SXM5-80GB on the 2 node(s) looked at", rej.reason
+    assert eng.place(Request("t", "whole", gpus=2, gpu_models=("T4",)))
+    rej = eng.place(Request("u", "whole", gpus=1, gpu_models=("T4",)))
+    assert rej.reason == "no node has 1 idle T4 GPU(s)", rej.reason      # these are there, and busy

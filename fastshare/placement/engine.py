@@ -260,7 +260,8 @@ class Engine:
                 del g.mig[rid]
             else:
                 g.whole = None
-            if r.affinity and not any(h.affinity == r.affinity for h in self._holders(g)):
+            if r.affinity and r.kind != "whole" and not any(h.affinity == r.affinity
+                                                             for h in self._holders(g)):
                 self._affinity.pop(r.affinity, None)
         return a
 

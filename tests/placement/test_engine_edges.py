@@ -333,3 +333,15 @@ def test_a_whole_request_for_a_model_no_node_has_says_so():
     assert eng.place(Request("t", "whole", gpus=2, gpu_models=("T4",)))
     rej = eng.place(Request("u", "whole", gpus=1, gpu_models=("T4",)))
     assert rej.reason == "no node has 1 idle T4 GPU(s)", rej.reason      # these are there, and busy
+
+
+def test_releasing_a_whole_gpu_keeps_an_affinity_binding_its_tag_never_made():
+    """A whole GPU shares nothing, so its tag binds nothing, and its release must not drop the
+    binding the tag's sharers made elsewhere."""
+    eng = Engine([node("n", n_gpus=3)])
+    a = eng.place(Request("a", "fastpod", sm_percent=10, gpu_memory_mib=10, quota_request=0.1, affinity="t"))
+    w = eng.place(Request("w", "whole", gpus=1, affinity="t"))
+    assert a and w and w.gpus != a.gpus
+    eng.release("w")
+    b = eng.place(Request("b", "fastpod", sm_percent=10, gpu_memory_mib=10, quota_request=0.1, affinity="t"))
+    assert b and b.gpus == a.gpus, (a, b)

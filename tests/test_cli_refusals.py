@@ -73,9 +73,11 @@ def test_fractional_flags_refuse_nan_and_infinity(args):
 
 
 @pytest.mark.parametrize("seeds, why", [("abc", "expected seeds like"), ("5-1", "is empty"),
-                                        ("1-2000", "at most 1000 seeds"), ("-3", "expected seeds like")])
+                                        ("1-2000", "at most 1000 seeds"), ("-3", "expected seeds like"),
+                                        ("42-", "expected seeds like"), ("1,3-", "expected seeds like")])
 def test_bench_seeds_are_refused_before_any_run(seeds, why):
-    # "5-1" used to run no seed at all and print a table of zeros as the result
+    # "5-1" used to run no seed at all and print a table of zeros as the result; "42-" (42-51
+    # cut short) ran seed 42 alone and reported its figures as the mean
     result = CliRunner().invoke(main, ["bench", "mig", "--seeds", seeds])
     assert result.exit_code == 2, result.output
     assert "--seeds" in result.output and why in result.output

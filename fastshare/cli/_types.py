@@ -38,10 +38,10 @@ class Seeds(click.ParamType):
             return value
         out: list[int] = []
         for part in str(value).split(","):
-            first, _, last = part.partition("-")
+            first, dash, last = part.partition("-")
             try:
                 low = int(first)
-                high = int(last) if last else low
+                high = int(last) if dash else low   # "42-" is a range cut short, not seed 42
             except ValueError:
                 self.fail(f"expected seeds like 42-51 or 42,43, got {value!r}", param, ctx)
             if high < low:

@@ -18,9 +18,11 @@ OFFLINE = {"FASTSHARE_CONTROLLER": "127.0.0.1:9"}
 
 
 @pytest.mark.parametrize("flag, value", [("--sm", "-1"), ("--sm", "101"), ("--sm", str(2**40)),
-                                         ("--gpus", "-1"), ("--gpus", "17"), ("--sm-count", "-3"),
-                                         ("--lease-ttl", "-1"), ("--lease-ttl", str(2**32))])
+                                         ("--gpus", "-1"), ("--gpus", "0"), ("--gpus", "17"),
+                                         ("--sm-count", "-3"), ("--lease-ttl", "-1"),
+                                         ("--lease-ttl", str(2**32))])
 def test_run_refuses_numbers_a_request_cannot_carry(flag, value):
+    # `--gpus 0` was taken for "not given" and a whole request got one GPU
     result = CliRunner().invoke(main, ["run", flag, value, "--", "true"], env=OFFLINE)
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit)

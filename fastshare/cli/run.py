@@ -98,7 +98,7 @@ def _describe(a) -> str:
               help="SM share in % (fastpod; exclusive: slice size).")
 @click.option("--mem", "memory", help="GPU memory, e.g. 8GiB (fastpod limit, mps share, exclusive minimum).")
 @click.option("--quota", help="Time quota REQUEST:LIMIT fractions of the GPU, e.g. 0.3:0.6 (fastpod).")
-@click.option("--gpus", "gpu_count", type=click.IntRange(0, MAX_GPUS_PER_NODE), default=0,
+@click.option("--gpus", "gpu_count", type=click.IntRange(1, MAX_GPUS_PER_NODE), default=None,
               help="Number of whole GPUs (whole) [1].")
 @click.option("--mig-profile", default="", help="Exact MIG profile, e.g. 3g.20gb (exclusive).")
 @click.option("--sm-count", type=click.IntRange(0, MAX_SM_COUNT), default=0,

@@ -540,3 +540,17 @@ def test_mig_config_force_through_an_agent_that_ignores_it_is_refused_with_a_hin
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "GPU 0: GPU " in result.output and "release them" in result.output, result.output
     assert "older than this fastshare and ignores force" in result.output, result.output
+
+
+@pytest.mark.parametrize("args", [["node", "serve", "--log-level", "warning", "--config", "{tmp}/none.yaml"],
+                                  ["controller", "serve", "--log-level", "WARNING", "--state-dir",
+                                   "{tmp}/state", "--tls-dir", "{tmp}/tls", "--heartbeat-interval", "0"],
+                                  ["k8s", "controller", "--log-level", "Warning", "--tls-dir", "{tmp}"]])
+def test_log_level_is_taken_in_either_case(tmp_path, args):
+    # `node serve` took only DEBUG..ERROR and the two controllers only debug..error, so each
+    # refused the other's spelling (the demo passes WARNING to one and warning to the other);
+    # each command here gets past --log-level and stops at its next, deliberate, refusal
+    result = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
+    assert result.exit_code == 1, result.output
+    assert "--log-level" not in result.output
+    assert not (tmp_path / "state").exists()

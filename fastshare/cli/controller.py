@@ -89,7 +89,8 @@ def controller() -> None:
 @click.option("--finished-retention", type=float,
               help="Seconds released and failed allocations are kept (Get, status --all, idempotency "
                    "keys) before they are forgotten [604800: 7 days].")
-@click.option("--log-level", type=click.Choice(CHOICES["log_level"]), help="Log verbosity [info].")
+@click.option("--log-level", type=click.Choice(CHOICES["log_level"], case_sensitive=False),
+              help="Log verbosity [info].")
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Run the controller until SIGTERM/SIGINT. A second one on the same state dir refuses to start."""
     from fastshare.controller.core import Settings

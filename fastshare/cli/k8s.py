@@ -155,8 +155,8 @@ def _controller_tls(tls_dir: Path, cert_dir: Path, sans: list[str], lifetime_s: 
               help="Seconds between agent pings (heartbeats).")
 @click.option("--heartbeat-timeout", default=8.0, show_default=True, type=Number(0.5, 86400),
               help="Silence after which a node agent counts as down.")
-@click.option("--log-level", default="info", show_default=True, type=click.Choice(LOG_LEVELS),
-              help="Log verbosity.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(LOG_LEVELS, case_sensitive=False), help="Log verbosity.")
 def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity, gpu_node_label,
                    agent_port, tls_dir, cert_dir, service_name, service_namespace, cert_lifetime, api_port,
                    agent_namespace, agent_service_account, agent_daemonset,

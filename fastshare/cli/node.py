@@ -11,6 +11,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from fastshare.cli._output import fail, print_json, print_table
+from fastshare.cli._types import LOG_LEVELS
 from fastshare.node import config as node_config
 
 _OPTIONS = [
@@ -50,7 +51,7 @@ def node() -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
               default=str(node_config.DEFAULT_PATH), envvar="FASTSHARE_NODE_CONFIG", show_default=True,
               show_envvar=True, help="YAML settings; flags and environment override it.")
-@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+@click.option("--log-level", default="info", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               envvar="FASTSHARE_LOG_LEVEL", show_envvar=True, show_default=True, help="Log verbosity.")
 @_serve_options
 @click.option("--bootstrap-controller", envvar="FASTSHARE_NODE_BOOTSTRAP_CONTROLLER", show_envvar=True,
@@ -67,7 +68,7 @@ def node() -> None:
 def serve(config_path: Path, log_level: str, bootstrap_controller: str | None,
           bootstrap_token: Path | None, bootstrap_ca: Path | None, **flags: str | None) -> None:
     """Run the agent: reconcile the journal with the GPUs, then serve gRPC until SIGTERM."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides: dict[str, object] = {}
     tls = {}
     for flag, key, _env, _help in _OPTIONS:

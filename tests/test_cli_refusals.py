@@ -554,3 +554,15 @@ def test_log_level_is_taken_in_either_case(tmp_path, args):
     assert result.exit_code == 1, result.output
     assert "--log-level" not in result.output
     assert not (tmp_path / "state").exists()
+
+
+def test_node_agent_names_the_gpu_backend_flag_it_refuses(tmp_path):
+    # the refusal named the YAML key (`device_backend must be one of nvml, sim`), not the
+    # flag or the environment variable the value came from
+    config = tmp_path / "node.yaml"
+    config.write_text("{}\n")
+    for args, env in (([], {"FASTSHARE_GPU_BACKEND": "simm"}), (["--gpu-backend", "simm"], {})):
+        result = CliRunner().invoke(main, ["node", "serve", "--config", str(config), *args], env=env)
+        assert result.exit_code == 2, result.output
+        assert "'--gpu-backend' (env var: 'FASTSHARE_GPU_BACKEND')" in result.output
+        assert "'simm' is not one of 'nvml', 'sim'" in result.output

@@ -26,7 +26,7 @@ _OPTIONS = [
     ("--tls-ca", None, "FASTSHARE_NODE_TLS_CA", "Cluster CA certificate (PEM)."),
     ("--state-dir", "state_dir", "FASTSHARE_NODE_STATE_DIR", "Journal directory."),
     ("--run-dir", "run_dir", "FASTSHARE_NODE_RUN_DIR", "MPS pipe/log dirs and share files root."),
-    ("--gpu-backend", "device_backend", "FASTSHARE_GPU_BACKEND", "nvml or sim."),
+    ("--gpu-backend", "device_backend", "FASTSHARE_GPU_BACKEND", "Real NVML or the simulated machine."),
     ("--sim-state", "sim_state", "FASTSHARE_SIM_STATE", "Simulated machine file (backend sim)."),
     ("--mps-control-binary", "mps_control_binary", "FASTSHARE_MPS_CONTROL_BINARY",
      "nvidia-cuda-mps-control (or fastshare-mps-standin)."),
@@ -36,9 +36,15 @@ _OPTIONS = [
 ]
 
 
+# Flags whose values click checks itself, so that a refusal names the flag (or its variable),
+# not the configuration key the value goes to.
+_TYPES = {"--gpu-backend": click.Choice(node_config.BACKENDS)}
+
+
 def _serve_options(fn):
     for flag, _key, env, help_text in reversed(_OPTIONS):
-        fn = click.option(flag, envvar=env, default=None, show_envvar=True, help=help_text)(fn)
+        fn = click.option(flag, envvar=env, default=None, type=_TYPES.get(flag), show_envvar=True,
+                          help=help_text)(fn)
     return fn
 
 

@@ -566,3 +566,17 @@ def test_node_agent_names_the_gpu_backend_flag_it_refuses(tmp_path):
         assert result.exit_code == 2, result.output
         assert "'--gpu-backend' (env var: 'FASTSHARE_GPU_BACKEND')" in result.output
         assert "'simm' is not one of 'nvml', 'sim'" in result.output
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "ctl.example.com", "127.0.0.1:", "fd00::1:99999"])
+@pytest.mark.parametrize("command", [["status"], ["release", "fs-1"],
+                                     ["run", "--kind", "mps", "--mem", "1GiB", "--", "true"]])
+def test_client_commands_refuse_a_controller_address_that_is_no_host_port(tmp_path, command, address):
+    # gRPC dialled port 99999 as 34463 (modulo 65536) and the hint said nothing listened at
+    # 99999; an address without a port went to gRPC's default one
+    result = CliRunner().invoke(main, [*command[:1], "--controller", address, "--tls-dir", str(tmp_path),
+                                       *command[1:]])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert (f"--controller (or FASTSHARE_CONTROLLER) must be HOST:PORT (port 0-65535; [::1]:PORT for IPv6), "
+            f"got {address!r}") in result.output

@@ -43,6 +43,12 @@ class ClientConfig:
     timeout: float = 30.0
 
     def channel(self) -> grpc.Channel:
+        from fastshare.node.config import ConfigError, check_hostport
+
+        try:   # gRPC dials a port over 65535 modulo 65536, and an address without one on its default
+            address = check_hostport("--controller (or FASTSHARE_CONTROLLER)", self.address)
+        except ConfigError as exc:
+            raise ClientConfigError(str(exc)) from None
         if self.tls_dir is None:
             raise ClientConfigError("tls-dir: give the directory with ca.crt (and NAME.crt/NAME.key for a "
                                     "client certificate), e.g. --tls-dir or FASTSHARE_TLS_DIR")
@@ -55,7 +61,7 @@ class ClientConfig:
             raise ClientConfigError(f"tls-name: no client certificate {cert} and no token file; give one "
                                     "of them (--tls-name or --token-file)")
         _check_files(ca, cert, key, have_cert)
-        return secure_channel(self.address, ca, cert if have_cert else None, key if have_cert else None,
+        return secure_channel(address, ca, cert if have_cert else None, key if have_cert else None,
                               server_name=self.server_name)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:

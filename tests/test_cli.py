@@ -95,6 +95,27 @@ def test_status_says_node_down_only_of_allocations_still_held(capsys):
     assert "active (node down)" in rows["fs-3"], rows
 
 
+def test_status_all_marks_only_held_mig_slices(capsys):
+    # `status --all` gave finished allocations a MIG map letter too: a released one showed a
+    # letter found on no map, and one listed after the active holder of its old slot took the
+    # slot's letter from it (the map named the released allocation, the holder's letter nowhere)
+    from fastshare.cli.status import render
+    from fastshare.v1 import controller_pb2 as pb
+
+    slot = pb.AssignedDevice(gpu_index=0, gpu_uuid="GPU-0", mig_profile="3g.40gb", mig_start=4, mig_size=4)
+    gpu = pb.GpuUsage(index=0, uuid="GPU-0", model="H100-SXM5-80GB", mig_enabled=True, memory_slices=8,
+                      mig_slices=[slot], allocation_ids=["fs-2"])
+    st = pb.ClusterStatus(nodes=[pb.NodeStatus(name="n1", available=True, gpus=[gpu])], allocations=[
+        pb.Allocation(id="fs-2", node="n1", state=pb.ALLOCATION_STATE_ACTIVE, node_available=True,
+                      devices=[slot]),
+        pb.Allocation(id="fs-1", node="n1", state=pb.ALLOCATION_STATE_RELEASED, devices=[slot])])
+    render(st)
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("fs-", "n1 "))}
+    assert "[A]" in rows["fs-2"] and "[" not in rows["fs-1"], out
+    assert "MIG [····AAAA]" in rows["n1"], out
+
+
 def test_status_shows_a_lost_gpu(capsys):
     # a GPU fallen off the bus (the agent reports NVML_ERROR_GPU_IS_LOST) took no work, but
     # `fastshare status` showed it as "idle" like a healthy one: only the agent's node status said

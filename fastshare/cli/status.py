@@ -107,6 +107,8 @@ def render(st) -> None:
     marks: dict[str, str] = {}
     labels: dict[str, str] = {}
     for a in st.allocations:
+        if _state(a.state) in FINISHED:   # `--all`: no slice on any map is theirs any more
+            continue
         for d in a.devices:
             if d.mig_profile:
                 mark = SLICE_MARKS[len(marks) % len(SLICE_MARKS)]

@@ -568,6 +568,31 @@ def test_node_agent_names_the_gpu_backend_flag_it_refuses(tmp_path):
         assert "'simm' is not one of 'nvml', 'sim'" in result.output
 
 
+@pytest.mark.parametrize("file, args, env, says", [
+    ("", ["--listen", "1.2.3.4"], {}, "--listen (or FASTSHARE_NODE_LISTEN) must be HOST:PORT"),
+    ("listen: 127.0.0.1:7444\n", [], {"FASTSHARE_NODE_LISTEN": "1.2.3.4"},
+     "--listen (or FASTSHARE_NODE_LISTEN) must be HOST:PORT"),
+    ("", ["--controller-address", "ctl 1:7070"], {},
+     "--controller-address (or FASTSHARE_CONTROLLER_ADDRESS): 'ctl 1' is neither an IP address"),
+    ("", ["--node-name", "n" * 254], {}, "--node-name (or FASTSHARE_NODE_NAME) must be 1-253 characters"),
+    ("readonly_listen: 127.0.0.1:7445\n", ["--listen", "127.0.0.1:7445"], {},
+     "readonly_listen (in {config}) must differ from --listen (or FASTSHARE_NODE_LISTEN)"),
+    ("listen: 1.2.3.4\n", [], {}, "listen (in {config}) must be HOST:PORT"),
+    ("metrics_listen: 127.0.0.1\n", ["--listen", "127.0.0.1:7444"], {},
+     "metrics_listen (in {config}) must be HOST:PORT"),
+])
+def test_node_agent_names_the_flag_or_the_file_a_refused_value_came_from(tmp_path, file, args, env, says):
+    # `--listen 1.2.3.4` answered "listen must be HOST:PORT": the configuration key, not the flag
+    # typed (and a bad value in the file did not name the file)
+    config = tmp_path / "node.yaml"
+    config.write_text(file or "{}\n")
+    tls = [f"--tls-{part}={tmp_path / part}" for part in ("cert", "key", "ca")]
+    result = CliRunner().invoke(main, ["node", "serve", "--config", str(config), *tls, *args], env=env)
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert f"invalid node agent configuration: {says.format(config=config)}" in result.output
+
+
 @pytest.mark.parametrize("address", ["127.0.0.1:99999", "ctl.example.com", "127.0.0.1:", "fd00::1:99999"])
 @pytest.mark.parametrize("command", [["status"], ["release", "fs-1"],
                                      ["run", "--kind", "mps", "--mem", "1GiB", "--", "true"]])

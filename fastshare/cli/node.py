@@ -36,6 +36,9 @@ _OPTIONS = [
 ]
 
 
+# How a refusal names a value given by flag or environment (the configuration check names the
+# others by their key and the file).
+_NAMES = {key: f"{flag} (or {env})" for flag, key, env, _help in _OPTIONS if key}
 # Flags whose values click checks itself, so that a refusal names the flag (or its variable),
 # not the configuration key the value goes to.
 _TYPES = {"--gpu-backend": click.Choice(node_config.BACKENDS)}
@@ -88,7 +91,7 @@ def serve(config_path: Path, log_level: str, bootstrap_controller: str | None,
     if tls:
         overrides["tls"] = tls
     try:
-        cfg = node_config.load(config_path, overrides)
+        cfg = node_config.load(config_path, overrides, _NAMES)
     except node_config.ConfigError as exc:
         fail(f"invalid node agent configuration: {exc}")
     bootstrapped = bool(bootstrap_controller or bootstrap_token or bootstrap_ca)

@@ -1,8 +1,10 @@
 """Node agent configuration: /etc/fastshare/node.yaml, overridden by flags and environment.
 
 Every value is validated at start with an error that names the key and the allowed values,
-so a typo stops the agent before it touches a GPU. Secure by default: a TCP listener needs
-TLS, and anonymous read-only access exists only on its own, explicitly configured port.
+so a typo stops the agent before it touches a GPU. A value is named as the user gave it: a flag
+or environment variable by those (the caller says how), a key of the file by the key and the
+file. Secure by default: a TCP listener needs TLS, and anonymous read-only access exists only on
+its own, explicitly configured port.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import grp
 import ipaddress
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,55 +97,63 @@ class NodeConfig:
         low, _, high = self.share_ports.partition("-")
         return int(low), int(high)
 
-    def validate(self) -> NodeConfig:
+    def validate(self, names: Mapping[str, str] | None = None) -> NodeConfig:
+        """Check every value; `names` says how the user gave a key (default: the key itself)."""
+        def n(key: str) -> str:
+            return (names or {}).get(key, key)
+
         if not self.node_name or len(self.node_name) > 253:
-            raise ConfigError("node_name must be 1-253 characters")
+            raise ConfigError(f"{n('node_name')} must be 1-253 characters")
         keys = ("listen", "readonly_listen", "metrics_listen", "controller_address")
-        addresses = {key: check_hostport(key, getattr(self, key)) for key in keys if getattr(self, key)}
+        addresses = {key: check_hostport(n(key), getattr(self, key)) for key in keys if getattr(self, key)}
         if not (self.listen or self.unix_socket):
-            raise ConfigError("listen and unix_socket are both empty: the agent would be unreachable")
-        if (self.listen or self.readonly_listen) and not all((self.tls.cert, self.tls.key, self.tls.ca)):
-            raise ConfigError("listen/readonly_listen need tls.cert, tls.key and tls.ca (mTLS is required "
-                              "on TCP); create them with `fastshare certs issue --role node`, or serve only "
-                              "the unix socket by leaving listen empty")
+            raise ConfigError(f"{n('listen')} and {n('unix_socket')} are both empty: the agent would be "
+                              "unreachable")
+        tcp = [n(key) for key in ("listen", "readonly_listen") if getattr(self, key)]
+        if tcp and not all((self.tls.cert, self.tls.key, self.tls.ca)):
+            raise ConfigError(f"{' and '.join(tcp)} need{'s' if len(tcp) == 1 else ''} tls.cert, tls.key and "
+                              "tls.ca (mTLS is required on TCP); create them with `fastshare certs issue "
+                              "--role node`, or serve only the unix socket by leaving listen empty")
         listen, readonly = addresses.get("listen", ""), addresses.get("readonly_listen", "")
         if readonly and readonly == listen and not listen.endswith(":0"):
-            raise ConfigError("readonly_listen must differ from listen")
+            raise ConfigError(f"{n('readonly_listen')} must differ from {n('listen')}")
         if self.unix_socket and self.unix_socket_group:
             try:
                 grp.getgrnam(self.unix_socket_group)
             except KeyError:
-                raise ConfigError(f"unix_socket_group: no group {self.unix_socket_group!r} on this host; "
-                                  "name an existing group, or '' for the agent's own") from None
+                raise ConfigError(f"{n('unix_socket_group')}: no group {self.unix_socket_group!r} on this "
+                                  "host; name an existing group, or '' for the agent's own") from None
         if not 0 <= self.unix_socket_mode <= 0o777:
-            raise ConfigError(f"unix_socket_mode must be an octal permission like 0o660, got "
+            raise ConfigError(f"{n('unix_socket_mode')} must be an octal permission like 0o660, got "
                               f"{self.unix_socket_mode:o}")
         if self.unix_socket_mode & 0o007:
             # the socket gives full control of the GPUs through a root agent: never to every local user
-            raise ConfigError(f"unix_socket_mode 0o{self.unix_socket_mode:03o} lets others (every local "
-                              "user) use the agent; allowed: owner and group bits only, e.g. 0o660 with "
-                              "unix_socket_group naming the group that may use the CLI")
+            raise ConfigError(f"{n('unix_socket_mode')} 0o{self.unix_socket_mode:03o} lets others (every "
+                              "local user) use the agent; allowed: owner and group bits only, e.g. 0o660 "
+                              "with unix_socket_group naming the group that may use the CLI")
         if self.device_backend not in BACKENDS:
-            raise ConfigError(f"device_backend must be one of {', '.join(BACKENDS)}, got "
+            raise ConfigError(f"{n('device_backend')} must be one of {', '.join(BACKENDS)}, got "
                               f"{self.device_backend!r}")
         if self.device_backend == "sim" and not self.sim_state:
-            raise ConfigError("device_backend sim needs sim_state (path of the simulated machine's "
-                              "state file, also FASTSHARE_SIM_STATE)")
+            raise ConfigError(f"{n('device_backend')} is sim, which needs sim_state (path of the simulated "
+                              "machine's state file, also --sim-state or FASTSHARE_SIM_STATE)")
         try:
             low, high = self.port_range
         except ValueError:
-            raise ConfigError(f"share_ports must look like 50100-50999, got {self.share_ports!r}") from None
+            raise ConfigError(f"{n('share_ports')} must look like 50100-50999, got "
+                              f"{self.share_ports!r}") from None
         if not 1024 <= low <= high <= 65535:
-            raise ConfigError(f"share_ports must be a range within 1024-65535, got {self.share_ports!r}")
+            raise ConfigError(f"{n('share_ports')} must be a range within 1024-65535, got "
+                              f"{self.share_ports!r}")
         if not 1.0 <= self.mps_memory_oversubscription <= 16.0:
-            raise ConfigError("mps_memory_oversubscription must be between 1.0 and 16.0, got "
+            raise ConfigError(f"{n('mps_memory_oversubscription')} must be between 1.0 and 16.0, got "
                               f"{self.mps_memory_oversubscription}")
         for key, low_s, high_s in (("mps_timeout_s", 1, 600), ("reconcile_interval_s", 1, 86400),
                                    ("rpc_timeout_s", 1, 3600)):
             if not low_s <= getattr(self, key) <= high_s:
-                raise ConfigError(f"{key} must be between {low_s} and {high_s}, got {getattr(self, key)}")
+                raise ConfigError(f"{n(key)} must be between {low_s} and {high_s}, got {getattr(self, key)}")
         if not 2 <= self.max_workers <= 256:
-            raise ConfigError(f"max_workers must be between 2 and 256, got {self.max_workers}")
+            raise ConfigError(f"{n('max_workers')} must be between 2 and 256, got {self.max_workers}")
         return dataclasses.replace(self, **addresses) if addresses else self
 
 
@@ -176,18 +187,18 @@ def check_hostport(key: str, value: str) -> str:
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
 
 
-def _coerce(key: str, value: Any) -> Any:
-    """Turn YAML/flag/env values into the field's type, naming the key on failure."""
+def _coerce(key: str, value: Any, name: str) -> Any:
+    """Turn YAML/flag/env values into the field's type, naming the value (`name`) on failure."""
     default = _FIELDS[key].default if _FIELDS[key].default is not dataclasses.MISSING else None
     try:
         if key == "tls":
             if not isinstance(value, dict) or set(value) - {"cert", "key", "ca"}:
-                raise ConfigError("tls must be a mapping with keys cert, key, ca")
+                raise ConfigError(f"{name} must be a mapping with keys cert, key, ca")
             return TlsConfig(**{k: str(v) for k, v in value.items()})
         if key == "allowed_clients":
             items = value.split(",") if isinstance(value, str) else value
             if not isinstance(items, list | tuple):
-                raise ConfigError("allowed_clients must be a list of names")
+                raise ConfigError(f"{name} must be a list of names")
             return tuple(str(v).strip() for v in items if str(v).strip())
         if key == "unix_socket_mode":
             return int(value, 8) if isinstance(value, str) else int(value)
@@ -199,12 +210,16 @@ def _coerce(key: str, value: Any) -> Any:
             return float(value)
         return "" if value is None else str(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{key}: cannot use {value!r} ({exc})") from None
+        raise ConfigError(f"{name}: cannot use {value!r} ({exc})") from None
 
 
-def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:
-    """File (if it exists; an explicitly given path must exist) + overrides (flags/env)."""
+def load(path: Path | None, overrides: dict[str, Any] | None = None,
+         names: Mapping[str, str] | None = None) -> NodeConfig:
+    """File (if it exists; an explicitly given path must exist) + overrides (flags/env). `names`
+    says how the user gives an override (e.g. "--listen (or FASTSHARE_NODE_LISTEN)"): a refusal
+    names that, or the key and the file for a value from the file, what the user has to fix."""
     data: dict[str, Any] = {}
+    given: dict[str, str] = {}   # key -> how the user gave its value
     if path is not None:
         path = Path(path)
         if path.exists():
@@ -217,6 +232,7 @@ def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConf
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: must be a mapping of settings")
             data.update(loaded)
+            given = {key: f"{key} (in {path})" for key in loaded}
         elif path != DEFAULT_PATH:
             raise ConfigError(f"config file {path} does not exist")
     for key, value in (overrides or {}).items():
@@ -225,7 +241,9 @@ def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConf
         if key == "tls" and isinstance(value, dict) and isinstance(data.get("tls"), dict):
             value = {**data["tls"], **value}  # a flag replaces one path, not the whole block
         data[key] = value
-    unknown = sorted(set(data) - set(_FIELDS))
+        given[key] = (names or {}).get(key, key)
+    unknown = sorted(set(data) - set(_FIELDS), key=str)   # YAML keys may be numbers
     if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_FIELDS))}")
-    return NodeConfig(**{k: _coerce(k, v) for k, v in data.items()}).validate()
+        raise ConfigError(f"unknown setting(s) {', '.join(given[k] for k in unknown)}; "
+                          f"known: {', '.join(sorted(_FIELDS))}")
+    return NodeConfig(**{k: _coerce(k, v, given[k]) for k, v in data.items()}).validate(given)

@@ -23,6 +23,7 @@ from fastshare.device.mig_layout import (
     apply_plan,
     format_layout,
     layout_counts,
+    on_gpu,
     plan_for_gpu,
     refuse_enable_under_share,
     shape_of,
@@ -87,14 +88,16 @@ def _note_forced_enable(agent_journal: str | None, gpu_uuids: list[str]) -> None
         fail(str(exc), exc.hint)
 
 
-def _ask(method: Callable[..., Any], request: Any, what: str, hint: str | None = None) -> Any:
-    """One call to the local agent; a refusal or failure ends the command, saying ``what`` first."""
+def _ask(method: Callable[..., Any], request: Any, gpu_index: int | None,
+         hint: str | None = None) -> Any:
+    """One call to the local agent; a refusal or failure ends the command, naming the GPU it
+    was about (if any) once."""
     from fastshare.node.local_agent import AgentRefused, ask
 
     try:
         return ask(method, request)
     except AgentRefused as exc:
-        fail(f"{what}: {exc}", hint if exc.refused else None)
+        fail(str(exc) if gpu_index is None else on_gpu(gpu_index, str(exc)), hint if exc.refused else None)
 
 
 def _agent_inventory(agent: Any, gpu_index: int) -> tuple[Any, dict[str, list[str]]]:
@@ -104,7 +107,7 @@ def _agent_inventory(agent: Any, gpu_index: int) -> tuple[Any, dict[str, list[st
     from fastshare.node.local_agent import held_by_agent
     from fastshare.v1 import agent_pb2
 
-    inventory = _ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), "node agent")
+    inventory = _ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), None)
     gpu = next((g for g in inventory.gpus if g.index == gpu_index), None)
     if gpu is None:
         fail(f"GPU index {gpu_index} does not exist (valid: 0..{len(inventory.gpus) - 1})")
@@ -126,7 +129,7 @@ def _layout_via_agent(agent: Any, gpu_index: int, layout: str, force: bool,
         if count > _UINT32_MAX:
             fail(f"GPU {gpu_index}: count for {name!r} must be at most {_UINT32_MAX}, got {count}")
     request = agent_pb2.MigLayoutRequest(gpu_uuid=gpu.uuid, profiles=profiles, force=force)
-    reply = _ask(agent.ApplyMigLayout if apply else agent.PlanMigLayout, request, f"GPU {gpu_index}")
+    reply = _ask(agent.ApplyMigLayout if apply else agent.PlanMigLayout, request, gpu_index)
     size = {p.profile_id: p.memory_slices for p in gpu.mig_profiles}
     steps = [Step(a.op, a.profile_id, a.profile_name, a.start, size.get(a.profile_id, 0))
              for a in reply.actions]
@@ -215,7 +218,7 @@ def _planned(devices: Devices, gpu_index: int, layout: str, force: bool,
     try:
         return plan_for_gpu(devices, gpu_index, layout, force=force, held=held)
     except LayoutError as exc:
-        fail(f"GPU {gpu_index}: {exc}")
+        fail(on_gpu(gpu_index, str(exc)))
 
 
 def _change_layout(gpu_backend: str | None, sim_state: str | None, gpu_index: int, layout: str, force: bool,
@@ -272,7 +275,7 @@ def mig_profiles(gpu_backend: str | None, sim_state: str | None, gpu_index: int,
         try:
             shape = shape_of(devices, gpu_index)
         except LayoutError as exc:
-            fail(f"GPU {gpu_index}: {exc}")
+            fail(on_gpu(gpu_index, str(exc)))
     if as_json:
         print_json({"gpu": gpu_index, "profiles": [asdict(p) for p in shape.profiles]})
         return
@@ -294,7 +297,7 @@ def _set_mode(gpu_backend: str | None, sim_state: str | None, gpu_index: int, en
         # MIG under a share unasked); its refusal does not name --force.
         hint = ("an agent that asks to release its shares despite --force is older than this CLI and "
                 "ignores --force: upgrade it, or release the shares" if force else None)
-        pending = _ask(agent.SetMigMode, request, f"GPU {gpu_index}", hint).pending
+        pending = _ask(agent.SetMigMode, request, gpu_index, hint).pending
     else:
         with _without_agent(agent_journal), devices_from(gpu_backend, sim_state) as devices:
             held = _held(agent_journal) if enabled else {}
@@ -385,7 +388,7 @@ def mig_config(gpu_backend: str | None, sim_state: str | None, config_file, name
         if agent is None:
             held = _held(agent_journal)
         else:
-            held = held_by_agent(_ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), "node agent"))
+            held = held_by_agent(_ask(agent.GetInventory, agent_pb2.GetInventoryRequest(), None))
         with _devices_of(agent, gpu_backend, sim_state) as devices:
             try:
                 configs = parse_config(text)

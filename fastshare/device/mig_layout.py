@@ -437,6 +437,12 @@ def best_placement(shape: GpuShape, current: Sequence[_HasPlacement | Placed],
 
 
 # --- against a device -------------------------------------------------------------------------
+def on_gpu(gpu_index: int, text: str) -> str:
+    """``text``, a refusal about GPU ``gpu_index``, led by "GPU N: " unless it names that GPU
+    already (those of :func:`shape_of` and of the planner do, with its model): said once."""
+    return text if re.search(rf"\bGPU {gpu_index}\b", text) else f"GPU {gpu_index}: {text}"
+
+
 def shape_of(devices: Devices, gpu_index: int) -> GpuShape:
     info = devices.gpu(gpu_index)
     if not info.mig_capable:

@@ -36,6 +36,7 @@ from fastshare.device.mig_layout import (
     check_layout,
     format_layout,
     layout_counts,
+    on_gpu,
     parse_layout,
     placed_instances,
     plan_layout,
@@ -472,7 +473,7 @@ def _disable_via_agent(agent: Any, devices: Devices, gp: GpuPlan, uuid: str) -> 
     except AgentRefused as exc:
         instances = devices.gpu(gp.gpu_index).mig_instances
         if not (exc.refused and instances) or _knows_destroy_instances(agent, uuid):
-            raise ConfigError(f"GPU {gp.gpu_index}: {exc}") from None
+            raise ConfigError(on_gpu(gp.gpu_index, str(exc))) from None
     # refused with the instances there, as an older agent refuses: its two calls (what refuses them,
     # a share or processes on an instance, makes ApplyMigLayout refuse as well, before any change)
     request = agent_pb2.MigLayoutRequest(gpu_uuid=uuid, profiles={}, force=gp.force)
@@ -516,4 +517,4 @@ def _call(method: Any, request: Any, gp: GpuPlan) -> Any:
     except AgentRefused as exc:
         forced_enable = type(request).__name__ == "SetMigModeRequest" and request.enabled and request.force
         older = f" ({_OLDER_AGENT})" if exc.refused and forced_enable else ""
-        raise ConfigError(f"GPU {gp.gpu_index}: {exc}{older}") from None
+        raise ConfigError(on_gpu(gp.gpu_index, f"{exc}{older}")) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +77,24 @@ def test_mig_errors_name_the_problem(env):
     assert "MIG mode is disabled on GPU 2" in result.output
     result = run(["mig", "plan", "--gpu", "9", "--layout", "19"], env, ok=False)
     assert "GPU index 9 does not exist (valid: 0..3)" in result.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["profiles", "--gpu", "3"], "GPU 3 (NVIDIA L4) does not support MIG"),
+    (["plan", "--gpu", "3", "--layout", "19"], "GPU 3 (NVIDIA L4) does not support MIG"),
+    (["apply", "--gpu", "3", "--layout", "19"], "GPU 3 (NVIDIA L4) does not support MIG"),
+    (["profiles", "--gpu", "2"], "MIG mode is disabled on GPU 2"),
+    (["plan", "--gpu", "0", "--layout", "9g.9gb"], "unknown MIG profile '9g.9gb' on GPU 0 (NVIDIA A100"),
+    (["plan", "--gpu", "0", "--layout", "19=8"], "at most 7 can exist on GPU 0 (NVIDIA A100"),
+    (["plan", "--gpu", "0", "--layout", "19=x"], "GPU 0: layout item '19=x' is not PROFILE or PROFILE=COUNT"),
+])
+def test_mig_errors_say_the_gpu_once_with_its_name(env, args, says):
+    # "GPU 3: GPU 3 (NVIDIA L4) does not support MIG": the CLI put the GPU before a message that
+    # named it already
+    result = run(["mig", *args], env, ok=False)
+    assert result.exit_code == 1, result.output
+    gpu = args[args.index("--gpu") + 1]
+    assert says in result.output and len(re.findall(rf"\bGPU {gpu}\b", result.output)) == 1, result.output
 
 
 def test_mig_enable_disable_and_in_use(env, machine: Path):

@@ -561,6 +561,20 @@ def test_mig_config_through_the_agent_needs_no_gpu_backend(agent_socket, machine
         assert [len(g.mig_instances) for g in devices.gpus()] == [4, 7, 0, 0]   # GPU 2: waits for a reset
 
 
+def test_an_agents_refusal_that_names_the_gpu_says_it_once(agent, devices):
+    """The agent's words already name the GPU with its model here ("the layout fits an empty GPU 1
+    (NVIDIA H100 ...)"); they were led by "GPU 1: " all the same."""
+    agent_stub, _ = agent
+    assert _balanced_with_a_held_slice(agent_stub, devices).mig_instances[0].start == 0
+    layout = (("4g.40gb", 1), ("2g.20gb", 1), ("1g.10gb", 1))    # a 4g.40gb starts only at 0
+    plans = plan_host(devices, {1: DeviceSpec((1,), True, layout, where="w")})     # held not given
+    for call in (check_host_via_agent, apply_host_via_agent):
+        with pytest.raises(ConfigError) as caught:
+            call(agent_stub, devices, plans)
+        assert str(caught.value).startswith("the layout fits an empty GPU 1 (NVIDIA H100"), caught.value
+        assert "held by fastshare share ex" in str(caught.value)
+
+
 class _RefusesEveryDisable:
     """A node agent that knows destroy_instances (its inventory says the PCI device id, as this one
     does) and refuses a disable for what ApplyMigLayout does not check (as it refuses while a share

@@ -214,7 +214,9 @@ def test_cli_mig_commands_go_through_a_running_agent(agent, devices):
         for says in ("GPU 0: ", held, "held by fastshare share ex", "fastshare release ex", "--force"):
             assert says in out, (says, out)
     out = _run_cli(agent, "mig", "plan", "--gpu", gpu, "--layout", "9g.9gb=1", ok=False)
-    assert "GPU 0: unknown MIG profile '9g.9gb'" in out, out
+    assert "unknown MIG profile '9g.9gb' on GPU 0 (NVIDIA H100" in out and "GPU 0:" not in out, out
+    out = _run_cli(agent, "mig", "plan", "--gpu", str(GPU_A), "--layout", "1g.10gb=1", ok=False)
+    assert f"Error: GPU {GPU_A} (Tesla V100-SXM2-32GB) does not support MIG" in out, out   # said once
     assert "does not exist (valid: 0..2)" in _run_cli(agent, "mig", "plan", "--gpu", "9", "--layout", "",
                                                       ok=False)
     forced = json.loads(_run_cli(agent, "mig", "apply", "--gpu", gpu, "--layout", "7g.80gb=1", "--force",

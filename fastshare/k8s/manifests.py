@@ -16,6 +16,7 @@ import jinja2
 import yaml
 
 from fastshare.controller import validation
+from fastshare.k8s import names
 from fastshare.k8s.resources import TOKEN_AUDIENCE
 
 # Apply order: the namespace and CRD first, workloads last.
@@ -100,6 +101,39 @@ def _merge(base: dict[str, Any], override: dict[str, Any], path: str = "") -> di
     return merged
 
 
+# Values that name a Kubernetes object: the kind the API server checks the name as, and its rule
+# (a refused name would otherwise fail only at `kubectl apply`).
+_NAMES = {
+    "namespace": ("a Namespace", names.namespace_problem),
+    # also its Deployment, ClusterRole(Binding)s, Roles (NAME-...) and Pods' app.kubernetes.io/name
+    "controller.name": ("a Service", names.service_name_problem),
+    "controller.serviceAccount": ("a ServiceAccount", names.name_problem),
+    "controller.leaseName": ("a Lease", names.name_problem),
+    "controller.tlsSecret": ("a Secret", names.name_problem),
+    "agent.name": ("a DaemonSet", names.labelled_name_problem),   # and its Pods' app.kubernetes.io/name
+    "agent.serviceAccount": ("a ServiceAccount", names.name_problem),
+    "agent.caConfigMap": ("a ConfigMap", names.name_problem),
+}
+
+
+def _check_names(values: dict[str, Any]) -> None:
+    """Refuse a name, label key or label value Kubernetes refuses, naming the key, the value and the rule."""
+    for key, (kind, problem) in _NAMES.items():
+        value = values
+        for part in key.split("."):
+            value = value[part]
+        if why := problem(value):
+            raise ValuesError(f"{key}: {value!r} cannot name {kind}: {why}")
+    if why := names.label_key_problem(values["gpuNodeLabel"]):
+        raise ValuesError(f"gpuNodeLabel: {values['gpuNodeLabel']!r} cannot be a label key: {why}")
+    for key, value in values["labels"].items():
+        if why := names.label_key_problem(key):
+            raise ValuesError(f"labels: {key!r} cannot be a label key: {why}")
+        why = names.label_value_problem(value) if isinstance(value, str) else "must be a string"
+        if why:
+            raise ValuesError(f"labels.{key}: {value!r} cannot be a label value: {why}")
+
+
 def _to_nice_yaml(value: Any, indent: int = 2) -> str:
     """Block-style YAML, like Ansible's filter of the same name (so both render alike)."""
     return yaml.safe_dump(value, default_flow_style=False, indent=indent, sort_keys=True)
@@ -120,7 +154,9 @@ def _environment() -> jinja2.Environment:
 
 def merged_values(values: dict[str, Any] | None = None) -> dict[str, Any]:
     """The templates' defaults with ``values`` merged in (what the manifests are rendered from)."""
-    return _merge(default_values(), values or {})
+    merged = _merge(default_values(), values or {})
+    _check_names(merged)
+    return merged
 
 
 def render_text(values: dict[str, Any] | None = None) -> str:

@@ -1,7 +1,8 @@
-"""Kubernetes' rules for the names a user types on the controller's command line (those of
-apimachinery's validation), so that a typo stops the controller at start, instead of the API
-server refusing it later (a Lease name, a label selector) or, for a namespace, the controller
-quietly serving nothing."""
+"""Kubernetes' rules for the names a user types on the controller's command line or in the
+manifests' values (those of apimachinery's validation), so that a typo stops the controller at
+start or the manifests as they are rendered, instead of the API server refusing it later (a Lease
+name, a label selector, `kubectl apply`) or, for a namespace, the controller quietly serving
+nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_LABEL = re.compile(rf"^{_LABEL}$")
 _DNS_SUBDOMAIN = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
+_DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _QUALIFIED = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
@@ -26,6 +28,31 @@ def name_problem(value: str) -> str | None:
         return None
     return ("must be at most 253 lower-case letters, digits, '-' and '.', each part starting and ending "
             "with a letter or digit")
+
+
+def service_name_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a Service's name (a DNS-1035 label: it is a DNS name), or None."""
+    if len(value) <= 63 and _DNS_1035_LABEL.fullmatch(value):
+        return None
+    return ("must be at most 63 lower-case letters, digits and '-', starting with a letter and ending with a "
+            "letter or digit")
+
+
+def labelled_name_problem(value: str) -> str | None:
+    """Why ``value`` cannot be the name of an object that is also the value of its Pods' label
+    (a DNS-1123 subdomain of at most 63 characters), or None."""
+    if len(value) <= 63 and _DNS_SUBDOMAIN.fullmatch(value):
+        return None
+    return ("must be at most 63 lower-case letters, digits, '-' and '.', each part starting and ending "
+            "with a letter or digit (it is also a label value)")
+
+
+def label_value_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a label's value, or None."""
+    if value == "" or (len(value) <= 63 and _QUALIFIED.fullmatch(value)):
+        return None
+    return ("must be empty or at most 63 letters, digits, '-', '_' and '.', starting and ending with a "
+            "letter or digit")
 
 
 def label_key_problem(value: str) -> str | None:

@@ -536,6 +536,10 @@ def test_k8s_manifests_module_renders_fastshares_templates(collections_path: Pat
     assert result["merged_values"]["agent"]["caConfigMap"] == "fastshare-ca"
     bad = run_module(collections_path, f"{COLLECTION}.k8s_manifests", {"values": {"controller": 3}})
     assert bad["failed"] and "values" in bad["msg"]
+    values = {"namespace": "GPU_Sharing"}   # rendered, then refused by `kubectl apply`
+    bad = run_module(collections_path, f"{COLLECTION}.k8s_manifests", {"values": values})
+    assert bad["failed"] and bad["msg"].startswith(
+        "values: namespace: 'GPU_Sharing' cannot name a Namespace: must be at most 63 lower-case"), bad["msg"]
 
 
 def _pki_vars(tmp_path: Path, **extra) -> dict:

@@ -93,6 +93,44 @@ def test_ports_are_refused_outside_what_a_pod_can_have(values, key):
     assert manifests.render({"agent": {"port": 65535}})
 
 
+@pytest.mark.parametrize("values, says", [
+    ({"namespace": "Team-A"}, "namespace: 'Team-A' cannot name a Namespace: must be at most 63 lower-case"),
+    ({"namespace": "a" * 64}, "namespace: 'aaaa"),
+    ({"namespace": "gpu.sharing"}, "cannot name a Namespace"),
+    ({"controller": {"name": "fastshare_ctl"}},
+     "controller.name: 'fastshare_ctl' cannot name a Service: must be at most 63 lower-case letters"),
+    ({"controller": {"name": "1ctl"}}, "starting with a letter"),       # a Service name (RFC 1035)
+    ({"controller": {"serviceAccount": "Ctl"}}, "controller.serviceAccount: 'Ctl' cannot name a "
+                                                "ServiceAccount: must be at most 253 lower-case"),
+    ({"controller": {"leaseName": "lease..x"}}, "controller.leaseName: 'lease..x' cannot name a Lease"),
+    ({"controller": {"tlsSecret": "tls_ca"}}, "controller.tlsSecret: 'tls_ca' cannot name a Secret"),
+    ({"agent": {"name": "a" * 64}}, "agent.name: 'aaaa"),                 # also a label value: 63
+    ({"agent": {"serviceAccount": "Agent"}}, "agent.serviceAccount: 'Agent' cannot name a ServiceAccount"),
+    ({"agent": {"caConfigMap": "CA"}}, "agent.caConfigMap: 'CA' cannot name a ConfigMap"),
+    ({"gpuNodeLabel": "Fast.IO/gpu"},
+     "gpuNodeLabel: 'Fast.IO/gpu' cannot be a label key: must be [PREFIX/]NAME"),
+    ({"labels": {"team": "a" * 64}}, "labels.team: 'aaaa"),
+    ({"labels": {"team": "a/b"}}, "labels.team: 'a/b' cannot be a label value: must be empty or at most 63"),
+    ({"labels": {"team": 7}}, "labels.team: 7 cannot be a label value: must be a string"),
+    ({"labels": {"Team/x": "a"}}, "labels: 'Team/x' cannot be a label key: must be [PREFIX/]NAME"),
+])
+def test_names_kubernetes_refuses_are_refused_naming_the_key_the_value_and_the_rule(values, says):
+    # an upper-case namespace, a name over 63 characters or an underscore rendered without a word
+    # and failed only at `kubectl apply`
+    with pytest.raises(manifests.ValuesError) as caught:
+        manifests.render(values)
+    assert says in str(caught.value), caught.value
+
+
+def test_names_kubernetes_takes_are_rendered():
+    values = {"namespace": "a" * 63, "controller": {"name": "c" * 63, "leaseName": "lease.x-1"},
+              "agent": {"name": "agent.x", "caConfigMap": "ca.crt"}, "gpuNodeLabel": "example.com/has_GPU.2",
+              "labels": {"team": "", "example.com/Owner_1": "A.b-c_D"}}
+    deployment = _by_kind(manifests.render(values), "Deployment")[0]
+    assert deployment["metadata"]["namespace"] == "a" * 63
+    assert deployment["metadata"]["labels"]["example.com/Owner_1"] == "A.b-c_D"
+
+
 def test_cli_prints_the_same_objects_as_yaml(tmp_path):
     values = tmp_path / "values.yaml"
     values.write_text("namespace: gpu\n")

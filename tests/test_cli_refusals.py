@@ -127,7 +127,9 @@ def test_controller_config_file_values_name_the_key(tmp_path, line, says):
     ("--gpu-node-label", "a b", False), ("--gpu-node-label", "Fast.IO/gpu", False),
     ("--gpu-node-label", "x/" + "a" * 64, False), ("--gpu-node-label", "/gpu", False),
     ("--namespace", "team-a", True), ("--lease-name", "fastshare.ctl-2", True),
-    ("--gpu-node-label", "gpu", True), ("--gpu-node-label", "example.com/has_GPU.2", True)])
+    ("--gpu-node-label", "gpu", True), ("--gpu-node-label", "example.com/has_GPU.2", True),
+    # a Service name is a DNS-1035 label: a leading digit passed, and the API server refused it
+    ("--service-name", "1ctl", False), ("--service-name", "ctl-1", True)])
 def test_k8s_controller_names_follow_kubernetes_rules(flag, value, ok):
     # a typo here used to get as far as the API server, which refuses such a Lease name or label
     # selector, or serves an empty list for such a namespace: a controller that does nothing

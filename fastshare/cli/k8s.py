@@ -127,7 +127,7 @@ def _controller_tls(tls_dir: Path, cert_dir: Path, sans: list[str], lifetime_s: 
                    "2/3 of their life (a memory-backed emptyDir in the Deployment); used when --tls-dir "
                    "holds ca.key.")
 @click.option("--service-name", default="fastshare-controller", show_default=True,
-              callback=_k8s(names.namespace_problem),
+              callback=_k8s(names.service_name_problem),
               help="The controller's Service: its own certificate names "
                    "<service-name>.<service-namespace>.svc (and .svc.cluster.local), which the node agents "
                    "dial and check.")

@@ -447,9 +447,11 @@ def shape_of(devices: Devices, gpu_index: int) -> GpuShape:
     info = devices.gpu(gpu_index)
     if not info.mig_capable:
         raise LayoutError(f"GPU {gpu_index} ({info.name}) does not support MIG")
+    if not info.mig_current and info.mig_pending:
+        raise LayoutError(f"MIG mode is enabled on GPU {gpu_index} but waits for a GPU reset; reset it "
+                          f"(nvidia-smi -r -i {gpu_index}) or reboot, then plan again")
     if not info.mig_current:
-        pending = " (enabled, pending a GPU reset)" if info.mig_pending else ""
-        raise LayoutError(f"MIG mode is disabled on GPU {gpu_index}{pending}; enable it first "
+        raise LayoutError(f"MIG mode is disabled on GPU {gpu_index}; enable it first "
                           f"(`fastshare mig enable --gpu {gpu_index}`)")
     return GpuShape.from_profiles(devices.mig_profiles(gpu_index), f"GPU {gpu_index} ({info.name})")
 

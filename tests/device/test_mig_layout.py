@@ -402,3 +402,13 @@ def test_force_keeps_an_instance_with_processes_where_another_plan_frees_only_he
     # With no place for the running one, force is refused as before, naming its processes.
     with pytest.raises(LayoutError, match=r"MIG-run.*NVML cannot destroy it even with force"):
         plan_layout(A100, [held, running], parse_layout("7g.40gb=1", A100), force=True)
+
+
+def test_a_gpu_whose_mig_enable_waits_for_a_reset_is_refused_with_that_fix(devices):
+    """GPU 2 (A100) with MIG enabled but not yet in effect: 'enable it first' sent the user to run
+    the command they had already run; the fix is a reset."""
+    assert devices.set_mig_mode(2, True)   # pending on an Ampere GPU
+    with pytest.raises(LayoutError) as refused:
+        plan_for_gpu(devices, 2, "19")
+    assert "enable it first" not in str(refused.value)
+    assert "nvidia-smi -r -i 2" in str(refused.value), refused.value

@@ -476,20 +476,34 @@ class Engine:
             return f"only {_fmt_mib(max(0, v.memory_mib * self.mps_oversubscription - g.mem_used))} free"
         return None
 
+    @staticmethod
+    def _policy_free(r: Request, g: _Gpu, fits: bool) -> int:
+        """``g``'s free share as the policy sees it for ``r`` (``fits``: ``r`` may go there): the
+        SM share that later fastpod shares can still take, which is what the policies value (and
+        what the trace replay gives them). A GPU ``r`` cannot use shows it only when it is smaller
+        than ``r`` needs, so the policy never picks that GPU; otherwise (MIG, whole, MPS, lost or
+        closed, or only ``r``'s memory, quota or tags keep it off) it shows none. Showing none for
+        every GPU ``r`` did not fit made a half-shared GPU count as full, so the engine scored
+        nodes unlike the replay behind the published figures."""
+        if fits:
+            return max(0, MILLI - g.sm_used)
+        v = g.view
+        if v.lost or v.closed or v.no_mps or g.whole is not None or g.mig_mode or g.share_kind == "mps":
+            return 0
+        free = max(0, MILLI - g.sm_used)
+        return free if free < (r.sm_milli if r.kind == "fastpod" else MILLI) else 0
+
     # ---- per kind ----------------------------------------------------------------------------
     def _shares(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         task = _policy_task(r)
         best_key, best = None, None
         for order, n in enumerate(nodes):
-            free = []
-            for g in n.gpus:
-                ok = self._gpu_problem(r, g, n.view.name) is None
-                free.append((MILLI - g.sm_used if r.kind == "fastpod" else MILLI) if ok else 0)
-            if not any(free):
+            ok = [self._gpu_problem(r, g, n.view.name) is None for g in n.gpus]
+            if not any(ok):
                 continue
             if r.kind == "mps":
                 # Memory-only: pack by memory (least free memory that fits), no SM arithmetic.
-                i = min((i for i, f in enumerate(free) if f),
+                i = min((i for i, fits in enumerate(ok) if fits),
                         key=lambda i: (n.gpus[i].view.memory_mib * self.mps_oversubscription
                                        - n.gpus[i].mem_used, i))
                 slack = n.gpus[i].view.memory_mib * self.mps_oversubscription - n.gpus[i].mem_used
@@ -497,7 +511,8 @@ class Engine:
                 chosen = (i,)
             else:
                 model = n.gpus[0].view.model if n.gpus else ""
-                score, chosen = self.policy.score(model, n.cpu_left, tuple(free), task)
+                free = tuple(self._policy_free(r, g, fits) for g, fits in zip(n.gpus, ok, strict=True))
+                score, chosen = self.policy.score(model, n.cpu_left, free, task)
                 key = (score, -order)
             if best_key is None or key > best_key:
                 best_key, best = key, (n, chosen)
@@ -578,7 +593,7 @@ class Engine:
             most = max(most, (len(idle), n.view.name), key=lambda x: x[0])
             if len(idle) < r.gpus:
                 continue
-            free = tuple(MILLI if g.view.index in idle else 0 for g in n.gpus)
+            free = tuple(self._policy_free(r, g, g.view.index in idle) for g in n.gpus)
             model = n.gpus[0].view.model
             score, _ = self.policy.score(model, n.cpu_left, free, task)
             if best_score is None or score > best_score:

@@ -64,12 +64,25 @@ class _Gpu:
         return f"{node} GPU {self.view.index}"
 
 
+MEMO_SIZE = 256   # request shapes remembered per node between its changes (then forgotten)
+
+
 @dataclass
 class _Node:
+    """A node and what it holds. ``memo``: how the node answers each request shape looked at
+    since it last changed (see :meth:`Engine._memo_key`)."""
+
     view: NodeView
     gpus: list[_Gpu]
     cpu_used: int = 0
     mem_used: int = 0
+    memo: dict[tuple, Any] = field(default_factory=dict)
+
+    def remember(self, key: tuple, answer: Any) -> Any:
+        if len(self.memo) >= MEMO_SIZE:
+            self.memo.clear()
+        self.memo[key] = answer
+        return answer
 
     @property
     def cpu_left(self) -> int:
@@ -80,6 +93,7 @@ class _Node:
         return self.view.memory_mib - self.mem_used
 
 
+_UNSEEN = object()   # a memo miss (None is a remembered "does not fit")
 QUOTA_SLACK = 1e-9  # float noise in a sum of quota requests (0.1 + 0.2 + 0.7), as the node agent allows
 
 
@@ -134,6 +148,7 @@ class Engine:
         self._gpu_milli: Counter[str] = Counter()   # per GPU model
         self._assignments: dict[str, Assignment] = {}
         self._affinity: dict[str, tuple[str, int]] = {}  # affinity tag -> (node, gpu)
+        self._memo_generation = policy.generation
         for n in nodes:
             self.add_node(n)
 
@@ -158,6 +173,13 @@ class Engine:
         for g in view.gpus:
             self._gpu_milli[g.model] += sign * MILLI
         self.policy.cluster(self._cpu_total, self._gpu_milli)
+        self._forget()   # the policy may score differently now
+
+    def _forget(self) -> None:
+        """Drop every node's memo (the policy's scores changed)."""
+        for n in self._nodes.values():
+            n.memo.clear()
+        self._memo_generation = self.policy.generation
 
     def set_capacity(self, name: str, cpu_milli: int, memory_mib: int) -> None:
         """Change the host CPU/memory a node offers, assignments kept: where others (Pods the
@@ -166,6 +188,7 @@ class Engine:
         node = self._nodes[name]
         if (node.view.cpu_milli, node.view.memory_mib) == (cpu_milli, memory_mib):
             return
+        node.memo.clear()
         self._capacity(node.view, -1)
         node.view = replace(node.view, cpu_milli=max(0, cpu_milli), memory_mib=max(0, memory_mib))
         self._capacity(node.view, +1)
@@ -215,6 +238,8 @@ class Engine:
             raise InvalidRequest(f"id: request {request.id} is already placed")
         if request.kind in ("fastpod", "whole"):   # the kinds whose GPU share the policy learns
             self.policy.observe(_policy_task(request))
+        if self.policy.generation != self._memo_generation:
+            self._forget()
         nodes, why = self._filter_nodes(request, excluded or {})
         if not nodes:
             return Rejection(why)
@@ -245,6 +270,7 @@ class Engine:
                            f"{a.node} GPU(s) {list(a.gpus)}")
         del self._assignments[rid]
         node = self._nodes[a.node]
+        node.memo.clear()
         r = a.request
         node.cpu_used -= r.cpu_milli
         node.mem_used -= r.memory_mib
@@ -332,6 +358,7 @@ class Engine:
     def _apply(self, a: Assignment) -> None:
         r = a.request
         node = self._nodes[a.node]
+        node.memo.clear()
         node.cpu_used += r.cpu_milli
         node.mem_used += r.memory_mib
         for i in a.gpus:
@@ -357,8 +384,7 @@ class Engine:
         out, no_sel, no_cpu, no_mem = [], 0, [], []
         ruled_out: dict[str, list[str]] = {}
         for n in self._nodes.values():
-            labels = dict(n.view.labels)
-            if any(labels.get(k) != v for k, v in sel.items()):
+            if sel and any(dict(n.view.labels).get(k) != v for k, v in sel.items()):
                 no_sel += 1
             elif n.view.name in excluded:
                 ruled_out.setdefault(excluded[n.view.name], []).append(n.view.name)
@@ -494,26 +520,33 @@ class Engine:
         return free if free < (r.sm_milli if r.kind == "fastpod" else MILLI) else 0
 
     # ---- per kind ----------------------------------------------------------------------------
+    def _memo_key(self, r: Request) -> tuple | None:
+        """What of ``r`` decides how a node answers it, for the nodes' memos (None: do not use
+        them). A decision looks at every node, but between two decisions only the node placed
+        on changes, and requests repeat a few shapes: so each node keeps its answer per shape
+        (which GPUs fit, the policy's score and GPUs) until it changes (``_apply``,
+        ``release``, ``set_capacity``) or the policy's scores do (``_forget``). The request's
+        id and what the node filters check each time (selector, host memory) are not in it."""
+        if self.policy.randomized:   # a random policy draws on every score: nothing repeats
+            return None
+        bound = self._affinity.get(r.affinity) if r.affinity else None
+        return (r.kind, r.sm_milli, r.gpu_memory_mib, r.quota_request, r.gpus, r.cpu_milli, r.gpu_models,
+                r.exclusion, r.anti_affinity, bound)
+
     def _shares(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         task = _policy_task(r)
+        memo = self._memo_key(r)
         best_key, best = None, None
         for order, n in enumerate(nodes):
-            ok = [self._gpu_problem(r, g, n.view.name) is None for g in n.gpus]
-            if not any(ok):
+            answer = n.memo.get(memo, _UNSEEN) if memo else _UNSEEN
+            if answer is _UNSEEN:
+                answer = self._share_answer(r, n, task)
+                if memo:
+                    n.remember(memo, answer)
+            if answer is None:
                 continue
-            if r.kind == "mps":
-                # Memory-only: pack by memory (least free memory that fits), no SM arithmetic.
-                i = min((i for i, fits in enumerate(ok) if fits),
-                        key=lambda i: (n.gpus[i].view.memory_mib * self.mps_oversubscription
-                                       - n.gpus[i].mem_used, i))
-                slack = n.gpus[i].view.memory_mib * self.mps_oversubscription - n.gpus[i].mem_used
-                key = (-slack, -order)
-                chosen = (i,)
-            else:
-                model = n.gpus[0].view.model if n.gpus else ""
-                free = tuple(self._policy_free(r, g, fits) for g, fits in zip(n.gpus, ok, strict=True))
-                score, chosen = self.policy.score(model, n.cpu_left, free, task)
-                key = (score, -order)
+            score, chosen = answer
+            key = (score, -order)
             if best_key is None or key > best_key:
                 best_key, best = key, (n, chosen)
         if best is None:
@@ -523,6 +556,21 @@ class Engine:
 
     _place_fastpod = _shares
     _place_mps = _shares
+
+    def _share_answer(self, r: Request, n: _Node, task: Task) -> tuple[Any, tuple[int, ...]] | None:
+        """Node ``n``'s score and GPU for share ``r`` (higher wins), None when no GPU takes it."""
+        ok = [self._gpu_problem(r, g, n.view.name) is None for g in n.gpus]
+        if not any(ok):
+            return None
+        if r.kind == "mps":
+            # Memory-only: pack by memory (least free memory that fits), no SM arithmetic.
+            i = min((i for i, fits in enumerate(ok) if fits),
+                    key=lambda i: (n.gpus[i].view.memory_mib * self.mps_oversubscription
+                                   - n.gpus[i].mem_used, i))
+            return -(n.gpus[i].view.memory_mib * self.mps_oversubscription - n.gpus[i].mem_used), (i,)
+        model = n.gpus[0].view.model if n.gpus else ""
+        free = tuple(self._policy_free(r, g, fits) for g, fits in zip(n.gpus, ok, strict=True))
+        return self.policy.score(model, n.cpu_left, free, task)
 
     def _share_reason(self, r: Request, nodes: list[_Node]) -> str:
         what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
@@ -586,16 +634,20 @@ class Engine:
 
     def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         task = _policy_task(r)
+        memo = self._memo_key(r)
         best_score, best = None, []
         most = (0, None)
         for n in nodes:
-            idle = [g.view.index for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
-            most = max(most, (len(idle), n.view.name), key=lambda x: x[0])
-            if len(idle) < r.gpus:
+            answer = n.memo.get(memo, _UNSEEN) if memo else _UNSEEN
+            if answer is _UNSEEN:
+                answer = self._whole_answer(r, n, task)
+                if memo:
+                    n.remember(memo, answer)
+            idle, score = answer
+            if len(idle) > most[0]:
+                most = (len(idle), n.view.name)
+            if score is None:
                 continue
-            free = tuple(self._policy_free(r, g, g.view.index in idle) for g in n.gpus)
-            model = n.gpus[0].view.model
-            score, _ = self.policy.score(model, n.cpu_left, free, task)
             if best_score is None or score > best_score:
                 best_score, best = score, [(n, idle)]
             elif score == best_score:
@@ -629,6 +681,14 @@ class Engine:
         tied = best if r.gpus > 1 else best[:1]   # one GPU is as tight anywhere
         n, (group, _cost) = min(((n, tightest(n, idle)) for n, idle in tied), key=lambda x: x[1][1])
         return Assignment(r, n.view.name, group)
+
+    def _whole_answer(self, r: Request, n: _Node, task: Task) -> tuple[list[int], Any]:
+        """Node ``n``'s idle GPUs that ``r`` may have, and its score (None when too few)."""
+        idle = [g.view.index for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
+        if len(idle) < r.gpus:
+            return idle, None
+        free = tuple(self._policy_free(r, g, g.view.index in idle) for g in n.gpus)
+        return idle, self.policy.score(n.gpus[0].view.model, n.cpu_left, free, task)[0]
 
     def _place_exclusive(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         candidates = [(n, g) for n in nodes for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]

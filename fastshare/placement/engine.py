@@ -383,14 +383,16 @@ class Engine:
         sel = dict(r.node_selector)
         out, no_sel, no_cpu, no_mem = [], 0, [], []
         ruled_out: dict[str, list[str]] = {}
-        for n in self._nodes.values():
-            if sel and any(dict(n.view.labels).get(k) != v for k, v in sel.items()):
+        cpu, mem = r.cpu_milli, r.memory_mib
+        for n in self._nodes.values():   # once per node per decision: kept lean
+            view = n.view
+            if sel and any(dict(view.labels).get(k) != v for k, v in sel.items()):
                 no_sel += 1
-            elif n.view.name in excluded:
-                ruled_out.setdefault(excluded[n.view.name], []).append(n.view.name)
-            elif r.cpu_milli and r.cpu_milli > n.cpu_left:
+            elif excluded and view.name in excluded:
+                ruled_out.setdefault(excluded[view.name], []).append(view.name)
+            elif cpu and cpu > view.cpu_milli - n.cpu_used:
                 no_cpu.append(n)
-            elif r.memory_mib and r.memory_mib > n.mem_left:
+            elif mem and mem > view.memory_mib - n.mem_used:
                 no_mem.append(n)
             else:
                 out.append(n)
@@ -559,7 +561,8 @@ class Engine:
 
     def _share_answer(self, r: Request, n: _Node, task: Task) -> tuple[Any, tuple[int, ...]] | None:
         """Node ``n``'s score and GPU for share ``r`` (higher wins), None when no GPU takes it."""
-        ok = [self._gpu_problem(r, g, n.view.name) is None for g in n.gpus]
+        need = r.sm_milli if r.kind == "fastpod" else 0   # too few SMs left: a problem, no need to word it
+        ok = [g.sm_used + need <= MILLI and self._gpu_problem(r, g, n.view.name) is None for g in n.gpus]
         if not any(ok):
             return None
         if r.kind == "mps":
@@ -684,7 +687,7 @@ class Engine:
 
     def _whole_answer(self, r: Request, n: _Node, task: Task) -> tuple[list[int], Any]:
         """Node ``n``'s idle GPUs that ``r`` may have, and its score (None when too few)."""
-        idle = [g.view.index for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
+        idle = [g.view.index for g in n.gpus if g.idle and self._gpu_problem(r, g, n.view.name) is None]
         if len(idle) < r.gpus:
             return idle, None
         free = tuple(self._policy_free(r, g, g.view.index in idle) for g in n.gpus)

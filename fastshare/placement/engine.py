@@ -188,7 +188,6 @@ class Engine:
         node = self._nodes[name]
         if (node.view.cpu_milli, node.view.memory_mib) == (cpu_milli, memory_mib):
             return
-        node.memo.clear()
         self._capacity(node.view, -1)
         node.view = replace(node.view, cpu_milli=max(0, cpu_milli), memory_mib=max(0, memory_mib))
         self._capacity(node.view, +1)
@@ -527,8 +526,9 @@ class Engine:
         them). A decision looks at every node, but between two decisions only the node placed
         on changes, and requests repeat a few shapes: so each node keeps its answer per shape
         (which GPUs fit, the policy's score and GPUs) until it changes (``_apply``,
-        ``release``, ``set_capacity``) or the policy's scores do (``_forget``). The request's
-        id and what the node filters check each time (selector, host memory) are not in it."""
+        ``release``) or the policy's scores may (``_forget``: a learning refresh, a node added or
+        removed, its capacity set). The request's id and what the node filters check each time
+        (selector, host memory) are not in it."""
         if self.policy.randomized:   # a random policy draws on every score: nothing repeats
             return None
         bound = self._affinity.get(r.affinity) if r.affinity else None

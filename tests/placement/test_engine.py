@@ -560,3 +560,47 @@ def test_a_held_slice_overlapped_by_a_foreign_instance_is_over_committed_and_tha
     assert small and small.mig.start < 4, small
     # its own instance, not yet shown as held, is no foreign one
     assert Engine([_with_layout(((9, 4, 4),))]).restore(held, force=True) is None
+
+
+class _Unmemoized(Engine):
+    """The engine scoring every node afresh on every decision (as before its node memos)."""
+
+    def _memo_key(self, r):
+        return None
+
+
+def test_node_memos_change_no_decision_through_releases_tags_and_capacity_changes():
+    """Each node remembers its answer per request shape until it changes; a stale answer (a
+    release, a capacity change or an affinity binding not taken into account) would place a
+    request elsewhere than scoring every node afresh does, or reject it."""
+    import random
+
+    rng = random.Random(5)
+    views = [node(f"n{i}", n_gpus=rng.choice([1, 2, 4]), cpu=rng.choice([8000, 16000]))
+             for i in range(8)]
+    memo, fresh = Engine(views), _Unmemoized(views)
+    held: list[str] = []
+    for k in range(600):
+        step = rng.random()
+        if step < 0.3 and held:
+            rid = held.pop(rng.randrange(len(held)))
+            memo.release(rid)
+            fresh.release(rid)
+            continue
+        if step < 0.35:
+            name, cpu = rng.choice(views).name, rng.choice([4000, 8000, 16000])
+            memo.set_capacity(name, cpu, 64 * 1024)
+            fresh.set_capacity(name, cpu, 64 * 1024)
+            continue
+        tags = {"affinity": rng.choice([None, None, "a", "b"]), "anti_affinity": rng.choice([None, "x"]),
+                "exclusion": rng.choice([None, None, None, "e"])}
+        if rng.random() < 0.8:
+            r = Request(f"r{k}", "fastpod", sm_percent=rng.choice([10, 30, 50, 70]), gpu_memory_mib=2048,
+                        quota_request=0.2, quota_limit=0.5, cpu_milli=rng.choice([500, 1000, 2000]), **tags)
+        else:
+            r = Request(f"r{k}", "whole", gpus=rng.choice([1, 2]), cpu_milli=1000)
+        a, b = memo.place(r), fresh.place(r)
+        assert a == b, k
+        if a:
+            held.append(r.id)
+    assert memo.usage() == fresh.usage()

@@ -26,26 +26,15 @@ import random
 
 import pytest
 
-from fastshare.placement import Engine, GpuView, NodeView, Request, make_policy
+from fastshare.placement import Engine, make_policy
 from fastshare.placement.policies import MILLI, Task, typical_shapes
+from fastshare.sim.benchmarks import engine_nodes, engine_request
 from fastshare.sim.experiment import default_data_dir
 from fastshare.sim.replay import simulate
 from fastshare.sim.trace import SimNode, SimPod, arrival_order, node_tie_order, read_nodes, read_pods
 
 DATA = default_data_dir()
 needs_data = pytest.mark.skipif(DATA is None, reason="openb data (../shared/data/openb) not present")
-GPU_MEMORY_MIB = 1 << 20
-
-
-def _request(k: int, pod: SimPod) -> Request:
-    models = tuple(sorted(pod.gpu_spec))
-    if pod.num_gpu == 1 and pod.gpu_milli < MILLI:
-        share = pod.gpu_milli / MILLI
-        return Request(f"t{k}", "fastpod", sm_percent=pod.gpu_milli / 10, gpu_memory_mib=1,
-                       quota_request=share, quota_limit=share, cpu_milli=pod.cpu_milli,
-                       memory_mib=pod.memory_mib, gpu_models=models)
-    return Request(f"t{k}", "whole", gpus=pod.num_gpu, cpu_milli=pod.cpu_milli, memory_mib=pod.memory_mib,
-                   gpu_models=models)
 
 
 def first_divergence(nodes: list[SimNode], order: list[SimPod], policy: str, seed: int,
@@ -55,10 +44,7 @@ def first_divergence(nodes: list[SimNode], order: list[SimPod], policy: str, see
     typical = typical_shapes([Task(p.cpu_milli, p.gpu_milli, p.num_gpu, p.gpu_spec) for p in all_pods])
     ranks = node_tie_order(nodes, seed)
     replay = simulate(nodes, order, make_policy(policy, typical), ranks, typical).placements
-    by_rank = sorted(range(len(nodes)), key=lambda i: ranks[i])
-    engine = Engine((NodeView(n.name, n.cpu_milli, n.memory_mib,
-                              tuple(GpuView(j, n.model, GPU_MEMORY_MIB, 80) for j in range(n.gpus)))
-                     for n in (nodes[i] for i in by_rank)), policy=make_policy(policy, typical))
+    engine = Engine(engine_nodes(nodes, ranks), policy=make_policy(policy, typical))
     index = {n.name: i for i, n in enumerate(nodes)}
     host = {n.name: (n.cpu_milli, n.memory_mib) for n in nodes}
     for k, (pod, want) in enumerate(zip(order, replay, strict=True)):
@@ -69,7 +55,7 @@ def first_divergence(nodes: list[SimNode], order: list[SimPod], policy: str, see
                 host[name] = (cpu - pod.cpu_milli, memory - pod.memory_mib)
                 engine.set_capacity(name, *host[name])
             continue
-        got = engine.place(_request(k, pod))
+        got = engine.place(engine_request(k, pod))
         mine = (index[got.node], tuple(got.gpus)) if got else (None, ())
         if mine != (want.node, want.gpus):
             return (f"decision {k} ({pod}): engine {mine} "

@@ -13,7 +13,8 @@ from fastshare.cli._output import fail, print_json, print_table, progress_bar
 from fastshare.cli._types import Number, Seeds
 
 SPEED_SIZES = [1213, 2500, 5000, 10000]   # node counts the speed part times decisions on
-ENGINE_DECISIONS = 3000   # Engine.place calls timed per size (the replay places 77,000 at 10,000 nodes)
+ENGINE_DECISIONS = 1000   # Engine.place calls timed per size (the replay places 77,000 at 10,000 nodes; the
+# engine takes ~0.2 s a decision there: a few minutes)
 
 
 def _data_dir(path: str | None) -> Path:

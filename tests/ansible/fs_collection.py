@@ -70,10 +70,12 @@ def run_module(collections_path: Path, module: str, args: dict, *, check: bool =
 
 
 def run_tasks(collections_path: Path, tasks: list[dict], tmp_path: Path, *, python: str | None = None,
-              extra_args: list[str] | None = None, gather_facts: bool = False) -> list[dict]:
+              extra_args: list[str] | None = None, gather_facts: bool = False,
+              env: dict[str, str] | None = None) -> list[dict]:
     """Run tasks in one localhost play (one Ansible start-up for many calls); one result each.
 
     Every task gets ignore_errors so that later tasks still run; callers assert on `failed`.
+    ``env`` is added to the environment of ansible-playbook (and so of the tasks: PATH, say).
     """
     play = [{"name": "fastshare.gpu module test", "hosts": "localhost", "connection": "local",
              "gather_facts": gather_facts, "gather_subset": ["!all", "min"],
@@ -85,10 +87,13 @@ def run_tasks(collections_path: Path, tasks: list[dict], tmp_path: Path, *, pyth
                check=False,
                env={"ANSIBLE_COLLECTIONS_PATH": str(collections_path),
                     "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json",
-                    "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0"})
+                    "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",
+                    **(env or {})})
     try:
         doc = json.loads(proc.stdout)
-        return [task["hosts"]["localhost"] for task in doc["plays"][0]["tasks"]]
+        tasks = doc["plays"][0]["tasks"]
+        # (a meta task such as flush_handlers has no result)
+        return [task["hosts"]["localhost"] for task in tasks if "localhost" in task["hosts"]]
     except (ValueError, KeyError, IndexError):
         pytest.fail(f"no JSON result from the playbook (rc {proc.returncode})\n"
                     f"{proc.stdout}\n{proc.stderr}")

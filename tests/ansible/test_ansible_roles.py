@@ -972,3 +972,88 @@ def test_mig_reconfigure_leaves_a_disabled_node_agent_alone(collections_path: Pa
     assert reconfigure(gpu_node_agent_enabled=False) == []
     assert hashlib.md5(machine.read_bytes()).hexdigest() != before
     assert (units / "fastshare-node.service").read_text().strip() == "inactive"
+
+
+# ---- check mode (`ansible-playbook --check`) of whole roles on a host with nothing installed yet ----
+
+# systemctl of a host where no fastshare unit is installed yet: systemd answers `show` of a unit it
+# does not know with LoadState=not-found; any call that would change something is logged.
+_NEW_HOST_SYSTEMCTL = """#!/bin/sh
+case "$1" in
+  show) printf 'Id=%s\\nLoadState=not-found\\nActiveState=inactive\\n' "$2";;
+  is-enabled|list-unit-files) exit 1;;
+  *) echo "$*" >> {log};;
+esac
+"""
+
+# What the roles write outside the directories a test gives them (their fixed paths); /etc/passwd
+# and /etc/group take the controller's service user.
+_HOST_PATHS = ("/etc/fastshare", "/etc/systemd/system/fastshare-node.service",
+               "/etc/systemd/system/fastshare-controller.service",
+               "/etc/systemd/system/fastshare-mig-layout.service", "/etc/tmpfiles.d/fastshare.conf",
+               "/run/fastshare", "/var/log/fastshare", "/var/lib/fastshare", "/etc/passwd", "/etc/group")
+
+
+def _files(*roots: str | Path) -> dict[str, bytes | None]:
+    """Every file and directory under ``roots``: contents (b"/" for a directory, None when absent)."""
+    found: dict[str, bytes | None] = {}
+    for root in map(Path, roots):
+        for path in [root, *(sorted(root.rglob("*")) if root.is_dir() else [])]:
+            found[str(path)] = b"/" if path.is_dir() else path.read_bytes() if path.exists() else None
+    return found
+
+
+def _check_role_on_a_new_host(collections_path: Path, tmp_path: Path, role: str, role_vars: dict,
+                              service_mgr: str | None = None) -> list[dict]:
+    """``role`` on localhost in check mode, with no fastshare unit known to systemd (a fake
+    systemctl); every task's result. Nothing may fail, nothing may be written on the host or under
+    tmp_path, and systemctl may only be asked (``service_mgr``: the fact the host reports, for a
+    role that requires systemd on a machine without it)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "systemctl.log"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(_NEW_HOST_SYSTEMCTL.format(log=log))
+    (bin_dir / "systemctl").chmod(0o755)
+    watched = (*_HOST_PATHS, tmp_path)
+    before = _files(*watched)
+    tasks = [{"ansible.builtin.include_role": {"name": f"{COLLECTION}.{role}"}, "vars": role_vars}]
+    if service_mgr:
+        tasks.insert(0, {"ansible.builtin.set_fact": {"ansible_service_mgr": service_mgr, "cacheable": True}})
+    results = run_tasks(collections_path, tasks, tmp_path, gather_facts=True, extra_args=["--check"],
+                        env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    failed = [f"{r.get('action')}: {r.get('msg')}" for r in results if r.get("failed")]
+    assert not failed, "\n".join(failed)
+    after = _files(*watched)
+    written = [path for path in after.keys() | before.keys()
+               if after.get(path) != before.get(path) and path != str(tmp_path / "play.yml")]
+    assert not written, f"check mode wrote {sorted(written)}"
+    assert not log.exists(), f"check mode ran systemctl {log.read_text()}"
+    return results
+
+
+def _fake_wheel(tmp_path: Path) -> str:
+    wheel = tmp_path / "dist" / "fastshare-0.1.0-py3-none-any.whl"
+    wheel.parent.mkdir()
+    wheel.write_bytes(b"not read in check mode")
+    return str(wheel)
+
+
+def _changed_messages(results: list[dict]) -> list[str]:
+    return [str(r.get("msg", "")) for r in results if r.get("changed")]
+
+
+@pytest.mark.parametrize("fastshare", ["not installed yet", "installed"])
+def test_controller_check_mode_on_a_new_host_fails_not(collections_path: Path, tmp_path: Path,
+                                                       fastshare: str):
+    """`ansible-playbook --check` of a controller host with nothing of it installed yet (or only the
+    fastshare package, say on a GPU node becoming the controller too): check mode installs no unit,
+    and then the restart handler and the start of fastshare-controller.service failed ("Could not find
+    the requested service"). Now they are skipped, the role says the controller would be started, and
+    nothing is written."""
+    venv = tmp_path / "venv" if fastshare == "not installed yet" else Path(sys.executable).parents[1]
+    results = _check_role_on_a_new_host(collections_path, tmp_path, "controller", {
+        "controller_deploy_mode": "systemd", "controller_venv": str(venv),
+        "controller_package_wheel": _fake_wheel(tmp_path), "controller_state_dir": str(tmp_path / "state"),
+        "controller_tls_dir": str(tmp_path / "tls"), "pki_ca_dir": str(tmp_path / "ca")})
+    changed = _changed_messages(results)
+    assert any("fastshare-controller.service" in m and "would be" in m for m in changed), changed
+    assert any("certificate of controller would be issued" in m for m in changed), changed

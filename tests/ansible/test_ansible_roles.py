@@ -1057,3 +1057,29 @@ def test_controller_check_mode_on_a_new_host_fails_not(collections_path: Path, t
     changed = _changed_messages(results)
     assert any("fastshare-controller.service" in m and "would be" in m for m in changed), changed
     assert any("certificate of controller would be issued" in m for m in changed), changed
+
+
+@pytest.mark.parametrize("fastshare", ["not installed yet", "installed"])
+def test_gpu_node_check_mode_on_a_new_host_fails_not(collections_path: Path, tmp_path: Path,
+                                                     fastshare: str):
+    """`ansible-playbook --check` of a GPU node with nothing installed yet (simulated GPUs, a MIG layout):
+    it failed reading the simulated machine check mode had not made, with the fastshare check mode had
+    not installed, then on the MPS stand-in, the MIG layout and the agent's unit, none of which were
+    there. Now the tasks that need them are skipped, a task says which and why, the units are reported
+    as to be started, and nothing is written."""
+    venv = tmp_path / "venv" if fastshare == "not installed yet" else Path(sys.executable).parents[1]
+    results = _check_role_on_a_new_host(collections_path, tmp_path, "gpu_node", {
+        "gpu_node_gpu_backend": "sim", "gpu_node_sim_gpus": ["A100-SXM4-40GB"],
+        "gpu_node_sim_state": str(tmp_path / "sim" / "gpus.json"), "gpu_node_venv": str(venv),
+        "gpu_node_package_wheel": _fake_wheel(tmp_path),
+        "gpu_node_mig_layout": [{"devices": [0], "mig_devices": {"3g.20gb": 2}}],
+        "gpu_node_controller_address": "localhost", "gpu_node_tls_dir": str(tmp_path / "tls"),
+        "gpu_node_agent_extra": {"state_dir": str(tmp_path / "agent")}, "pki_ca_dir": str(tmp_path / "ca")},
+        service_mgr="systemd")
+    changed = _changed_messages(results)
+    assert any("fastshare-node.service" in m and "would be" in m for m in changed), changed
+    assert any("fastshare-mig-layout.service" in m and "would be" in m for m in changed), changed
+    said = [str(r["msg"]) for r in results if str(r.get("msg", "")).startswith("Check mode:")]
+    assert len(said) == 1 and "simulated machine" in said[0] and "MIG layout" in said[0], said
+    if fastshare == "not installed yet":
+        assert "fastshare is not installed" in said[0] and "unit of the node agent" in said[0], said

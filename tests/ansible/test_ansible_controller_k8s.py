@@ -255,3 +255,21 @@ def test_a_failing_ca_task_says_what_failed_and_still_shows_no_key(plane, collec
     assert base64.b64encode(b"-----BEGIN PRIVATE KEY-----").decode()[:32] not in output
     assert not list((tmp_path / "run" / "tmp").glob("fastshare-ca.*")), "the CA's temporary directory is left"
     assert _secret(plane, namespace) is None
+
+
+def test_check_diff_shows_what_the_manifests_would_change_and_changes_nothing(plane, collections_path: Path,
+                                                                           tmp_path: Path):
+    """`--check --diff` after a values change: the apply task's diff shows the field each object
+    would get (server-side dry run), and the cluster keeps what it had."""
+    namespace = "check-diff"
+    _run_role(plane, collections_path, tmp_path / "1", namespace,
+              controller_k8s_values={"namespace": namespace, "controller": {"replicas": 1}})
+    results, _ = _run_role(plane, collections_path, tmp_path / "2", namespace, check=True,
+                           controller_k8s_values={"namespace": namespace, "controller": {"replicas": 2}})
+    apply = next(r for r in results if r["task"] == "Apply the manifests and wait for them")
+    changed = [item for item in apply["results"] if item.get("changed")]
+    assert [item["item"]["kind"] for item in changed] == ["Deployment"], changed
+    diff = changed[0]["diff"]
+    assert diff["before"]["spec"]["replicas"] == 1 and diff["after"]["spec"]["replicas"] == 2, diff
+    name = changed[0]["item"]["metadata"]["name"]
+    assert client.AppsV1Api(plane.api_client()).read_namespaced_deployment(name, namespace).spec.replicas == 1

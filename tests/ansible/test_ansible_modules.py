@@ -7,6 +7,7 @@ NVML. The state file is the ground truth: tests read it back to check what reall
 
 from __future__ import annotations
 
+import ast
 import os
 import sqlite3
 import subprocess
@@ -14,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fs_collection import COLLECTION, run_module, run_tasks
+import yaml
+from fs_collection import COLLECTION, REPO, run_module, run_tasks
 
 from fastshare.device import open_devices, simnvml
 
@@ -65,6 +67,31 @@ def test_gpu_info_reports_the_simulated_machine(collections_path: Path, machine:
     assert [(d["profile"], d["start"], d["size"]) for d in h100["mig_devices"]] == [
         ("3g.40gb", 0, 4), ("3g.40gb", 4, 4)]
     assert all(d["uuid"].startswith("MIG-") and d["processes"] == 0 for d in h100["mig_devices"])
+
+
+def _attributes(module: str) -> dict:
+    """The DOCUMENTATION attributes of a module of the collection (plugins/modules/NAME.py)."""
+    tree = ast.parse((REPO / "plugins" / "modules" / f"{module.rsplit('.', 1)[1]}.py").read_text())
+    doc = next(node.value.value for node in tree.body if isinstance(node, ast.Assign)
+               and getattr(node.targets[0], "id", None) == "DOCUMENTATION")
+    return {name: value["support"] for name, value in yaml.safe_load(doc)["attributes"].items()}
+
+
+def test_read_only_modules_say_so_and_answer_alike_in_check_and_diff_mode(collections_path: Path,
+                                                                        machine: Path):
+    """gpu_info and k8s_manifests only read (or render): their documentation says check mode is
+    fully supported and there is never a diff, and under --check --diff they answer what they
+    answer without it, unchanged, with no diff, and the machine file is left as it was."""
+    before = machine.read_bytes()
+    for module, args in ((GPU_INFO, {"gpu_backend": "sim", "sim_state": str(machine)}),
+                         (f"{COLLECTION}.k8s_manifests", {"values": {"namespace": "gpu-sharing"}})):
+        assert _attributes(module) == {"check_mode": "full", "diff_mode": "none", "platform": "full"}, module
+        plain = run_module(collections_path, module, args)
+        checked = run_module(collections_path, module, args, check=True, diff=True)
+        assert checked["changed"] is False and "diff" not in checked and not checked.get("failed"), checked
+        assert checked == plain, module
+    assert _attributes(MIG_CONFIG) == {"check_mode": "full", "diff_mode": "full", "platform": "full"}
+    assert machine.read_bytes() == before
 
 
 def test_gpu_info_without_a_driver_says_nvml_is_unreachable(collections_path: Path):

@@ -242,3 +242,51 @@ def test_driver_version_is_installed_held_and_changed_only_when_asked(
     assert "held broken packages" in refused[INSTALL]["msg"], refused[INSTALL]
     assert f"Depends: {OTHER} (>= 2.0)" in refused[INSTALL]["stdout"], refused[INSTALL]
     assert installed(root) == driver_at(A), "the operator's hold was released, or the driver's not restored"
+
+
+REPORT = "Report the driver that would come from the package source this run adds (check mode)"
+
+
+def test_check_mode_on_a_new_host_reports_the_driver_of_the_source_it_would_add(
+        collections_path: Path, debian_root: Path, tmp_path: Path):
+    """A new Debian host: the driver's packages come from a component (non-free) or repository that
+    the role adds first, which check mode does not add, nor read. apt, asked in check mode, did not
+    know them ("No package matching 'nvidia-driver' is available") and `--check` failed. Now the
+    install is reported as coming from the new source, and a reboot as needed to load it; nothing is
+    installed. A driver missing from sources the role adds nothing to still fails check mode. With
+    the source there already, check mode then failed holding packages dpkg had never seen ("Failed
+    to find package"); now it holds those it knows and reports the install."""
+    root = debian_root
+    sources = root / "etc" / "apt" / "sources.list"
+    kept = sources.read_text()
+    main = root / "srv" / "fake-main"     # the distribution's main: the kernel headers, no driver
+    main.mkdir()
+    for deb in (root / "srv" / "fake-nvidia").glob("linux-headers-*.deb"):
+        shutil.copy(deb, main / deb.name)
+    stanzas = (root / "srv" / "fake-nvidia" / "Packages").read_text().split("\n\n")
+    (main / "Packages").write_text("\n\n".join(s for s in stanzas if "Package: linux-headers-" in s))
+    in_root(root, "apt-get", "purge", "-y", "-q", "--allow-change-held-packages", *DRIVER)
+    try:
+        sources.write_text("deb [trusted=yes] file:/srv/fake-main ./\n")
+        in_root(root, "apt-get", "update", "-q")
+        before = installed(root)
+        adding = json.dumps({"gpu_node_apt_sources": {"changed": True}})
+        preview = converge(collections_path, root, tmp_path, "", "--check", "-e", adding)
+        assert failures(preview) == {}, failures(preview)
+        assert INSTALL not in changed(preview) and REPORT in changed(preview), changed(preview)
+        assert "nvidia-driver" in preview[REPORT]["msg"] and "source this run adds" in preview[REPORT]["msg"]
+        assert reboot_needed(preview)
+        assert installed(root) == before, "check mode installed something"
+        # No source added by this run: the driver missing from apt's sources is a failure, as before.
+        unknown = converge(collections_path, root, tmp_path, "", "--check")
+        assert "No package matching" in failures(unknown).get(INSTALL, ""), failures(unknown)
+        # The source is there (the driver not installed yet): apt's simulation reports the install.
+        sources.write_text(kept)
+        in_root(root, "apt-get", "update", "-q")
+        known = converge(collections_path, root, tmp_path, B, "--check")   # (D needs a held library)
+        assert failures(known) == {}, failures(known)
+        assert INSTALL in changed(known) and REPORT not in changed(known) and reboot_needed(known)
+        assert installed(root) == before, "check mode installed something"
+    finally:
+        sources.write_text(kept)
+        in_root(root, "apt-get", "update", "-q")

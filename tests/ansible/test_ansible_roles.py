@@ -976,12 +976,16 @@ def test_mig_reconfigure_leaves_a_disabled_node_agent_alone(collections_path: Pa
 
 # ---- check mode (`ansible-playbook --check`) of whole roles on a host with nothing installed yet ----
 
-# systemctl of a host where no fastshare unit is installed yet: systemd answers `show` of a unit it
-# does not know with LoadState=not-found; any call that would change something is logged.
+# systemctl of a host that knows the units installed in /etc/systemd/system (none of fastshare's on a
+# new host; other tests here install the MIG layout's), none of them enabled or running: systemd
+# answers `show` of a unit it does not know with LoadState=not-found. Any call that would change
+# something is logged.
 _NEW_HOST_SYSTEMCTL = """#!/bin/sh
 case "$1" in
-  show) printf 'Id=%s\\nLoadState=not-found\\nActiveState=inactive\\n' "$2";;
-  is-enabled|list-unit-files) exit 1;;
+  show) [ -e "/etc/systemd/system/$2" ] && load=loaded || load=not-found
+        printf 'Id=%s\\nLoadState=%s\\nActiveState=inactive\\n' "$2" "$load";;
+  is-enabled) echo disabled; exit 1;;
+  list-unit-files) exit 1;;
   *) echo "$*" >> {log};;
 esac
 """
@@ -1077,9 +1081,64 @@ def test_gpu_node_check_mode_on_a_new_host_fails_not(collections_path: Path, tmp
         "gpu_node_agent_extra": {"state_dir": str(tmp_path / "agent")}, "pki_ca_dir": str(tmp_path / "ca")},
         service_mgr="systemd")
     changed = _changed_messages(results)
-    assert any("fastshare-node.service" in m and "would be" in m for m in changed), changed
-    assert any("fastshare-mig-layout.service" in m and "would be" in m for m in changed), changed
+    for unit in ("fastshare-node.service", "fastshare-mig-layout.service"):
+        if not (Path("/etc/systemd/system") / unit).exists():     # (check mode installed none)
+            assert any(unit in m and "would be" in m for m in changed), (unit, changed)
     said = [str(r["msg"]) for r in results if str(r.get("msg", "")).startswith("Check mode:")]
     assert len(said) == 1 and "simulated machine" in said[0] and "MIG layout" in said[0], said
     if fastshare == "not installed yet":
         assert "fastshare is not installed" in said[0] and "unit of the node agent" in said[0], said
+
+
+def _role_tasks(*wanted: tuple[str, str]) -> list[dict]:
+    """gpu_node tasks by (file, name), those in blocks too."""
+    def flat(tasks: list[dict]) -> dict[str, dict]:
+        found = {}
+        for task in tasks:
+            found[task["name"]] = task
+            for part in ("block", "rescue", "always"):
+                found |= flat(task.get(part, []))
+        return found
+    return [flat(yaml.safe_load((REPO / "roles" / "gpu_node" / "tasks" / f).read_text()))[name]
+            for f, name in wanted]
+
+
+def test_gpu_node_check_mode_skips_the_drivers_services_and_programs_until_it_is_installed(
+        collections_path: Path, tmp_path: Path):
+    """Check mode on a new GPU node (nvml): the driver would be installed, but is not, so its
+    persistence daemon's unit and the MPS control program it brings were not there, and check mode
+    failed on them ("Could not find the requested service nvidia-persistenced.service", "... is
+    missing; it comes with the NVIDIA driver"). Now they are skipped while the driver would be
+    installed, and a task says so; nothing is written. With the driver there they are checked."""
+    role_vars: dict = {}
+    for part in ("defaults/main.yml", "vars/main.yml", "vars/Debian.yml"):
+        role_vars |= yaml.safe_load((REPO / "roles" / "gpu_node" / part).read_text())
+    role_vars |= {"gpu_node_gpu_backend": "nvml", "gpu_node_venv": str(Path(sys.executable).parents[1]),
+                  "gpu_node_mps_control": str(tmp_path / "no-driver" / "nvidia-cuda-mps-control"),
+                  "gpu_node_fastshare_found": {"stat": {"exists": True}}, "gpu_node_sim_state": "",
+                  "gpu_node_mig_layout": [{"devices": "all", "mig_devices": {"3g.20gb": 2}}]}
+    tasks = _role_tasks(("driver.yml", "Persistence mode"),
+                        ("mps.yml", "Check the MPS control program"),
+                        ("mps.yml", "Require the MPS control program"),
+                        ("main.yml", "Say what check mode skips because this run would install or create "
+                                     "it first"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(_NEW_HOST_SYSTEMCTL.format(log=tmp_path / "systemctl.log"))
+    (bin_dir / "systemctl").chmod(0o755)
+
+    def check(driver: dict) -> list[dict]:
+        return run_tasks(collections_path, [{**t, "vars": {**role_vars, **t.get("vars", {}),
+                                                           "gpu_node_driver_apt": driver}} for t in tasks],
+                         tmp_path, extra_args=["--check"],
+                         env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+
+    pending = check({"changed": True})
+    assert not [r.get("msg") for r in pending if r.get("failed")], pending
+    persistence, _, mps, said = pending
+    assert persistence.get("skipped") and mps.get("skipped"), pending
+    assert "NVIDIA driver" in said["msg"] and "persistence mode" in said["msg"], said
+    assert "MPS control program" in said["msg"] and "MIG layout" in said["msg"], said
+    assert not (tmp_path / "systemctl.log").exists()
+    installed = check({"changed": False})           # the driver is there: a missing program is said
+    assert installed[2].get("failed") and "mps-control is missing" in installed[2]["msg"], installed

@@ -257,8 +257,8 @@ def _rpm(name: str, version: str, epoch: int | None = 3) -> dict:
                     "arch": "x86_64", "source": "rpm"}]}
 
 
-def _driver_tasks() -> dict[str, dict]:
-    """driver.yml's tasks by name, those in blocks too."""
+def _gpu_node_tasks(file: str) -> dict[str, dict]:
+    """The tasks of gpu_node's tasks/FILE by name, those in blocks too."""
     def flat(tasks: list[dict]) -> dict[str, dict]:
         found = {}
         for task in tasks:
@@ -266,7 +266,12 @@ def _driver_tasks() -> dict[str, dict]:
             for part in ("block", "rescue", "always"):
                 found |= flat(task.get(part, []))
         return found
-    return flat(yaml.safe_load((REPO / "roles" / "gpu_node" / "tasks" / "driver.yml").read_text()))
+    return flat(yaml.safe_load((REPO / "roles" / "gpu_node" / "tasks" / file).read_text()))
+
+
+def _driver_tasks() -> dict[str, dict]:
+    """driver.yml's tasks by name, those in blocks too."""
+    return _gpu_node_tasks("driver.yml")
 
 
 def test_rhel_driver_packages_are_held_at_the_installed_version(collections_path: Path, tmp_path: Path):
@@ -1092,15 +1097,7 @@ def test_gpu_node_check_mode_on_a_new_host_fails_not(collections_path: Path, tmp
 
 def _role_tasks(*wanted: tuple[str, str]) -> list[dict]:
     """gpu_node tasks by (file, name), those in blocks too."""
-    def flat(tasks: list[dict]) -> dict[str, dict]:
-        found = {}
-        for task in tasks:
-            found[task["name"]] = task
-            for part in ("block", "rescue", "always"):
-                found |= flat(task.get(part, []))
-        return found
-    return [flat(yaml.safe_load((REPO / "roles" / "gpu_node" / "tasks" / f).read_text()))[name]
-            for f, name in wanted]
+    return [_gpu_node_tasks(f)[name] for f, name in wanted]
 
 
 def test_gpu_node_check_mode_skips_the_drivers_services_and_programs_until_it_is_installed(

@@ -567,10 +567,10 @@ class Engine:
             return None
         if r.kind == "mps":
             # Memory-only: pack by memory (least free memory that fits), no SM arithmetic.
-            i = min((i for i, fits in enumerate(ok) if fits),
-                    key=lambda i: (n.gpus[i].view.memory_mib * self.mps_oversubscription
-                                   - n.gpus[i].mem_used, i))
-            return -(n.gpus[i].view.memory_mib * self.mps_oversubscription - n.gpus[i].mem_used), (i,)
+            def slack(i: int) -> float:
+                return n.gpus[i].view.memory_mib * self.mps_oversubscription - n.gpus[i].mem_used
+            i = min((i for i, fits in enumerate(ok) if fits), key=lambda i: (slack(i), i))
+            return -slack(i), (i,)
         model = n.gpus[0].view.model if n.gpus else ""
         free = tuple(self._policy_free(r, g, fits) for g, fits in zip(n.gpus, ok, strict=True))
         return self.policy.score(model, n.cpu_left, free, task)

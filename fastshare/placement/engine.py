@@ -12,7 +12,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from fastshare.device.catalog import find_profile
@@ -29,6 +29,7 @@ from fastshare.placement.model import (
     Request,
 )
 from fastshare.placement.policies import Policy, Task
+from fastshare.placement.shape_heaps import Entry, ShapeHeap, ShapeHeaps
 
 
 @dataclass
@@ -40,11 +41,11 @@ class _Gpu:
     sharers: dict[str, Request] = field(default_factory=dict)
     mig: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # request id -> instance
     whole: str | None = None
+    quota_used: float = 0.0     # time quota the fastpod sharers hold (the node agent admits at most 1)
 
-    @property
-    def quota_used(self) -> float:
-        """Guaranteed time quota the fastpod sharers hold (the node agent admits at most 1)."""
-        return sum(s.quota_request for s in self.sharers.values() if s.kind == "fastpod")
+    def count_quota(self) -> None:
+        """Sum the sharers' quota again (a sum, not a running total: no float drift)."""
+        self.quota_used = sum(s.quota_request for s in self.sharers.values() if s.kind == "fastpod")
 
     @property
     def mig_mode(self) -> bool:
@@ -65,17 +66,21 @@ class _Gpu:
 
 
 MEMO_SIZE = 256   # request shapes remembered per node between its changes (then forgotten)
+SCORES_KEPT = 200_000   # policy scores remembered by node state (then forgotten)
 
 
 @dataclass
 class _Node:
     """A node and what it holds. ``memo``: how the node answers each request shape looked at
-    since it last changed (see :meth:`Engine._memo_key`)."""
+    since it last changed (see :meth:`Engine._memo_key`); ``version`` counts its changes (the
+    shape heaps' entries carry it); ``rank``: its place in the node order, which breaks ties."""
 
     view: NodeView
     gpus: list[_Gpu]
+    rank: int = 0
     cpu_used: int = 0
     mem_used: int = 0
+    version: int = 0
     memo: dict[tuple, Any] = field(default_factory=dict)
 
     def remember(self, key: tuple, answer: Any) -> Any:
@@ -149,6 +154,11 @@ class Engine:
         self._assignments: dict[str, Assignment] = {}
         self._affinity: dict[str, tuple[str, int]] = {}  # affinity tag -> (node, gpu)
         self._memo_generation = policy.generation
+        self._heaps = ShapeHeaps()
+        self._ranks = itertools.count()
+        self._changes = 0   # changes to any node so far: a remembered rejection holds until the next
+        self._rejected: dict[tuple, tuple[int, Rejection]] = {}
+        self._scores: dict[tuple, Any] = {}   # see _policy_score
         for n in nodes:
             self.add_node(n)
 
@@ -156,7 +166,9 @@ class Engine:
     def add_node(self, view: NodeView) -> None:
         if view.name in self._nodes:
             raise InvalidRequest(f"node {view.name}: already in the cluster view")
-        self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus])
+        self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus], rank=next(self._ranks))
+        self._heaps.changed(view.name)
+        self._changes += 1
         self._capacity(view, +1)
 
     def remove_node(self, name: str) -> None:
@@ -165,21 +177,38 @@ class Engine:
         if held:
             raise InvalidRequest(f"node {name}: still holds {len(held)} assignment(s), e.g. {held[0]}")
         self._capacity(self._nodes.pop(name).view, -1)
+        self._heaps.changed(name)
+        self._changes += 1
 
     def _capacity(self, view: NodeView, sign: int) -> None:
         """Keep the cluster's CPU and GPU totals and tell the policy (it weighs CPU and the
-        models requests are bound to by them)."""
+        models requests are bound to by them; it says by its ``generation`` when it scores
+        differently from then on)."""
         self._cpu_total += sign * view.cpu_milli
         for g in view.gpus:
             self._gpu_milli[g.model] += sign * MILLI
         self.policy.cluster(self._cpu_total, self._gpu_milli)
-        self._forget()   # the policy may score differently now
+
+    def _touch(self, node: _Node) -> None:
+        """``node`` changed: its remembered answers and heap entries no longer hold."""
+        node.memo.clear()
+        node.version += 1
+        self._heaps.changed(node.view.name)
+        self._changes += 1
 
     def _forget(self) -> None:
-        """Drop every node's memo (the policy's scores changed)."""
+        """The policy's scores changed: drop every node's memo and score every shape heap again
+        now, inside this one decision (left for later, the next request of each shape would be
+        slow instead). A heap for an affinity-bound shape is dropped: its binding may be gone."""
         for n in self._nodes.values():
             n.memo.clear()
+        self._scores.clear()
         self._memo_generation = self.policy.generation
+        for shape, h in self._heaps.items():
+            if h.sample.affinity:
+                self._heaps.drop(shape)
+            else:
+                self._heaps.build(shape, self._entries(shape, h.sample, self._nodes.values()), h.sample)
 
     def set_capacity(self, name: str, cpu_milli: int, memory_mib: int) -> None:
         """Change the host CPU/memory a node offers, assignments kept: where others (Pods the
@@ -191,6 +220,7 @@ class Engine:
         self._capacity(node.view, -1)
         node.view = replace(node.view, cpu_milli=max(0, cpu_milli), memory_mib=max(0, memory_mib))
         self._capacity(node.view, +1)
+        self._touch(node)
 
     @property
     def nodes(self) -> list[NodeView]:
@@ -239,19 +269,44 @@ class Engine:
             self.policy.observe(_policy_task(request))
         if self.policy.generation != self._memo_generation:
             self._forget()
-        nodes, why = self._filter_nodes(request, excluded or {})
+        excluded = excluded or {}
+        result = self._place_from_heap(request, excluded)
+        if result is None:   # no heap for this kind, or no node takes it: look at every node
+            result = self._rejection_seen(request, excluded) or self._place_scanning(request, excluded)
+        if isinstance(result, Assignment):
+            uuids = tuple(self._nodes[result.node].view.gpus[i].uuid for i in result.gpus)
+            if all(uuids):   # the GPUs for good (their indexes shift when a GPU leaves the node)
+                result = replace(result, gpu_uuids=uuids)
+            self._apply(result)
+        return result
+
+    def _rejection_seen(self, request: Request, excluded: Mapping[str, str]) -> Rejection | None:
+        """The rejection given to the same request (but its id) when no node has changed since:
+        a full cluster rejects the arrivals of a few shapes over and over, and saying why looks
+        at every GPU."""
+        seen = self._rejected.get(_asked(request, excluded))
+        return seen[1] if seen and seen[0] == self._changes else None
+
+    def _place_scanning(self, request: Request, excluded: Mapping[str, str]) -> Assignment | Rejection:
+        """Place by looking at every node; a rejection says why each was not taken (and is
+        remembered, see :meth:`_rejection_seen`)."""
+        result = self._scan(request, excluded)
+        if isinstance(result, Rejection):
+            if len(self._rejected) >= MEMO_SIZE:
+                self._rejected.clear()
+            self._rejected[_asked(request, excluded)] = (self._changes, result)
+        return result
+
+    def _scan(self, request: Request, excluded: Mapping[str, str]) -> Assignment | Rejection:
+        nodes, why = self._filter_nodes(request, excluded)
         if not nodes:
             return Rejection(why)
         result = getattr(self, f"_place_{request.kind}")(request, nodes)
         if isinstance(result, Rejection):
             notes = self._closed_note(request, nodes) + self._mig_off_note(request, nodes)
             result = Rejection(result.reason + notes, result.details)
-        if isinstance(result, Assignment):
-            uuids = tuple(self._nodes[result.node].view.gpus[i].uuid for i in result.gpus)
-            if all(uuids):   # the GPUs for good (their indexes shift when a GPU leaves the node)
-                result = replace(result, gpu_uuids=uuids)
-            self._apply(result)
-        elif why:  # the GPU reason covers the nodes looked at; say why the others were not
+        if isinstance(result, Rejection) and why:  # the GPU reason covers the nodes looked at: say
+            # why the others were not
             result = Rejection(f"{result.reason}; only {len(nodes)} of {len(self._nodes)} node(s) "
                                f"were looked at: {why}", result.details)
         return result
@@ -269,7 +324,7 @@ class Engine:
                            f"{a.node} GPU(s) {list(a.gpus)}")
         del self._assignments[rid]
         node = self._nodes[a.node]
-        node.memo.clear()
+        self._touch(node)
         r = a.request
         node.cpu_used -= r.cpu_milli
         node.mem_used -= r.memory_mib
@@ -279,6 +334,7 @@ class Engine:
                 del g.sharers[rid]
                 g.sm_used -= r.sm_milli if r.kind == "fastpod" else 0
                 g.mem_used -= r.gpu_memory_mib
+                g.count_quota()
                 if not g.sharers:
                     g.share_kind = None
             elif r.kind == "exclusive":
@@ -357,7 +413,7 @@ class Engine:
     def _apply(self, a: Assignment) -> None:
         r = a.request
         node = self._nodes[a.node]
-        node.memo.clear()
+        self._touch(node)
         node.cpu_used += r.cpu_milli
         node.mem_used += r.memory_mib
         for i in a.gpus:
@@ -367,6 +423,7 @@ class Engine:
                 g.share_kind = r.kind
                 g.sm_used += r.sm_milli if r.kind == "fastpod" else 0
                 g.mem_used += r.gpu_memory_mib
+                g.count_quota()
             elif r.kind == "exclusive":
                 g.mig[r.id] = (a.mig.profile_id, a.mig.start, a.mig.size)
             else:
@@ -535,6 +592,88 @@ class Engine:
         return (r.kind, r.sm_milli, r.gpu_memory_mib, r.quota_request, r.gpus, r.cpu_milli, r.gpu_models,
                 r.exclusion, r.anti_affinity, bound)
 
+    def _answer(self, r: Request, n: _Node, memo: tuple) -> Any:
+        """Node ``n``'s remembered answer to shape ``memo`` (worked out when not remembered)."""
+        answer = n.memo.get(memo, _UNSEEN)
+        if answer is _UNSEEN:
+            task = _policy_task(r)
+            answer = self._whole_answer(r, n, task) if r.kind == "whole" else self._share_answer(r, n, task)
+            n.remember(memo, answer)
+        return answer
+
+    def _entry(self, memo: tuple, r: Request, n: _Node) -> Entry | None:
+        """Node ``n``'s entry in the heap of ``r``'s shape, None when it cannot take ``r`` (its
+        labels, its CPU or its GPUs; host memory is checked when it comes to the top)."""
+        labels = n.view.labels
+        if r.node_selector and any(dict(labels).get(k) != v for k, v in r.node_selector):
+            return None
+        if r.cpu_milli and r.cpu_milli > n.cpu_left:
+            return None
+        answer = self._answer(r, n, memo)
+        score = answer[1] if r.kind == "whole" else (answer[0] if answer else None)
+        if score is None:
+            return None
+        return (_neg(score), n.rank), n.view.name, n.version
+
+    def _entries(self, shape: tuple, r: Request, nodes: Iterable[_Node]) -> list[Entry]:
+        memo = shape[0]
+        return [e for n in nodes if (e := self._entry(memo, r, n)) is not None]
+
+    def _place_from_heap(self, r: Request, excluded: Mapping[str, str]) -> Assignment | None:
+        """Place a share or whole GPUs through the heap of its shape (see
+        ``fastshare/placement/shape_heaps.py``): the same node and GPUs as looking at every node
+        gives, found by looking at the few that changed. None when no node takes ``r`` (the
+        rejection, which says why, looks at every node) or its kind has no heap."""
+        memo = self._memo_key(r) if r.kind in ("fastpod", "mps", "whole") else None
+        if memo is None:
+            return None
+        shape = (memo, r.node_selector)
+        h = self._heaps.get(shape)
+        if h is None:
+            h = self._heaps.build(shape, self._entries(shape, r, self._nodes.values()), r)
+        elif h.dirty:
+            nodes = self._nodes
+            for name in h.dirty:
+                if name in nodes and (e := self._entry(memo, r, nodes[name])) is not None:
+                    h.push(e)
+            h.dirty.clear()
+            ShapeHeaps.compact(h, self._current, len(nodes))
+        tied = self._heap_best(h, r, excluded)
+        if not tied:
+            return None
+        if r.kind != "whole":
+            n = tied[0]
+            return Assignment(r, n.view.name, self._share_gpu(r, n, self._answer(r, n, memo)))
+        return self._tightest_of(r, [(n, self._answer(r, n, memo)[0]) for n in tied])
+
+    def _current(self, name: str, version: int) -> bool:
+        n = self._nodes.get(name)
+        return n is not None and n.version == version
+
+    def _heap_best(self, h: ShapeHeap, r: Request, excluded: Mapping[str, str]) -> list[_Node]:
+        """The best nodes on ``h`` that ``excluded`` and their free host memory let take ``r``:
+        the first only, or for several whole GPUs every node scored alike (the tightest group
+        of GPUs decides among them). Stale entries met on the way are dropped."""
+        put_back: list[Entry] = []
+        best: list[_Node] = []
+        best_score = None
+        while h.heap:
+            (score, _rank), name, version = h.heap[0]
+            n = self._nodes.get(name)
+            if n is None or n.version != version:
+                h.pop()
+                continue
+            if best and (r.kind != "whole" or r.gpus == 1 or score != best_score):
+                break
+            put_back.append(h.pop())
+            if (excluded and name in excluded) or (r.memory_mib and r.memory_mib > n.mem_left):
+                continue
+            best_score = score
+            best.append(n)
+        for e in put_back:
+            h.push(e)
+        return best
+
     def _shares(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         task = _policy_task(r)
         memo = self._memo_key(r)
@@ -547,20 +686,39 @@ class Engine:
                     n.remember(memo, answer)
             if answer is None:
                 continue
-            score, chosen = answer
-            key = (score, -order)
+            key = (answer[0], -order)
             if best_key is None or key > best_key:
-                best_key, best = key, (n, chosen)
+                best_key, best = key, (n, answer)
         if best is None:
             return Rejection(self._share_reason(r, nodes))
-        n, chosen = best
-        return Assignment(r, n.view.name, tuple(chosen))
+        n, answer = best
+        return Assignment(r, n.view.name, self._share_gpu(r, n, answer))
 
     _place_fastpod = _shares
     _place_mps = _shares
 
+    def _share_gpu(self, r: Request, n: _Node, answer: tuple[Any, tuple[int, ...]]) -> tuple[int, ...]:
+        """The GPU node ``n`` gives share ``r``, from its answer: the one an MPS share packs onto,
+        or the one the policy picks (asked again: the answer keeps only the score)."""
+        if r.kind == "mps":
+            return answer[1]
+        return tuple(self.policy.score(n.gpus[0].view.model, n.cpu_left, answer[1], _policy_task(r))[1])
+
+    def _policy_score(self, model: str, cpu_left: int, free: tuple[int, ...], task: Task) -> Any:
+        """The policy's score, remembered per node state as the policy keys it (nodes alike score
+        alike: most of a cluster, early on; see ``Policy.state_key``)."""
+        key = self.policy.state_key(model, cpu_left, free, task)
+        key = (model, cpu_left, free, task) if key is None else (key, task)
+        score = self._scores.get(key, _UNSEEN)
+        if score is _UNSEEN:
+            if len(self._scores) >= SCORES_KEPT:
+                self._scores.clear()
+            score = self._scores[key] = self.policy.score(model, cpu_left, free, task)[0]
+        return score
+
     def _share_answer(self, r: Request, n: _Node, task: Task) -> tuple[Any, tuple[int, ...]] | None:
-        """Node ``n``'s score and GPU for share ``r`` (higher wins), None when no GPU takes it."""
+        """Node ``n``'s score for share ``r`` (higher wins) and, for an MPS share, its GPU (for a
+        fastpod share, the free shares the policy saw), None when no GPU takes it."""
         need = r.sm_milli if r.kind == "fastpod" else 0   # too few SMs left: a problem, no need to word it
         ok = [g.sm_used + need <= MILLI and self._gpu_problem(r, g, n.view.name) is None for g in n.gpus]
         if not any(ok):
@@ -573,7 +731,7 @@ class Engine:
             return -slack(i), (i,)
         model = n.gpus[0].view.model if n.gpus else ""
         free = tuple(self._policy_free(r, g, fits) for g, fits in zip(n.gpus, ok, strict=True))
-        return self.policy.score(model, n.cpu_left, free, task)
+        return self._policy_score(model, n.cpu_left, free, task), free
 
     def _share_reason(self, r: Request, nodes: list[_Node]) -> str:
         what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
@@ -670,6 +828,11 @@ class Engine:
             if lost:
                 where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
             return Rejection(f"no node has {r.gpus} idle{models} GPU(s){where}")
+        return self._tightest_of(r, best)
+
+    @staticmethod
+    def _tightest_of(r: Request, best: list[tuple[_Node, list[int]]]) -> Assignment:
+        """Whole GPUs on one of the ``best`` nodes (in node order, with their idle GPUs)."""
         # Nodes the policy scores alike (two idle nodes always are) differ to the job in how its
         # GPUs talk: the tightest group wins, then the node order.
         groups: dict[tuple, tuple[tuple[int, ...], tuple[int, int]]] = {}   # alike nodes: worked out once
@@ -691,7 +854,7 @@ class Engine:
         if len(idle) < r.gpus:
             return idle, None
         free = tuple(self._policy_free(r, g, g.view.index in idle) for g in n.gpus)
-        return idle, self.policy.score(n.gpus[0].view.model, n.cpu_left, free, task)[0]
+        return idle, self._policy_score(n.gpus[0].view.model, n.cpu_left, free, task)
 
     def _place_exclusive(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         candidates = [(n, g) for n in nodes for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
@@ -793,6 +956,19 @@ def _no_mig_gpu_reason(r: Request, nodes: list[_Node], tagged: list[str]) -> str
     if lost:
         reason += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {_some(lost)}"
     return reason
+
+
+_ASKED = tuple(f.name for f in fields(Request) if f.name != "id")
+
+
+def _asked(r: Request, excluded: Mapping[str, str]) -> tuple:
+    """What ``r`` asks (all of it but its id) and the nodes ruled out: a rejection's key."""
+    return (*(getattr(r, name) for name in _ASKED), tuple(sorted(excluded.items())))
+
+
+def _neg(score: Any) -> Any:
+    """A score turned so that the best sorts first (scores are numbers or tuples of them)."""
+    return tuple(-x for x in score) if isinstance(score, tuple) else -score
 
 
 def _some(names: list[str]) -> str:

@@ -1,0 +1,84 @@
+"""Per request shape, the nodes that can take it, best first: what lets a decision look at a
+few nodes instead of all of them.
+
+Between two decisions only the node placed on changes, and requests repeat a few shapes. So
+each shape keeps a heap of ``(key, node name, node version)`` entries, ``key`` ordering the
+nodes as the engine ranks them (best first). A node that changes (a placement, a release, a
+capacity change, added or removed) gets a new version, which makes its old entries stale
+(dropped when they reach the top) and marks it *dirty* in every heap, so each heap scores it
+again the next time its shape is asked for. The trace replay (``fastshare/sim/replay.py``) works
+the same way; this is the controller's engine's copy, keyed by node name.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+Entry = tuple[Any, str, int]   # (rank key, node name, node version)
+
+
+@dataclass
+class ShapeHeap:
+    """The nodes one request shape fits, best first; ``dirty``: nodes to score again."""
+
+    heap: list[Entry] = field(default_factory=list)
+    dirty: set[str] = field(default_factory=set)
+    sample: Any = None    # a request of this shape, to score its nodes again after a policy change
+
+    def push(self, entry: Entry) -> None:
+        heapq.heappush(self.heap, entry)
+
+    def pop(self) -> Entry:
+        return heapq.heappop(self.heap)
+
+
+class ShapeHeaps:
+    """The heaps of the last ``limit`` shapes asked for (the least recently asked is dropped)."""
+
+    def __init__(self, limit: int = 128) -> None:
+        self.limit = limit
+        self._heaps: OrderedDict[Hashable, ShapeHeap] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._heaps)
+
+    def get(self, shape: Hashable) -> ShapeHeap | None:
+        h = self._heaps.get(shape)
+        if h is not None:
+            self._heaps.move_to_end(shape)
+        return h
+
+    def build(self, shape: Hashable, entries: Iterable[Entry], sample: Any) -> ShapeHeap:
+        h = ShapeHeap(list(entries), sample=sample)
+        heapq.heapify(h.heap)
+        self._heaps[shape] = h
+        self._heaps.move_to_end(shape)
+        while len(self._heaps) > self.limit:
+            self._heaps.popitem(last=False)
+        return h
+
+    def drop(self, shape: Hashable) -> None:
+        self._heaps.pop(shape, None)
+
+    def changed(self, name: str) -> None:
+        """Node ``name`` changed: every heap scores it again when next asked."""
+        for h in self._heaps.values():
+            h.dirty.add(name)
+
+    def clear(self) -> None:
+        self._heaps.clear()
+
+    def items(self) -> list[tuple[Hashable, ShapeHeap]]:
+        return list(self._heaps.items())
+
+    @staticmethod
+    def compact(h: ShapeHeap, current: Callable[[str, int], bool], nodes: int) -> None:
+        """Drop ``h``'s stale entries once they outnumber the live ones (a long-lived controller
+        would otherwise keep one per change)."""
+        if len(h.heap) > 2 * nodes + 64:
+            h.heap = [e for e in h.heap if current(e[1], e[2])]
+            heapq.heapify(h.heap)

@@ -82,6 +82,7 @@ class _Node:
     mem_used: int = 0
     version: int = 0
     memo: dict[tuple, Any] = field(default_factory=dict)
+    state: int | None = None   # what its answers depend on, but its name (Engine._state)
 
     def remember(self, key: tuple, answer: Any) -> Any:
         if len(self.memo) >= MEMO_SIZE:
@@ -159,6 +160,8 @@ class Engine:
         self._changes = 0   # changes to any node so far: a remembered rejection holds until the next
         self._rejected: dict[tuple, tuple[int, Rejection]] = {}
         self._scores: dict[tuple, Any] = {}   # see _policy_score
+        self._answers: dict[tuple, dict[int, Any]] = {}  # shape -> node state -> answer (see _answer)
+        self._states: dict[tuple, int] = {}   # node state -> its number (see _state)
         for n in nodes:
             self.add_node(n)
 
@@ -192,6 +195,7 @@ class Engine:
     def _touch(self, node: _Node) -> None:
         """``node`` changed: its remembered answers and heap entries no longer hold."""
         node.memo.clear()
+        node.state = None
         node.version += 1
         self._heaps.changed(node.view.name)
         self._changes += 1
@@ -203,6 +207,7 @@ class Engine:
         for n in self._nodes.values():
             n.memo.clear()
         self._scores.clear()
+        self._answers.clear()
         self._memo_generation = self.policy.generation
         for shape, h in self._heaps.items():
             if h.sample.affinity:
@@ -272,7 +277,9 @@ class Engine:
         excluded = excluded or {}
         result = self._place_from_heap(request, excluded)
         if result is None:   # no heap for this kind, or no node takes it: look at every node
-            result = self._rejection_seen(request, excluded) or self._place_scanning(request, excluded)
+            result = self._rejection_seen(request, excluded)   # (a Rejection is falsy: no `or`)
+            if result is None:
+                result = self._place_scanning(request, excluded)
         if isinstance(result, Assignment):
             uuids = tuple(self._nodes[result.node].view.gpus[i].uuid for i in result.gpus)
             if all(uuids):   # the GPUs for good (their indexes shift when a GPU leaves the node)
@@ -593,13 +600,45 @@ class Engine:
                 r.exclusion, r.anti_affinity, bound)
 
     def _answer(self, r: Request, n: _Node, memo: tuple) -> Any:
-        """Node ``n``'s remembered answer to shape ``memo`` (worked out when not remembered)."""
+        """Node ``n``'s remembered answer to shape ``memo``, else the answer of a node in the
+        same state (nodes alike answer alike, and most of a cluster is alike: a shape seen for
+        the first time then costs a lookup per node), else worked out."""
         answer = n.memo.get(memo, _UNSEEN)
+        if answer is not _UNSEEN:
+            return answer
+        if memo[-1]:   # an affinity binding names a node: the answer is that node's own
+            alike = None
+        else:
+            state = self._state(n)
+            if memo not in self._answers and len(self._answers) >= MEMO_SIZE:
+                self._answers.clear()
+            alike = self._answers.setdefault(memo, {})
+        answer = alike.get(state, _UNSEEN) if alike is not None else _UNSEEN
         if answer is _UNSEEN:
             task = _policy_task(r)
             answer = self._whole_answer(r, n, task) if r.kind == "whole" else self._share_answer(r, n, task)
-            n.remember(memo, answer)
-        return answer
+            if alike is not None:
+                alike[state] = answer
+        return n.remember(memo, answer)
+
+    def _state(self, n: _Node) -> int:
+        """The number of ``n``'s state: everything of ``n`` a share or whole request's answer
+        depends on, but its name (which only an affinity binding looks at): its free CPU and, per
+        GPU, what the device is and offers and what its holders take and are tagged with."""
+        if n.state is None:
+            if len(self._states) >= SCORES_KEPT:   # forget them all, and the answers keyed by them
+                self._states.clear()
+                self._answers.clear()
+                for other in self._nodes.values():
+                    other.state = None
+            state = (n.cpu_left, tuple(
+                (v.index, v.model, v.memory_mib, v.lost, v.closed, v.no_mps, v.mig_capable, v.mig_enabled,
+                 v.mig_enable_needs_reset, g.sm_used, g.mem_used, g.quota_used, g.share_kind,
+                 g.whole is not None, tuple(sorted(g.mig.values())),
+                 tuple(sorted((h.exclusion or "", h.anti_affinity or "") for h in self._holders(g))))
+                for g in n.gpus for v in (g.view,)))
+            n.state = self._states.setdefault(state, len(self._states))
+        return n.state
 
     def _entry(self, memo: tuple, r: Request, n: _Node) -> Entry | None:
         """Node ``n``'s entry in the heap of ``r``'s shape, None when it cannot take ``r`` (its
@@ -679,11 +718,7 @@ class Engine:
         memo = self._memo_key(r)
         best_key, best = None, None
         for order, n in enumerate(nodes):
-            answer = n.memo.get(memo, _UNSEEN) if memo else _UNSEEN
-            if answer is _UNSEEN:
-                answer = self._share_answer(r, n, task)
-                if memo:
-                    n.remember(memo, answer)
+            answer = self._answer(r, n, memo) if memo else self._share_answer(r, n, task)
             if answer is None:
                 continue
             key = (answer[0], -order)
@@ -799,12 +834,7 @@ class Engine:
         best_score, best = None, []
         most = (0, None)
         for n in nodes:
-            answer = n.memo.get(memo, _UNSEEN) if memo else _UNSEEN
-            if answer is _UNSEEN:
-                answer = self._whole_answer(r, n, task)
-                if memo:
-                    n.remember(memo, answer)
-            idle, score = answer
+            idle, score = self._answer(r, n, memo) if memo else self._whole_answer(r, n, task)
             if len(idle) > most[0]:
                 most = (len(idle), n.view.name)
             if score is None:

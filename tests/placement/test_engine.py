@@ -563,10 +563,14 @@ def test_a_held_slice_overlapped_by_a_foreign_instance_is_over_committed_and_tha
 
 
 class _Unmemoized(Engine):
-    """The engine scoring every node afresh on every decision (as before its node memos)."""
+    """The engine scoring every node afresh on every decision (as before its node memos, shape
+    heaps and scores remembered by node state)."""
 
     def _memo_key(self, r):
         return None
+
+    def _policy_score(self, model, cpu_left, free, task):
+        return self.policy.score(model, cpu_left, free, task)[0]
 
 
 def test_node_memos_change_no_decision_through_releases_tags_and_capacity_changes():
@@ -604,3 +608,96 @@ def test_node_memos_change_no_decision_through_releases_tags_and_capacity_change
         if a:
             held.append(r.id)
     assert memo.usage() == fresh.usage()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_shape_heaps_place_as_looking_at_every_node(seed):
+    """Decisions through the per-shape heaps (only the nodes changed since a shape was last
+    asked for are scored again; nodes in the same state share answers) equal the engine that
+    scores every node on every decision, through everything that changes a node or the set of
+    nodes: placements and releases of every heap kind, capacity changes, nodes added and
+    removed, node selectors, nodes excluded by the caller, host memory, tags and the policy's
+    learning refreshes. Requests repeat a few shapes, as in a cluster, so the heaps are used."""
+    import random
+
+    rng = random.Random(seed)
+    links = {(0, 1): 1, (2, 3): 1, (0, 2): 3, (0, 3): 3, (1, 2): 3, (1, 3): 3}
+
+    def view(i: int) -> NodeView:
+        gpus = rng.choice([1, 2, 4])
+        return node(f"n{i}", n_gpus=gpus, cpu=rng.choice([8000, 16000]),
+                    mem=rng.choice([16384, 65536]), labels={"zone": rng.choice("ab")},
+                    key=rng.choice(["A100-SXM4-40GB", "T4"]), links=links if gpus == 4 else None)
+
+    views = [view(i) for i in range(10)]
+    heaps, fresh = Engine(views), _Unmemoized(views)
+    names = [v.name for v in views]
+    held: list[str] = []
+    next_node = len(views)
+    for k in range(1500):
+        step = rng.random()
+        if step < 0.25 and held:
+            rid = held.pop(rng.randrange(len(held)))
+            assert heaps.release(rid) == fresh.release(rid)
+            continue
+        if step < 0.28:
+            name, cpu = rng.choice(names), rng.choice([4000, 8000, 16000])
+            heaps.set_capacity(name, cpu, rng.choice([16384, 65536]))
+            fresh.set_capacity(name, cpu, heaps._nodes[name].view.memory_mib)
+            continue
+        if step < 0.30:
+            busy = {a.node for a in heaps.assignments.values()}
+            idle = [n for n in names if n not in busy]
+            if idle:
+                name = rng.choice(idle)
+                heaps.remove_node(name)
+                fresh.remove_node(name)
+                names.remove(name)
+            v = view(next_node)
+            next_node += 1
+            heaps.add_node(v)
+            fresh.add_node(v)
+            names.append(v.name)
+            continue
+        ask = {"cpu_milli": rng.choice([0, 500, 2000]), "memory_mib": rng.choice([0, 1024, 32768]),
+               "node_selector": rng.choice([{}, {}, {"zone": "a"}]),
+               "gpu_models": rng.choice([(), (), ("T4",)])}
+        kind = rng.random()
+        if kind < 0.6:
+            r = Request(f"r{k}", "fastpod", sm_percent=rng.choice([10, 30, 50]), gpu_memory_mib=2048,
+                        quota_request=0.2, quota_limit=0.5, anti_affinity=rng.choice([None, None, "x"]),
+                        exclusion=rng.choice([None, None, None, "e"]), **ask)
+        elif kind < 0.75:
+            r = Request(f"r{k}", "mps", gpu_memory_mib=rng.choice([4096, 12288]), **ask)
+        else:
+            r = Request(f"r{k}", "whole", gpus=rng.choice([1, 2, 2, 3]), **ask)
+        excluded = {rng.choice(names): "are cordoned"} if rng.random() < 0.2 else None
+        a, b = heaps.place(r, excluded), fresh.place(r, excluded)
+        assert a == b, (k, a, b)
+        if a:
+            held.append(r.id)
+    assert heaps.usage() == fresh.usage()
+    assert len(heaps._heaps) > 3 and heaps.policy.generation > 2   # the heaps and the refreshes were used
+
+
+def test_a_remembered_rejection_lasts_only_until_a_node_changes():
+    """The same ask rejected again with no node changed gets the remembered rejection; after any
+    change (a release here) it is looked at afresh: placed, or rejected with the new figures."""
+    eng = Engine([node("n", n_gpus=1)])
+    assert eng.place(Request("big", "exclusive", sm_percent=90))
+    first = eng.place(Request("e1", "exclusive", sm_percent=50))
+    assert not first and eng.place(Request("e2", "exclusive", sm_percent=50)) == first
+    eng.release("big")
+    assert eng.place(Request("e3", "exclusive", sm_percent=50))
+
+    eng = Engine([node("n", n_gpus=1)])
+    assert eng.place(fastpod("a", 60)) and eng.place(fastpod("b", 30))
+    rej = eng.place(fastpod("c", 50))
+    assert not rej and "largest free SM share is 10 %" in rej.reason, rej.reason
+    eng.release("a")
+    assert eng.place(fastpod("d", 50))
+    rej = eng.place(fastpod("e", 50))
+    assert not rej and "largest free SM share is 20 %" in rej.reason, rej.reason
+    eng.set_capacity("n", 64000, 1024)
+    rej = eng.place(fastpod("f", 50, memory_mib=2048))
+    assert not rej and "host memory" in rej.reason, rej.reason

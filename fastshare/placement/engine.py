@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -97,6 +97,28 @@ class _Node:
     @property
     def mem_left(self) -> int:
         return self.view.memory_mib - self.mem_used
+
+
+@dataclass
+class _ShareWhy:
+    """What one node tells about a rejected share: whether it has GPUs of the models asked
+    (``wanted``), lost or closed (``shut``), unable to run MPS (``no_mps``: the first reason),
+    or ``usable`` for the share's kind; of the usable ones the best figures, each with its GPU
+    (memory and free memory with -index, SM and quota used with index: the first GPU wins
+    ties, and compared as tuples across nodes, the lower index then the first node); and the
+    GPUs only the sharing tags keep it off."""
+
+    wanted: bool = False
+    any_shut: bool = False
+    all_shut: bool = True
+    all_no_mps: bool = True
+    no_mps: str | None = None
+    usable: bool = False
+    big: tuple[int, int] = (0, 0)
+    free: tuple[float, int] = (0.0, 0)
+    sm: tuple[int, int] = (0, 0)
+    quota: tuple[float, int] = (0.0, 0)
+    tagged: list[tuple[int, str]] = field(default_factory=list)
 
 
 _UNSEEN = object()   # a memo miss (None is a remembered "does not fit")
@@ -600,26 +622,41 @@ class Engine:
                 r.exclusion, r.anti_affinity, bound)
 
     def _answer(self, r: Request, n: _Node, memo: tuple) -> Any:
-        """Node ``n``'s remembered answer to shape ``memo``, else the answer of a node in the
-        same state (nodes alike answer alike, and most of a cluster is alike: a shape seen for
-        the first time then costs a lookup per node), else worked out."""
-        answer = n.memo.get(memo, _UNSEEN)
-        if answer is not _UNSEEN:
-            return answer
-        if memo[-1]:   # an affinity binding names a node: the answer is that node's own
-            alike = None
-        else:
-            state = self._state(n)
-            if memo not in self._answers and len(self._answers) >= MEMO_SIZE:
+        """Node ``n``'s answer to shape ``memo`` (see :meth:`_ranked`)."""
+        return self._ranked(r, n, memo)[0]
+
+    def _ranked(self, r: Request, n: _Node, memo: tuple) -> tuple[Any, Any]:
+        """Node ``n``'s answer to shape ``memo`` and its key in the shape's heap (None: it cannot
+        take ``r``)."""
+        return self._alike(memo, memo, r, n, self._work_out)
+
+    def _alike(self, key: tuple, memo: tuple, r: Request, n: _Node,
+               work: Callable[[Request, _Node], Any]) -> Any:
+        """``work(r, n)`` as any node in ``n``'s state gave it for ``key`` (nodes alike answer
+        alike, and most of a cluster is alike: a shape seen for the first time then costs a
+        lookup per node), worked out when none was asked yet; ``n``'s own when the shape
+        ``memo`` has an affinity binding (it names a node)."""
+        if memo[-1]:
+            got = n.memo.get(key)
+            return got if got is not None else n.remember(key, work(r, n))
+        state = n.state if n.state is not None else self._state(n)
+        alike = self._answers.get(key)
+        if alike is None:
+            if len(self._answers) >= MEMO_SIZE:
                 self._answers.clear()
-            alike = self._answers.setdefault(memo, {})
-        answer = alike.get(state, _UNSEEN) if alike is not None else _UNSEEN
-        if answer is _UNSEEN:
-            task = _policy_task(r)
-            answer = self._whole_answer(r, n, task) if r.kind == "whole" else self._share_answer(r, n, task)
-            if alike is not None:
-                alike[state] = answer
-        return n.remember(memo, answer)
+            alike = self._answers[key] = {}
+        got = alike.get(state)
+        if got is None:
+            got = alike[state] = work(r, n)
+        return got
+
+    def _work_out(self, r: Request, n: _Node) -> tuple[Any, Any]:
+        task = _policy_task(r)
+        if r.kind == "whole":
+            answer = self._whole_answer(r, n, task)
+            return answer, None if answer[1] is None else _neg(answer[1])
+        answer = self._share_answer(r, n, task)
+        return answer, None if answer is None else _neg(answer[0])
 
     def _state(self, n: _Node) -> int:
         """The number of ``n``'s state: everything of ``n`` a share or whole request's answer
@@ -633,30 +670,28 @@ class Engine:
                     other.state = None
             state = (n.cpu_left, tuple(
                 (v.index, v.model, v.memory_mib, v.lost, v.closed, v.no_mps, v.mig_capable, v.mig_enabled,
-                 v.mig_enable_needs_reset, g.sm_used, g.mem_used, g.quota_used, g.share_kind,
+                 v.mig_enable_needs_reset, v.mig_unheld, g.sm_used, g.mem_used, g.quota_used, g.share_kind,
                  g.whole is not None, tuple(sorted(g.mig.values())),
                  tuple(sorted((h.exclusion or "", h.anti_affinity or "") for h in self._holders(g))))
                 for g in n.gpus for v in (g.view,)))
             n.state = self._states.setdefault(state, len(self._states))
         return n.state
 
-    def _entry(self, memo: tuple, r: Request, n: _Node) -> Entry | None:
-        """Node ``n``'s entry in the heap of ``r``'s shape, None when it cannot take ``r`` (its
-        labels, its CPU or its GPUs; host memory is checked when it comes to the top)."""
-        labels = n.view.labels
-        if r.node_selector and any(dict(labels).get(k) != v for k, v in r.node_selector):
-            return None
-        if r.cpu_milli and r.cpu_milli > n.cpu_left:
-            return None
-        answer = self._answer(r, n, memo)
-        score = answer[1] if r.kind == "whole" else (answer[0] if answer else None)
-        if score is None:
-            return None
-        return (_neg(score), n.rank), n.view.name, n.version
-
     def _entries(self, shape: tuple, r: Request, nodes: Iterable[_Node]) -> list[Entry]:
-        memo = shape[0]
-        return [e for n in nodes if (e := self._entry(memo, r, n)) is not None]
+        """The entries of ``nodes`` in the heap of ``r``'s shape: those whose labels, CPU and GPUs
+        take ``r`` (host memory is checked when one comes to the top)."""
+        memo, selector = shape
+        cpu, ranked = r.cpu_milli, self._ranked
+        out = []
+        for n in nodes:   # every node, for a shape seen for the first time: kept lean
+            if selector and any(dict(n.view.labels).get(k) != v for k, v in selector):
+                continue
+            if cpu and cpu > n.view.cpu_milli - n.cpu_used:
+                continue
+            key = ranked(r, n, memo)[1]
+            if key is not None:
+                out.append(((key, n.rank), n.view.name, n.version))
+        return out
 
     def _place_from_heap(self, r: Request, excluded: Mapping[str, str]) -> Assignment | None:
         """Place a share or whole GPUs through the heap of its shape (see
@@ -672,9 +707,8 @@ class Engine:
             h = self._heaps.build(shape, self._entries(shape, r, self._nodes.values()), r)
         elif h.dirty:
             nodes = self._nodes
-            for name in h.dirty:
-                if name in nodes and (e := self._entry(memo, r, nodes[name])) is not None:
-                    h.push(e)
+            for e in self._entries(shape, r, (nodes[name] for name in h.dirty if name in nodes)):
+                h.push(e)
             h.dirty.clear()
             ShapeHeaps.compact(h, self._current, len(nodes))
         tied = self._heap_best(h, r, excluded)
@@ -769,64 +803,100 @@ class Engine:
         return self._policy_score(model, n.cpu_left, free, task), free
 
     def _share_reason(self, r: Request, nodes: list[_Node]) -> str:
+        """Why no GPU of ``nodes`` takes share ``r``, from each node's summary (``_share_why``,
+        shared by nodes alike: a full cluster rejects often, and this looks at every node)."""
         what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
                 if r.kind == "fastpod" else _fmt_mib(r.gpu_memory_mib))
-        usable, no_mps = [], {}
+        memo = self._memo_key(r)
+        key = ("why", memo)
+        usable = wanted = any_shut = False
+        all_shut = all_no_mps = True
+        no_mps: dict[str, str] = {}
+        # (figure, -GPU index or GPU index, node): the first in node order among the best
+        big = free = sm = quota = None
+        tagged: list[str] = []
         for n in nodes:
-            for g in n.gpus:
-                if (r.gpu_models and g.view.model not in r.gpu_models) or g.view.lost or g.view.closed:
-                    continue
-                if g.view.no_mps:
-                    no_mps.setdefault(n.view.name, g.view.no_mps)
-                elif g.whole is None and not g.mig_mode and g.share_kind in (None, r.kind):
-                    usable.append((n, g))
+            w = self._alike(key, memo, r, n, self._share_why) if memo else self._share_why(r, n)
+            name = n.view.name
+            if w.no_mps is not None:
+                no_mps.setdefault(name, w.no_mps)
+            wanted |= w.wanted
+            any_shut |= w.any_shut
+            all_shut &= w.all_shut
+            all_no_mps &= w.all_no_mps
+            if not w.usable:
+                continue
+            usable = True
+            if big is None or w.big > big[:2]:
+                big = (*w.big, name)
+            if free is None or w.free > free[:2]:
+                free = (*w.free, name)
+            if sm is None or w.sm < sm[:2]:
+                sm = (*w.sm, name)
+            if quota is None or w.quota < quota[:2]:
+                quota = (*w.quota, name)
+            tagged.extend(f"{name} GPU {i} ({why})" for i, why in w.tagged)
         if not usable:
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-            if not any(not r.gpu_models or g.view.model in r.gpu_models for n in nodes for g in n.gpus):
+            if not wanted:
                 return f"no GPU{models} on the {len(nodes)} node(s) looked at"  # none is busy: none is there
             busy = "in MIG mode, held whole or shared otherwise"
-            shut = [g.view.lost or g.view.closed for n in nodes for g in n.gpus
-                    if not r.gpu_models or g.view.model in r.gpu_models]   # lost, or closed: place() says why
-            if not no_mps and all(shut):
+            if not no_mps and all_shut:   # lost, or closed: place() says why
                 return f"no GPU{models} takes new {r.kind} shares now"
             if not no_mps:
                 return (f"no GPU{models} is available for {r.kind} shares "
-                        f"({'the others' if any(shut) else 'all'} are {busy})")
+                        f"({'the others' if any_shut else 'all'} are {busy})")
             name, why = next(iter(no_mps.items()))
             more = f" (and {len(no_mps) - 1} more node(s))" if len(no_mps) > 1 else ""
-            wanted = [g for n in nodes for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
-            others = "" if all(g.view.no_mps for g in wanted) else f"the others are {busy}; "
+            others = "" if all_no_mps else f"the others are {busy}; "
             return (f"no GPU{models} is available for {r.kind} shares: {others}node {name}{more} "
                     f"cannot run MPS: {why}")
-        n, g = max(usable, key=lambda ng: (ng[1].view.memory_mib, -ng[1].view.index))
-        if r.gpu_memory_mib > g.view.memory_mib:
+        if r.gpu_memory_mib > big[0]:
             return (f"no GPU has {_fmt_mib(r.gpu_memory_mib)} of memory; the largest is "
-                    f"{_fmt_mib(g.view.memory_mib)} ({g.label(n.view.name)})")
+                    f"{_fmt_mib(big[0])} ({big[2]} GPU {-big[1]})")
         # GPUs with room that only the tags rule out: saying "no GPU with ... free" would be false
-        tagged = [f"{g.label(n.view.name)} ({why})" for n, g in usable
-                  if self._room_problem(r, g) is None and (why := self._tag_problem(r, g, n.view.name))]
         if tagged:
             return (f"{what} is free on {len(tagged)} GPU(s), but the sharing tags rule them out: "
                     f"{_some(tagged)}")
-        cap = self.mps_oversubscription if r.kind == "mps" else 1.0
-
-        def free(g: _Gpu) -> float:  # the most one share can get: never more than the device has
-            return min(g.view.memory_mib, g.view.memory_mib * cap - g.mem_used)
-
-        n, g = max(usable, key=lambda ng: (free(ng[1]), -ng[1].view.index))
         msg = (f"no GPU with {what} free; largest free memory is "
-               f"{_fmt_mib(max(0, free(g)))} on {g.label(n.view.name)}")
+               f"{_fmt_mib(max(0, free[0]))} on {free[2]} GPU {-free[1]}")
         if r.kind == "fastpod":
-            n2, g2 = min(usable, key=lambda ng: (ng[1].sm_used, ng[1].view.index))
-            msg += (f", largest free SM share is {max(0, MILLI - g2.sm_used) / 10:g} % "
-                    f"on {g2.label(n2.view.name)}")
-            n3, g3 = min(usable, key=lambda ng: (ng[1].quota_used, ng[1].view.index))
-            msg += (f", largest free time quota is {max(0.0, 1 - g3.quota_used):.2f} "
-                    f"on {g3.label(n3.view.name)}")
+            msg += f", largest free SM share is {max(0, MILLI - sm[0]) / 10:g} % on {sm[2]} GPU {sm[1]}"
+            msg += f", largest free time quota is {max(0.0, 1 - quota[0]):.2f} on {quota[2]} GPU {quota[1]}"
         if r.affinity and r.affinity in self._affinity:
             node, idx = self._affinity[r.affinity]
             msg += f"; affinity tag {r.affinity!r} binds it to {node} GPU {idx}"
         return msg
+
+    def _share_why(self, r: Request, n: _Node) -> _ShareWhy:
+        """What of node ``n`` a rejection of share ``r`` tells (see :class:`_ShareWhy`)."""
+        w = _ShareWhy()
+        cap = self.mps_oversubscription if r.kind == "mps" else 1.0
+        for g in n.gpus:
+            v = g.view
+            if r.gpu_models and v.model not in r.gpu_models:
+                continue
+            shut = bool(v.lost or v.closed)
+            w.wanted = True
+            w.any_shut |= shut
+            w.all_shut &= shut
+            w.all_no_mps &= bool(v.no_mps)
+            if shut:
+                continue
+            if v.no_mps:
+                w.no_mps = w.no_mps or v.no_mps
+            elif g.whole is None and not g.mig_mode and g.share_kind in (None, r.kind):
+                i = v.index
+                big, free = (v.memory_mib, -i), (min(v.memory_mib, v.memory_mib * cap - g.mem_used), -i)
+                sm, quota = (g.sm_used, i), (g.quota_used, i)
+                if not w.usable:
+                    w.usable, w.big, w.free, w.sm, w.quota = True, big, free, sm, quota
+                else:
+                    w.big, w.free = max(w.big, big), max(w.free, free)
+                    w.sm, w.quota = min(w.sm, sm), min(w.quota, quota)
+                if self._room_problem(r, g) is None and (why := self._tag_problem(r, g, n.view.name)):
+                    w.tagged.append((i, why))
+        return w
 
     def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         task = _policy_task(r)
@@ -844,21 +914,40 @@ class Engine:
             elif score == best_score:
                 best.append((n, idle))
         if not best:
-            models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-            if models and not any(g.view.model in r.gpu_models for n in nodes for g in n.gpus):
-                return Rejection(f"no GPU of model{models} on the {len(nodes)} node(s) looked at")
-            where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
-            mig = sum(1 for n in nodes for g in n.gpus if g.view.mig_enabled and not g.mig and not g.unheld()
-                      and not g.view.closed and (not r.gpu_models or g.view.model in r.gpu_models))
-            if mig:  # empty, yet not idle: say why, and what would make them usable
-                where += (f"; {mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
-                          "until MIG is disabled on them")
-            lost = [g.label(n.view.name) for n in nodes for g in n.gpus
-                    if g.view.lost and (not r.gpu_models or g.view.model in r.gpu_models)]
-            if lost:
-                where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
-            return Rejection(f"no node has {r.gpus} idle{models} GPU(s){where}")
+            return Rejection(self._whole_reason(r, nodes, most))
         return self._tightest_of(r, best)
+
+    def _whole_reason(self, r: Request, nodes: list[_Node], most: tuple[int, str | None]) -> str:
+        """Why no node of ``nodes`` has ``r.gpus`` idle GPUs (``most``: the most any has, where),
+        from each node's summary (``_whole_why``, shared by nodes alike)."""
+        memo = self._memo_key(r)
+        key = ("why", memo)
+        wanted, mig, lost = False, 0, []
+        for n in nodes:
+            has, empty, gone = (self._alike(key, memo, r, n, self._whole_why) if memo
+                                else self._whole_why(r, n))
+            wanted |= has
+            mig += empty
+            lost.extend(f"{n.view.name} GPU {i}" for i in gone)
+        models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
+        if models and not wanted:
+            return f"no GPU of model{models} on the {len(nodes)} node(s) looked at"
+        where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
+        if mig:  # empty, yet not idle: say why, and what would make them usable
+            where += (f"; {mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
+                      "until MIG is disabled on them")
+        if lost:
+            where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
+        return f"no node has {r.gpus} idle{models} GPU(s){where}"
+
+    @staticmethod
+    def _whole_why(r: Request, n: _Node) -> tuple[bool, int, tuple[int, ...]]:
+        """What of node ``n`` a rejection of whole GPUs ``r`` tells: whether it has GPUs of the
+        models asked, how many of those are empty but in MIG mode, and which are lost."""
+        gpus = [g for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
+        empty = sum(1 for g in gpus
+                    if g.view.mig_enabled and not g.mig and not g.unheld() and not g.view.closed)
+        return bool(gpus), empty, tuple(g.view.index for g in gpus if g.view.lost)
 
     @staticmethod
     def _tightest_of(r: Request, best: list[tuple[_Node, list[int]]]) -> Assignment:

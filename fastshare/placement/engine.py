@@ -173,6 +173,7 @@ class Engine:
         self.policy = policy
         self._nodes: dict[str, _Node] = {}
         self._cpu_total = 0
+        self._closed_gpus = 0   # GPUs whose view says they take nothing new (see _closed_note)
         self._gpu_milli: Counter[str] = Counter()   # per GPU model
         self._assignments: dict[str, Assignment] = {}
         self._affinity: dict[str, tuple[str, int]] = {}  # affinity tag -> (node, gpu)
@@ -210,6 +211,7 @@ class Engine:
         models requests are bound to by them; it says by its ``generation`` when it scores
         differently from then on)."""
         self._cpu_total += sign * view.cpu_milli
+        self._closed_gpus += sign * sum(1 for g in view.gpus if g.closed)
         for g in view.gpus:
             self._gpu_milli[g.model] += sign * MILLI
         self.policy.cluster(self._cpu_total, self._gpu_milli)
@@ -330,7 +332,12 @@ class Engine:
         nodes, why = self._filter_nodes(request, excluded)
         if not nodes:
             return Rejection(why)
-        result = getattr(self, f"_place_{request.kind}")(request, nodes)
+        if self._memo_key(request) is not None and request.kind in ("fastpod", "mps", "whole"):
+            # its shape's heap found no node: only why is left to say
+            reason = self._whole_reason if request.kind == "whole" else self._share_reason
+            result: Assignment | Rejection = Rejection(reason(request, nodes))
+        else:
+            result = getattr(self, f"_place_{request.kind}")(request, nodes)
         if isinstance(result, Rejection):
             notes = self._closed_note(request, nodes) + self._mig_off_note(request, nodes)
             result = Rejection(result.reason + notes, result.details)
@@ -466,19 +473,24 @@ class Engine:
         """The nodes not ``excluded`` whose labels, free CPU and free memory fit ``r``, and why
         the others do not ("" when none was dropped)."""
         sel = dict(r.node_selector)
-        out, no_sel, no_cpu, no_mem = [], 0, [], []
+        out, no_sel, no_cpu, no_mem = [], 0, 0, 0
         ruled_out: dict[str, list[str]] = {}
         cpu, mem = r.cpu_milli, r.memory_mib
-        for n in self._nodes.values():   # once per node per decision: kept lean
+        most_cpu = most_mem = (-math.inf, "")   # among the nodes lacking it: the most free, where
+        for n in self._nodes.values():   # once per node per rejection: kept lean
             view = n.view
             if sel and any(dict(view.labels).get(k) != v for k, v in sel.items()):
                 no_sel += 1
             elif excluded and view.name in excluded:
                 ruled_out.setdefault(excluded[view.name], []).append(view.name)
-            elif cpu and cpu > view.cpu_milli - n.cpu_used:
-                no_cpu.append(n)
-            elif mem and mem > view.memory_mib - n.mem_used:
-                no_mem.append(n)
+            elif cpu and cpu > (left := view.cpu_milli - n.cpu_used):
+                no_cpu += 1
+                if left > most_cpu[0]:
+                    most_cpu = (left, view.name)
+            elif mem and mem > (left := view.memory_mib - n.mem_used):
+                no_mem += 1
+                if left > most_mem[0]:
+                    most_mem = (left, view.name)
             else:
                 out.append(n)
         if not self._nodes:
@@ -489,13 +501,11 @@ class Engine:
         if no_sel:
             parts.append(f"{no_sel} node(s) do not match node_selector {sel}")
         if no_cpu:
-            best = max(no_cpu, key=lambda n: n.cpu_left)
-            parts.append(f"{len(no_cpu)} node(s) lack {r.cpu_milli} milli-CPU; most free is "
-                         f"{max(0, best.cpu_left)} on {best.view.name}")
+            parts.append(f"{no_cpu} node(s) lack {r.cpu_milli} milli-CPU; most free is "
+                         f"{max(0, most_cpu[0])} on {most_cpu[1]}")
         if no_mem:
-            best = max(no_mem, key=lambda n: n.mem_left)
-            parts.append(f"{len(no_mem)} node(s) lack {_fmt_mib(r.memory_mib)} host memory; most free is "
-                         f"{_fmt_mib(max(0, best.mem_left))} on {best.view.name}")
+            parts.append(f"{no_mem} node(s) lack {_fmt_mib(r.memory_mib)} host memory; most free is "
+                         f"{_fmt_mib(max(0, most_mem[0]))} on {most_mem[1]}")
         return out, "; ".join(parts)
 
     def _gpu_problem(self, r: Request, g: _Gpu, node: str, placing: bool = True) -> str | None:
@@ -528,10 +538,11 @@ class Engine:
             return "in use by MPS shares or whole"
         return self._tag_problem(r, g, node, placing)
 
-    @staticmethod
-    def _closed_note(r: Request, nodes: list[_Node]) -> str:
+    def _closed_note(self, r: Request, nodes: list[_Node]) -> str:
         """Why GPUs looked at take no new share though they work (a MIG mode change pending until a
         GPU reset), to follow a rejection ("" when none is closed)."""
+        if not self._closed_gpus:   # none in the cluster: no need to look at every GPU
+            return ""
         closed = [(n.view.name, g.view) for n in nodes for g in n.gpus if g.view.closed and not g.view.lost
                   and (not r.gpu_models or g.view.model in r.gpu_models)]
         if not closed:
@@ -902,11 +913,8 @@ class Engine:
         task = _policy_task(r)
         memo = self._memo_key(r)
         best_score, best = None, []
-        most = (0, None)
         for n in nodes:
             idle, score = self._answer(r, n, memo) if memo else self._whole_answer(r, n, task)
-            if len(idle) > most[0]:
-                most = (len(idle), n.view.name)
             if score is None:
                 continue
             if best_score is None or score > best_score:
@@ -914,21 +922,25 @@ class Engine:
             elif score == best_score:
                 best.append((n, idle))
         if not best:
-            return Rejection(self._whole_reason(r, nodes, most))
+            return Rejection(self._whole_reason(r, nodes))
         return self._tightest_of(r, best)
 
-    def _whole_reason(self, r: Request, nodes: list[_Node], most: tuple[int, str | None]) -> str:
-        """Why no node of ``nodes`` has ``r.gpus`` idle GPUs (``most``: the most any has, where),
-        from each node's summary (``_whole_why``, shared by nodes alike)."""
+    def _whole_reason(self, r: Request, nodes: list[_Node]) -> str:
+        """Why no node of ``nodes`` has ``r.gpus`` idle GPUs, from each node's summary
+        (``_whole_why``, shared by nodes alike)."""
         memo = self._memo_key(r)
         key = ("why", memo)
         wanted, mig, lost = False, 0, []
+        most = (0, None)   # the most idle GPUs r may have on one node, where
         for n in nodes:
-            has, empty, gone = (self._alike(key, memo, r, n, self._whole_why) if memo
-                                else self._whole_why(r, n))
+            has, idle, empty, gone = (self._alike(key, memo, r, n, self._whole_why) if memo
+                                      else self._whole_why(r, n))
             wanted |= has
             mig += empty
-            lost.extend(f"{n.view.name} GPU {i}" for i in gone)
+            if idle > most[0]:
+                most = (idle, n.view.name)
+            if gone:
+                lost.extend(f"{n.view.name} GPU {i}" for i in gone)
         models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
         if models and not wanted:
             return f"no GPU of model{models} on the {len(nodes)} node(s) looked at"
@@ -940,14 +952,15 @@ class Engine:
             where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
         return f"no node has {r.gpus} idle{models} GPU(s){where}"
 
-    @staticmethod
-    def _whole_why(r: Request, n: _Node) -> tuple[bool, int, tuple[int, ...]]:
+    def _whole_why(self, r: Request, n: _Node) -> tuple[bool, int, int, tuple[int, ...]]:
         """What of node ``n`` a rejection of whole GPUs ``r`` tells: whether it has GPUs of the
-        models asked, how many of those are empty but in MIG mode, and which are lost."""
+        models asked, how many of them ``r`` may have (idle), how many are empty but in MIG
+        mode, and which are lost."""
         gpus = [g for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
+        idle = sum(1 for g in n.gpus if g.idle and self._gpu_problem(r, g, n.view.name) is None)
         empty = sum(1 for g in gpus
                     if g.view.mig_enabled and not g.mig and not g.unheld() and not g.view.closed)
-        return bool(gpus), empty, tuple(g.view.index for g in gpus if g.view.lost)
+        return bool(gpus), idle, empty, tuple(g.view.index for g in gpus if g.view.lost)
 
     @staticmethod
     def _tightest_of(r: Request, best: list[tuple[_Node, list[int]]]) -> Assignment:

@@ -65,15 +65,17 @@ class _Gpu:
         return f"{node} GPU {self.view.index}"
 
 
-MEMO_SIZE = 256   # request shapes remembered per node between its changes (then forgotten)
+MEMO_SIZE = 256   # request shapes whose answers are remembered (then all forgotten)
 SCORES_KEPT = 200_000   # policy scores remembered by node state (then forgotten)
 
 
 @dataclass
 class _Node:
-    """A node and what it holds. ``memo``: how the node answers each request shape looked at
-    since it last changed (see :meth:`Engine._memo_key`); ``version`` counts its changes (the
-    shape heaps' entries carry it); ``rank``: its place in the node order, which breaks ties."""
+    """A node and what it holds. ``memo``: its answers to the shapes bound to it by an affinity
+    tag since it last changed (other shapes' answers are shared by nodes alike, see
+    :meth:`Engine._alike`); ``state``: the number of its state; ``version`` counts its changes
+    (the shape heaps' entries carry it); ``rank``: its place in the node order, which breaks
+    ties."""
 
     view: NodeView
     gpus: list[_Gpu]
@@ -298,6 +300,11 @@ class Engine:
             self.policy.observe(_policy_task(request))
         if self.policy.generation != self._memo_generation:
             self._forget()
+        if len(self._states) >= SCORES_KEPT:   # forget them all, and the answers keyed by them (here,
+            self._states.clear()                 # between decisions: the numbers hold within one)
+            self._answers.clear()
+            for n in self._nodes.values():
+                n.state = None
         excluded = excluded or {}
         result = self._place_from_heap(request, excluded)
         if result is None:   # no heap for this kind, or no node takes it: look at every node
@@ -619,13 +626,13 @@ class Engine:
 
     # ---- per kind ----------------------------------------------------------------------------
     def _memo_key(self, r: Request) -> tuple | None:
-        """What of ``r`` decides how a node answers it, for the nodes' memos (None: do not use
-        them). A decision looks at every node, but between two decisions only the node placed
-        on changes, and requests repeat a few shapes: so each node keeps its answer per shape
-        (which GPUs fit, the policy's score and GPUs) until it changes (``_apply``,
-        ``release``) or the policy's scores may (``_forget``: a learning refresh, a node added or
-        removed, its capacity set). The request's id and what the node filters check each time
-        (selector, host memory) are not in it."""
+        """``r``'s shape: what of ``r`` decides how a node answers it (None: look at every node,
+        afresh). Between two decisions only the node placed on changes, and requests repeat a
+        few shapes: so each shape keeps a heap of the nodes that take it, best first, and a node
+        is scored again only after it changes (``_touch``) or the policy's scores do
+        (``_forget``); nodes in the same state share their answers (``_alike``). The request's
+        id and what is checked each time (host memory, nodes the caller excludes) are not in it;
+        its node selector keys the heap beside it."""
         if self.policy.randomized:   # a random policy draws on every score: nothing repeats
             return None
         bound = self._affinity.get(r.affinity) if r.affinity else None
@@ -651,15 +658,21 @@ class Engine:
             got = n.memo.get(key)
             return got if got is not None else n.remember(key, work(r, n))
         state = n.state if n.state is not None else self._state(n)
+        alike = self._alike_table(key)
+        got = alike.get(state)
+        if got is None:
+            got = alike[state] = work(r, n)
+        return got
+
+    def _alike_table(self, key: tuple) -> dict[int, Any]:
+        """Node state number -> the answer for ``key`` (see :meth:`_alike`); for the loops over
+        every node, which look the state up themselves."""
         alike = self._answers.get(key)
         if alike is None:
             if len(self._answers) >= MEMO_SIZE:
                 self._answers.clear()
             alike = self._answers[key] = {}
-        got = alike.get(state)
-        if got is None:
-            got = alike[state] = work(r, n)
-        return got
+        return alike
 
     def _work_out(self, r: Request, n: _Node) -> tuple[Any, Any]:
         task = _policy_task(r)
@@ -674,11 +687,6 @@ class Engine:
         depends on, but its name (which only an affinity binding looks at): its free CPU and, per
         GPU, what the device is and offers and what its holders take and are tagged with."""
         if n.state is None:
-            if len(self._states) >= SCORES_KEPT:   # forget them all, and the answers keyed by them
-                self._states.clear()
-                self._answers.clear()
-                for other in self._nodes.values():
-                    other.state = None
             state = (n.cpu_left, tuple(
                 (v.index, v.model, v.memory_mib, v.lost, v.closed, v.no_mps, v.mig_capable, v.mig_enabled,
                  v.mig_enable_needs_reset, v.mig_unheld, g.sm_used, g.mem_used, g.quota_used, g.share_kind,
@@ -692,14 +700,20 @@ class Engine:
         """The entries of ``nodes`` in the heap of ``r``'s shape: those whose labels, CPU and GPUs
         take ``r`` (host memory is checked when one comes to the top)."""
         memo, selector = shape
-        cpu, ranked = r.cpu_milli, self._ranked
+        cpu, ranked, alike, state = r.cpu_milli, self._ranked, self._alike_table(memo), self._state
         out = []
         for n in nodes:   # every node, for a shape seen for the first time: kept lean
             if selector and any(dict(n.view.labels).get(k) != v for k, v in selector):
                 continue
             if cpu and cpu > n.view.cpu_milli - n.cpu_used:
                 continue
-            key = ranked(r, n, memo)[1]
+            if memo[-1]:
+                key = ranked(r, n, memo)[1]
+            else:   # _alike, inlined
+                got = alike.get(n.state if n.state is not None else state(n))
+                if got is None:
+                    got = alike[n.state] = self._work_out(r, n)
+                key = got[1]
             if key is not None:
                 out.append(((key, n.rank), n.view.name, n.version))
         return out
@@ -826,8 +840,9 @@ class Engine:
         # (figure, -GPU index or GPU index, node): the first in node order among the best
         big = free = sm = quota = None
         tagged: list[str] = []
+        why_of = self._why_of(r, memo, key, self._share_why)
         for n in nodes:
-            w = self._alike(key, memo, r, n, self._share_why) if memo else self._share_why(r, n)
+            w = why_of(n)
             name = n.view.name
             if w.no_mps is not None:
                 no_mps.setdefault(name, w.no_mps)
@@ -932,9 +947,9 @@ class Engine:
         key = ("why", memo)
         wanted, mig, lost = False, 0, []
         most = (0, None)   # the most idle GPUs r may have on one node, where
+        why_of = self._why_of(r, memo, key, self._whole_why)
         for n in nodes:
-            has, idle, empty, gone = (self._alike(key, memo, r, n, self._whole_why) if memo
-                                      else self._whole_why(r, n))
+            has, idle, empty, gone = why_of(n)
             wanted |= has
             mig += empty
             if idle > most[0]:
@@ -951,6 +966,23 @@ class Engine:
         if lost:
             where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
         return f"no node has {r.gpus} idle{models} GPU(s){where}"
+
+    def _why_of(self, r: Request, memo: tuple | None, key: tuple,
+                work: Callable[[Request, _Node], Any]) -> Callable[[_Node], Any]:
+        """``work(r, n)`` for node ``n`` as a rejection's loop over every node asks it: shared by
+        nodes alike when ``r`` has a shape (see :meth:`_alike`), else worked out each time."""
+        if memo is None:
+            return lambda n: work(r, n)
+        if memo[-1]:
+            return lambda n: self._alike(key, memo, r, n, work)
+        alike, state = self._alike_table(key), self._state
+
+        def why_of(n: _Node) -> Any:
+            got = alike.get(n.state if n.state is not None else state(n))
+            if got is None:
+                got = alike[n.state] = work(r, n)
+            return got
+        return why_of
 
     def _whole_why(self, r: Request, n: _Node) -> tuple[bool, int, int, tuple[int, ...]]:
         """What of node ``n`` a rejection of whole GPUs ``r`` tells: whether it has GPUs of the

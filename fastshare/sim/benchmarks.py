@@ -118,7 +118,8 @@ def engine_speed(data_dir: Path, sizes: list[int], policy: str = "fastshare", se
     """Decision time of ``Engine.place`` on the clusters and arrivals ``speed`` replays: every
     GPU task in arrival order (the first ``limit`` of them, if given). CPU-only tasks are left
     out: the controller leaves them to the kube-scheduler (the engine sees their CPU only
-    through ``set_capacity``)."""
+    through ``set_capacity``). Placements and rejections are also timed apart: a rejection
+    says why, which looks at every node."""
     base, pods, _name = load_trace(data_dir, trace)
     typical = typical_shapes([Task(p.cpu_milli, p.gpu_milli, p.num_gpu, p.gpu_spec) for p in pods])
     rows = []
@@ -128,13 +129,14 @@ def engine_speed(data_dir: Path, sizes: list[int], policy: str = "fastshare", se
         tasks = [p for p in arrival_order(pods, seed, 1.3, capacity) if p.num_gpu][:limit]
         engine = Engine(engine_nodes(nodes, node_tie_order(nodes, seed)),
                         policy=make_policy(policy, typical, seed=seed))
-        walls, cpus, placed = [], [], 0
+        walls, cpus, placed, outcomes = [], [], 0, []
         t0 = time.perf_counter()
         with progress(n) if progress else nullcontext() as update:
             for k, pod in enumerate(tasks):
                 request = engine_request(k, pod)
                 start, cpu_start = time.perf_counter(), time.thread_time()
                 got = engine.place(request)
+                outcomes.append(bool(got))
                 walls.append(time.perf_counter() - start)
                 cpus.append(time.thread_time() - cpu_start)
                 placed += pod.gpu_request if got else 0
@@ -143,6 +145,10 @@ def engine_speed(data_dir: Path, sizes: list[int], policy: str = "fastshare", se
         rows.append({"nodes": n, "gpus": capacity // MILLI, "tasks": len(tasks), "policy": policy,
                      "p50_ms": _ms(walls, .5), "p99_ms": _ms(walls, .99), "max_ms": _ms(walls, 1.0),
                      "cpu_p99_ms": _ms(cpus, .99), "wall_s": round(time.perf_counter() - t0, 3),
+                     "rejected": outcomes.count(False),
+                     "placed_p99_ms": _ms([w for w, ok in zip(walls, outcomes, strict=True) if ok], .99),
+                     "rejected_p99_ms": _ms([w for w, ok in zip(walls, outcomes, strict=True) if not ok],
+                                            .99),
                      "gpu_alloc_ratio": round(placed * 100 / capacity, 2)})
     return rows
 

@@ -116,6 +116,7 @@ class _ShareWhy:
     all_no_mps: bool = True
     no_mps: str | None = None
     usable: bool = False
+    plain: bool = False   # usable, and no GPU of the models asked is shut or unable to run MPS
     big: tuple[int, int] = (0, 0)
     free: tuple[float, int] = (0.0, 0)
     sm: tuple[int, int] = (0, 0)
@@ -573,9 +574,11 @@ class Engine:
                 "there waits for a GPU reset: `fastshare mig enable --gpu N` on the node, then reset the "
                 "GPU (nvidia-smi -r -i N) or reboot")
 
-    def _holders(self, g: _Gpu) -> list[Request]:
+    def _holders(self, g: _Gpu) -> Iterable[Request]:
         """Who shares ``g``: its MPS sharers, or the holders of its MIG slices (which split its
         memory bandwidth and go down together), for the sharing tags."""
+        if not g.mig:
+            return g.sharers.values()
         return [*g.sharers.values(), *(self._assignments[rid].request for rid in g.mig)]
 
     def _tag_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
@@ -834,35 +837,40 @@ class Engine:
                 if r.kind == "fastpod" else _fmt_mib(r.gpu_memory_mib))
         memo = self._memo_key(r)
         key = ("why", memo)
-        usable = wanted = any_shut = False
+        plain = wanted = any_shut = False
         all_shut = all_no_mps = True
         no_mps: dict[str, str] = {}
-        # (figure, -GPU index or GPU index, node): the first in node order among the best
+        # (figure, -GPU index or GPU index) and the node: the first in node order among the best
         big = free = sm = quota = None
+        big_at = free_at = sm_at = quota_at = nodes[0]
         tagged: list[str] = []
         why_of = self._why_of(r, memo, key, self._share_why)
-        for n in nodes:
+        for n in nodes:   # once per node per rejection: kept lean
             w = why_of(n)
-            name = n.view.name
-            if w.no_mps is not None:
-                no_mps.setdefault(name, w.no_mps)
-            wanted |= w.wanted
-            any_shut |= w.any_shut
-            all_shut &= w.all_shut
-            all_no_mps &= w.all_no_mps
-            if not w.usable:
-                continue
-            usable = True
-            if big is None or w.big > big[:2]:
-                big = (*w.big, name)
-            if free is None or w.free > free[:2]:
-                free = (*w.free, name)
-            if sm is None or w.sm < sm[:2]:
-                sm = (*w.sm, name)
-            if quota is None or w.quota < quota[:2]:
-                quota = (*w.quota, name)
-            tagged.extend(f"{name} GPU {i} ({why})" for i, why in w.tagged)
-        if not usable:
+            if w.plain:
+                plain = True
+            else:
+                if w.no_mps is not None:
+                    no_mps.setdefault(n.view.name, w.no_mps)
+                wanted |= w.wanted
+                any_shut |= w.any_shut
+                all_shut &= w.all_shut
+                all_no_mps &= w.all_no_mps
+                if not w.usable:
+                    continue
+            if big is None or w.big > big:
+                big, big_at = w.big, n
+            if free is None or w.free > free:
+                free, free_at = w.free, n
+            if sm is None or w.sm < sm:
+                sm, sm_at = w.sm, n
+            if quota is None or w.quota < quota:
+                quota, quota_at = w.quota, n
+            if w.tagged:
+                tagged.extend(f"{n.view.name} GPU {i} ({why})" for i, why in w.tagged)
+        if plain:   # what a plain node tells (see _ShareWhy)
+            wanted, all_shut, all_no_mps = True, False, False
+        if big is None:   # no usable GPU
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
             if not wanted:
                 return f"no GPU{models} on the {len(nodes)} node(s) looked at"  # none is busy: none is there
@@ -877,6 +885,8 @@ class Engine:
             others = "" if all_no_mps else f"the others are {busy}; "
             return (f"no GPU{models} is available for {r.kind} shares: {others}node {name}{more} "
                     f"cannot run MPS: {why}")
+        big, free = (*big, big_at.view.name), (*free, free_at.view.name)
+        sm, quota = (*sm, sm_at.view.name), (*quota, quota_at.view.name)
         if r.gpu_memory_mib > big[0]:
             return (f"no GPU has {_fmt_mib(r.gpu_memory_mib)} of memory; the largest is "
                     f"{_fmt_mib(big[0])} ({big[2]} GPU {-big[1]})")
@@ -922,6 +932,7 @@ class Engine:
                     w.sm, w.quota = min(w.sm, sm), min(w.quota, quota)
                 if self._room_problem(r, g) is None and (why := self._tag_problem(r, g, n.view.name)):
                     w.tagged.append((i, why))
+        w.plain = w.usable and not w.any_shut and w.no_mps is None
         return w
 
     def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:

@@ -7,6 +7,7 @@ engine from them after a restart; the engine itself never does I/O.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,7 +76,7 @@ class Request:
         object.__setattr__(self, "gpu_models", tuple(self.gpu_models))
         self.validate()
 
-    @property
+    @functools.cached_property   # asked for every GPU looked at; the request never changes
     def sm_milli(self) -> int:
         """The fastpod SM share in thousandths (what the per-GPU ledger adds up), rounded UP:
         rounding to nearest let shares add up to more than 100 % (3 x 33.34 %) and a share

@@ -124,7 +124,7 @@ class _ShareWhy:
     tagged: list[tuple[int, str]] = field(default_factory=list)
 
 
-_UNSEEN = object()   # a memo miss (None is a remembered "does not fit")
+_UNSEEN = object()   # a cache miss (a score kept may be anything)
 QUOTA_SLACK = 1e-9  # float noise in a sum of quota requests (0.1 + 0.2 + 0.7), as the node agent allows
 
 

@@ -124,26 +124,6 @@ class _ShareWhy:
     tagged: list[tuple[int, str]] = field(default_factory=list)
 
 
-@dataclass
-class _ShareFacts:
-    """What a rejected share's reason tells, over the nodes looked at (see ``_ShareWhy``): the
-    first node that cannot run MPS and why, how many cannot; the GPU with the most memory, the
-    most free memory, the least SM share and quota used, each as (figure, GPU index, node); the
-    GPUs only the sharing tags rule out."""
-
-    wanted: bool = False
-    any_shut: bool = False
-    all_shut: bool = True
-    all_no_mps: bool = True
-    no_mps: tuple[str, str] | None = None
-    no_mps_nodes: int = 0
-    big: tuple[int, int, str] | None = None
-    free: tuple[float, int, str] | None = None
-    sm: tuple[int, int, str] | None = None
-    quota: tuple[float, int, str] | None = None
-    tagged: list[str] = field(default_factory=list)
-
-
 _UNSEEN = object()   # a cache miss (a score kept may be anything)
 QUOTA_SLACK = 1e-9  # float noise in a sum of quota requests (0.1 + 0.2 + 0.7), as the node agent allows
 
@@ -523,7 +503,18 @@ class Engine:
                 out.append(n)
         if not self._nodes:
             return [], "the cluster view has no nodes"
-        return out, _filter_text(r, ruled_out, no_sel, no_cpu, most_cpu, no_mem, most_mem)
+        parts = []
+        for why, names in sorted(ruled_out.items()):
+            parts.append(f"{len(names)} node(s) {why} ({_some(names)})")
+        if no_sel:
+            parts.append(f"{no_sel} node(s) do not match node_selector {sel}")
+        if no_cpu:
+            parts.append(f"{no_cpu} node(s) lack {r.cpu_milli} milli-CPU; most free is "
+                         f"{max(0, most_cpu[0])} on {most_cpu[1]}")
+        if no_mem:
+            parts.append(f"{no_mem} node(s) lack {_fmt_mib(r.memory_mib)} host memory; most free is "
+                         f"{_fmt_mib(max(0, most_mem[0]))} on {most_mem[1]}")
+        return out, "; ".join(parts)
 
     def _gpu_problem(self, r: Request, g: _Gpu, node: str, placing: bool = True) -> str | None:
         """Why GPU ``g`` cannot take a share ``r`` (None when it can). ``placing`` False: ``r`` is a
@@ -842,14 +833,18 @@ class Engine:
     def _share_reason(self, r: Request, nodes: list[_Node]) -> str:
         """Why no GPU of ``nodes`` takes share ``r``, from each node's summary (``_share_why``,
         shared by nodes alike: a full cluster rejects often, and this looks at every node)."""
+        what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
+                if r.kind == "fastpod" else _fmt_mib(r.gpu_memory_mib))
         memo = self._memo_key(r)
-        plain = False
-        f = _ShareFacts()
+        key = ("why", memo)
+        plain = wanted = any_shut = False
+        all_shut = all_no_mps = True
         no_mps: dict[str, str] = {}
         # (figure, -GPU index or GPU index) and the node: the first in node order among the best
         big = free = sm = quota = None
         big_at = free_at = sm_at = quota_at = nodes[0]
-        why_of = self._why_of(r, memo, ("why", memo), self._share_why)
+        tagged: list[str] = []
+        why_of = self._why_of(r, memo, key, self._share_why)
         for n in nodes:   # once per node per rejection: kept lean
             w = why_of(n)
             if w.plain:
@@ -857,10 +852,10 @@ class Engine:
             else:
                 if w.no_mps is not None:
                     no_mps.setdefault(n.view.name, w.no_mps)
-                f.wanted |= w.wanted
-                f.any_shut |= w.any_shut
-                f.all_shut &= w.all_shut
-                f.all_no_mps &= w.all_no_mps
+                wanted |= w.wanted
+                any_shut |= w.any_shut
+                all_shut &= w.all_shut
+                all_no_mps &= w.all_no_mps
                 if not w.usable:
                     continue
             if big is None or w.big > big:
@@ -872,45 +867,35 @@ class Engine:
             if quota is None or w.quota < quota:
                 quota, quota_at = w.quota, n
             if w.tagged:
-                f.tagged.extend(f"{n.view.name} GPU {i} ({why})" for i, why in w.tagged)
+                tagged.extend(f"{n.view.name} GPU {i} ({why})" for i, why in w.tagged)
         if plain:   # what a plain node tells (see _ShareWhy)
-            f.wanted, f.all_shut, f.all_no_mps = True, False, False
-        if no_mps:
-            f.no_mps, f.no_mps_nodes = next(iter(no_mps.items())), len(no_mps)
-        if big is not None:
-            f.big, f.free = (big[0], -big[1], big_at.view.name), (free[0], -free[1], free_at.view.name)
-            f.sm, f.quota = (*sm, sm_at.view.name), (*quota, quota_at.view.name)
-        return self._share_text(r, len(nodes), f)
-
-    def _share_text(self, r: Request, looked: int, f: _ShareFacts) -> str:
-        """Why no GPU of the ``looked`` nodes takes share ``r``, in words."""
-        what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
-                if r.kind == "fastpod" else _fmt_mib(r.gpu_memory_mib))
-        if f.big is None:   # no usable GPU
+            wanted, all_shut, all_no_mps = True, False, False
+        if big is None:   # no usable GPU
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-            if not f.wanted:
-                return f"no GPU{models} on the {looked} node(s) looked at"  # none is busy: none is there
+            if not wanted:
+                return f"no GPU{models} on the {len(nodes)} node(s) looked at"  # none is busy: none is there
             busy = "in MIG mode, held whole or shared otherwise"
-            if not f.no_mps and f.all_shut:   # lost, or closed: place() says why
+            if not no_mps and all_shut:   # lost, or closed: place() says why
                 return f"no GPU{models} takes new {r.kind} shares now"
-            if not f.no_mps:
+            if not no_mps:
                 return (f"no GPU{models} is available for {r.kind} shares "
-                        f"({'the others' if f.any_shut else 'all'} are {busy})")
-            name, why = f.no_mps
-            more = f" (and {f.no_mps_nodes - 1} more node(s))" if f.no_mps_nodes > 1 else ""
-            others = "" if f.all_no_mps else f"the others are {busy}; "
+                        f"({'the others' if any_shut else 'all'} are {busy})")
+            name, why = next(iter(no_mps.items()))
+            more = f" (and {len(no_mps) - 1} more node(s))" if len(no_mps) > 1 else ""
+            others = "" if all_no_mps else f"the others are {busy}; "
             return (f"no GPU{models} is available for {r.kind} shares: {others}node {name}{more} "
                     f"cannot run MPS: {why}")
-        big, free, sm, quota = f.big, f.free, f.sm, f.quota
+        big, free = (*big, big_at.view.name), (*free, free_at.view.name)
+        sm, quota = (*sm, sm_at.view.name), (*quota, quota_at.view.name)
         if r.gpu_memory_mib > big[0]:
             return (f"no GPU has {_fmt_mib(r.gpu_memory_mib)} of memory; the largest is "
-                    f"{_fmt_mib(big[0])} ({big[2]} GPU {big[1]})")
+                    f"{_fmt_mib(big[0])} ({big[2]} GPU {-big[1]})")
         # GPUs with room that only the tags rule out: saying "no GPU with ... free" would be false
-        if f.tagged:
-            return (f"{what} is free on {len(f.tagged)} GPU(s), but the sharing tags rule them out: "
-                    f"{_some(f.tagged)}")
+        if tagged:
+            return (f"{what} is free on {len(tagged)} GPU(s), but the sharing tags rule them out: "
+                    f"{_some(tagged)}")
         msg = (f"no GPU with {what} free; largest free memory is "
-               f"{_fmt_mib(max(0, free[0]))} on {free[2]} GPU {free[1]}")
+               f"{_fmt_mib(max(0, free[0]))} on {free[2]} GPU {-free[1]}")
         if r.kind == "fastpod":
             msg += f", largest free SM share is {max(0, MILLI - sm[0]) / 10:g} % on {sm[2]} GPU {sm[1]}"
             msg += f", largest free time quota is {max(0.0, 1 - quota[0]):.2f} on {quota[2]} GPU {quota[1]}"
@@ -982,7 +967,16 @@ class Engine:
                 most = (idle, n.view.name)
             if gone:
                 lost.extend(f"{n.view.name} GPU {i}" for i in gone)
-        return _whole_text(r, len(nodes), wanted, most, mig, lost)
+        models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
+        if models and not wanted:
+            return f"no GPU of model{models} on the {len(nodes)} node(s) looked at"
+        where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
+        if mig:  # empty, yet not idle: say why, and what would make them usable
+            where += (f"; {mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
+                      "until MIG is disabled on them")
+        if lost:
+            where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
+        return f"no node has {r.gpus} idle{models} GPU(s){where}"
 
     def _why_of(self, r: Request, memo: tuple | None, key: tuple,
                 work: Callable[[Request, _Node], Any]) -> Callable[[_Node], Any]:
@@ -1150,38 +1144,6 @@ def _asked(r: Request, excluded: Mapping[str, str]) -> tuple:
 def _neg(score: Any) -> Any:
     """A score turned so that the best sorts first (scores are numbers or tuples of them)."""
     return tuple(-x for x in score) if isinstance(score, tuple) else -score
-
-
-def _whole_text(r: Request, looked: int, wanted: bool, most: tuple[int, str | None], mig: int,
-                lost: list[str]) -> str:
-    """Why no node of the ``looked`` has ``r.gpus`` idle GPUs: whether any has GPUs of the models
-    asked, the most idle ones on one node and where, the empty GPUs in MIG mode, the lost ones."""
-    models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-    if models and not wanted:
-        return f"no GPU of model{models} on the {looked} node(s) looked at"
-    where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
-    if mig:  # empty, yet not idle: say why, and what would make them usable
-        where += (f"; {mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
-                  "until MIG is disabled on them")
-    if lost:
-        where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
-    return f"no node has {r.gpus} idle{models} GPU(s){where}"
-
-
-def _filter_text(r: Request, ruled_out: Mapping[str, list[str]], no_sel: int, no_cpu: int,
-                 most_cpu: tuple[float, str], no_mem: int, most_mem: tuple[float, str]) -> str:
-    """Why nodes were not looked at: the caller ruled them out (why -> nodes), their labels,
-    their free CPU or host memory (how many, and the most any of them has, where)."""
-    parts = [f"{len(names)} node(s) {why} ({_some(names)})" for why, names in sorted(ruled_out.items())]
-    if no_sel:
-        parts.append(f"{no_sel} node(s) do not match node_selector {dict(r.node_selector)}")
-    if no_cpu:
-        parts.append(f"{no_cpu} node(s) lack {r.cpu_milli} milli-CPU; most free is "
-                     f"{max(0, most_cpu[0])} on {most_cpu[1]}")
-    if no_mem:
-        parts.append(f"{no_mem} node(s) lack {_fmt_mib(r.memory_mib)} host memory; most free is "
-                     f"{_fmt_mib(max(0, most_mem[0]))} on {most_mem[1]}")
-    return "; ".join(parts)
 
 
 def _some(names: list[str]) -> str:

@@ -703,20 +703,14 @@ class Engine:
         """The entries of ``nodes`` in the heap of ``r``'s shape: those whose labels, CPU and GPUs
         take ``r`` (host memory is checked when one comes to the top)."""
         memo, selector = shape
-        cpu, ranked, alike, state = r.cpu_milli, self._ranked, self._alike_table(memo), self._state
+        cpu, ranked = r.cpu_milli, self._lookup(r, memo, memo, self._work_out)
         out = []
         for n in nodes:   # every node, for a shape seen for the first time: kept lean
             if selector and any(dict(n.view.labels).get(k) != v for k, v in selector):
                 continue
             if cpu and cpu > n.view.cpu_milli - n.cpu_used:
                 continue
-            if memo[-1]:
-                key = ranked(r, n, memo)[1]
-            else:   # _alike, inlined
-                got = alike.get(n.state if n.state is not None else state(n))
-                if got is None:
-                    got = alike[n.state] = self._work_out(r, n)
-                key = got[1]
+            key = ranked(n)[1]
             if key is not None:
                 out.append(((key, n.rank), n.view.name, n.version))
         return out
@@ -844,7 +838,7 @@ class Engine:
         big = free = sm = quota = None
         big_at = free_at = sm_at = quota_at = nodes[0]
         tagged: list[str] = []
-        why_of = self._why_of(r, memo, key, self._share_why)
+        why_of = self._lookup(r, memo, key, self._share_why)
         for n in nodes:   # once per node per rejection: kept lean
             w = why_of(n)
             if w.plain:
@@ -958,7 +952,7 @@ class Engine:
         key = ("why", memo)
         wanted, mig, lost = False, 0, []
         most = (0, None)   # the most idle GPUs r may have on one node, where
-        why_of = self._why_of(r, memo, key, self._whole_why)
+        why_of = self._lookup(r, memo, key, self._whole_why)
         for n in nodes:
             has, idle, empty, gone = why_of(n)
             wanted |= has
@@ -978,22 +972,23 @@ class Engine:
             where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
         return f"no node has {r.gpus} idle{models} GPU(s){where}"
 
-    def _why_of(self, r: Request, memo: tuple | None, key: tuple,
+    def _lookup(self, r: Request, memo: tuple | None, key: tuple,
                 work: Callable[[Request, _Node], Any]) -> Callable[[_Node], Any]:
-        """``work(r, n)`` for node ``n`` as a rejection's loop over every node asks it: shared by
-        nodes alike when ``r`` has a shape (see :meth:`_alike`), else worked out each time."""
+        """``work(r, n)`` for node ``n``, for a loop over every node (a heap built, a rejection):
+        :meth:`_alike` with the table looked up once; worked out each time when ``r`` has no
+        shape (``memo`` None)."""
         if memo is None:
             return lambda n: work(r, n)
         if memo[-1]:
             return lambda n: self._alike(key, memo, r, n, work)
         alike, state = self._alike_table(key), self._state
 
-        def why_of(n: _Node) -> Any:
+        def look_up(n: _Node) -> Any:
             got = alike.get(n.state if n.state is not None else state(n))
             if got is None:
                 got = alike[n.state] = work(r, n)
             return got
-        return why_of
+        return look_up
 
     def _whole_why(self, r: Request, n: _Node) -> tuple[bool, int, int, tuple[int, ...]]:
         """What of node ``n`` a rejection of whole GPUs ``r`` tells: whether it has GPUs of the

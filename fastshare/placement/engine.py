@@ -28,7 +28,7 @@ from fastshare.placement.model import (
     Rejection,
     Request,
 )
-from fastshare.placement.policies import Policy, Task
+from fastshare.placement.policies import Policy, Task, best_first
 from fastshare.placement.shape_heaps import Entry, ShapeHeap, ShapeHeaps
 
 
@@ -73,7 +73,7 @@ SCORES_KEPT = 200_000   # policy scores remembered by node state (then forgotten
 class _Node:
     """A node and what it holds. ``memo``: its answers to the shapes bound to it by an affinity
     tag since it last changed (other shapes' answers are shared by nodes alike, see
-    :meth:`Engine._alike`); ``state``: the number of its state; ``version`` counts its changes
+    :meth:`Engine._lookup`); ``state``: the number of its state; ``version`` counts its changes
     (the shape heaps' entries carry it); ``rank``: its place in the node order, which breaks
     ties."""
 
@@ -196,8 +196,7 @@ class Engine:
         if view.name in self._nodes:
             raise InvalidRequest(f"node {view.name}: already in the cluster view")
         self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus], rank=next(self._ranks))
-        self._heaps.changed(view.name)
-        self._changes += 1
+        self._changed(view.name)
         self._capacity(view, +1)
 
     def remove_node(self, name: str) -> None:
@@ -206,8 +205,7 @@ class Engine:
         if held:
             raise InvalidRequest(f"node {name}: still holds {len(held)} assignment(s), e.g. {held[0]}")
         self._capacity(self._nodes.pop(name).view, -1)
-        self._heaps.changed(name)
-        self._changes += 1
+        self._changed(name)
 
     def _capacity(self, view: NodeView, sign: int) -> None:
         """Keep the cluster's CPU and GPU totals and tell the policy (it weighs CPU and the
@@ -224,7 +222,12 @@ class Engine:
         node.memo.clear()
         node.state = None
         node.version += 1
-        self._heaps.changed(node.view.name)
+        self._changed(node.view.name)
+
+    def _changed(self, name: str) -> None:
+        """Node ``name`` changed, came or went: the shape heaps score it again, and no rejection
+        is given again as it was."""
+        self._heaps.changed(name)
         self._changes += 1
 
     def _forget(self) -> None:
@@ -347,12 +350,10 @@ class Engine:
         else:
             result = getattr(self, f"_place_{request.kind}")(request, nodes)
         if isinstance(result, Rejection):
-            notes = self._closed_note(request, nodes) + self._mig_off_note(request, nodes)
-            result = Rejection(result.reason + notes, result.details)
-        if isinstance(result, Rejection) and why:  # the GPU reason covers the nodes looked at: say
-            # why the others were not
-            result = Rejection(f"{result.reason}; only {len(nodes)} of {len(self._nodes)} node(s) "
-                               f"were looked at: {why}", result.details)
+            reason = result.reason + self._closed_note(request, nodes) + self._mig_off_note(request, nodes)
+            if why:   # the GPU reason covers the nodes looked at: say why the others were not
+                reason += f"; only {len(nodes)} of {len(self._nodes)} node(s) were looked at: {why}"
+            result = Rejection(reason, result.details)
         return result
 
     def release(self, assignment: Assignment | str) -> Assignment:
@@ -633,7 +634,7 @@ class Engine:
         afresh). Between two decisions only the node placed on changes, and requests repeat a
         few shapes: so each shape keeps a heap of the nodes that take it, best first, and a node
         is scored again only after it changes (``_touch``) or the policy's scores do
-        (``_forget``); nodes in the same state share their answers (``_alike``). The request's
+        (``_forget``); nodes in the same state share their answers (``_lookup``). The request's
         id and what is checked each time (host memory, nodes the caller excludes) are not in it;
         its node selector keys the heap beside it."""
         if self.policy.randomized:   # a random policy draws on every score: nothing repeats
@@ -643,47 +644,16 @@ class Engine:
                 r.exclusion, r.anti_affinity, bound)
 
     def _answer(self, r: Request, n: _Node, memo: tuple) -> Any:
-        """Node ``n``'s answer to shape ``memo`` (see :meth:`_ranked`)."""
-        return self._ranked(r, n, memo)[0]
-
-    def _ranked(self, r: Request, n: _Node, memo: tuple) -> tuple[Any, Any]:
-        """Node ``n``'s answer to shape ``memo`` and its key in the shape's heap (None: it cannot
-        take ``r``)."""
-        return self._alike(memo, memo, r, n, self._work_out)
-
-    def _alike(self, key: tuple, memo: tuple, r: Request, n: _Node,
-               work: Callable[[Request, _Node], Any]) -> Any:
-        """``work(r, n)`` as any node in ``n``'s state gave it for ``key`` (nodes alike answer
-        alike, and most of a cluster is alike: a shape seen for the first time then costs a
-        lookup per node), worked out when none was asked yet; ``n``'s own when the shape
-        ``memo`` has an affinity binding (it names a node)."""
-        if memo[-1]:
-            got = n.memo.get(key)
-            return got if got is not None else n.remember(key, work(r, n))
-        state = n.state if n.state is not None else self._state(n)
-        alike = self._alike_table(key)
-        got = alike.get(state)
-        if got is None:
-            got = alike[state] = work(r, n)
-        return got
-
-    def _alike_table(self, key: tuple) -> dict[int, Any]:
-        """Node state number -> the answer for ``key`` (see :meth:`_alike`); for the loops over
-        every node, which look the state up themselves."""
-        alike = self._answers.get(key)
-        if alike is None:
-            if len(self._answers) >= MEMO_SIZE:
-                self._answers.clear()
-            alike = self._answers[key] = {}
-        return alike
+        """Node ``n``'s answer to shape ``memo`` (see :meth:`_lookup`)."""
+        return self._lookup(r, memo, memo, self._work_out)(n)[0]
 
     def _work_out(self, r: Request, n: _Node) -> tuple[Any, Any]:
         task = _policy_task(r)
         if r.kind == "whole":
             answer = self._whole_answer(r, n, task)
-            return answer, None if answer[1] is None else _neg(answer[1])
+            return answer, None if answer[1] is None else best_first(answer[1])
         answer = self._share_answer(r, n, task)
-        return answer, None if answer is None else _neg(answer[0])
+        return answer, None if answer is None else best_first(answer[0])
 
     def _state(self, n: _Node) -> int:
         """The number of ``n``'s state: everything of ``n`` a share or whole request's answer
@@ -732,7 +702,7 @@ class Engine:
             for e in self._entries(shape, r, (nodes[name] for name in h.dirty if name in nodes)):
                 h.push(e)
             h.dirty.clear()
-            ShapeHeaps.compact(h, self._current, len(nodes))
+            h.compact(self._current, len(nodes))
         tied = self._heap_best(h, r, excluded)
         if not tied:
             return None
@@ -770,11 +740,11 @@ class Engine:
         return best
 
     def _shares(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
+        """Look at every node (requests without a shape: a random policy; see ``_scan``)."""
         task = _policy_task(r)
-        memo = self._memo_key(r)
         best_key, best = None, None
         for order, n in enumerate(nodes):
-            answer = self._answer(r, n, memo) if memo else self._share_answer(r, n, task)
+            answer = self._share_answer(r, n, task)
             if answer is None:
                 continue
             key = (answer[0], -order)
@@ -930,11 +900,11 @@ class Engine:
         return w
 
     def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
+        """Look at every node (requests without a shape: a random policy; see ``_scan``)."""
         task = _policy_task(r)
-        memo = self._memo_key(r)
         best_score, best = None, []
         for n in nodes:
-            idle, score = self._answer(r, n, memo) if memo else self._whole_answer(r, n, task)
+            idle, score = self._whole_answer(r, n, task)
             if score is None:
                 continue
             if best_score is None or score > best_score:
@@ -974,14 +944,24 @@ class Engine:
 
     def _lookup(self, r: Request, memo: tuple | None, key: tuple,
                 work: Callable[[Request, _Node], Any]) -> Callable[[_Node], Any]:
-        """``work(r, n)`` for node ``n``, for a loop over every node (a heap built, a rejection):
-        :meth:`_alike` with the table looked up once; worked out each time when ``r`` has no
-        shape (``memo`` None)."""
+        """``n -> work(r, n)`` as any node in ``n``'s state gave it for ``key`` (nodes alike
+        answer alike, and most of a cluster is alike: a shape seen for the first time then costs
+        a lookup per node), worked out when none was asked yet; ``n``'s own (its memo) when the
+        shape ``memo`` has an affinity binding, which names a node; worked out each time when
+        ``r`` has no shape (``memo`` None)."""
         if memo is None:
             return lambda n: work(r, n)
         if memo[-1]:
-            return lambda n: self._alike(key, memo, r, n, work)
-        alike, state = self._alike_table(key), self._state
+            def own(n: _Node) -> Any:
+                got = n.memo.get(key)
+                return got if got is not None else n.remember(key, work(r, n))
+            return own
+        alike = self._answers.get(key)
+        if alike is None:
+            if len(self._answers) >= MEMO_SIZE:
+                self._answers.clear()
+            alike = self._answers[key] = {}
+        state = self._state
 
         def look_up(n: _Node) -> Any:
             got = alike.get(n.state if n.state is not None else state(n))
@@ -1134,11 +1114,6 @@ _ASKED = tuple(f.name for f in fields(Request) if f.name != "id")
 def _asked(r: Request, excluded: Mapping[str, str]) -> tuple:
     """What ``r`` asks (all of it but its id) and the nodes ruled out: a rejection's key."""
     return (*(getattr(r, name) for name in _ASKED), tuple(sorted(excluded.items())))
-
-
-def _neg(score: Any) -> Any:
-    """A score turned so that the best sorts first (scores are numbers or tuples of them)."""
-    return tuple(-x for x in score) if isinstance(score, tuple) else -score
 
 
 def _some(names: list[str]) -> str:

@@ -88,6 +88,12 @@ def after(gpus: Sequence[int], chosen: Iterable[int], task: Task) -> tuple[int, 
     return tuple(out)
 
 
+def best_first(score: object) -> object:
+    """A policy's score turned so that the best sorts first (for heaps: scores are numbers or
+    tuples of them, higher wins)."""
+    return tuple(-x for x in score) if isinstance(score, tuple) else -score
+
+
 class Policy:
     """Base class: ``score`` is only called for nodes the task fits on."""
 

@@ -35,6 +35,13 @@ class ShapeHeap:
     def pop(self) -> Entry:
         return heapq.heappop(self.heap)
 
+    def compact(self, current: Callable[[str, int], bool], nodes: int) -> None:
+        """Drop the stale entries once they outnumber the live ones (a long-lived controller
+        would otherwise keep one per change)."""
+        if len(self.heap) > 2 * nodes + 64:
+            self.heap = [e for e in self.heap if current(e[1], e[2])]
+            heapq.heapify(self.heap)
+
 
 class ShapeHeaps:
     """The heaps of the last ``limit`` shapes asked for (the least recently asked is dropped)."""
@@ -74,11 +81,3 @@ class ShapeHeaps:
 
     def items(self) -> list[tuple[Hashable, ShapeHeap]]:
         return list(self._heaps.items())
-
-    @staticmethod
-    def compact(h: ShapeHeap, current: Callable[[str, int], bool], nodes: int) -> None:
-        """Drop ``h``'s stale entries once they outnumber the live ones (a long-lived controller
-        would otherwise keep one per change)."""
-        if len(h.heap) > 2 * nodes + 64:
-            h.heap = [e for e in h.heap if current(e[1], e[2])]
-            heapq.heapify(h.heap)

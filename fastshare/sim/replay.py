@@ -18,7 +18,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fastshare.placement.policies import MILLI, Fragmentation, Policy, Task, Typical, clustering_tag, gpu_fits
+from fastshare.placement.policies import (
+    MILLI,
+    Fragmentation,
+    Policy,
+    Task,
+    Typical,
+    best_first,
+    clustering_tag,
+    gpu_fits,
+)
 from fastshare.sim.trace import SimNode, SimPod
 
 
@@ -40,10 +49,6 @@ class SimResult:
     decision_s: list[float] = field(default_factory=list)      # wall time per decision
     decision_cpu_s: list[float] = field(default_factory=list)  # this thread's CPU time per decision
     wall_s: float = 0.0
-
-
-def _neg(score):
-    return tuple(-x for x in score) if isinstance(score, tuple) else -score
 
 
 def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, ranks: Sequence[int],
@@ -94,7 +99,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
         if s is None:
             if len(score_cache) > 2_000_000:  # bound memory on very long replays
                 score_cache.clear()
-            s = score_cache[key] = _neg(policy.score(model[i], cpu[i], gpus[i], task, tg)[0])
+            s = score_cache[key] = best_first(policy.score(model[i], cpu[i], gpus[i], task, tg)[0])
         return s
 
     def choose(i: int, task: Task) -> tuple[int, ...]:

@@ -85,6 +85,7 @@ class _Node:
     version: int = 0
     memo: dict[tuple, Any] = field(default_factory=dict)
     state: int | None = None   # what its answers depend on, but its name (Engine._state)
+    room: dict[str, tuple[float, float, float]] | None = None   # see Engine._room
 
     def remember(self, key: tuple, answer: Any) -> Any:
         if len(self.memo) >= MEMO_SIZE:
@@ -221,6 +222,7 @@ class Engine:
         """``node`` changed: its remembered answers and heap entries no longer hold."""
         node.memo.clear()
         node.state = None
+        node.room = None
         node.version += 1
         self._changed(node.view.name)
 
@@ -669,16 +671,52 @@ class Engine:
             n.state = self._states.setdefault(state, len(self._states))
         return n.state
 
+    def _room(self, n: _Node) -> dict[str, tuple[float, float, float]]:
+        """The most ``n`` offers a request of each kind, figure by figure, each over the GPUs
+        open to that kind (see :func:`_need`): a node short in any figure cannot take the
+        request, which :meth:`_entries` tells without looking up its answer. Late in a trace
+        most nodes are full and few are alike, so this spares most of a heap build."""
+        if n.room is None:
+            open_to: dict[str, list[_Gpu]] = {"fastpod": [], "mps": []}
+            idle = 0
+            for g in n.gpus:
+                v = g.view
+                if v.lost or v.closed:
+                    continue
+                idle += g.idle
+                if not v.no_mps and g.whole is None and not g.mig_mode:
+                    for kind, gpus in open_to.items():
+                        if g.share_kind in (None, kind):
+                            gpus.append(g)
+            cap = self.mps_oversubscription
+            fp, mps = open_to["fastpod"], open_to["mps"]
+            n.room = {
+                "fastpod": (max((MILLI - g.sm_used for g in fp), default=-math.inf),
+                            # a hair above the quota allowed: float sums round, and a looser
+                            # figure only looks up more answers
+                            max((1 + 2 * QUOTA_SLACK - g.quota_used for g in fp), default=-math.inf),
+                            max((g.view.memory_mib - g.mem_used for g in fp), default=-math.inf)),
+                "mps": (max((g.view.memory_mib * cap - g.mem_used for g in mps), default=-math.inf),
+                        max((g.view.memory_mib for g in mps), default=-math.inf), math.inf),
+                "whole": (idle, math.inf, math.inf),
+            }
+        return n.room
+
     def _entries(self, shape: tuple, r: Request, nodes: Iterable[_Node]) -> list[Entry]:
         """The entries of ``nodes`` in the heap of ``r``'s shape: those whose labels, CPU and GPUs
         take ``r`` (host memory is checked when one comes to the top)."""
         memo, selector = shape
         cpu, ranked = r.cpu_milli, self._lookup(r, memo, memo, self._work_out)
+        kind, (a, b, c) = r.kind, _need(r)
+        room = self._room
         out = []
         for n in nodes:   # every node, for a shape seen for the first time: kept lean
             if selector and any(dict(n.view.labels).get(k) != v for k, v in selector):
                 continue
             if cpu and cpu > n.view.cpu_milli - n.cpu_used:
+                continue
+            most = (n.room or room(n))[kind]
+            if a > most[0] or b > most[1] or c > most[2]:
                 continue
             key = ranked(n)[1]
             if key is not None:
@@ -1109,6 +1147,17 @@ def _no_mig_gpu_reason(r: Request, nodes: list[_Node], tagged: list[str]) -> str
 
 
 _ASKED = tuple(f.name for f in fields(Request) if f.name != "id")
+
+
+def _need(r: Request) -> tuple[float, float, float]:
+    """What share or whole request ``r`` needs of one node, figure by figure as
+    :meth:`Engine._room` gives them: a fastpod share SMs, time quota and memory on one GPU, an MPS
+    share memory left (oversubscribed) and in all on one GPU, whole GPUs that many idle."""
+    if r.kind == "fastpod":
+        return r.sm_milli, r.quota_request, r.gpu_memory_mib
+    if r.kind == "mps":
+        return r.gpu_memory_mib, r.gpu_memory_mib, 0
+    return r.gpus, 0, 0
 
 
 def _asked(r: Request, excluded: Mapping[str, str]) -> tuple:

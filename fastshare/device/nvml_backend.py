@@ -498,9 +498,18 @@ class NvmlDevices(Devices):
                 raise DeviceError(
                     f"{what} failed: NVML_ERROR_IN_USE ({profile.name} {busy[0].uuid} has "
                     f"{busy[0].processes} running process(es))", "IN_USE")
-            for ci in self._compute_instances(gi, (uuid, profile.profile_id)):
-                nvml.nvmlComputeInstanceDestroy(ci)
-            nvml.nvmlGpuInstanceDestroy(gi)
+            try:
+                for ci in self._compute_instances(gi, (uuid, profile.profile_id)):
+                    nvml.nvmlComputeInstanceDestroy(ci)
+                nvml.nvmlGpuInstanceDestroy(gi)
+            except nvml.NVMLError as exc:
+                if not self._is(exc, "INVALID_ARGUMENT"):
+                    raise
+                # NVML invalidated the handle: another process destroyed the instance since
+                # _find, and may have made a new one there, which must not be destroyed blind.
+                raise DeviceError(f"{what} failed: NVML_ERROR_INVALID_ARGUMENT (another process "
+                                  "destroyed or replaced it meanwhile; list the instances again)",
+                                  "INVALID_ARGUMENT") from exc
 
     # --- compute mode -------------------------------------------------------------------------
     def set_compute_mode(self, gpu_index: int, mode: str) -> None:

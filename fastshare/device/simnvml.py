@@ -18,7 +18,9 @@ Two ways to use it:
   ``FASTSHARE_SIM_STATE`` or by :func:`set_state_path`.
 
 Handles are ctypes pointers of pynvml's handle types whose *address* encodes what they
-point at (never dereferenced), so callers can store them in pynvml's ctypes arrays.
+point at (never dereferenced), so callers can store them in pynvml's ctypes arrays. A GPU or
+compute instance's handle also carries the instance's serial, which no later instance shares:
+NVML invalidates the handles of a destroyed instance, while the ids are reused by the next one.
 
 Test-only knobs (no NVML equivalent): :func:`create_machine`, :func:`add_process`,
 :func:`remove_process`, :func:`reset_gpu`, :func:`reboot`, :func:`remove_gpu`, :func:`lose_gpu`.
@@ -61,6 +63,7 @@ _NA = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId of a process outside MIG
 
 # Handle kinds, encoded in the high bits of the fake pointer address.
 _GPU, _MIG, _GI, _CI = 1, 2, 3, 4
+_SERIAL_MASK = (1 << 28) - 1   # the serial bits a handle carries
 
 # NVML_COMPUTE_INSTANCE_PROFILE_* index -> compute slices
 _CI_SLICES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7, 5: 8, 6: 6}
@@ -71,21 +74,47 @@ def _err(code: int) -> NVMLError:
 
 
 # --- handles --------------------------------------------------------------------------------
-def _make(ptr_type: Any, kind: int, gpu: int, gi: int = 0, ci: int = 0) -> Any:
-    address = (kind << 44) | (gpu << 24) | (gi << 12) | ci
+def _make(ptr_type: Any, kind: int, gpu: int, gi: int = 0, ci: int = 0, serial: int = 0) -> Any:
+    address = (kind << 60) | ((serial & _SERIAL_MASK) << 32) | (gpu << 24) | (gi << 12) | ci
     return ctypes.cast(ctypes.c_void_p(address), ptr_type)
 
 
-def _decode(handle: Any, *kinds: int) -> tuple[int, int, int, int]:
-    """(kind, gpu, gi, ci) of a handle; INVALID_ARGUMENT for anything else."""
+def _decode(handle: Any, *kinds: int) -> tuple[int, int, int, int, int]:
+    """(kind, gpu, gi, ci, serial) of a handle; INVALID_ARGUMENT for anything else."""
     try:
         address = ctypes.cast(handle, ctypes.c_void_p).value or 0
     except (TypeError, ctypes.ArgumentError):
         raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT) from None
-    kind = address >> 44
+    kind = address >> 60
     if kind not in kinds:
         raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    return kind, (address >> 24) & 0xFFFFF, (address >> 12) & 0xFFF, address & 0xFFF
+    return (kind, (address >> 24) & 0xFF, (address >> 12) & 0xFFF, address & 0xFFF,
+            (address >> 32) & _SERIAL_MASK)
+
+
+def _serial(instance: dict[str, Any]) -> int:
+    """An instance's serial as its handles carry it; 0 for one made before serials existed."""
+    return instance.get("serial", 0) & _SERIAL_MASK
+
+
+def _gi_handle(gpu: dict[str, Any], gi: dict[str, Any]) -> Any:
+    return _make(_pynvml.c_nvmlGpuInstance_t, _GI, gpu["index"], gi["id"], serial=_serial(gi))
+
+
+def _ci_handle(gpu: dict[str, Any], gi: dict[str, Any], ci: dict[str, Any]) -> Any:
+    return _make(_pynvml.c_nvmlComputeInstance_t, _CI, gpu["index"], gi["id"], ci["id"], _serial(ci))
+
+
+def _mig_handle(gpu: dict[str, Any], gi: dict[str, Any], ci: dict[str, Any]) -> Any:
+    """A MIG device handle: its compute instance's, so it dies with that instance."""
+    return _make(_pynvml.c_nvmlDevice_t, _MIG, gpu["index"], gi["id"], ci["id"], _serial(ci))
+
+
+def _next_serial(state: dict[str, Any]) -> int:
+    """A serial no instance of this machine had (a machine file from before serials starts at 1)."""
+    serial = state.get("next_serial", 1)
+    state["next_serial"] = serial + 1
+    return serial
 
 
 def _deref(ref: Any) -> Any:
@@ -197,16 +226,18 @@ def _require_mig(gpu: dict[str, Any]) -> catalog.GpuModel:
     return model
 
 
-def _gi(gpu: dict[str, Any], gi_id: int) -> dict[str, Any]:
+def _gi(gpu: dict[str, Any], gi_id: int, serial: int | None = None) -> dict[str, Any]:
+    """The GPU instance ``gi_id`` (of that ``serial`` when given); INVALID_ARGUMENT, NVML's
+    answer to an invalid handle, when it was destroyed."""
     for gi in gpu["gpu_instances"]:
-        if gi["id"] == gi_id:
+        if gi["id"] == gi_id and serial in (None, _serial(gi)):
             return gi
     raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
 
-def _ci(gi: dict[str, Any], ci_id: int) -> dict[str, Any]:
+def _ci(gi: dict[str, Any], ci_id: int, serial: int) -> dict[str, Any]:
     for ci in gi["compute_instances"]:
-        if ci["id"] == ci_id:
+        if ci["id"] == ci_id and _serial(ci) == serial:
             return ci
     raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
@@ -332,7 +363,7 @@ class SimNvml:
                     return _make(_pynvml.c_nvmlDevice_t, _GPU, gpu["index"])
                 for gi, ci in _mig_devices(gpu):
                     if ci["uuid"] == text:
-                        return _make(_pynvml.c_nvmlDevice_t, _MIG, gpu["index"], gi["id"], ci["id"])
+                        return _mig_handle(gpu, gi, ci)
         raise _err(_pynvml.NVML_ERROR_NOT_FOUND)
 
     def nvmlDeviceGetHandleByPciBusId(self, bus_id: str | bytes) -> Any:
@@ -346,12 +377,12 @@ class SimNvml:
 
     def _device(self, st: dict[str, Any], handle: Any) -> tuple[dict, dict | None, dict | None]:
         """(gpu, gi, ci) for a GPU or MIG device handle (gi/ci None for a GPU)."""
-        kind, index, gi_id, ci_id = _decode(handle, _GPU, _MIG)
+        kind, index, gi_id, ci_id, serial = _decode(handle, _GPU, _MIG)
         gpu = _gpu(st, index)
         if kind == _GPU:
             return gpu, None, None
         gi = _gi(gpu, gi_id)
-        return gpu, gi, _ci(gi, ci_id)
+        return gpu, gi, _ci(gi, ci_id, serial)
 
     def _aggregate(self, st: dict[str, Any], handle: Any) -> tuple[dict, dict | None, dict | None]:
         """``_device`` for the calls NVML documents as: "In MIG mode, if device handle is
@@ -618,8 +649,8 @@ class SimNvml:
                 raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
             if not _fits(gpu, model, spec, want.start):
                 raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-            new = self._add_gi(gpu, model, spec, want.start)
-        return _make(_pynvml.c_nvmlGpuInstance_t, _GI, gpu["index"], new["id"])
+            new = self._add_gi(st, gpu, model, spec, want.start)
+            return _gi_handle(gpu, new)
 
     def nvmlDeviceCreateGpuInstance(self, handle: Any, profile_id: int) -> Any:
         """NVML's own placer; like the driver, it fills from the top memory slice down, which
@@ -631,18 +662,19 @@ class SimNvml:
             starts = [s for s in reversed(spec.placements) if _fits(gpu, model, spec, s)]
             if not starts:
                 raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-            new = self._add_gi(gpu, model, spec, starts[0])
-        return _make(_pynvml.c_nvmlGpuInstance_t, _GI, gpu["index"], new["id"])
+            new = self._add_gi(st, gpu, model, spec, starts[0])
+            return _gi_handle(gpu, new)
 
     @staticmethod
-    def _add_gi(gpu: dict, model: catalog.GpuModel, spec: catalog.MigProfile, start: int) -> dict:
+    def _add_gi(st: dict, gpu: dict, model: catalog.GpuModel, spec: catalog.MigProfile,
+                start: int) -> dict:
         taken = {gi["id"] for gi in gpu["gpu_instances"]}
         if spec.memory_slices == model.memory_slices:
             gi_id = 0
         else:
             gi_id = next(i for i in range(1, 4096) if i not in taken)
-        new = {"id": gi_id, "profile_id": spec.profile_id, "start": start,
-               "size": spec.memory_slices, "compute_instances": []}
+        new = {"id": gi_id, "serial": _next_serial(st), "profile_id": spec.profile_id,
+               "start": start, "size": spec.memory_slices, "compute_instances": []}
         gpu["gpu_instances"].append(new)
         return new
 
@@ -654,22 +686,23 @@ class SimNvml:
             _profile_by_id(model, profile_id)
             found = sorted((g for g in gpu["gpu_instances"] if g["profile_id"] == profile_id),
                            key=lambda g: g["id"])
-        return _fill(instances_ref, count_ref,
-                     [_make(_pynvml.c_nvmlGpuInstance_t, _GI, gpu["index"], g["id"]) for g in found])
+        return _fill(instances_ref, count_ref, [_gi_handle(gpu, g) for g in found])
 
     def nvmlDeviceGetGpuInstanceById(self, handle: Any, gi_id: int) -> Any:
         with self._store().read() as st:
             gpu = self._whole_gpu(st, handle)
             _require_mig(gpu)
-            if not any(g["id"] == gi_id for g in gpu["gpu_instances"]):
+            found = [g for g in gpu["gpu_instances"] if g["id"] == gi_id]
+            if not found:
                 raise _err(_pynvml.NVML_ERROR_NOT_FOUND)
-        return _make(_pynvml.c_nvmlGpuInstance_t, _GI, gpu["index"], gi_id)
+            return _gi_handle(gpu, found[0])
 
     def _gpu_instance(self, st: dict, handle: Any) -> tuple[dict, dict]:
-        _, index, gi_id, _ = _decode(handle, _GI)
+        """(gpu, gi) of a GPU instance handle: an invalid handle (its instance destroyed, whatever
+        the MIG mode is since) answers INVALID_ARGUMENT before anything else is looked at."""
+        _, index, gi_id, _, serial = _decode(handle, _GI)
         gpu = _gpu(st, index)
-        _require_mig(gpu)
-        return gpu, _gi(gpu, gi_id)
+        return gpu, _gi(gpu, gi_id, serial)
 
     def nvmlGpuInstanceGetInfo(self, gpu_instance: Any) -> Any:
         with self._store().read() as st:
@@ -735,11 +768,10 @@ class SimNvml:
                 raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
             taken = {c["id"] for c in gi["compute_instances"]}
             ci_id = next(i for i in range(4096) if i not in taken)
-            gi["compute_instances"].append({
-                "id": ci_id, "profile_id": profile_id, "slices": slices, "start": used,
-                "uuid": f"MIG-{uuid.uuid4()}",
-            })
-        return _make(_pynvml.c_nvmlComputeInstance_t, _CI, gpu["index"], gi["id"], ci_id)
+            new = {"id": ci_id, "serial": _next_serial(st), "profile_id": profile_id,
+                   "slices": slices, "start": used, "uuid": f"MIG-{uuid.uuid4()}"}
+            gi["compute_instances"].append(new)
+            return _ci_handle(gpu, gi, new)
 
     def nvmlGpuInstanceGetComputeInstances(self, gpu_instance: Any, profile_id: int,
                                            instances_ref: Any, count_ref: Any) -> int:
@@ -747,23 +779,20 @@ class SimNvml:
             gpu, gi = self._gpu_instance(st, gpu_instance)
             found = sorted((c for c in gi["compute_instances"] if c["profile_id"] == profile_id),
                            key=lambda c: c["id"])
-        return _fill(instances_ref, count_ref,
-                     [_make(_pynvml.c_nvmlComputeInstance_t, _CI, gpu["index"], gi["id"], c["id"])
-                      for c in found])
+        return _fill(instances_ref, count_ref, [_ci_handle(gpu, gi, c) for c in found])
 
     def _compute_instance(self, st: dict, handle: Any) -> tuple[dict, dict, dict]:
-        _, index, gi_id, ci_id = _decode(handle, _CI)
+        _, index, gi_id, ci_id, serial = _decode(handle, _CI)
         gpu = _gpu(st, index)
-        _require_mig(gpu)
         gi = _gi(gpu, gi_id)
-        return gpu, gi, _ci(gi, ci_id)
+        return gpu, gi, _ci(gi, ci_id, serial)
 
     def nvmlComputeInstanceGetInfo(self, compute_instance: Any) -> Any:
         with self._store().read() as st:
             gpu, gi, ci = self._compute_instance(st, compute_instance)
         info = _pynvml.c_nvmlComputeInstanceInfo_t()
         info.device = _make(_pynvml.c_nvmlDevice_t, _GPU, gpu["index"])
-        info.gpuInstance = _make(_pynvml.c_nvmlGpuInstance_t, _GI, gpu["index"], gi["id"])
+        info.gpuInstance = _gi_handle(gpu, gi)
         info.id, info.profileId = ci["id"], ci["profile_id"]
         info.placement.start, info.placement.size = ci["start"], ci["slices"]
         return info
@@ -798,15 +827,17 @@ class SimNvml:
             if index >= len(devices):
                 raise _err(_pynvml.NVML_ERROR_NOT_FOUND)
             g, c = devices[index]
-        return _make(_pynvml.c_nvmlDevice_t, _MIG, gpu["index"], g["id"], c["id"])
+            return _mig_handle(gpu, g, c)
 
     def nvmlDeviceIsMigDeviceHandle(self, handle: Any) -> Any:
         kind, *_ = _decode(handle, _GPU, _MIG)
         return ctypes.c_uint(1 if kind == _MIG else 0)
 
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, mig_device: Any) -> Any:
-        _, index, _, _ = _decode(mig_device, _MIG)
-        return _make(_pynvml.c_nvmlDevice_t, _GPU, index)
+        _decode(mig_device, _MIG)
+        with self._store().read() as st:
+            gpu, _, _ = self._device(st, mig_device)
+        return _make(_pynvml.c_nvmlDevice_t, _GPU, gpu["index"])
 
     def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
         with self._store().read() as st:
@@ -895,16 +926,22 @@ _GPU_FIELDS = {"index": int, "model": str, "uuid": str, "pci_bus_id": str, "mig_
                "nvlink_domain": (str, type(None)), "gpu_instances": list, "processes": list}
 _GI_FIELDS = {"id": int, "profile_id": int, "start": int, "size": int, "compute_instances": list}
 _CI_FIELDS = {"id": int, "profile_id": int, "slices": int, "start": int, "uuid": str}
+# written since instances got serials: a machine file made before has none, so they are optional
+_MACHINE_OPTIONAL = {"next_serial": int}
+_INSTANCE_OPTIONAL = {"serial": int}
 # optional "lost" of a GPU (see lose_gpu): absent or null while it works
 _LOST = (None, "handle", "calls")
 _PROCESS_FIELDS = {"pid": int, "used_mib": int, "gi": (int, type(None)), "ci": (int, type(None))}
 
 
-def _check_record(where: str, record: Any, fields: dict[str, Any]) -> None:
+def _check_record(where: str, record: Any, fields: dict[str, Any],
+                  optional: dict[str, Any] | None = None) -> None:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected an object, got {type(record).__name__}")
-    for key, kind in fields.items():
+    for key, kind in {**fields, **(optional or {})}.items():
         value = record.get(key, ...)
+        if value is ... and key in (optional or {}):
+            continue
         if value is ... or isinstance(value, bool) or not isinstance(value, kind):
             kinds = kind if isinstance(kind, tuple) else (kind,)
             names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
@@ -915,7 +952,7 @@ def check_machine(state: Any) -> None:
     """Raise ValueError naming the first field of a machine file that `create_machine` and the
     NVML calls would not have written: a hand-edited or foreign JSON file is refused up front
     instead of failing later inside an NVML call."""
-    _check_record("machine", state, _MACHINE_FIELDS)
+    _check_record("machine", state, _MACHINE_FIELDS, _MACHINE_OPTIONAL)
     if state["version"] != SCHEMA_VERSION:
         raise ValueError(f"machine.version: {state['version']} (this fastshare reads {SCHEMA_VERSION})")
     if not state["gpus"]:
@@ -927,9 +964,10 @@ def check_machine(state: Any) -> None:
         except catalog.CatalogError as exc:
             raise ValueError(f"gpus[{i}].model: {exc}") from None
         for j, gi in enumerate(gpu["gpu_instances"]):
-            _check_record(f"gpus[{i}].gpu_instances[{j}]", gi, _GI_FIELDS)
+            _check_record(f"gpus[{i}].gpu_instances[{j}]", gi, _GI_FIELDS, _INSTANCE_OPTIONAL)
             for k, ci in enumerate(gi["compute_instances"]):
-                _check_record(f"gpus[{i}].gpu_instances[{j}].compute_instances[{k}]", ci, _CI_FIELDS)
+                _check_record(f"gpus[{i}].gpu_instances[{j}].compute_instances[{k}]", ci, _CI_FIELDS,
+                              _INSTANCE_OPTIONAL)
         for j, proc in enumerate(gpu["processes"]):
             _check_record(f"gpus[{i}].processes[{j}]", proc, _PROCESS_FIELDS)
         if gpu.get("lost") not in _LOST:

@@ -237,3 +237,27 @@ def test_mig_mode_change_refused_on_a_busy_gpu_leaves_nothing_pending(devices, m
     assert (gpu.mig_current, gpu.mig_pending) == (False, False)
     simnvml.remove_process(machine, pid)
     assert devices.set_mig_mode(2, True) is True                # Ampere: pending until reset
+
+
+def test_a_destroy_racing_another_process_does_not_destroy_the_instance_it_made(machine: Path, monkeypatch):
+    """Two processes (two agents, or an agent and `fastshare mig`) on one GPU: while one finds the
+    instance at start 4 and checks it is idle, the other destroys it and makes a new one there,
+    with the same GI and CI ids. NVML has invalidated the first one's handles by then; its
+    destroy must fail, not destroy the other's new instance."""
+    with open_devices("sim", machine) as mine, open_devices("sim", machine) as other:
+        mine.create_mig_instance(0, 9, 4)
+        checked = NvmlDevices._instances
+
+        def meanwhile(self, *args, **kwargs):
+            if self is mine:
+                other.destroy_mig_instance(0, 4)
+                made = other.create_mig_instance(0, 9, 4)
+                meanwhile.made = made.uuid
+            return checked(self, *args, **kwargs)
+
+        monkeypatch.setattr(NvmlDevices, "_instances", meanwhile)
+        with pytest.raises(DeviceError) as err:
+            mine.destroy_mig_instance(0, 4)
+        monkeypatch.undo()
+        assert err.value.code == "INVALID_ARGUMENT" and "replaced it meanwhile" in str(err.value)
+        assert [i.uuid for i in other.mig_instances(0)] == [meanwhile.made]

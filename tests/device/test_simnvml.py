@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -259,7 +260,9 @@ def _records(value):
 
 def test_every_field_the_simulator_writes_is_checked_when_a_machine_is_opened(nvml, machine: Path):
     """A field added to the machine file but not to `check_machine` would let a damaged file
-    through to fail inside an NVML call; so deleting any written field must be refused, by name."""
+    through to fail inside an NVML call; so deleting any written field must be refused, by name.
+    The instance serials came later: a file without them (made before) is still a machine, but
+    one of the wrong type is refused by name too."""
     h, _, _ = _full_mig_device(nvml, 0, 9, 0, 4)
     mig_uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
     simnvml.add_process(machine, 0, mig_uuid=mig_uuid, used_mib=100)
@@ -271,11 +274,18 @@ def test_every_field_the_simulator_writes_is_checked_when_a_machine_is_opened(nv
         for key in list(record):
             kinds.add(key)
             value = record.pop(key)
-            with pytest.raises(ValueError, match=rf"\.{key}: missing"):
+            if key in ("serial", "next_serial"):
                 simnvml.check_machine(state)
+                record[key] = "7"
+                with pytest.raises(ValueError, match=rf"\.{key}: '7', expected int"):
+                    simnvml.check_machine(state)
+            else:
+                with pytest.raises(ValueError, match=rf"\.{key}: missing"):
+                    simnvml.check_machine(state)
             record[key] = value
     # the walk met every kind of record: machine, GPU, GPU instance, compute instance, process
-    assert {"next_pid", "mig_current", "compute_instances", "slices", "used_mib"} <= kinds
+    assert {"next_pid", "mig_current", "compute_instances", "slices", "used_mib", "serial",
+            "next_serial"} <= kinds
 
 
 def test_possible_placements_do_not_need_mig_enabled(nvml):
@@ -372,3 +382,67 @@ def test_an_unprivileged_caller_gets_no_aggregate_memory_or_processes_of_a_mig_g
     whole = nvml.nvmlDeviceGetHandleByIndex(2)                      # A100, MIG off
     assert nvml.nvmlDeviceGetMemoryInfo(whole).total == 40960 * 1024 * 1024
     assert nvml.nvmlDeviceGetComputeRunningProcesses(whole) == []
+
+
+def test_a_destroyed_instances_handles_fail_even_once_its_ids_are_reused(nvml):
+    """NVML: once a GPU or compute instance is destroyed its handle "would become invalid"
+    (nvml.h, nvmlDeviceCreateGpuInstance / nvmlGpuInstanceCreateComputeInstance), and a call
+    on an invalid handle answers INVALID_ARGUMENT. The ids are reused by the next create, so a
+    handle kept across the destroy must not answer for (or destroy) the new instance."""
+    h, old_gi, old_ci = _full_mig_device(nvml, 0, 9, 0, 4)
+    old_mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)
+    old_ids = (nvml.nvmlGpuInstanceGetInfo(old_gi).id, nvml.nvmlComputeInstanceGetInfo(old_ci).id)
+    nvml.nvmlComputeInstanceDestroy(old_ci)
+    nvml.nvmlGpuInstanceDestroy(old_gi)
+    _, new_gi, new_ci = _full_mig_device(nvml, 0, 9, 0, 4)
+    assert (nvml.nvmlGpuInstanceGetInfo(new_gi).id, nvml.nvmlComputeInstanceGetInfo(new_ci).id) == old_ids
+    stale = [
+        lambda: nvml.nvmlGpuInstanceGetInfo(old_gi),
+        lambda: nvml.nvmlComputeInstanceGetInfo(old_ci),
+        lambda: nvml.nvmlDeviceGetUUID(old_mig),
+        lambda: nvml.nvmlDeviceGetGpuInstanceId(old_mig),
+        lambda: nvml.nvmlComputeInstanceDestroy(old_ci),
+        lambda: nvml.nvmlGpuInstanceDestroy(old_gi),
+    ]
+    for call in stale:
+        with pytest.raises(pynvml.NVMLError_InvalidArgument):
+            call()
+    # the new instance is untouched, and its own handles answer
+    assert nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0) is not None
+    assert nvml.nvmlGpuInstanceGetInfo(new_gi).placement.start == 0
+    assert nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)).startswith("MIG-")
+    info = nvml.nvmlComputeInstanceGetInfo(new_ci)
+    assert nvml.nvmlGpuInstanceGetInfo(info.gpuInstance).id == old_ids[0]
+
+
+def test_a_destroyed_gpu_instances_handle_is_invalid_after_mig_is_disabled_too(nvml):
+    """Invalid handle first (INVALID_ARGUMENT), not NOT_SUPPORTED for the MIG mode it no longer has."""
+    h = nvml.nvmlDeviceGetHandleByIndex(1)    # H100: the mode change applies at once
+    gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, ctypes.byref(_placement(0, 1)))
+    nvml.nvmlGpuInstanceDestroy(gi)
+    assert nvml.nvmlDeviceSetMigMode(h, 0) == pynvml.NVML_SUCCESS
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nvml.nvmlGpuInstanceGetInfo(gi)
+
+
+def test_instances_of_a_machine_file_from_before_serials_still_answer(nvml, machine: Path):
+    """A machine file written before instances had serials (an upgraded node keeps its file)."""
+    h, _, _ = _full_mig_device(nvml, 0, 9, 0, 4)
+    state = simnvml.load_machine(machine)
+    del state["next_serial"]
+    for gi in state["gpus"][0]["gpu_instances"]:
+        del gi["serial"]
+        for ci in gi["compute_instances"]:
+            del ci["serial"]
+    machine.write_text(json.dumps(state))
+    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)
+    assert nvml.nvmlDeviceGetUUID(mig).startswith("MIG-")
+    array = (pynvml.c_nvmlGpuInstance_t * 2)()
+    count = ctypes.c_uint(0)
+    nvml.nvmlDeviceGetGpuInstances(h, 9, array, ctypes.byref(count))
+    cis = (pynvml.c_nvmlComputeInstance_t * 1)()
+    nvml.nvmlGpuInstanceGetComputeInstances(array[0], 2, cis, ctypes.byref(count))
+    nvml.nvmlComputeInstanceDestroy(cis[0])
+    nvml.nvmlGpuInstanceDestroy(array[0])
+    _, gi, _ = _full_mig_device(nvml, 0, 9, 0, 4)
+    assert nvml.nvmlGpuInstanceGetInfo(gi).placement.start == 0

@@ -355,6 +355,9 @@ class SimNvml:
         return _make(_pynvml.c_nvmlDevice_t, _GPU, index)
 
     def nvmlDeviceGetHandleByUUID(self, device_uuid: str | bytes) -> Any:
+        """A GPU or MIG device by UUID. A MIG device answers to its UUID ('MIG-<uuid>') and to
+        the R450/R460 form 'MIG-<GPU uuid>/<GI id>/<CI id>', as NVML does since v465 (NVML API
+        reference, change log)."""
         text = device_uuid.decode() if isinstance(device_uuid, bytes) else device_uuid
         with self._store().read() as st:
             for gpu in st["gpus"]:
@@ -362,7 +365,7 @@ class SimNvml:
                     _gpu(st, gpu["index"], handle=True)
                     return _make(_pynvml.c_nvmlDevice_t, _GPU, gpu["index"])
                 for gi, ci in _mig_devices(gpu):
-                    if ci["uuid"] == text:
+                    if text in (ci["uuid"], f"MIG-{gpu['uuid']}/{gi['id']}/{ci['id']}"):
                         return _mig_handle(gpu, gi, ci)
         raise _err(_pynvml.NVML_ERROR_NOT_FOUND)
 

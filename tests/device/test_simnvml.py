@@ -446,3 +446,21 @@ def test_instances_of_a_machine_file_from_before_serials_still_answer(nvml, mach
     nvml.nvmlGpuInstanceDestroy(array[0])
     _, gi, _ = _full_mig_device(nvml, 0, 9, 0, 4)
     assert nvml.nvmlGpuInstanceGetInfo(gi).placement.start == 0
+
+
+def test_a_mig_device_is_found_by_its_older_uuid_form_too(nvml):
+    """NVML API reference change log, "Changes between v460 and v465": nvmlDeviceGetHandleByUUID
+    accepts both 'MIG-UUID' and 'MIG-GPU UUID/GID/CID' (the R450/R460 name of a MIG device,
+    which CUDA_VISIBLE_DEVICES takes as well); nvmlDeviceGetUUID returns the first."""
+    h, gi, ci = _full_mig_device(nvml, 0, 9, 4, 4)
+    gpu_uuid = nvml.nvmlDeviceGetUUID(h)
+    gi_id, ci_id = nvml.nvmlGpuInstanceGetInfo(gi).id, nvml.nvmlComputeInstanceGetInfo(ci).id
+    mig_uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+    old = nvml.nvmlDeviceGetHandleByUUID(f"MIG-{gpu_uuid}/{gi_id}/{ci_id}".encode())
+    assert nvml.nvmlDeviceGetUUID(old) == mig_uuid
+    assert (nvml.nvmlDeviceGetGpuInstanceId(old), nvml.nvmlDeviceGetComputeInstanceId(old)) == (gi_id, ci_id)
+    for missing in (f"MIG-{gpu_uuid}/{gi_id}/{ci_id + 1}", f"MIG-{gpu_uuid}/{gi_id + 1}/{ci_id}",
+                    f"MIG-{gpu_uuid}/{gi_id}", f"MIG-{gpu_uuid}/x/{ci_id}",
+                    f"MIG-{nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(2))}/{gi_id}/{ci_id}"):
+        with pytest.raises(pynvml.NVMLError_NotFound):
+            nvml.nvmlDeviceGetHandleByUUID(missing)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from fastshare.device.api import MigProfile
 
@@ -26,6 +27,16 @@ ENUM_4_SLICE = 0x3
 ENUM_7_SLICE = 0x4
 ENUM_1_SLICE_REV1 = 0x7  # 1g + media extensions
 ENUM_1_SLICE_REV2 = 0x9  # 1g with two memory slices
+
+
+class MigEngines(NamedTuple):
+    """The copy and media engines of a GPU instance of one profile, as NVML reports them (its
+    compute instances and MIG devices share them). No MIG-capable model here has an encoder."""
+
+    copy: int
+    decoders: int
+    jpeg: int
+    ofa: int
 
 
 class CatalogError(ValueError):
@@ -62,6 +73,7 @@ class GpuModel:
     memory_slices: int = 0
     profiles: tuple[MigProfile, ...] = ()
     profile_enum: tuple[tuple[int, int], ...] = ()   # (NVML enum index, profile id)
+    mig_engines: tuple[tuple[int, MigEngines], ...] = ()   # (profile id, its engines)
     aliases: tuple[str, ...] = ()
 
     def profile(self, name_or_id: str | int) -> MigProfile:
@@ -78,6 +90,12 @@ class GpuModel:
             if index == enum_index:
                 return self.profile(profile_id)
         return None
+
+    def engines(self, profile_id: int) -> MigEngines:
+        for pid, engines in self.mig_engines:
+            if pid == profile_id:
+                return engines
+        raise CatalogError(f"profile id {profile_id} does not exist on {self.key}")
 
     def enum_of(self, profile_id: int) -> int:
         for index, pid in self.profile_enum:
@@ -102,6 +120,22 @@ _A100_SHAPES = (
     (ENUM_4_SLICE, 5, "4g.{m4}gb", 4, 4, 1, (0,)),
     (ENUM_7_SLICE, 0, "7g.{m8}gb", 7, 8, 1, (0,)),
 )
+
+
+# Engines per profile id: the MIG user guide's "Supported MIG Profiles" tables (A100-SXM4-40GB,
+# whose -80GB names differ only in memory; H100 80GB "PCIe and SXM5"; H200 141GB), which
+# `nvidia-smi mig -lgip` on A100s and H100s shows alike. Hopper has a JPEG decoder per slice
+# and 8 copy engines in its 7g.
+_AMPERE_ENGINES = ((19, MigEngines(1, 0, 0, 0)), (20, MigEngines(1, 1, 1, 1)), (15, MigEngines(1, 1, 0, 0)),
+                   (14, MigEngines(2, 1, 0, 0)), (9, MigEngines(3, 2, 0, 0)), (5, MigEngines(4, 2, 0, 0)),
+                   (0, MigEngines(7, 5, 1, 1)))
+_HOPPER_ENGINES = ((19, MigEngines(1, 1, 1, 0)), (20, MigEngines(1, 1, 1, 1)), (15, MigEngines(1, 1, 1, 0)),
+                   (14, MigEngines(2, 2, 2, 0)), (9, MigEngines(3, 3, 3, 0)), (5, MigEngines(4, 4, 4, 0)),
+                   (0, MigEngines(8, 7, 7, 1)))
+# A30: `nvidia-smi mig -lgip` on A30s (R535), which gives its 1g.6gb a decoder where the
+# guide's table says none; NVML is the truth.
+_A30_ENGINES = ((14, MigEngines(1, 1, 0, 0)), (21, MigEngines(1, 1, 1, 1)), (5, MigEngines(2, 2, 0, 0)),
+                (0, MigEngines(4, 4, 1, 1)))
 
 
 def _seven_slice_profiles(
@@ -133,7 +167,8 @@ def _mig_model(key: str, name: str, arch: str, memory_mib: int, sm_count: int, p
     return GpuModel(
         key=key, name=name, architecture=arch, memory_mib=memory_mib, sm_count=sm_count,
         pci_device_id=pci, mig_capable=True, mig_pending_until_reset=(arch == "ampere"),
-        compute_slices=7, memory_slices=8, profiles=profiles, profile_enum=enum, aliases=aliases,
+        compute_slices=7, memory_slices=8, profiles=profiles, profile_enum=enum,
+        mig_engines=_AMPERE_ENGINES if arch == "ampere" else _HOPPER_ENGINES, aliases=aliases,
     )
 
 
@@ -155,7 +190,7 @@ def _a30() -> GpuModel:
         key="A30-24GB", name="NVIDIA A30", architecture="ampere", memory_mib=total, sm_count=56,
         pci_device_id=0x20B710DE, mig_capable=True, mig_pending_until_reset=True,
         compute_slices=4, memory_slices=4, profiles=profiles,
-        profile_enum=tuple((r[0], r[1]) for r in rows), aliases=("A30",),
+        profile_enum=tuple((r[0], r[1]) for r in rows), mig_engines=_A30_ENGINES, aliases=("A30",),
     )
 
 

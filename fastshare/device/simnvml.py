@@ -141,6 +141,12 @@ def _fill(array_ref: Any, count_ref: Any, handles: list[Any]) -> int:
     return _pynvml.NVML_SUCCESS
 
 
+def _shared(info: Any, engines: catalog.MigEngines) -> None:
+    """The shared engine counts of a compute instance or MIG device: its GPU instance's."""
+    info.sharedCopyEngineCount, info.sharedDecoderCount = engines.copy, engines.decoders
+    info.sharedEncoderCount, info.sharedJpegCount, info.sharedOfaCount = 0, engines.jpeg, engines.ofa
+
+
 def _ci_slices(profile_id: int, gi_profile: Any) -> int:
     """Compute slices of a compute-instance profile; NOT_SUPPORTED if it exceeds the GPU instance."""
     slices = _CI_SLICES.get(profile_id)
@@ -472,13 +478,10 @@ class SimNvml:
             if gi is None or ci is None:
                 raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
             profile = _profile_by_id(_model(gpu), gi["profile_id"])
+            engines = _model(gpu).engines(profile.profile_id)
         attrs = _pynvml.c_nvmlDeviceAttributes()
         attrs.multiprocessorCount = profile.sm_count * ci["slices"] // profile.slices
-        attrs.sharedCopyEngineCount = max(1, profile.slices)
-        attrs.sharedDecoderCount = profile.slices // 2
-        attrs.sharedEncoderCount = 0
-        attrs.sharedJpegCount = 1 if "+me" in profile.name or profile.slices == 7 else 0
-        attrs.sharedOfaCount = attrs.sharedJpegCount
+        _shared(attrs, engines)
         attrs.gpuInstanceSliceCount = profile.slices
         attrs.computeInstanceSliceCount = ci["slices"]
         attrs.memorySizeMB = profile.memory_mib
@@ -597,11 +600,9 @@ class SimNvml:
         info.sliceCount = spec.slices
         info.instanceCount = spec.max_instances
         info.multiprocessorCount = spec.sm_count
-        info.copyEngineCount = spec.slices
-        info.decoderCount = spec.slices // 2
-        info.encoderCount = 0
-        info.jpegCount = 1 if "+me" in spec.name or spec.slices == model.compute_slices else 0
-        info.ofaCount = info.jpegCount
+        engines = model.engines(spec.profile_id)
+        info.copyEngineCount, info.decoderCount, info.encoderCount = engines.copy, engines.decoders, 0
+        info.jpegCount, info.ofaCount = engines.jpeg, engines.ofa
         info.memorySizeMB = spec.memory_mib
         return info
 
@@ -734,6 +735,7 @@ class SimNvml:
         with self._store().read() as st:
             gpu, gi = self._gpu_instance(st, gpu_instance)
             spec = _profile_by_id(_model(gpu), gi["profile_id"])
+            engines = _model(gpu).engines(spec.profile_id)
         slices = _ci_slices(profile, spec)
         if version == 2:
             info = _pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
@@ -747,7 +749,7 @@ class SimNvml:
         info.sliceCount = slices
         info.instanceCount = spec.slices // slices
         info.multiprocessorCount = spec.sm_count * slices // spec.slices
-        info.sharedCopyEngineCount = spec.slices
+        _shared(info, engines)
         return info
 
     nvmlGpuInstanceGetComputeInstanceProfileInfoV = nvmlGpuInstanceGetComputeInstanceProfileInfo

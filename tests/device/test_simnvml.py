@@ -11,7 +11,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from fastshare.device import simnvml
+from fastshare.device import catalog, simnvml
 
 
 @pytest.fixture
@@ -464,3 +464,75 @@ def test_a_mig_device_is_found_by_its_older_uuid_form_too(nvml):
                     f"MIG-{nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(2))}/{gi_id}/{ci_id}"):
         with pytest.raises(pynvml.NVMLError_NotFound):
             nvml.nvmlDeviceGetHandleByUUID(missing)
+
+
+# (copy engines, decoders, encoders, JPEG, OFA) of each GPU-instance profile: the MIG user guide,
+# "Supported MIG Profiles" (A100-SXM4-40GB, and the -80GB names; H100 80GB "PCIe and SXM5"; H200
+# 141GB), and for the A30 `nvidia-smi mig -lgip` on A30s (R535): its 1g.6gb has one decoder
+# (DEC 1), where the guide's table says 0. None of these GPUs has a video encoder (NVENC).
+_A100_ENGINES = ((1, 0, 0, 0, 0), (1, 1, 0, 1, 1), (1, 1, 0, 0, 0), (2, 1, 0, 0, 0),   # 1g, 1g+me, 1g 2 mem
+                 (3, 2, 0, 0, 0), (4, 2, 0, 0, 0), (7, 5, 0, 1, 1))                    # 2g, 3g, 4g, 7g
+_HOPPER_ENGINES = ((1, 1, 0, 1, 0), (1, 1, 0, 1, 1), (1, 1, 0, 1, 0), (2, 2, 0, 2, 0),
+                   (3, 3, 0, 3, 0), (4, 4, 0, 4, 0), (8, 7, 0, 7, 1))
+
+
+def _named(sizes: str, engines: tuple) -> dict[str, tuple]:
+    """Profile names from the memory of 1g, 1g with two memory slices, 2g, 3g/4g and 7g."""
+    m1, m2, m4, m8 = sizes.split()
+    names = [f"1g.{m1}gb", f"1g.{m1}gb+me", f"1g.{m2}gb", f"2g.{m2}gb", f"3g.{m4}gb", f"4g.{m4}gb",
+             f"7g.{m8}gb"]
+    return dict(zip(names, engines, strict=True))
+
+
+_GUIDE_ENGINES = {
+    "A100-SXM4-40GB": _named("5 10 20 40", _A100_ENGINES),
+    "A100-SXM4-80GB": _named("10 20 40 80", _A100_ENGINES),
+    "H100-SXM5-80GB": _named("10 20 40 80", _HOPPER_ENGINES),
+    "H100-PCIE-80GB": _named("10 20 40 80", _HOPPER_ENGINES),
+    "H200-SXM5-141GB": _named("18 35 71 141", _HOPPER_ENGINES),
+    "A30-24GB": {"1g.6gb": (1, 1, 0, 0, 0), "1g.6gb+me": (1, 1, 0, 1, 1), "2g.12gb": (2, 2, 0, 0, 0),
+                 "4g.24gb": (4, 4, 0, 1, 1)},
+}
+
+
+@pytest.mark.parametrize("model", sorted(_GUIDE_ENGINES))
+def test_engine_counts_of_every_mig_profile_match_the_mig_user_guide(tmp_path: Path, model):
+    """GPU-instance profiles, their compute-instance profiles and their MIG devices report the
+    engines a real GPU of the model does (a MIG device shares its GPU instance's engines)."""
+    path = tmp_path / "m.json"
+    simnvml.create_machine(path, [model], mig_enabled=True)
+    n = simnvml.SimNvml(path)
+    n.nvmlInit()
+    h = n.nvmlDeviceGetHandleByIndex(0)
+    found = {}
+    for enum in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+        try:
+            info = n.nvmlDeviceGetGpuInstanceProfileInfo(h, enum)
+        except pynvml.NVMLError_NotSupported:
+            continue
+        engines = (info.copyEngineCount, info.decoderCount, info.encoderCount, info.jpegCount, info.ofaCount)
+        found[info.name.removeprefix("MIG ")] = engines
+        gi = n.nvmlDeviceCreateGpuInstance(h, info.id)
+        shared = []
+        for ci_enum in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            try:
+                ci_info = n.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi, ci_enum, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            except pynvml.NVMLError_NotSupported:
+                continue
+            shared.append((ci_info.sharedCopyEngineCount, ci_info.sharedDecoderCount,
+                           ci_info.sharedEncoderCount, ci_info.sharedJpegCount, ci_info.sharedOfaCount))
+            if ci_info.sliceCount == info.sliceCount:
+                ci = n.nvmlGpuInstanceCreateComputeInstance(gi, ci_info.id)
+        assert shared and set(shared) == {engines}
+        attrs = n.nvmlDeviceGetAttributes(n.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+        assert (attrs.sharedCopyEngineCount, attrs.sharedDecoderCount, attrs.sharedEncoderCount,
+                attrs.sharedJpegCount, attrs.sharedOfaCount) == engines
+        n.nvmlComputeInstanceDestroy(ci)
+        n.nvmlGpuInstanceDestroy(gi)
+    assert set(found) <= set(_GUIDE_ENGINES[model])
+    assert found == {name: _GUIDE_ENGINES[model][name] for name in found}
+
+
+def test_every_mig_capable_model_has_its_engine_counts_checked():
+    assert set(_GUIDE_ENGINES) == {m.key for m in catalog.MODELS.values() if m.mig_capable}

@@ -18,9 +18,10 @@ Two ways to use it:
   ``FASTSHARE_SIM_STATE`` or by :func:`set_state_path`.
 
 Handles are ctypes pointers of pynvml's handle types whose *address* encodes what they
-point at (never dereferenced), so callers can store them in pynvml's ctypes arrays. A GPU or
-compute instance's handle also carries the instance's serial, which no later instance shares:
-NVML invalidates the handles of a destroyed instance, while the ids are reused by the next one.
+point at (never dereferenced), so callers can store them in pynvml's ctypes arrays. The handle
+of a GPU instance, compute instance or MIG device also carries its instance's serial, which no
+later instance shares: NVML invalidates the handles of a destroyed instance, while its ids are
+reused by the next one.
 
 Test-only knobs (no NVML equivalent): :func:`create_machine`, :func:`add_process`,
 :func:`remove_process`, :func:`reset_gpu`, :func:`reboot`, :func:`remove_gpu`, :func:`lose_gpu`.

@@ -373,6 +373,7 @@ class SimNvml:
                     return _make(_pynvml.c_nvmlDevice_t, _GPU, gpu["index"])
                 for gi, ci in _mig_devices(gpu):
                     if text in (ci["uuid"], f"MIG-{gpu['uuid']}/{gi['id']}/{ci['id']}"):
+                        _gpu(st, gpu["index"], handle=True)   # a lost GPU's MIG devices too
                         return _mig_handle(gpu, gi, ci)
         raise _err(_pynvml.NVML_ERROR_NOT_FOUND)
 

@@ -466,6 +466,25 @@ def test_a_mig_device_is_found_by_its_older_uuid_form_too(nvml):
             nvml.nvmlDeviceGetHandleByUUID(missing)
 
 
+@pytest.mark.parametrize("handle", [True, False])
+def test_a_mig_device_of_a_lost_gpu_answers_gpu_is_lost(nvml, machine: Path, handle: bool):
+    """A GPU lost with its handle cannot be acquired by any name, its MIG devices' UUIDs (both
+    forms) included; lost for calls only, its MIG device's handle comes but every call on it
+    raises NVML_ERROR_GPU_IS_LOST."""
+    h, gi, ci = _full_mig_device(nvml, 0, 9, 4, 4)
+    gpu_uuid = nvml.nvmlDeviceGetUUID(h)
+    names = (nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)),
+             f"MIG-{gpu_uuid}/{nvml.nvmlGpuInstanceGetInfo(gi).id}/{nvml.nvmlComputeInstanceGetInfo(ci).id}")
+    simnvml.lose_gpu(machine, 0, handle=handle)
+    for name in names:
+        if handle:
+            with pytest.raises(pynvml.NVMLError_GpuIsLost):
+                nvml.nvmlDeviceGetHandleByUUID(name)
+        else:
+            with pytest.raises(pynvml.NVMLError_GpuIsLost):
+                nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByUUID(name))
+
+
 # (copy engines, decoders, encoders, JPEG, OFA) of each GPU-instance profile: the MIG user guide,
 # "Supported MIG Profiles" (A100-SXM4-40GB, and the -80GB names; H100 80GB "PCIe and SXM5"; H200
 # 141GB), and for the A30 `nvidia-smi mig -lgip` on A30s (R535): its 1g.6gb has one decoder

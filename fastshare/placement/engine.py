@@ -74,8 +74,8 @@ class _Node:
     """A node and what it holds. ``memo``: its answers to the shapes bound to it by an affinity
     tag since it last changed (other shapes' answers are shared by nodes alike, see
     :meth:`Engine._lookup`); ``state``: the number of its state; ``version`` counts its changes
-    (the shape heaps' entries carry it); ``rank``: its place in the node order, which breaks
-    ties."""
+    (the shape heaps' entries carry it; numbered across nodes, see ``Engine._ticks``); ``rank``:
+    its place in the node order, which breaks ties."""
 
     view: NodeView
     gpus: list[_Gpu]
@@ -183,7 +183,9 @@ class Engine:
         self._affinity: dict[str, tuple[str, int]] = {}  # affinity tag -> (node, gpu)
         self._memo_generation = policy.generation
         self._heaps = ShapeHeaps()
-        self._ranks = itertools.count()
+        # numbers node ranks and versions: a node added again under a name never has a version
+        # its earlier self had (the heaps' entries of that one stay stale)
+        self._ticks = itertools.count()
         self._changes = 0   # changes to any node so far: a remembered rejection holds until the next
         self._rejected: dict[tuple, tuple[int, Rejection]] = {}
         self._scores: dict[tuple, Any] = {}   # see _policy_score
@@ -196,7 +198,8 @@ class Engine:
     def add_node(self, view: NodeView) -> None:
         if view.name in self._nodes:
             raise InvalidRequest(f"node {view.name}: already in the cluster view")
-        self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus], rank=next(self._ranks))
+        tick = next(self._ticks)
+        self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus], rank=tick, version=tick)
         self._changed(view.name)
         self._capacity(view, +1)
 
@@ -223,7 +226,7 @@ class Engine:
         node.memo.clear()
         node.state = None
         node.room = None
-        node.version += 1
+        node.version = next(self._ticks)
         self._changed(node.view.name)
 
     def _changed(self, name: str) -> None:

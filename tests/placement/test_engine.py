@@ -701,3 +701,20 @@ def test_a_remembered_rejection_lasts_only_until_a_node_changes():
     eng.set_capacity("n", 64000, 1024)
     rej = eng.place(fastpod("f", 50, memory_mib=2048))
     assert not rej and "host memory" in rej.reason, rej.reason
+
+
+def test_a_node_added_again_under_its_name_is_judged_by_its_new_view():
+    """The shape heaps' entries carry a node's version, which counted from 0 for every node
+    added: a node removed and added again under its name (another view: its A100 replaced by a
+    T4) made the entries of its earlier self current again. A request bound to A100s then went
+    to the T4 node (a whole GPU: an assignment holding no GPU; a share: a TypeError), where
+    looking at every node rejects it."""
+    for ask in (Request("w", "whole", gpus=1, gpu_models=("A100-SXM4-40GB",)),
+                fastpod("f", gpu_models=("A100-SXM4-40GB",))):
+        eng = Engine([node("a", n_gpus=1), node("b", n_gpus=1, key="T4")])
+        first = eng.place(dataclasses.replace(ask, id="first"), excluded={"a": "are cordoned"})
+        assert not first and "1 node(s) are cordoned (a)" in first.reason, first
+        eng.remove_node("a")
+        eng.add_node(node("a", n_gpus=1, key="T4"))
+        again = eng.place(ask)
+        assert not again and again == _Unmemoized(eng.nodes).place(ask), again

@@ -718,3 +718,22 @@ def test_a_node_added_again_under_its_name_is_judged_by_its_new_view():
         eng.add_node(node("a", n_gpus=1, key="T4"))
         again = eng.place(ask)
         assert not again and again == _Unmemoized(eng.nodes).place(ask), again
+
+
+def test_an_empty_exclusion_tag_is_no_tag_for_cached_and_fresh_answers_alike():
+    """Nodes in the same state share answers, and a GPU's state wrote its sharers' exclusion
+    tags as ``tag or ""``: a sharer tagged ``""`` and an untagged one looked alike, while the
+    tag check told them apart (``"" != None``). So after an answer was worked out on a node
+    holding the one, a node holding the other got it: a share was rejected ("the sharing tags
+    rule them out") where looking at every node placed it. An empty tag is now no tag, as for
+    affinity and anti-affinity (and as the controller sends it)."""
+    def share(rid: str, **tags) -> Request:
+        return fastpod(rid, quota_request=0.2, **tags)
+
+    assert share("a", exclusion="") == share("a")
+    for eng in (Engine([node("x", n_gpus=1), node("y", n_gpus=1)]),
+                _Unmemoized([node("x", n_gpus=1), node("y", n_gpus=1)])):
+        assert eng.place(share("a", exclusion="")).node == "x"
+        assert eng.place(share("b"), excluded={"x": "are cordoned"}).node == "y"
+        assert eng.place(share("c", exclusion=""), excluded={"y": "are cordoned"}).node == "x"
+        assert eng.place(share("d")), type(eng)

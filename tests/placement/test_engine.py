@@ -564,9 +564,12 @@ def test_a_held_slice_overlapped_by_a_foreign_instance_is_over_committed_and_tha
 
 class _Unmemoized(Engine):
     """The engine scoring every node afresh on every decision (as before its node memos, shape
-    heaps and scores remembered by node state)."""
+    heaps, scores remembered by node state and rejections remembered)."""
 
     def _memo_key(self, r):
+        return None
+
+    def _rejection_seen(self, request, excluded):
         return None
 
     def _policy_score(self, model, cpu_left, free, task):
@@ -610,74 +613,152 @@ def test_node_memos_change_no_decision_through_releases_tags_and_capacity_change
     assert memo.usage() == fresh.usage()
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_shape_heaps_place_as_looking_at_every_node(seed):
-    """Decisions through the per-shape heaps (only the nodes changed since a shape was last
-    asked for are scored again; nodes in the same state share answers) equal the engine that
-    scores every node on every decision, through everything that changes a node or the set of
-    nodes: placements and releases of every heap kind, capacity changes, nodes added and
-    removed, node selectors, nodes excluded by the caller, host memory, tags and the policy's
-    learning refreshes. Requests repeat a few shapes, as in a cluster, so the heaps are used."""
+@pytest.mark.parametrize("seed, policy, small", [
+    (1, "fastshare", False), (2, "fastshare", False), (3, "fastshare", False),
+    (4, "fastshare", True), (5, "fgd", True), (6, "bestfit", False), (7, "gpupacking", True),
+])
+def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeypatch):
+    """Decisions and rejections through the per-shape heaps (only the nodes changed since a
+    shape was last asked for are scored again; nodes in the same state share answers and
+    rejection summaries; a rejection is given again until a node changes) equal the engine that
+    looks at every node on every decision, through everything that changes a node or the set of
+    nodes: placements and releases of every kind (tags: affinity, anti-affinity, exclusion, on
+    shares and MIG slices), capacity changes (to none), nodes added and removed (also under a
+    name used before, with another view), held shares counted again by force (over-committed
+    GPUs), GPU views changed as the controller does it (a new engine, the same policy, the
+    assignments restored by force: lost, closed, no MPS, MIG on, MIG instances no one holds),
+    node selectors, model lists, nodes excluded by the caller, host memory, MPS
+    oversubscription, the same ask again, and the policy's learning refreshes. ``small``: the
+    caches are made tiny, so that they are emptied and their heaps dropped mid-way. Requests
+    repeat a few shapes, as in a cluster, so the caches are used."""
     import random
 
+    from fastshare.placement import engine as engine_module
+    from fastshare.placement.policies import Task, typical_shapes
+    from fastshare.placement.shape_heaps import ShapeHeaps
+
     rng = random.Random(seed)
+    if small:
+        monkeypatch.setattr(engine_module, "SCORES_KEPT", 20)
+        monkeypatch.setattr(engine_module, "MEMO_SIZE", 3)
+        monkeypatch.setattr(engine_module, "ShapeHeaps", lambda: ShapeHeaps(limit=2))
+    typical = typical_shapes([Task(1000, 300, 1), Task(2000, 1000, 1), Task(500, 500, 1), Task(0, 1000, 2)])
+    oversub = rng.choice([1.0, 2.0])
     links = {(0, 1): 1, (2, 3): 1, (0, 2): 3, (0, 3): 3, (1, 2): 3, (1, 3): 3}
+    serial = iter(range(10**6))
 
-    def view(i: int) -> NodeView:
-        gpus = rng.choice([1, 2, 4])
-        return node(f"n{i}", n_gpus=gpus, cpu=rng.choice([8000, 16000]),
-                    mem=rng.choice([16384, 65536]), labels={"zone": rng.choice("ab")},
-                    key=rng.choice(["A100-SXM4-40GB", "T4"]), links=links if gpus == 4 else None)
+    def gpu_state(g: GpuView) -> GpuView:
+        x = rng.random() * 2   # most GPUs plain, so that many nodes are alike
+        if x < 0.05:
+            return dataclasses.replace(g, lost="lost (fell off the bus?): NVML_ERROR_GPU_IS_LOST")
+        if x < 0.10:
+            return dataclasses.replace(g, closed="MIG mode change pending a GPU reset")
+        if x < 0.15:
+            return dataclasses.replace(g, no_mps="no MPS control binary on the node")
+        if x < 0.25 and g.mig_capable:
+            return dataclasses.replace(g, mig_enabled=True, mig_unheld=((19, 6, 1),) if x < 0.2 else ())
+        return dataclasses.replace(g, mig_enable_needs_reset=g.mig_capable and x < 0.3)
 
-    views = [view(i) for i in range(10)]
-    heaps, fresh = Engine(views), _Unmemoized(views)
-    names = [v.name for v in views]
-    held: list[str] = []
-    next_node = len(views)
+    def view(name: str) -> NodeView:
+        gpus = rng.choice([1, 2, 2, 4])
+        v = node(name, n_gpus=gpus, cpu=rng.choice([8000, 16000]), mem=rng.choice([16384, 65536]),
+                 labels={"zone": rng.choice("ab")}, links=links if gpus == 4 else None,
+                 key=rng.choice(["A100-SXM4-40GB", "A100-SXM4-40GB", "T4"]))
+        return dataclasses.replace(v, gpus=tuple(dataclasses.replace(gpu_state(g), uuid=f"GPU-{next(serial)}")
+                                                 for g in v.gpus))
+
+    def engines(views: list[NodeView], policies=None) -> tuple[Engine, Engine]:
+        policies = policies or [make_policy(policy, typical) for _ in range(2)]
+        return (Engine(views, policies[0], mps_oversubscription=oversub),
+                _Unmemoized(views, policies[1], mps_oversubscription=oversub))
+
+    def both(method: str, *args, **kwargs):   # on both engines: the same answer, or the same error
+        out = []
+        for eng in (heaps, fresh):
+            try:
+                out.append(getattr(eng, method)(*args, **kwargs))
+            except (InvalidRequest, KeyError) as exc:
+                out.append(repr(exc))
+        assert out[0] == out[1], (k, out)
+        return out[0]
+
+    heaps, fresh = engines([view(f"n{i}") for i in range(10)])
+    names = [v.name for v in heaps.nodes]
+    placed: list[Assignment] = []
+    last = None
+    remembered = rejected = most_heaps = 0
     for k in range(1500):
         step = rng.random()
-        if step < 0.25 and held:
-            rid = held.pop(rng.randrange(len(held)))
-            assert heaps.release(rid) == fresh.release(rid)
+        held = list(heaps.assignments)
+        if step < 0.20 and held:
+            rid = rng.choice(held)
+            both("release", rid)
             continue
-        if step < 0.28:
-            name, cpu = rng.choice(names), rng.choice([4000, 8000, 16000])
-            heaps.set_capacity(name, cpu, rng.choice([16384, 65536]))
-            fresh.set_capacity(name, cpu, heaps._nodes[name].view.memory_mib)
+        if step < 0.23:
+            both("set_capacity", rng.choice(names), rng.choice([0, 4000, 8000, 16000]),
+                 rng.choice([0, 16384, 65536]))
             continue
-        if step < 0.30:
+        if step < 0.27:
             busy = {a.node for a in heaps.assignments.values()}
             idle = [n for n in names if n not in busy]
             if idle:
                 name = rng.choice(idle)
-                heaps.remove_node(name)
-                fresh.remove_node(name)
+                both("remove_node", name)
                 names.remove(name)
-            v = view(next_node)
-            next_node += 1
-            heaps.add_node(v)
-            fresh.add_node(v)
+            v = view(name if idle and rng.random() < 0.7 else f"n{next(serial)}")
+            both("add_node", v)
             names.append(v.name)
             continue
-        ask = {"cpu_milli": rng.choice([0, 500, 2000]), "memory_mib": rng.choice([0, 1024, 32768]),
-               "node_selector": rng.choice([{}, {}, {"zone": "a"}]),
-               "gpu_models": rng.choice([(), (), ("T4",)])}
-        kind = rng.random()
-        if kind < 0.6:
-            r = Request(f"r{k}", "fastpod", sm_percent=rng.choice([10, 30, 50]), gpu_memory_mib=2048,
-                        quota_request=0.2, quota_limit=0.5, anti_affinity=rng.choice([None, None, "x"]),
-                        exclusion=rng.choice([None, None, None, "e"]), **ask)
-        elif kind < 0.75:
-            r = Request(f"r{k}", "mps", gpu_memory_mib=rng.choice([4096, 12288]), **ask)
+        if step < 0.29 and placed:   # a share its node still holds, counted again (the controller's adopt)
+            a = rng.choice(placed)
+            if a.request.id not in heaps.assignments:
+                both("restore", a, check_host=False, force=True)
+            continue
+        if step < 0.31:   # a node's GPUs changed: the controller builds a new engine, same policy
+            name, plain = rng.choice(names), {"lost": "", "closed": "", "no_mps": "", "mig_enabled": False,
+                                              "mig_unheld": ()}
+            views = [v if v.name != name else dataclasses.replace(
+                         v, gpus=tuple(gpu_state(dataclasses.replace(g, **plain)) for g in v.gpus))
+                     for v in heaps.nodes]
+            held = list(heaps.assignments.values())
+            heaps, fresh = engines(views, [heaps.policy, fresh.policy])
+            for a in held:
+                both("restore", a, check_host=False, force=True)
+            continue
+        if step < 0.37 and last:   # the same ask again (a full cluster rejects the same shapes over and over)
+            r, excluded = dataclasses.replace(last[0], id=f"r{k}"), last[1]
+            remembered += heaps._rejection_seen(r, excluded or {}) is not None
         else:
-            r = Request(f"r{k}", "whole", gpus=rng.choice([1, 2, 2, 3]), **ask)
-        excluded = {rng.choice(names): "are cordoned"} if rng.random() < 0.2 else None
-        a, b = heaps.place(r, excluded), fresh.place(r, excluded)
-        assert a == b, (k, a, b)
-        if a:
-            held.append(r.id)
+            ask = {"cpu_milli": rng.choice([0, 500, 2000]), "memory_mib": rng.choice([0, 1024, 32768]),
+                   "node_selector": rng.choice([{}, {}, {"zone": "a"}]),
+                   "gpu_models": rng.choice([(), (), ("T4",), ("A100-SXM4-40GB", "A30-24GB")]),
+                   "anti_affinity": rng.choice([None, None, "x"]),
+                   "exclusion": rng.choice([None, None, None, "e"]),
+                   "affinity": rng.choice([None] * 6 + ["a", "b"])}
+            kind = rng.random()
+            if kind < 0.5:
+                r = Request(f"r{k}", "fastpod", sm_percent=rng.choice([10, 30, 50, 33.34]),
+                            gpu_memory_mib=rng.choice([2048, 12000]), quota_limit=1.0,
+                            quota_request=rng.choice([0.2, 0.1, 0.7]), **ask)
+            elif kind < 0.65:
+                r = Request(f"r{k}", "mps", gpu_memory_mib=rng.choice([4096, 12288, 30000]), **ask)
+            elif kind < 0.85:
+                r = Request(f"r{k}", "whole", gpus=rng.choice([1, 2, 2, 3]), **ask)
+            else:
+                r = Request(f"r{k}", "exclusive", sm_count=rng.choice([14, 28, 42]), **ask)
+            excluded = {rng.choice(names): "are cordoned"} if rng.random() < 0.2 else None
+            last = (r, excluded)
+        got = both("place", r, excluded)
+        most_heaps = max(most_heaps, len(heaps._heaps))
+        if got:
+            placed.append(got)
+        else:
+            rejected += 1
     assert heaps.usage() == fresh.usage()
-    assert len(heaps._heaps) > 3 and heaps.policy.generation > 2   # the heaps and the refreshes were used
+    # the caches were used: heaps, remembered rejections, the policy's refreshes
+    assert most_heaps >= (2 if small else 8), most_heaps
+    assert remembered > 10 and rejected > 100, (remembered, rejected)
+    assert policy != "fastshare" or heaps.policy.generation > 2
 
 
 def test_a_remembered_rejection_lasts_only_until_a_node_changes():

@@ -644,7 +644,8 @@ class Engine:
         its node selector keys the heap beside it."""
         if self.policy.randomized:   # a random policy draws on every score: nothing repeats
             return None
-        bound = self._affinity.get(r.affinity) if r.affinity else None
+        # a bound tag with its binding: a rejection names the tag (two tags may bind one GPU)
+        bound = (r.affinity, self._affinity[r.affinity]) if r.affinity in self._affinity else None
         return (r.kind, r.sm_milli, r.gpu_memory_mib, r.quota_request, r.gpus, r.cpu_milli, r.gpu_models,
                 r.exclusion, r.anti_affinity, bound)
 

@@ -818,3 +818,20 @@ def test_an_empty_exclusion_tag_is_no_tag_for_cached_and_fresh_answers_alike():
         assert eng.place(share("b"), excluded={"x": "are cordoned"}).node == "y"
         assert eng.place(share("c", exclusion=""), excluded={"y": "are cordoned"}).node == "x"
         assert eng.place(share("d")), type(eng)
+
+
+def test_a_rejection_names_the_affinity_tag_of_the_request_it_rejects():
+    """Two affinity tags bound to one GPU gave their requests one shape (the binding, not the
+    tag, was in its key), so the second request's rejection reused the node summaries worked
+    out for the first and named the other workload's tag ("affinity tag 'a' binds it to x GPU
+    0" to a request tagged 'b')."""
+    def share(rid: str, sm: float, tag: str) -> Request:
+        return fastpod(rid, sm, quota_request=0.2, affinity=tag)
+
+    for eng in (Engine([node("x", n_gpus=1), node("y", n_gpus=1)], policy=make_policy("bestfit")),
+                _Unmemoized([node("x", n_gpus=1), node("y", n_gpus=1)], policy=make_policy("bestfit"))):
+        assert eng.place(share("a1", 30, "a")).node == "x"
+        assert eng.place(share("b1", 30, "b"), excluded={"y": "are cordoned"}).node == "x"
+        for tag in "ab":
+            rej = eng.place(share(f"{tag}2", 50, tag))
+            assert not rej and f"y GPU 0 (affinity tag '{tag}' binds it to x GPU 0)" in rej.reason, rej

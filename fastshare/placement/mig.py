@@ -56,16 +56,20 @@ def capacity_value(profiles: Sequence[MigProfile], instances: Sequence[Instance]
     (the ones that fail first) possible."""
     counts = Counter(pid for pid, _s, _z in instances)
     slices = {p.profile_id: p.slices for p in profiles}
-    combos = _reachable(tuple(profiles), used_mask(instances), tuple(sorted(counts.items())))
+    # an instance of a profile not offered (a newer driver's, made by hand): its size stands in
+    # for its compute slices, as in free_starts
+    taken = sum(slices.get(pid, size) for pid, _s, size in instances)
+    combos = _reachable(tuple(profiles), used_mask(instances), tuple(sorted(counts.items())), taken)
     return sum(max((slices[i] for i in c), default=0) for c in combos)
 
 
 @lru_cache(maxsize=8192)
-def _reachable(profiles: tuple[MigProfile, ...], mask: int,
-               counts: tuple[tuple[int, int], ...]) -> frozenset[tuple[int, ...]]:
-    by_id = {p.profile_id: p for p in profiles}
+def _reachable(profiles: tuple[MigProfile, ...], mask: int, counts: tuple[tuple[int, int], ...],
+               taken: int) -> frozenset[tuple[int, ...]]:
+    """The combinations of profiles that can still be added to a layout (memory slices
+    ``mask``, instances per profile ``counts``, ``taken`` compute slices)."""
     have = dict(counts)
-    compute_left = compute_slices_total(profiles) - sum(by_id[pid].slices * n for pid, n in counts)
+    compute_left = compute_slices_total(profiles) - taken
     out = {()}
     for p in profiles:
         if have.get(p.profile_id, 0) >= p.max_instances or p.slices > compute_left:
@@ -76,7 +80,7 @@ def _reachable(profiles: tuple[MigProfile, ...], mask: int,
                 continue
             more = dict(have)
             more[p.profile_id] = more.get(p.profile_id, 0) + 1
-            sub = _reachable(profiles, mask | m, tuple(sorted(more.items())))
+            sub = _reachable(profiles, mask | m, tuple(sorted(more.items())), taken + p.slices)
             out.update(tuple(sorted((*c, p.profile_id))) for c in sub)
     return frozenset(out)
 

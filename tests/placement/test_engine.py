@@ -329,6 +329,18 @@ def test_new_slices_go_around_a_static_layout():
     assert Engine.from_dict(view).to_dict() == view
 
 
+def test_new_slices_go_around_an_instance_of_a_profile_fastshare_does_not_know():
+    """An instance whose profile id is not among the GPU's profiles (the controller takes them
+    from fastshare's catalog; a newer driver offers more, and one may be made by hand): the
+    measure of future shapes looked its profile up and raised KeyError, so every exclusive
+    request that reached that GPU failed inside the engine. Its memory slices count as taken,
+    and its size stands in for its compute slices, as where free placements are found."""
+    eng = Engine([_with_layout(((99, 0, 1),))])
+    small = eng.place(Request("small", "exclusive", sm_count=14))
+    assert small and small.mig.profile_name == "1g.5gb" and small.mig.start != 0, small
+    assert eng.place(Request("big", "exclusive", sm_count=42)).mig.start == 4
+
+
 def test_whole_rejection_names_empty_gpus_in_mig_mode():
     """An empty GPU in MIG mode is not idle for a whole request; the reason must say so rather
     than leave the user wondering why an empty GPU is not counted."""

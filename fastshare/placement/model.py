@@ -74,8 +74,9 @@ class Request:
         pairs = self.node_selector.items() if isinstance(self.node_selector, Mapping) else self.node_selector
         object.__setattr__(self, "node_selector", tuple(sorted(tuple(p) for p in pairs)))
         object.__setattr__(self, "gpu_models", tuple(self.gpu_models))
-        for tag in ("affinity", "anti_affinity", "exclusion"):   # an empty tag is no tag (one meaning
-            if getattr(self, tag) == "":                          # for the checks and the caches alike)
+        # an empty tag is no tag: one meaning for the tag checks and the engine's caches alike
+        for tag in ("affinity", "anti_affinity", "exclusion"):
+            if getattr(self, tag) == "":
                 object.__setattr__(self, tag, None)
         self.validate()
 

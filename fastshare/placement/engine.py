@@ -61,6 +61,13 @@ class _Gpu:
     def idle(self) -> bool:
         return not self.sharers and not self.mig and self.whole is None and not self.view.mig_enabled
 
+    def open_to(self, kind: str) -> bool:
+        """Whether the device takes new ``kind`` shares at all (room, tags and models aside): it
+        works, runs MPS, is held neither whole nor in MIG mode, and is not shared the other way."""
+        v = self.view
+        return (not (v.lost or v.closed or v.no_mps) and self.whole is None and not self.mig_mode
+                and self.share_kind in (None, kind))
+
     def label(self, node: str) -> str:
         return f"{node} GPU {self.view.index}"
 
@@ -627,8 +634,7 @@ class Engine:
         nodes unlike the replay behind the published figures."""
         if fits:
             return max(0, MILLI - g.sm_used)
-        v = g.view
-        if v.lost or v.closed or v.no_mps or g.whole is not None or g.mig_mode or g.share_kind == "mps":
+        if not g.open_to("fastpod"):
             return 0
         free = max(0, MILLI - g.sm_used)
         return free if free < (r.sm_milli if r.kind == "fastpod" else MILLI) else 0
@@ -681,19 +687,10 @@ class Engine:
         request, which :meth:`_entries` tells without looking up its answer. Late in a trace
         most nodes are full and few are alike, so this spares most of a heap build."""
         if n.room is None:
-            open_to: dict[str, list[_Gpu]] = {"fastpod": [], "mps": []}
-            idle = 0
-            for g in n.gpus:
-                v = g.view
-                if v.lost or v.closed:
-                    continue
-                idle += g.idle
-                if not v.no_mps and g.whole is None and not g.mig_mode:
-                    for kind, gpus in open_to.items():
-                        if g.share_kind in (None, kind):
-                            gpus.append(g)
+            fp = [g for g in n.gpus if g.open_to("fastpod")]
+            mps = [g for g in n.gpus if g.open_to("mps")]
+            idle = sum(1 for g in n.gpus if g.idle and not g.view.lost and not g.view.closed)
             cap = self.mps_oversubscription
-            fp, mps = open_to["fastpod"], open_to["mps"]
             n.room = {
                 "fastpod": (max((MILLI - g.sm_used for g in fp), default=-math.inf),
                             # a hair above the quota allowed: float sums round, and a looser
@@ -927,7 +924,7 @@ class Engine:
                 continue
             if v.no_mps:
                 w.no_mps = w.no_mps or v.no_mps
-            elif g.whole is None and not g.mig_mode and g.share_kind in (None, r.kind):
+            elif g.open_to(r.kind):
                 i = v.index
                 big, free = (v.memory_mib, -i), (min(v.memory_mib, v.memory_mib * cap - g.mem_used), -i)
                 sm, quota = (g.sm_used, i), (g.quota_used, i)

@@ -398,10 +398,20 @@ class Engine:
                 del g.mig[rid]
             else:
                 g.whole = None
-            if r.affinity and r.kind != "whole" and not any(h.affinity == r.affinity
-                                                             for h in self._holders(g)):
-                self._affinity.pop(r.affinity, None)
+            if r.affinity and r.kind != "whole" and self._affinity.get(r.affinity) == (a.node, i) \
+                    and not any(h.affinity == r.affinity for h in self._holders(g)):
+                self._rebind(r.affinity)
         return a
+
+    def _rebind(self, tag: str) -> None:
+        """Bind affinity tag ``tag`` to the GPU of its first remaining holder, if any: restores
+        may have counted holders of one tag on several GPUs, and a tag some GPU still holds must
+        keep its later requests there."""
+        self._affinity.pop(tag, None)
+        for a in self._assignments.values():
+            if a.request.affinity == tag and a.request.kind != "whole":
+                self._affinity[tag] = (a.node, a.gpus[0])
+                return
 
     def restore(self, assignment: Assignment, check_host: bool = True, force: bool = False) -> str | None:
         """Re-apply a persisted assignment (controller restart). Refuses one that no longer fits;
@@ -485,8 +495,8 @@ class Engine:
                 g.mig[r.id] = (a.mig.profile_id, a.mig.start, a.mig.size)
             else:
                 g.whole = r.id
-            if r.affinity and r.kind != "whole":
-                self._affinity[r.affinity] = (a.node, i)
+            if r.affinity and r.kind != "whole":   # a restore may count a holder elsewhere
+                self._affinity.setdefault(r.affinity, (a.node, i))
         self._assignments[r.id] = a
 
     # ---- filters -----------------------------------------------------------------------------

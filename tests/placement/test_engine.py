@@ -847,3 +847,26 @@ def test_a_rejection_names_the_affinity_tag_of_the_request_it_rejects():
         for tag in "ab":
             rej = eng.place(share(f"{tag}2", 50, tag))
             assert not rej and f"y GPU 0 (affinity tag '{tag}' binds it to x GPU 0)" in rej.reason, rej
+
+
+def test_an_affinity_tag_split_by_restores_stays_bound_while_any_gpu_holds_it():
+    """Restored holders of one affinity tag on two GPUs (a database or annotations from before a
+    view change: a restore counts what runs): the second restore moved the binding, and a release
+    dropped it while the other GPU still held the tag, so the next request of the tag went to
+    any GPU. The binding now stays with the first holder's GPU and moves to a remaining holder's
+    GPU when that one empties."""
+    def held(rid: str, sm: float, gpu: int) -> Assignment:
+        return Assignment(fastpod(rid, sm, affinity="team"), "n", (gpu,))
+
+    for eng in (Engine([node("n", n_gpus=2)]), _Unmemoized([node("n", n_gpus=2)])):
+        assert eng.restore(held("a1", 60, 0)) is None and eng.restore(held("a2", 30, 1)) is None
+        eng.release("a2")   # GPU 1 no longer holds it; GPU 0 does
+        rej = eng.place(fastpod("b", 50, affinity="team"))
+        assert not rej and "affinity tag 'team' binds it to n GPU 0" in rej.reason, rej
+
+    for eng in (Engine([node("n", n_gpus=2)]), _Unmemoized([node("n", n_gpus=2)])):
+        assert eng.restore(held("a1", 60, 0)) is None and eng.restore(held("a2", 30, 1)) is None
+        eng.release("a1")   # GPU 0 empties; GPU 1 still holds the tag
+        rej = eng.place(fastpod("b", 80, affinity="team"))
+        assert not rej and "affinity tag 'team' binds it to n GPU 1" in rej.reason, rej
+        assert eng.place(fastpod("c", 20, affinity="team")).gpus == (1,)

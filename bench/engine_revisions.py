@@ -5,7 +5,7 @@ columns of one run, not runs on different days).
 Each round places the GPU tasks of the default trace (tune 1.3, seed 42) through a fresh
 ``Engine`` of this tree and one of ``--rev`` (its whole ``fastshare`` package, from
 ``git archive``), each in a child process of its own, and checks that both place every task
-alike. Times are the thread CPU time of each ``place`` call.
+alike and word every rejection alike. Times are the thread CPU time of each ``place`` call.
 
     .venv/bin/python bench/engine_revisions.py --rev 6376042 [--nodes 1213] [--tasks 3000]
 """
@@ -57,7 +57,7 @@ def child(nodes: int, tasks: int) -> None:
         start = time.thread_time()
         result = engine.place(request)
         times.append(time.thread_time() - start)
-        got.append([result.node, list(result.gpus)] if result else None)
+        got.append([result.node, list(result.gpus)] if result else result.reason)
     json.dump({"nodes": len(cluster), "times": times, "placements": got}, sys.stdout)
 
 
@@ -98,11 +98,14 @@ def main() -> None:
             times, got = result["times"], result["placements"]
             placements.append(got)
             p50, p99, most = (quantile_ms(times, p) for p in (.5, .99, 1.0))
-            print(f"{rnd + 1:>5} {label:>10} {got.count(None):>8} {p50:8.3f} {p99:8.3f} {most:8.1f} "
+            rejected = sum(isinstance(x, str) for x in got)
+            print(f"{rnd + 1:>5} {label:>10} {rejected:>8} {p50:8.3f} {p99:8.3f} {most:8.1f} "
                   f"{sum(times):8.2f}")
         mine, theirs = placements
         differ = next((k for k, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
-        print("      same placements" if differ is None else f"      placements differ from task {differ}")
+        print("      same placements and rejection reasons" if differ is None else
+              f"      placements or rejection reasons differ from task {differ}: {mine[differ]!r} against "
+              f"{theirs[differ]!r}")
 
 
 if __name__ == "__main__":

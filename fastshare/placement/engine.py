@@ -116,7 +116,8 @@ class _ShareWhy:
     or ``usable`` for the share's kind; of the usable ones the best figures, each with its GPU
     (memory and free memory with -index, SM and quota used with index: the first GPU wins
     ties, and compared as tuples across nodes, the lower index then the first node); and the
-    GPUs only the sharing tags keep it off."""
+    usable GPUs the sharing tags keep it off (the rejection keeps those with room for the share:
+    a summary leaves the share's sizes out, see ``Engine._why_key``)."""
 
     wanted: bool = False
     any_shut: bool = False
@@ -665,6 +666,14 @@ class Engine:
         return (r.kind, r.sm_milli, r.gpu_memory_mib, r.quota_request, r.gpus, r.cpu_milli, r.gpu_models,
                 r.exclusion, r.anti_affinity, bound)
 
+    def _why_key(self, r: Request) -> tuple | None:
+        """What of ``r`` a node's summary for its rejection depends on (``_share_why``,
+        ``_whole_why``): its kind, GPU models and tags, not its sizes, so the rejected shapes of a
+        kind share summaries (a node changed is summed up once, not once per shape). None: look
+        at every node afresh; last, as in a shape, the tag's binding."""
+        memo = self._memo_key(r)
+        return None if memo is None else ("why", r.kind, r.gpu_models, r.exclusion, r.anti_affinity, memo[-1])
+
     def _answer(self, r: Request, n: _Node, memo: tuple) -> Any:
         """Node ``n``'s answer to shape ``memo`` (see :meth:`_lookup`)."""
         return self._lookup(r, memo, memo, self._work_out)(n)[0]
@@ -848,8 +857,7 @@ class Engine:
         shared by nodes alike: a full cluster rejects often, and this looks at every node)."""
         what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
                 if r.kind == "fastpod" else _fmt_mib(r.gpu_memory_mib))
-        memo = self._memo_key(r)
-        key = ("why", memo)
+        key = self._why_key(r)
         plain = wanted = any_shut = False
         all_shut = all_no_mps = True
         no_mps: dict[str, str] = {}
@@ -857,7 +865,7 @@ class Engine:
         big = free = sm = quota = None
         big_at = free_at = sm_at = quota_at = nodes[0]
         tagged: list[str] = []
-        why_of = self._lookup(r, memo, key, self._share_why)
+        why_of = self._lookup(r, key, key, self._share_why)
         for n in nodes:   # once per node per rejection: kept lean
             w = why_of(n)
             if w.plain:
@@ -879,8 +887,9 @@ class Engine:
                 sm, sm_at = w.sm, n
             if quota is None or w.quota < quota:
                 quota, quota_at = w.quota, n
-            if w.tagged:
-                tagged.extend(f"{n.view.name} GPU {i} ({why})" for i, why in w.tagged)
+            if w.tagged:   # those with room for r (the summary leaves r's sizes out)
+                tagged.extend(f"{n.view.name} GPU {i} ({why})" for i, why in w.tagged
+                              if self._room_problem(r, n.gpus[i]) is None)
         if plain:   # what a plain node tells (see _ShareWhy)
             wanted, all_shut, all_no_mps = True, False, False
         if big is None:   # no usable GPU
@@ -943,7 +952,7 @@ class Engine:
                 else:
                     w.big, w.free = max(w.big, big), max(w.free, free)
                     w.sm, w.quota = min(w.sm, sm), min(w.quota, quota)
-                if self._room_problem(r, g) is None and (why := self._tag_problem(r, g, n.view.name)):
+                if why := self._tag_problem(r, g, n.view.name):
                     w.tagged.append((i, why))
         w.plain = w.usable and not w.any_shut and w.no_mps is None
         return w
@@ -967,11 +976,10 @@ class Engine:
     def _whole_reason(self, r: Request, nodes: list[_Node]) -> str:
         """Why no node of ``nodes`` has ``r.gpus`` idle GPUs, from each node's summary
         (``_whole_why``, shared by nodes alike)."""
-        memo = self._memo_key(r)
-        key = ("why", memo)
+        key = self._why_key(r)
         wanted, mig, lost = False, 0, []
         most = (0, None)   # the most idle GPUs r may have on one node, where
-        why_of = self._lookup(r, memo, key, self._whole_why)
+        why_of = self._lookup(r, key, key, self._whole_why)
         for n in nodes:
             has, idle, empty, gone = why_of(n)
             wanted |= has

@@ -870,3 +870,17 @@ def test_an_affinity_tag_split_by_restores_stays_bound_while_any_gpu_holds_it():
         rej = eng.place(fastpod("b", 80, affinity="team"))
         assert not rej and "affinity tag 'team' binds it to n GPU 1" in rej.reason, rej
         assert eng.place(fastpod("c", 20, affinity="team")).gpus == (1,)
+
+
+def test_rejections_of_shares_of_any_size_name_only_the_tagged_gpus_with_room():
+    """Rejections of one kind share the nodes' summaries whatever their sizes, so which GPUs
+    that only the tags rule out have room is checked per request: a GPU full for the share is
+    not said to be ruled out by the tags."""
+    for eng in (Engine([node("n", n_gpus=2)]), _Unmemoized([node("n", n_gpus=2)])):
+        assert eng.place(fastpod("x", 10, exclusion="x")).gpus == (0,)
+        assert eng.place(fastpod("full", 95)).gpus == (1,)
+        rej = eng.place(fastpod("a", 50))
+        assert not rej and "is free on 1 GPU(s), but the sharing tags rule them out: n GPU 0 " \
+            "(exclusion tags differ)" in rej.reason, rej
+        rej = eng.place(fastpod("b", 95))
+        assert not rej and rej.reason.startswith("no GPU with 95 % SMs"), rej

@@ -28,7 +28,7 @@ from fastshare.placement.model import (
     Rejection,
     Request,
 )
-from fastshare.placement.policies import Policy, Task, best_first
+from fastshare.placement.policies import Policy, Task, best_first, clustering_tag
 from fastshare.placement.shape_heaps import Entry, ShapeHeap, ShapeHeaps
 
 
@@ -92,6 +92,7 @@ class _Node:
     version: int = 0
     memo: dict[tuple, Any] = field(default_factory=dict)
     state: int | None = None   # what its answers depend on, but its name (Engine._state)
+    tags: Counter[str] = field(default_factory=Counter)   # task shapes held, see Engine._held_tags
     room: dict[str, tuple[float, float, float]] | None = None   # see Engine._room
 
     def remember(self, key: tuple, answer: Any) -> Any:
@@ -143,6 +144,13 @@ def _policy_task(r: Request) -> Task:
     if r.kind == "whole":
         return Task(r.cpu_milli, MILLI, r.gpus, frozenset(r.gpu_models))
     return Task(r.cpu_milli, r.sm_milli if r.kind == "fastpod" else 1, 1, frozenset(r.gpu_models))
+
+
+def _tag(r: Request) -> str:
+    """The task shape a request held on a node counts as for policies that use tags: every
+    kind, as the trace replay counts every GPU task it placed ("share" for a fastpod or MPS
+    share and a MIG slice, "N-gpu" for whole GPUs and a 100 % fastpod share)."""
+    return clustering_tag(_policy_task(r))
 
 
 def _fmt_mib(mib: float) -> str:
@@ -386,6 +394,10 @@ class Engine:
         r = a.request
         node.cpu_used -= r.cpu_milli
         node.mem_used -= r.memory_mib
+        tag = _tag(r)
+        node.tags[tag] -= 1
+        if not node.tags[tag]:   # its last holder left
+            del node.tags[tag]
         for i in a.gpus:
             g = node.gpus[i]
             if r.kind in ("fastpod", "mps"):
@@ -484,6 +496,7 @@ class Engine:
         self._touch(node)
         node.cpu_used += r.cpu_milli
         node.mem_used += r.memory_mib
+        node.tags[_tag(r)] += 1
         for i in a.gpus:
             g = node.gpus[i]
             if r.kind in ("fastpod", "mps"):
@@ -689,7 +702,8 @@ class Engine:
     def _state(self, n: _Node) -> int:
         """The number of ``n``'s state: everything of ``n`` a share or whole request's answer
         depends on, but its name (which only an affinity binding looks at): its free CPU and, per
-        GPU, what the device is and offers and what its holders take and are tagged with."""
+        GPU, what the device is and offers and what its holders take and are tagged with; for a
+        policy that uses tags, also the task shapes the node holds."""
         if n.state is None:
             state = (n.cpu_left, tuple(
                 (v.index, v.model, v.memory_mib, v.lost, v.closed, v.no_mps, v.mig_capable, v.mig_enabled,
@@ -697,6 +711,8 @@ class Engine:
                  g.whole is not None, tuple(sorted(g.mig.values())),
                  tuple(sorted((h.exclusion or "", h.anti_affinity or "") for h in self._holders(g))))
                 for g in n.gpus for v in (g.view,)))
+            if self.policy.uses_tags:
+                state = (*state, self._held_tags(n))
             n.state = self._states.setdefault(state, len(self._states))
         return n.state
 
@@ -821,18 +837,28 @@ class Engine:
         or the one the policy picks (asked again: the answer keeps only the score)."""
         if r.kind == "mps":
             return answer[1]
-        return tuple(self.policy.score(n.gpus[0].view.model, n.cpu_left, answer[1], _policy_task(r))[1])
+        return tuple(self.policy.score(n.gpus[0].view.model, n.cpu_left, answer[1], _policy_task(r),
+                                       self._held_tags(n))[1])
 
-    def _policy_score(self, model: str, cpu_left: int, free: tuple[int, ...], task: Task) -> Any:
+    def _held_tags(self, n: _Node) -> frozenset[str]:
+        """The task shapes ``n`` holds, for a policy that uses them (GpuClustering; as the trace
+        replay gives them); none for the others, whose scores and caches must not depend on them."""
+        return frozenset(n.tags) if self.policy.uses_tags else frozenset()
+
+    def _policy_score(self, model: str, cpu_left: int, free: tuple[int, ...], task: Task,
+                      tags: frozenset[str] = frozenset()) -> Any:
         """The policy's score, remembered per node state as the policy keys it (nodes alike score
-        alike: most of a cluster, early on; see ``Policy.state_key``)."""
+        alike: most of a cluster, early on; see ``Policy.state_key``), and by the node's ``tags``
+        when the policy uses them."""
         key = self.policy.state_key(model, cpu_left, free, task)
         key = (model, cpu_left, free, task) if key is None else (key, task)
+        if tags:
+            key = (key, tags)
         score = self._scores.get(key, _UNSEEN)
         if score is _UNSEEN:
             if len(self._scores) >= SCORES_KEPT:
                 self._scores.clear()
-            score = self._scores[key] = self.policy.score(model, cpu_left, free, task)[0]
+            score = self._scores[key] = self.policy.score(model, cpu_left, free, task, tags)[0]
         return score
 
     def _share_answer(self, r: Request, n: _Node, task: Task) -> tuple[Any, tuple[int, ...]] | None:
@@ -850,7 +876,7 @@ class Engine:
             return -slack(i), (i,)
         model = n.gpus[0].view.model if n.gpus else ""
         free = tuple(self._policy_free(r, g, fits) for g, fits in zip(n.gpus, ok, strict=True))
-        return self._policy_score(model, n.cpu_left, free, task), free
+        return self._policy_score(model, n.cpu_left, free, task, self._held_tags(n)), free
 
     def _share_reason(self, r: Request, nodes: list[_Node]) -> str:
         """Why no GPU of ``nodes`` takes share ``r``, from each node's summary (``_share_why``,
@@ -1061,7 +1087,7 @@ class Engine:
         if len(idle) < r.gpus:
             return idle, None
         free = tuple(self._policy_free(r, g, g.view.index in idle) for g in n.gpus)
-        return idle, self._policy_score(n.gpus[0].view.model, n.cpu_left, free, task)
+        return idle, self._policy_score(n.gpus[0].view.model, n.cpu_left, free, task, self._held_tags(n))
 
     def _place_exclusive(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         candidates = [(n, g) for n in nodes for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]

@@ -216,6 +216,59 @@ def test_policies_by_name():
         make_policy("magic")
 
 
+def test_gpuclustering_scores_nodes_by_the_task_shapes_they_hold():
+    """GpuClustering keeps tasks of one shape ("share", "N-gpu") together: a node scores
+    higher for a shape it holds alone, lower when it holds other shapes. The engine showed the
+    policy every node as holding none, so a share went next to a whole-GPU job (the fuller
+    node) instead of onto an empty node, unlike the trace replay. A release takes a node's tag
+    away only with the last request of that shape there, and a restored engine holds the tags
+    of its assignments. (Scores here: fill = 25 * (8000 - free milli) // 8000, plus 75 for a
+    node holding only the task's shape, 50 for one holding it among others, 25 for an empty one.)"""
+    policy = make_policy("gpuclustering")
+    eng = Engine([node("a", n_gpus=4), node("b", n_gpus=4)], policy=policy)
+    assert eng.place(Request("w", "whole", gpus=1)).node == "a"   # both empty: the first node
+    assert eng.place(fastpod("s1", 20)).node == "b"   # a: 15 (holds 1-gpu), b: 12 + 25 (empty)
+    assert eng.place(fastpod("s2", 20)).node == "b"   # b: 13 + 75 (holds only shares)
+    assert eng.place(Request("w2", "whole", gpus=1)).node == "a"
+
+    eng = Engine([node("a", n_gpus=4), node("b", n_gpus=4)], policy=policy)
+    eng.restore(Assignment(Request("w", "whole", gpus=1), "a", (0,)))
+    eng.restore(Assignment(fastpod("x", 20), "a", (1,)))
+    eng.restore(Assignment(fastpod("y", 20), "a", (1,)))
+    eng.release("x")   # y still holds a share on a
+    assert eng.place(fastpod("s", 20)).node == "a"   # a: 16 + 50 (1-gpu and share), b: 12 + 25
+    eng.release("w")   # the last 1-gpu task on a
+    again = Engine.from_dict(eng.to_dict(), policy=make_policy("gpuclustering"))
+    for e in (eng, again):
+        assert e.place(Request("w2", "whole", gpus=1)).node == "b"   # a: 13 (holds shares only)
+
+
+def test_gpuclustering_tells_nodes_alike_but_for_the_shapes_they_hold_apart():
+    """Nodes in the same state share cached answers and scores: two nodes whose GPUs are held
+    alike, one by a 2-GPU job and one by two 1-GPU jobs, must still score apart for a policy
+    that weighs the shapes a node holds (a cached answer would send the next 1-GPU job to the
+    empty node instead of next to the other 1-GPU jobs)."""
+    eng = Engine([node(name, n_gpus=4) for name in "abc"], policy=make_policy("gpuclustering"))
+    assert eng.place(Request("d", "whole", gpus=2)).node == "a"
+    assert eng.place(Request("u1", "whole", gpus=1)).node == "b"   # a: 18 (holds 2-gpu), b: 12 + 25
+    assert eng.place(Request("u2", "whole", gpus=1)).node == "b"   # b: 15 + 75
+    assert eng.place(Request("u3", "whole", gpus=1)).node == "b"   # a: 18, b: 18 + 75, c: 12 + 25
+    assert eng.place(Request("d2", "whole", gpus=2)).node == "a"   # a: 18 + 75
+
+
+@pytest.mark.parametrize("held", [
+    Request("m", "mps", gpu_memory_mib=4096),
+    Request("e", "exclusive", sm_count=14),
+])
+def test_gpuclustering_counts_mps_shares_and_mig_slices_as_shares(held):
+    """An MPS share or a MIG slice is a fraction of a GPU, as a fastpod share is: GpuClustering
+    keeps whole-GPU jobs off the node holding one (as it would off a node holding fastpod shares)."""
+    eng = Engine([node("a", n_gpus=4), node("b", n_gpus=4)], policy=make_policy("gpuclustering"))
+    assert eng.place(held).node == "a"
+    assert eng.place(Request("w", "whole", gpus=1)).node == "b"   # a: 15 (holds a share), b: 12 + 25
+    assert eng.place(fastpod("s", 20)).node == "a"   # a: 15 + 75, b: 15 (holds 1-gpu)
+
+
 def test_fractional_sm_shares_round_up_to_the_ledger_step():
     """SM shares are kept in 0.1 % steps; a share that rounded down could take 0 steps (and
     then "fit" a GPU held whole) or let three 33.34 % shares add up to 100.02 %."""
@@ -584,8 +637,8 @@ class _Unmemoized(Engine):
     def _rejection_seen(self, request, excluded):
         return None
 
-    def _policy_score(self, model, cpu_left, free, task):
-        return self.policy.score(model, cpu_left, free, task)[0]
+    def _policy_score(self, model, cpu_left, free, task, tags=frozenset()):
+        return self.policy.score(model, cpu_left, free, task, tags)[0]
 
 
 def test_node_memos_change_no_decision_through_releases_tags_and_capacity_changes():

@@ -16,8 +16,13 @@ The engine has rules the trace model lacks; the mapping keeps them from binding:
 - CPU-only tasks: the engine places none (in the controller the kube-scheduler does, and the
   engine learns of their CPU through ``set_capacity``, which also tells the policy the cluster's
   CPU shrank and so makes fastshare re-derive its request mix then; the replay's policy counts
-  them as demand against a fixed cluster). The main test leaves them out; the FGD test beside it
-  (FGD ignores the cluster's totals) puts them where the replay did, through ``set_capacity``.
+  them as demand against a fixed cluster). The main test leaves them out; the FGD and
+  GpuClustering test beside it (neither weighs the cluster's totals) puts them where the replay
+  did, through ``set_capacity``.
+
+GpuClustering also scores a node by the task shapes it holds ("share", "N-gpu"): the replay
+counts the tag of every GPU task it placed on a node, the engine that of every request it holds
+there (a CPU-only task, which the engine never places, has none in the replay either).
 """
 
 from __future__ import annotations
@@ -80,11 +85,12 @@ def _openb(n_nodes: int, seed: int = 42) -> tuple[list[SimNode], list[SimPod], l
 
 
 @needs_data
-@pytest.mark.parametrize("policy", ["fastshare", "fgd"])
+@pytest.mark.parametrize("policy", ["fastshare", "fgd", "gpuclustering"])
 def test_the_engine_places_the_openb_trace_as_the_replay(policy):
     """Before, the engine showed the policy a GPU it could not use as 0 milli free, so a GPU
     holding shares counted as full: fastshare's choice for a 1-GPU task differed from the
-    replay's on decision 20 of this sample, FGD's on decision 172."""
+    replay's on decision 20 of this sample, FGD's on decision 172. And the engine showed
+    GpuClustering every node as holding no task shapes: its choice differed on decision 16."""
     nodes, order, pods = _openb(150)
     gpu_tasks = [p for p in order if p.num_gpu]
     assert len(gpu_tasks) > 1000 and any(p.num_gpu > 1 for p in gpu_tasks)
@@ -93,10 +99,11 @@ def test_the_engine_places_the_openb_trace_as_the_replay(policy):
 
 
 @needs_data
-def test_the_engine_places_as_the_replay_beside_cpu_only_pods():
+@pytest.mark.parametrize("policy", ["fgd", "gpuclustering"])
+def test_the_engine_places_as_the_replay_beside_cpu_only_pods(policy):
     nodes, order, pods = _openb(150)
     assert any(not p.num_gpu for p in order)
-    divergence = first_divergence(nodes, order, "fgd", 42, pods)
+    divergence = first_divergence(nodes, order, policy, 42, pods)
     assert divergence is None
 
 
@@ -114,6 +121,6 @@ def test_the_engine_places_bound_shares_as_the_replay():
         else:
             order.append(SimPod(f"p{i:04d}", rng.choice([1000, 3000]), 1000, 1,
                                 rng.choice([110, 320, 470, 810]), spec))
-    for policy in ("fastshare", "fgd"):
+    for policy in ("fastshare", "fgd", "gpuclustering"):
         divergence = first_divergence(nodes, order, policy, 7, order)
         assert divergence is None, policy

@@ -681,6 +681,7 @@ def test_node_memos_change_no_decision_through_releases_tags_and_capacity_change
 @pytest.mark.parametrize("seed, policy, small", [
     (1, "fastshare", False), (2, "fastshare", False), (3, "fastshare", False),
     (4, "fastshare", True), (5, "fgd", True), (6, "bestfit", False), (7, "gpupacking", True),
+    (8, "gpuclustering", False), (9, "gpuclustering", True),
 ])
 def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeypatch):
     """Decisions and rejections through the per-shape heaps (only the nodes changed since a
@@ -693,7 +694,8 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
     GPUs), GPU views changed as the controller does it (a new engine, the same policy, the
     assignments restored by force: lost, closed, no MPS, MIG on, MIG instances no one holds),
     node selectors, model lists, nodes excluded by the caller, host memory, MPS
-    oversubscription, the same ask again, and the policy's learning refreshes. ``small``: the
+    oversubscription, the same ask again, the policy's learning refreshes, and (gpuclustering)
+    the task shapes a node holds, which placements and releases change. ``small``: the
     caches are made tiny, so that they are emptied and their heaps dropped mid-way. Requests
     repeat a few shapes, as in a cluster, so the caches are used."""
     import random
@@ -794,7 +796,9 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
             r, excluded = dataclasses.replace(last[0], id=f"r{k}"), last[1]
             remembered += heaps._rejection_seen(r, excluded or {}) is not None
         else:
-            ask = {"cpu_milli": rng.choice([0, 500, 2000]), "memory_mib": rng.choice([0, 1024, 32768]),
+            # gpuclustering asks no CPU: more nodes then score alike but for the shapes they hold
+            cpu = [0, 500, 2000] if policy != "gpuclustering" else [0]
+            ask = {"cpu_milli": rng.choice(cpu), "memory_mib": rng.choice([0, 1024, 32768]),
                    "node_selector": rng.choice([{}, {}, {"zone": "a"}]),
                    "gpu_models": rng.choice([(), (), ("T4",), ("A100-SXM4-40GB", "A30-24GB")]),
                    "anti_affinity": rng.choice([None, None, "x"]),

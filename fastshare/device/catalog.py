@@ -26,6 +26,7 @@ ENUM_3_SLICE = 0x2
 ENUM_4_SLICE = 0x3
 ENUM_7_SLICE = 0x4
 ENUM_1_SLICE_REV1 = 0x7  # 1g + media extensions
+ENUM_2_SLICE_REV1 = 0x8  # 2g + media extensions (A30 only here)
 ENUM_1_SLICE_REV2 = 0x9  # 1g with two memory slices
 
 
@@ -133,9 +134,10 @@ _HOPPER_ENGINES = ((19, MigEngines(1, 1, 1, 0)), (20, MigEngines(1, 1, 1, 1)), (
                    (14, MigEngines(2, 2, 2, 0)), (9, MigEngines(3, 3, 3, 0)), (5, MigEngines(4, 4, 4, 0)),
                    (0, MigEngines(8, 7, 7, 1)))
 # A30: `nvidia-smi mig -lgip` on A30s (R535), which gives its 1g.6gb a decoder where the
-# guide's table says none; NVML is the truth.
+# guide's table says none; NVML is the truth. Its 2g.12gb+me: 2 CE, 2 DEC, 1 JPEG, 1 OFA in
+# both the guide's table and that listing.
 _A30_ENGINES = ((14, MigEngines(1, 1, 0, 0)), (21, MigEngines(1, 1, 1, 1)), (5, MigEngines(2, 2, 0, 0)),
-                (0, MigEngines(4, 4, 1, 1)))
+                (6, MigEngines(2, 2, 1, 1)), (0, MigEngines(4, 4, 1, 1)))
 
 
 def _seven_slice_profiles(
@@ -174,11 +176,20 @@ def _mig_model(key: str, name: str, arch: str, memory_mib: int, sm_count: int, p
 
 def _a30() -> GpuModel:
     # A30 shapes are inferred from a public mock (GPU-FACTS.md), memory derived.
+    # 2g.12gb+me (driver R525 and later: the MIG user guide's "Supported MIG Profiles" A30 table
+    # and its note): id 6, 28 SMs, max 1 instance, placements {0,2}:2 from `nvidia-smi mig -lgip`
+    # and -lgipp on an A30 with driver 535.183.01; NVML index 2_SLICE_REV1 (0x8) from nvml.h's
+    # NVML_GPU_INSTANCE_PROFILE_* defines. That listing gives it the 2g.12gb's memory (11.69 GiB
+    # both); the catalog's is DERIVED, as the 2g.12gb's is (the 4g's differs across drivers:
+    # 23.50 GiB on an older listing, 23.44 on that one). Its memory and slices equal the
+    # 2g.12gb's, so a request that does not name it gets the plain one (see _fitting and
+    # fastshare.placement.mig.smallest_profiles).
     total = 24576
     rows = (
         (ENUM_1_SLICE, 14, "1g.6gb", 1, 1, 4, (0, 1, 2, 3), 14),
         (ENUM_1_SLICE_REV1, 21, "1g.6gb+me", 1, 1, 1, (0, 1, 2, 3), 14),
         (ENUM_2_SLICE, 5, "2g.12gb", 2, 2, 2, (0, 2), 28),
+        (ENUM_2_SLICE_REV1, 6, "2g.12gb+me", 2, 2, 1, (0, 2), 28),
         (ENUM_4_SLICE, 0, "4g.24gb", 4, 4, 1, (0,), 56),
     )
     profiles = tuple(

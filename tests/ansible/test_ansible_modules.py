@@ -367,6 +367,27 @@ def test_hopper_enable_and_layout_in_one_run_then_disable(tmp_path, collections_
     assert run_module(collections_path, MIG_CONFIG, disable)["changed"] is False
 
 
+def test_an_a30_layout_with_its_2g_12gb_plus_me_and_the_same_elsewhere_refused(tmp_path, collections_path):
+    """`2g.12gb+me` (A30, driver R525 and later) is made on an A30; on an A100, which has no
+    such profile, the run fails naming the profile, the GPU and what it has, and changes nothing."""
+    machine = tmp_path / "a30.json"
+    simnvml.create_machine(machine, ["A30-24GB", "A100-SXM4-40GB"], mig_enabled=True)
+    base = {"gpu_backend": "sim", "sim_state": str(machine)}
+    layout = [{"devices": [0], "mig_devices": {"2g.12gb+me": 1, "1g.6gb": 2}}]
+    result = run_module(collections_path, MIG_CONFIG, base | {"layout": layout})
+    assert result["changed"] and not result.get("failed"), result
+    made = layout_on_disk(machine, 0)
+    media = made[0][1]
+    assert made == [(6, media), *((14, s) for s in range(4) if s not in (media, media + 1))], made
+    assert {d["profile"] for d in result["gpus"][0]["mig_devices"]} == {"2g.12gb+me", "1g.6gb"}
+    before = machine.read_bytes()
+    refused = run_module(collections_path, MIG_CONFIG,
+                         base | {"layout": [{"devices": [1], "mig_devices": {"2g.12gb+me": 1}}]})
+    assert refused.get("failed") and ("unknown MIG profile '2g.12gb+me' on GPU 1 (NVIDIA A100-SXM4-40GB); "
+                                      "known: 1g.5gb (id 19)") in refused["msg"], refused.get("msg")
+    assert machine.read_bytes() == before
+
+
 # --- mig-parted config files ------------------------------------------------------------------
 MIG_PARTED = """\
 version: v1

@@ -265,6 +265,30 @@ def test_a_mig_profile_request_keeps_to_the_models_asked_for_and_skips_unknown_m
     assert ledger.place(limited).node == "a"
 
 
+def test_an_a30_serves_its_2g_12gb_plus_me_when_named_and_never_in_place_of_a_2g_12gb():
+    """A30s on current drivers (R525 and later) have a 2g.12gb+me (id 6): a share naming it gets
+    one, at most one per GPU; a share asking only for 28 SMs gets a plain 2g.12gb (id 5) and
+    leaves the one with the media engines to those who name it."""
+    ledger = Ledger()
+    ledger.reset([(NodeView(name="n", cpu_milli=0, memory_mib=0, gpus=(
+        gpu_view(0, "GPU-n-0", "A30-24GB", 24 * GiB, 56, True, True),)), True)], [])
+    plain = _place(ledger, "p", Spec(Kind.EXCLUSIVE, sm_count=28))
+    assert (plain.mig.profile_id, plain.mig.profile_name) == (5, "2g.12gb"), plain
+    media = _place(ledger, "m", Spec(Kind.EXCLUSIVE, mig_profile="2g.12gb+me"))
+    assert (media.mig.profile_id, media.mig.profile_name, media.mig.sm_count) == (6, "2g.12gb+me", 28), media
+    assert media.mig.start != plain.mig.start
+    ledger.release("m")
+    other = _place(ledger, "o", Spec(Kind.EXCLUSIVE, sm_count=28))
+    assert (other.mig.profile_id, other.mig.start) == (5, media.mig.start), other
+    ledger.release("o")
+    assert _place(ledger, "m2", Spec(Kind.EXCLUSIVE, mig_profile="6")).mig.profile_name == "2g.12gb+me"
+    second = ledger.to_request("m3", Spec(Kind.EXCLUSIVE, mig_profile="2g.12gb+me"))
+    assert isinstance(ledger.place(second), Rejection)
+    # models without it refuse it by name
+    a100 = _ledger().to_request("x", Spec(Kind.EXCLUSIVE, mig_profile="2g.12gb+me"))
+    assert isinstance(a100, Rejection) and a100.reason == "no GPU present has MIG profile '2g.12gb+me'"
+
+
 def test_the_time_quota_limit_and_memory_rounding_reach_the_engine():
     """A fastpod's quota limit is what its node enforces; memory that is not a whole MiB is
     rounded up (a share never gets less than it asked for)."""

@@ -25,6 +25,30 @@ def test_a100_40gb_table_matches_gpu_facts():
     assert m.mig_pending_until_reset
 
 
+def test_a30_table_has_the_2g_12gb_plus_me_of_current_drivers():
+    """The MIG user guide's A30 table and `nvidia-smi mig -lgip`/-lgipp on an A30 (R535) list a
+    2g.12gb+me (R525 and later): id 6, NVML index 2_SLICE_REV1, 28 SMs, the 2g.12gb's memory
+    slices, one instance at most, at 0 or 2. Sized like a 2g.12gb, it is never the cheapest
+    profile for a request that does not name it."""
+    m = get_model("A30")
+    rows = {p.name: (p.profile_id, p.memory_slices, p.placements, p.slices, p.max_instances, p.sm_count)
+            for p in m.profiles}
+    assert rows == {
+        "1g.6gb": (14, 1, (0, 1, 2, 3), 1, 4, 14),
+        "1g.6gb+me": (21, 1, (0, 1, 2, 3), 1, 1, 14),
+        "2g.12gb": (5, 2, (0, 2), 2, 2, 28),
+        "2g.12gb+me": (6, 2, (0, 2), 2, 1, 28),
+        "4g.24gb": (0, 4, (0,), 4, 1, 56),
+    }
+    assert m.profile("2g.12gb+me").memory_mib == m.profile("2g.12gb").memory_mib
+    assert m.profile_by_enum(catalog.ENUM_2_SLICE_REV1).profile_id == 6
+    assert m.engines(6) == catalog.MigEngines(copy=2, decoders=2, jpeg=1, ofa=1)
+    for other in ("A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H100-PCIE-80GB", "H200-SXM5-141GB"):
+        assert get_model(other).profile_by_enum(catalog.ENUM_2_SLICE_REV1) is None
+    assert smallest_profile(m, sm_count=28).name == "2g.12gb"
+    assert smallest_profile(m, sm_count=15, memory_mib=7000).name == "2g.12gb"
+
+
 def test_lookup_by_alias_nvml_name_and_profile_id():
     assert get_model("NVIDIA H100 80GB HBM3").key == "H100-SXM5-80GB"
     assert get_model("h200").key == "H200-SXM5-141GB"

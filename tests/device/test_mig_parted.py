@@ -277,6 +277,48 @@ def test_layout_errors_name_the_entry_and_the_gpu_once(devices):
     assert str(caught.value).startswith("w[1]: GPU 2 (NVIDIA A100-SXM4-40GB): unknown MIG profile '9g.99gb'")
 
 
+A30_MEDIA = """
+version: v1
+mig-configs:
+  media:
+    - devices: all
+      device-filter: ["0x20B710DE"]
+      mig-enabled: true
+      mig-devices: {"2g.12gb+me": 1, "2g.12gb": 1}
+"""
+
+
+def test_an_a30_layout_takes_its_2g_12gb_plus_me_and_other_models_refuse_it(tmp_path: Path):
+    """mig-parted's own config-default.yaml has `all-2g.12gb.me` for the A30 (R525 and later):
+    planned from the catalog while MIG is off, from NVML once it is on; made at its placement;
+    at most one per GPU; a model without it refuses it, naming the profiles it has."""
+    path = tmp_path / "a30.json"
+    simnvml.create_machine(path, ["A30-24GB", "A30-24GB", "A100-SXM4-40GB"])
+    simnvml.SimNvml(path).nvmlInit()
+    with open_devices("sim", path) as devs:
+        configs = parse_config(A30_MEDIA)
+        plans = plan_host(devs, resolve(configs, "media", devs.gpus()))   # MIG off: the catalog
+        assert [(p.gpu_index, p.reset_required, p.from_catalog) for p in plans] == [(0, True, True),
+                                                                                    (1, True, True)]
+        apply_host(devs, plans)
+        simnvml.reboot(path)
+        apply_host(devs, plan_host(devs, resolve(configs, "media", devs.gpus())))  # MIG on: NVML
+        for gpu in (0, 1):
+            made = devs.mig_instances(gpu)
+            assert sorted((i.profile_id, i.profile_name, i.sm_count) for i in made) == [
+                (5, "2g.12gb", 28), (6, "2g.12gb+me", 28)]
+            assert sorted(i.start for i in made) == [0, 2]
+        assert not any(p.changed for p in plan_host(devs, resolve(configs, "media", devs.gpus())))
+        with pytest.raises(ConfigError, match=r"^w\[0\]: impossible layout: 2 x 2g.12gb\+me requested "
+                                              r"but at most 1 can exist on GPU 0 \(NVIDIA A30\)$"):
+            plan_host(devs, {0: DeviceSpec((0,), True, (("2g.12gb+me", 2),), where="w[0]")})
+        with pytest.raises(ConfigError) as caught:
+            plan_host(devs, {2: DeviceSpec((2,), True, (("2g.12gb+me", 1),), where="w[1]")})
+        assert str(caught.value).startswith(
+            "w[1]: GPU 2 (NVIDIA A100-SXM4-40GB): unknown MIG profile '2g.12gb+me' on A100-SXM4-40GB; "
+            "known: 1g.5gb (id 19), 1g.5gb+me (id 20)"), caught.value
+
+
 def test_disabling_mig_plans_and_applies_per_architecture(devices, machine: Path):
     """all-disabled: instances destroyed first, then the mode; Ampere keeps MIG until a reset, Hopper
     drops it at once, an enable still pending (GPU 2) is cancelled; a GPU without MIG needs nothing."""

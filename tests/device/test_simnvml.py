@@ -488,7 +488,8 @@ def test_a_mig_device_of_a_lost_gpu_answers_gpu_is_lost(nvml, machine: Path, han
 # (copy engines, decoders, encoders, JPEG, OFA) of each GPU-instance profile: the MIG user guide,
 # "Supported MIG Profiles" (A100-SXM4-40GB, and the -80GB names; H100 80GB "PCIe and SXM5"; H200
 # 141GB), and for the A30 `nvidia-smi mig -lgip` on A30s (R535): its 1g.6gb has one decoder
-# (DEC 1), where the guide's table says 0. None of these GPUs has a video encoder (NVENC).
+# (DEC 1), where the guide's table says 0; its 2g.12gb+me (R525 and later) has 2 CE, 2 DEC,
+# 1 JPEG, 1 OFA in both. None of these GPUs has a video encoder (NVENC).
 _A100_ENGINES = ((1, 0, 0, 0, 0), (1, 1, 0, 1, 1), (1, 1, 0, 0, 0), (2, 1, 0, 0, 0),   # 1g, 1g+me, 1g 2 mem
                  (3, 2, 0, 0, 0), (4, 2, 0, 0, 0), (7, 5, 0, 1, 1))                    # 2g, 3g, 4g, 7g
 _HOPPER_ENGINES = ((1, 1, 0, 1, 0), (1, 1, 0, 1, 1), (1, 1, 0, 1, 0), (2, 2, 0, 2, 0),
@@ -510,7 +511,7 @@ _GUIDE_ENGINES = {
     "H100-PCIE-80GB": _named("10 20 40 80", _HOPPER_ENGINES),
     "H200-SXM5-141GB": _named("18 35 71 141", _HOPPER_ENGINES),
     "A30-24GB": {"1g.6gb": (1, 1, 0, 0, 0), "1g.6gb+me": (1, 1, 0, 1, 1), "2g.12gb": (2, 2, 0, 0, 0),
-                 "4g.24gb": (4, 4, 0, 1, 1)},
+                 "2g.12gb+me": (2, 2, 0, 1, 1), "4g.24gb": (4, 4, 0, 1, 1)},
 }
 
 
@@ -549,9 +550,71 @@ def test_engine_counts_of_every_mig_profile_match_the_mig_user_guide(tmp_path: P
                 attrs.sharedJpegCount, attrs.sharedOfaCount) == engines
         n.nvmlComputeInstanceDestroy(ci)
         n.nvmlGpuInstanceDestroy(gi)
-    assert set(found) <= set(_GUIDE_ENGINES[model])
-    assert found == {name: _GUIDE_ENGINES[model][name] for name in found}
+    assert found == _GUIDE_ENGINES[model]     # every profile of the table, none other
 
 
 def test_every_mig_capable_model_has_its_engine_counts_checked():
     assert set(_GUIDE_ENGINES) == {m.key for m in catalog.MODELS.values() if m.mig_capable}
+
+
+def test_a30_answers_the_2_slice_rev1_index_with_its_2g_12gb_plus_me(tmp_path: Path):
+    """NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1 (8) is the A30's 2g.12gb+me, profile id 6 (MIG
+    user guide; `nvidia-smi mig -lgip`/-lgipp on an A30, R535): 28 SMs, the memory of a 2g.12gb,
+    one instance at most, at 0 or 2. Models without it answer NOT_SUPPORTED, as for every index
+    a model lacks (the A30's 3-slice, the A100's 6-slice)."""
+    path = tmp_path / "m.json"
+    simnvml.create_machine(path, ["A30-24GB", "A100-SXM4-40GB", "H100-SXM5-80GB", "H200-SXM5-141GB"],
+                           mig_enabled=True)
+    n = simnvml.SimNvml(path)
+    n.nvmlInit()
+    a30 = n.nvmlDeviceGetHandleByIndex(0)
+    info = n.nvmlDeviceGetGpuInstanceProfileInfo(a30, pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1)
+    plain = n.nvmlDeviceGetGpuInstanceProfileInfo(a30, pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE)
+    assert (info.name, info.id, info.sliceCount, info.instanceCount, info.multiprocessorCount) == (
+        "MIG 2g.12gb+me", 6, 2, 1, 28)
+    assert (plain.name, plain.id, plain.instanceCount) == ("MIG 2g.12gb", 5, 2)
+    assert info.memorySizeMB == plain.memorySizeMB
+    count = ctypes.c_uint(0)
+    array = (pynvml.c_nvmlGpuInstancePlacement_t * 2)()
+    n.nvmlDeviceGetGpuInstancePossiblePlacements(a30, 6, array, ctypes.byref(count))
+    assert [(p.start, p.size) for p in array[:count.value]] == [(0, 2), (2, 2)]
+    for index in (1, 2, 3):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            n.nvmlDeviceGetGpuInstanceProfileInfo(n.nvmlDeviceGetHandleByIndex(index),
+                                                  pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1)
+        with pytest.raises(pynvml.NVMLError_InvalidArgument):    # not a profile id of these models
+            n.nvmlDeviceCreateGpuInstance(n.nvmlDeviceGetHandleByIndex(index), 6)
+    # at most one: a second is refused though half the GPU is free, where a plain 2g fits
+    n.nvmlDeviceCreateGpuInstanceWithPlacement(a30, 6, ctypes.byref(_placement(0, 2)))
+    assert n.nvmlDeviceGetGpuInstanceRemainingCapacity(a30, 6) == 0
+    with pytest.raises(pynvml.NVMLError_InsufficientResources):
+        n.nvmlDeviceCreateGpuInstanceWithPlacement(a30, 6, ctypes.byref(_placement(2, 2)))
+    with pytest.raises(pynvml.NVMLError_InsufficientResources):
+        n.nvmlDeviceCreateGpuInstance(a30, 6)
+    assert n.nvmlDeviceGetGpuInstanceRemainingCapacity(a30, 5) == 1
+    n.nvmlDeviceCreateGpuInstance(a30, 5)
+    made = simnvml.load_machine(path)["gpus"][0]["gpu_instances"]
+    assert sorted((g["profile_id"], g["start"]) for g in made) == [(5, 2), (6, 0)]
+
+
+def test_an_a30_machine_file_written_before_the_2g_12gb_plus_me_still_loads(tmp_path: Path):
+    """A machine file of an earlier version (no serials, a 2g.12gb and a 1g.6gb+me made): it
+    loads, its instances keep their profiles, and a 2g.12gb+me fits in the free half."""
+    path = tmp_path / "old.json"
+    gpu = {"index": 0, "model": "A30-24GB", "uuid": "GPU-00000000-0000-0000-0000-000000000030",
+           "pci_bus_id": "00000000:07:00.0", "mig_current": 1, "mig_pending": 1, "compute_mode": 0,
+           "pcie_switch": 0, "numa_node": 0, "nvlink_domain": None, "processes": [],
+           "gpu_instances": [
+               {"id": 1, "profile_id": 5, "start": 0, "size": 2, "compute_instances": [
+                   {"id": 0, "profile_id": 1, "slices": 2, "start": 0,
+                    "uuid": "MIG-00000000-0000-0000-0000-000000000001"}]}]}
+    path.write_text(json.dumps({"version": 1, "driver_version": "535.183.01", "gpus": [gpu],
+                                "next_pid": 40000}))
+    simnvml.check_machine(json.loads(path.read_text()))
+    n = simnvml.SimNvml(path)
+    n.nvmlInit()
+    h = n.nvmlDeviceGetHandleByIndex(0)
+    assert n.nvmlDeviceGetName(n.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)) == "NVIDIA A30 MIG 2g.12gb"
+    assert n.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 6) == 1
+    gi = n.nvmlDeviceCreateGpuInstance(h, 6)
+    assert (n.nvmlGpuInstanceGetInfo(gi).profileId, n.nvmlGpuInstanceGetInfo(gi).placement.start) == (6, 2)

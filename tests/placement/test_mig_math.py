@@ -33,6 +33,16 @@ def test_smallest_profiles_fit_sms_and_memory_inclusively_smallest_first():
     assert mig.smallest_profiles(A100, 99, 0) == []
 
 
+def test_the_a30s_2g_12gb_plus_me_comes_after_its_2g_12gb_and_fits_once():
+    a30 = get_model("A30-24GB").profiles
+    by_name = {p.name: p for p in a30}
+    assert [p.name for p in mig.smallest_profiles(a30, 15, 0)] == ["2g.12gb", "2g.12gb+me", "4g.24gb"]
+    me = by_name["2g.12gb+me"]
+    assert mig.free_starts(me, a30, []) == [0, 2]
+    assert mig.free_starts(me, a30, [(me.profile_id, 0, 2)]) == []
+    assert mig.free_starts(by_name["2g.12gb"], a30, [(me.profile_id, 0, 2)]) == [2]
+
+
 def test_capacity_is_what_can_still_be_added_and_loss_prefers_starts_that_keep_big_shapes():
     assert mig.capacity_value(A100, [(0, 0, 8)]) == 0            # a full GPU takes nothing more
     empty = mig.capacity_value(A100, [])

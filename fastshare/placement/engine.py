@@ -1124,9 +1124,11 @@ class Engine:
                     continue
                 for s in starts:
                     # best fit across GPUs (fullest GPU that takes it), then the start that
-                    # rules out the fewest later combinations on that GPU
+                    # rules out the fewest later combinations on that GPU; a +me slice (one per
+                    # GPU, laid out for its media engines) only where no plain one can be had
                     loss = 0 if ready else migmath.placement_loss(p, s, v.mig_profiles, inst)
-                    key = (p.memory_slices, p.slices, not ready, free_slices - p.slices, loss, order, s)
+                    key = (p.memory_slices, p.slices, migmath.is_media(p), not ready, free_slices - p.slices,
+                           loss, order, s)
                     if best_key is None or key < best_key:
                         best_key, best = key, (n, g, p, s)
                 break  # smallest placeable profile on this GPU

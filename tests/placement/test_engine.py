@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from fastshare.device import catalog
 from fastshare.placement import (
     Assignment,
     Engine,
@@ -372,6 +373,29 @@ def test_exclusive_takes_a_slice_of_a_static_layout_and_never_overlaps_one():
     eng.release("a")
     again = eng.place(Request("again", "exclusive", sm_count=42))
     assert again and again.mig.start == 0
+
+
+@pytest.mark.parametrize(("key", "media", "plain", "sms", "fill"), [
+    ("A30-24GB", "2g.12gb+me", "2g.12gb", 28, 2),
+    ("A100-SXM4-40GB", "1g.5gb+me", "1g.5gb", 14, 7),
+])
+def test_a_media_slice_of_a_static_layout_is_kept_for_requests_naming_it(key, media, plain, sms, fill):
+    """A +me slice laid out by hand (mig_config) on GPU 0 is taken by a request that does not
+    name it only when no plain slice can be had anywhere: while GPU 1 can make one, the media
+    engines stay free for the request that names them."""
+    m = catalog.get_model(key)
+    me = m.profile(media)
+    gpus = (GpuView(0, m.key, m.memory_mib, m.sm_count, True, True, m.profiles,
+                    mig_unheld=((me.profile_id, 0, me.memory_slices),)),
+            GpuView(1, m.key, m.memory_mib, m.sm_count, True, True, m.profiles))
+    eng = Engine([NodeView("n", 64000, 262144, gpus)])
+    placed = [eng.place(Request(f"p{i}", "exclusive", sm_count=sms)) for i in range(2 * fill - 1)]
+    assert all(placed) and all(a.mig.profile_name == plain for a in placed), placed
+    named = eng.place(Request("m", "exclusive", sm_count=sms, mig_profile=media))
+    assert named and (named.gpus, named.mig.profile_name, named.mig.start) == ((0,), media, 0), named
+    eng.release("m")
+    last = eng.place(Request("last", "exclusive", sm_count=sms))    # no plain slice left anywhere
+    assert last and (last.gpus, last.mig.profile_name) == ((0,), media), last
 
 
 def test_new_slices_go_around_a_static_layout():

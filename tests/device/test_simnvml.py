@@ -598,7 +598,7 @@ def test_a30_answers_the_2_slice_rev1_index_with_its_2g_12gb_plus_me(tmp_path: P
 
 
 def test_an_a30_machine_file_written_before_the_2g_12gb_plus_me_still_loads(tmp_path: Path):
-    """A machine file of an earlier version (no serials, a 2g.12gb and a 1g.6gb+me made): it
+    """A machine file of an earlier version (no serials, a 2g.12gb made): it
     loads, its instances keep their profiles, and a 2g.12gb+me fits in the free half."""
     path = tmp_path / "old.json"
     gpu = {"index": 0, "model": "A30-24GB", "uuid": "GPU-00000000-0000-0000-0000-000000000030",

@@ -32,6 +32,12 @@ class MigProfile:
     max_instances: int
     placements: tuple[int, ...]  # allowed start memory slices
 
+    @property
+    def media(self) -> bool:
+        """A ``+me`` media-extension variant (1g.5gb+me, 2g.12gb+me): at most one per GPU, so
+        chosen only by name and kept for the requests that name it."""
+        return "+me" in self.name
+
 
 @dataclass(frozen=True)
 class MigInstance:

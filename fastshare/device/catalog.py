@@ -301,7 +301,7 @@ def required_sms(model: GpuModel, sm_count: int | None = None,
 
 def _fitting(model: GpuModel, need_sms: int, memory_mib: int) -> Iterable[MigProfile]:
     for p in model.profiles:
-        if "+me" in p.name:       # media-extension profiles are only chosen by name
+        if p.media:       # media-extension profiles are only chosen by name
             continue
         if p.sm_count >= need_sms and p.memory_mib >= memory_mib:
             yield p

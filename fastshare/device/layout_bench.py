@@ -63,7 +63,7 @@ def largest_first(shape: GpuShape, wanted: Counter[int]) -> bool:
 
 
 def feasible_layouts(shape: GpuShape) -> list[Counter[int]]:
-    ids = [p.profile_id for p in shape.profiles if "+me" not in p.name]
+    ids = [p.profile_id for p in shape.profiles if not p.media]
     found = []
     for n in range(1, shape.compute_slices + 1):
         for combo in combinations_with_replacement(ids, n):

@@ -213,7 +213,7 @@ def future_score(shape: GpuShape, placed: Sequence[Placed]) -> tuple[int, ...]:
     """Higher is better: how many of each profile still fit, largest profiles first, then the
     number of (profile, start) placements still possible."""
     used_mask, used_compute, counts = _occupied(shape, placed)
-    ordered = sorted((p for p in shape.profiles if "+me" not in p.name),
+    ordered = sorted((p for p in shape.profiles if not p.media),
                      key=lambda p: (-p.memory_slices, -p.slices, p.profile_id))
     caps = [_free_capacity(shape, used_mask, used_compute, counts, p) for p in ordered]
     starts = sum(1 for p in ordered for s in p.placements

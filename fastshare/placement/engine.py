@@ -1127,7 +1127,7 @@ class Engine:
                     # rules out the fewest later combinations on that GPU; a +me slice (one per
                     # GPU, laid out for its media engines) only where no plain one can be had
                     loss = 0 if ready else migmath.placement_loss(p, s, v.mig_profiles, inst)
-                    key = (p.memory_slices, p.slices, migmath.is_media(p), not ready, free_slices - p.slices,
+                    key = (p.memory_slices, p.slices, p.media, not ready, free_slices - p.slices,
                            loss, order, s)
                     if best_key is None or key < best_key:
                         best_key, best = key, (n, g, p, s)

@@ -92,14 +92,8 @@ def placement_loss(profile: MigProfile, start: int, profiles: Sequence[MigProfil
     return capacity_value(profiles, instances) - capacity_value(profiles, after)
 
 
-def is_media(profile: MigProfile) -> bool:
-    """A ``+me`` media-extension variant (1g.5gb+me, 2g.12gb+me): at most one per GPU, so kept
-    for the requests that name it."""
-    return profile.max_instances == 1 and "+me" in profile.name
-
-
 def smallest_profiles(profiles: Sequence[MigProfile], sm_needed: int, memory_mib: int) -> list[MigProfile]:
     """Profiles that satisfy the request, smallest first (memory slices, then SMs, then memory).
     The ``+me`` media-extension variants are kept last because they are scarce (max 1)."""
     fit = [p for p in profiles if p.sm_count >= sm_needed and p.memory_mib >= memory_mib]
-    return sorted(fit, key=lambda p: (p.memory_slices, p.slices, p.memory_mib, is_media(p), p.profile_id))
+    return sorted(fit, key=lambda p: (p.memory_slices, p.slices, p.memory_mib, p.media, p.profile_id))

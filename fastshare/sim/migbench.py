@@ -66,7 +66,7 @@ def generate(seed: int, steps: int, gpus: int, load: float = 1.1, lifetime: floa
     """Events (step, request id, sm_count, departure step), arrivals in order."""
     rng = random.Random(seed)
     by_slices: dict[int, MigProfile] = {}
-    for p in sorted(profiles, key=lambda p: ("+me" in p.name, p.memory_slices)):
+    for p in sorted(profiles, key=lambda p: (p.media, p.memory_slices)):
         by_slices.setdefault(p.slices, p)
     mix = [(by_slices[s], w) for s, w in PROFILE_MIX if s in by_slices]
     mean_slices = sum(p.slices * w for p, w in mix) / sum(w for _p, w in mix)
@@ -93,7 +93,7 @@ def generate(seed: int, steps: int, gpus: int, load: float = 1.1, lifetime: floa
 def run(strategy: str, events: list[tuple[int, str, int, int]], gpus: int, model_key: str = "A100-SXM4-40GB",
         per_node: int = 4) -> MigStats:
     key, mem, sms, profiles = _profiles(model_key)
-    by_sm = sorted(profiles, key=lambda p: (p.memory_slices, p.slices, "+me" in p.name))
+    by_sm = sorted(profiles, key=lambda p: (p.memory_slices, p.slices, p.media))
     total_slices = migmath.compute_slices_total(profiles)
     nodes = [NodeView(f"node-{n}", 10**6, 10**7,
                       tuple(GpuView(i, key, mem, sms, True, False, profiles)

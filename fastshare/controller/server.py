@@ -423,8 +423,11 @@ class ControllerServer:
             raise
 
     def _reconcile_soon(self, node: str) -> None:
-        threading.Thread(target=self._safe, args=(lambda: self.reconciler.run_once([node]),),
-                         daemon=True).start()
+        """The pass a registration starts: it adopts shares newer than the store and settles the
+        node's allocations; its log line tells the operator (and tests) the node is taken in."""
+        def run() -> None:
+            log.info("node %s reconciled after registering: %s", node, self.reconciler.run_once([node]))
+        threading.Thread(target=self._safe, args=(run,), daemon=True).start()
 
     @staticmethod
     def _safe(fn: Callable[[], object]) -> None:

@@ -209,6 +209,12 @@ class Cluster:
             return node is not None and node.available == available
         wait_for(check, timeout, f"node {name} available={available}")
 
+    def wait_taken_in(self, name: str, timeout: float = 60) -> None:
+        """Until the pass the node's registration started has ended: a test changing the node
+        behind the controller's back must not race that pass's read of the node."""
+        wait_for(lambda: f"node {name} reconciled after registering" in self.controller.output(), timeout,
+                 f"the pass node {name}'s registration started")
+
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"

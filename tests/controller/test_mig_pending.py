@@ -158,6 +158,7 @@ def test_a_share_refused_because_its_gpu_closed_behind_the_controllers_back_is_p
     cluster.add_machine("n1", models, mig_enabled=mig_on)
     cluster.start_controller(extra=["--reconcile-interval", "3600"])   # no pass looks at the node meanwhile
     cluster.start_agent("n1")
+    cluster.wait_taken_in("n1")
     client = cluster.client()
     # where the engine puts this request: there again while its view is the same
     first = allocate(client, kind, **kw)
@@ -203,6 +204,7 @@ def test_a_share_whose_gpu_left_the_node_behind_the_controllers_back_is_placed_a
     cluster.add_machine("n1", ["V100-SXM2-32GB"] * 2)
     cluster.start_controller(extra=["--reconcile-interval", "3600"])   # no pass looks at the node meanwhile
     cluster.start_agent("n1")
+    cluster.wait_taken_in("n1")
     client = cluster.client()
     # where the engine puts this request: there again while its view is the same
     first = allocate(client, kind, **kw)
@@ -282,6 +284,7 @@ def test_an_exclusive_request_turning_mig_on_a_gpu_lost_behind_the_controllers_b
     cluster.add_machine("n1", ["H100-SXM5-80GB"] * 2, mig_enabled=False)
     cluster.start_controller(extra=["--reconcile-interval", "3600"])   # no pass looks at the node meanwhile
     cluster.start_agent("n1")
+    cluster.wait_taken_in("n1")
     client = cluster.client()
     _lose(cluster, cluster.root / "n1.json", "", 0)
     assert not any(g.lost for g in cluster.node("n1").gpus), "the controller saw it already"

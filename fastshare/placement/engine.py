@@ -366,10 +366,14 @@ class Engine:
             return Rejection(why)
         if self._memo_key(request) is not None and request.kind in ("fastpod", "mps", "whole"):
             # its shape's heap found no node: only why is left to say
-            reason = self._whole_reason if request.kind == "whole" else self._share_reason
-            result: Assignment | Rejection = Rejection(reason(request, nodes))
+            say_why = self._whole_reason if request.kind == "whole" else self._share_reason
+            result: Assignment | Rejection = Rejection(say_why(request, nodes))
+        elif request.kind == "exclusive":
+            result = self._place_exclusive(request, nodes)
+        elif request.kind == "whole":
+            result = self._place_whole(request, nodes)
         else:
-            result = getattr(self, f"_place_{request.kind}")(request, nodes)
+            result = self._shares(request, nodes)
         if isinstance(result, Rejection):
             reason = result.reason + self._closed_note(request, nodes) + self._mig_off_note(request, nodes)
             if why:   # the GPU reason covers the nodes looked at: say why the others were not
@@ -694,8 +698,8 @@ class Engine:
     def _work_out(self, r: Request, n: _Node) -> tuple[Any, Any]:
         task = _policy_task(r)
         if r.kind == "whole":
-            answer = self._whole_answer(r, n, task)
-            return answer, None if answer[1] is None else best_first(answer[1])
+            whole = self._whole_answer(r, n, task)
+            return whole, None if whole[1] is None else best_first(whole[1])
         answer = self._share_answer(r, n, task)
         return answer, None if answer is None else best_first(answer[0])
 
@@ -828,9 +832,6 @@ class Engine:
             return Rejection(self._share_reason(r, nodes))
         n, answer = best
         return Assignment(r, n.view.name, self._share_gpu(r, n, answer))
-
-    _place_fastpod = _shares
-    _place_mps = _shares
 
     def _share_gpu(self, r: Request, n: _Node, answer: tuple[Any, tuple[int, ...]]) -> tuple[int, ...]:
         """The GPU node ``n`` gives share ``r``, from its answer: the one an MPS share packs onto,

@@ -75,6 +75,15 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
     times: list[float] = []
     cpu_times: list[float] = []
     uses_tags = policy.uses_tags
+    # Nodes in the same state (model, free CPU, free GPU shares, tags) fit and score alike: a
+    # heap build works each state out once (early in a trace nearly every node is in one state).
+    state_ids: dict[tuple, int] = {}
+
+    def state_of(i: int) -> int:
+        key = (model[i], cpu[i], gpus[i], frozenset(tags[i]) if uses_tags else None)
+        return state_ids.setdefault(key, len(state_ids))
+
+    state = [state_of(i) for i in range(n)]
     randomized = policy.randomized
     gpu_milli: Counter[str] = Counter()
     for nd in nodes:
@@ -111,7 +120,16 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
             heapq.heappush(h, (score(i, task), ranks[i], version[i], i))
 
     def build(task: Task) -> list:
-        h = heaps[task] = [(score(i, task), ranks[i], version[i], i) for i in range(n) if fits(i, task)]
+        scored: dict[int, tuple | None] = {}   # by node state: its score, None if it does not fit
+        h = heaps[task] = []
+        for i in range(n):
+            st = state[i]
+            if st in scored:
+                s = scored[st]
+            else:
+                s = scored[st] = score(i, task) if fits(i, task) else None
+            if s is not None:
+                h.append((s, ranks[i], version[i], i))
         heapq.heapify(h)
         seen[task] = len(changes)
         return h
@@ -175,6 +193,7 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
                     if uses_tags:
                         tags[i][clustering_tag(task)] += 1
                 version[i] += 1
+                state[i] = state_of(i)
                 changes.append(i)
                 allocated += pod.gpu_request
                 placements.append(Placement(pod, i, tuple(gi)))

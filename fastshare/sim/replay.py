@@ -75,8 +75,14 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
     times: list[float] = []
     cpu_times: list[float] = []
     uses_tags = policy.uses_tags
-    # Nodes in the same state (model, free CPU, free GPU shares, tags) fit and score alike: a
-    # heap build works each state out once (early in a trace nearly every node is in one state).
+    randomized = policy.randomized
+    gpu_milli: Counter[str] = Counter()
+    for nd in nodes:
+        gpu_milli[nd.model] += nd.gpus * MILLI
+    policy.cluster(sum(cpu), gpu_milli)
+    generation = policy.generation
+    # Nodes in the same state (all that `fits` and `score` read of one) fit and score alike:
+    # a heap build works each state out once (early in a trace nearly every node is in one state).
     state_ids: dict[tuple, int] = {}
 
     def state_of(i: int) -> int:
@@ -84,12 +90,6 @@ def simulate(nodes: Sequence[SimNode], order: Sequence[SimPod], policy: Policy, 
         return state_ids.setdefault(key, len(state_ids))
 
     state = [state_of(i) for i in range(n)]
-    randomized = policy.randomized
-    gpu_milli: Counter[str] = Counter()
-    for nd in nodes:
-        gpu_milli[nd.model] += nd.gpus * MILLI
-    policy.cluster(sum(cpu), gpu_milli)
-    generation = policy.generation
 
     def fits(i: int, task: Task) -> bool:
         if cpu[i] < task.cpu or (task.num_gpu and not gpus[i]):

@@ -207,6 +207,8 @@ class Engine:
         self._scores: dict[tuple, Any] = {}   # see _policy_score
         self._answers: dict[tuple, dict[int, Any]] = {}  # shape -> node state -> answer (see _answer)
         self._states: dict[tuple, int] = {}   # node state -> its number (see _state)
+        self._alike: dict[int, dict[str, _Node]] = {}   # state number -> the nodes in it, by name
+        self._stateless: set[str] = set()   # nodes whose state is not worked out since they changed
         for n in nodes:
             self.add_node(n)
 
@@ -216,6 +218,7 @@ class Engine:
             raise InvalidRequest(f"node {view.name}: already in the cluster view")
         tick = next(self._ticks)
         self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus], rank=tick, version=tick)
+        self._stateless.add(view.name)
         self._changed(view.name)
         self._capacity(view, +1)
 
@@ -224,7 +227,9 @@ class Engine:
         held = [a.request.id for a in self._assignments.values() if a.node == name]
         if held:
             raise InvalidRequest(f"node {name}: still holds {len(held)} assignment(s), e.g. {held[0]}")
-        self._capacity(self._nodes.pop(name).view, -1)
+        gone = self._nodes.pop(name)
+        self._unstate(gone)
+        self._capacity(gone.view, -1)
         self._changed(name)
 
     def _capacity(self, view: NodeView, sign: int) -> None:
@@ -240,10 +245,20 @@ class Engine:
     def _touch(self, node: _Node) -> None:
         """``node`` changed: its remembered answers and heap entries no longer hold."""
         node.memo.clear()
-        node.state = None
+        self._unstate(node)
         node.room = None
         node.version = next(self._ticks)
         self._changed(node.view.name)
+
+    def _unstate(self, node: _Node) -> None:
+        """``node``'s state no longer holds: out of the nodes alike, worked out again when asked."""
+        if node.state is not None:
+            alike = self._alike[node.state]
+            del alike[node.view.name]
+            if not alike:
+                del self._alike[node.state]
+            node.state = None
+        self._stateless.add(node.view.name)
 
     def _changed(self, name: str) -> None:
         """Node ``name`` changed, came or went: the shape heaps score it again, and no rejection
@@ -264,7 +279,7 @@ class Engine:
             if h.sample.affinity:
                 self._heaps.drop(shape)
             else:
-                self._heaps.build(shape, self._entries(shape, h.sample, self._nodes.values()), h.sample)
+                self._heaps.build(shape, self._every_entry(shape, h.sample), h.sample)
 
     def set_capacity(self, name: str, cpu_milli: int, memory_mib: int) -> None:
         """Change the host CPU/memory a node offers, assignments kept: where others (Pods the
@@ -328,8 +343,10 @@ class Engine:
         if len(self._states) >= SCORES_KEPT:   # forget them all, and the answers keyed by them (here,
             self._states.clear()                 # between decisions: the numbers hold within one)
             self._answers.clear()
+            self._alike.clear()
             for n in self._nodes.values():
                 n.state = None
+            self._stateless = set(self._nodes)
         excluded = excluded or {}
         result = self._place_from_heap(request, excluded)
         if result is None:   # no heap for this kind, or no node takes it: look at every node
@@ -699,17 +716,23 @@ class Engine:
         task = _policy_task(r)
         if r.kind == "whole":
             whole = self._whole_answer(r, n, task)
-            return whole, None if whole[1] is None else best_first(whole[1])
+            if whole[1] is None or r.gpus == 1:   # one GPU is as tight anywhere
+                return whole, None if whole[1] is None else best_first(whole[1])
+            # nodes the policy scores alike differ to the job in how its GPUs talk: the
+            # tightest group ranks next (so the heap's top is the node to take)
+            group = _tightest_group(n.view, whole[0], r.gpus)
+            return whole, (best_first(whole[1]), _group_cost(n.view, group))
         answer = self._share_answer(r, n, task)
         return answer, None if answer is None else best_first(answer[0])
 
     def _state(self, n: _Node) -> int:
         """The number of ``n``'s state: everything of ``n`` a share or whole request's answer
-        depends on, but its name (which only an affinity binding looks at): its free CPU and, per
-        GPU, what the device is and offers and what its holders take and are tagged with; for a
-        policy that uses tags, also the task shapes the node holds."""
+        depends on, but its name (which only an affinity binding looks at): its free CPU, how its
+        GPUs are linked (whole GPUs rank by it) and, per GPU, what the device is and offers and
+        what its holders take and are tagged with; for a policy that uses tags, also the task
+        shapes the node holds."""
         if n.state is None:
-            state = (n.cpu_left, tuple(
+            state = (n.cpu_left, n.view.links, tuple(
                 (v.index, v.model, v.memory_mib, v.lost, v.closed, v.no_mps, v.mig_capable, v.mig_enabled,
                  v.mig_enable_needs_reset, v.mig_unheld, g.sm_used, g.mem_used, g.quota_used, g.share_kind,
                  g.whole is not None, tuple(sorted(g.mig.values())),
@@ -718,6 +741,8 @@ class Engine:
             if self.policy.uses_tags:
                 state = (*state, self._held_tags(n))
             n.state = self._states.setdefault(state, len(self._states))
+            self._alike.setdefault(n.state, {})[n.view.name] = n
+            self._stateless.discard(n.view.name)
         return n.state
 
     def _room(self, n: _Node) -> dict[str, tuple[float, float, float]]:
@@ -742,25 +767,49 @@ class Engine:
             }
         return n.room
 
-    def _entries(self, shape: tuple, r: Request, nodes: Iterable[_Node]) -> list[Entry]:
-        """The entries of ``nodes`` in the heap of ``r``'s shape: those whose labels, CPU and GPUs
-        take ``r`` (host memory is checked when one comes to the top)."""
+    def _entry_key(self, shape: tuple, r: Request) -> Callable[[_Node], Any]:
+        """``n ->`` its key in the heap of ``r``'s shape, None when its labels, CPU or GPUs do not
+        take ``r`` (host memory is checked when it comes to the top)."""
         memo, selector = shape
         cpu, ranked = r.cpu_milli, self._lookup(r, memo, memo, self._work_out)
         kind, (a, b, c) = r.kind, _need(r)
         room = self._room
-        out = []
-        for n in nodes:   # every node, for a shape seen for the first time: kept lean
+
+        def key_of(n: _Node) -> Any:
             if selector and any(dict(n.view.labels).get(k) != v for k, v in selector):
-                continue
+                return None
             if cpu and cpu > n.view.cpu_milli - n.cpu_used:
-                continue
+                return None
             most = (n.room or room(n))[kind]
             if a > most[0] or b > most[1] or c > most[2]:
-                continue
-            key = ranked(n)[1]
+                return None
+            return ranked(n)[1]
+        return key_of
+
+    def _entries(self, shape: tuple, r: Request, nodes: Iterable[_Node]) -> list[Entry]:
+        """The entries of ``nodes`` in the heap of ``r``'s shape (see :meth:`_entry_key`)."""
+        key_of = self._entry_key(shape, r)
+        return [((key, n.rank), n.view.name, n.version) for n in nodes if (key := key_of(n)) is not None]
+
+    def _every_entry(self, shape: tuple, r: Request) -> list[Entry]:
+        """The entries of every node in the heap of ``r``'s shape: the nodes of one state enter
+        together, on the word of any one of them (a shape seen for the first time then looks at
+        each state once, not at each node: most of a large cluster is alike). Not where a node
+        selector (labels are no part of a state) or an affinity binding (which names a node)
+        tells nodes alike apart."""
+        memo, selector = shape
+        if selector or memo[-1]:
+            return self._entries(shape, r, self._nodes.values())
+        for name in list(self._stateless):
+            if (n := self._nodes.get(name)) is not None:
+                self._state(n)
+        self._stateless.clear()
+        key_of = self._entry_key(shape, r)
+        out: list[Entry] = []
+        for alike in self._alike.values():
+            key = key_of(next(iter(alike.values())))
             if key is not None:
-                out.append(((key, n.rank), n.view.name, n.version))
+                out += [((key, n.rank), name, n.version) for name, n in alike.items()]
         return out
 
     def _place_from_heap(self, r: Request, excluded: Mapping[str, str]) -> Assignment | None:
@@ -774,45 +823,39 @@ class Engine:
         shape = (memo, r.node_selector)
         h = self._heaps.get(shape)
         if h is None:
-            h = self._heaps.build(shape, self._entries(shape, r, self._nodes.values()), r)
+            h = self._heaps.build(shape, self._every_entry(shape, r), r)
         elif h.dirty:
             nodes = self._nodes
             for e in self._entries(shape, r, (nodes[name] for name in h.dirty if name in nodes)):
                 h.push(e)
             h.dirty.clear()
             h.compact(self._current, len(nodes))
-        tied = self._heap_best(h, r, excluded)
-        if not tied:
+        n = self._heap_best(h, r, excluded)
+        if n is None:
             return None
         if r.kind != "whole":
-            n = tied[0]
             return Assignment(r, n.view.name, self._share_gpu(r, n, self._answer(r, n, memo)))
-        return self._tightest_of(r, [(n, self._answer(r, n, memo)[0]) for n in tied])
+        return self._tightest_of(r, [(n, self._answer(r, n, memo)[0])])
 
     def _current(self, name: str, version: int) -> bool:
         n = self._nodes.get(name)
         return n is not None and n.version == version
 
-    def _heap_best(self, h: ShapeHeap, r: Request, excluded: Mapping[str, str]) -> list[_Node]:
-        """The best nodes on ``h`` that ``excluded`` and their free host memory let take ``r``:
-        the first only, or for several whole GPUs every node scored alike (the tightest group
-        of GPUs decides among them). Stale entries met on the way are dropped."""
+    def _heap_best(self, h: ShapeHeap, r: Request, excluded: Mapping[str, str]) -> _Node | None:
+        """The best node on ``h`` that ``excluded`` and its free host memory let take ``r``.
+        Stale entries met on the way are dropped; the others looked at are put back."""
         put_back: list[Entry] = []
-        best: list[_Node] = []
-        best_score = None
+        best = None
         while h.heap:
-            (score, _rank), name, version = h.heap[0]
+            _key, name, version = h.heap[0]
             n = self._nodes.get(name)
             if n is None or n.version != version:
                 h.pop()
                 continue
-            if best and (r.kind != "whole" or r.gpus == 1 or score != best_score):
-                break
             put_back.append(h.pop())
-            if (excluded and name in excluded) or (r.memory_mib and r.memory_mib > n.mem_left):
-                continue
-            best_score = score
-            best.append(n)
+            if not ((excluded and name in excluded) or (r.memory_mib and r.memory_mib > n.mem_left)):
+                best = n
+                break
         for e in put_back:
             h.push(e)
         return best

@@ -736,6 +736,7 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
     typical = typical_shapes([Task(1000, 300, 1), Task(2000, 1000, 1), Task(500, 500, 1), Task(0, 1000, 2)])
     oversub = rng.choice([1.0, 2.0])
     links = {(0, 1): 1, (2, 3): 1, (0, 2): 3, (0, 3): 3, (1, 2): 3, (1, 3): 3}
+    flat = {pair: 2 for pair in links}   # nodes alike but for links: whole GPUs go to the tighter
     serial = iter(range(10**6))
 
     def gpu_state(g: GpuView) -> GpuView:
@@ -753,7 +754,7 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
     def view(name: str) -> NodeView:
         gpus = rng.choice([1, 2, 2, 4])
         v = node(name, n_gpus=gpus, cpu=rng.choice([8000, 16000]), mem=rng.choice([16384, 65536]),
-                 labels={"zone": rng.choice("ab")}, links=links if gpus == 4 else None,
+                 labels={"zone": rng.choice("ab")}, links=rng.choice([links, flat]) if gpus == 4 else None,
                  key=rng.choice(["A100-SXM4-40GB", "A100-SXM4-40GB", "T4"]))
         return dataclasses.replace(v, gpus=tuple(dataclasses.replace(gpu_state(g), uuid=f"GPU-{next(serial)}")
                                                  for g in v.gpus))

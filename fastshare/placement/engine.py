@@ -8,6 +8,8 @@ request to the ledger and returns an :class:`Assignment`, or changes nothing and
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import math
 from collections import Counter
@@ -207,7 +209,8 @@ class Engine:
         self._scores: dict[tuple, Any] = {}   # see _policy_score
         self._answers: dict[tuple, dict[int, Any]] = {}  # shape -> node state -> answer (see _answer)
         self._states: dict[tuple, int] = {}   # node state -> its number (see _state)
-        self._alike: dict[int, dict[str, _Node]] = {}   # state number -> the nodes in it, by name
+        self._alike: dict[int, list[int]] = {}   # state number -> the ranks of the nodes in it, in order
+        self._by_rank: dict[int, _Node] = {}
         self._stateless: set[str] = set()   # nodes whose state is not worked out since they changed
         for n in nodes:
             self.add_node(n)
@@ -217,7 +220,8 @@ class Engine:
         if view.name in self._nodes:
             raise InvalidRequest(f"node {view.name}: already in the cluster view")
         tick = next(self._ticks)
-        self._nodes[view.name] = _Node(view, [_Gpu(g) for g in view.gpus], rank=tick, version=tick)
+        self._nodes[view.name] = self._by_rank[tick] = _Node(view, [_Gpu(g) for g in view.gpus],
+                                                             rank=tick, version=tick)
         self._stateless.add(view.name)
         self._changed(view.name)
         self._capacity(view, +1)
@@ -229,6 +233,7 @@ class Engine:
             raise InvalidRequest(f"node {name}: still holds {len(held)} assignment(s), e.g. {held[0]}")
         gone = self._nodes.pop(name)
         self._unstate(gone)
+        del self._by_rank[gone.rank]
         self._capacity(gone.view, -1)
         self._changed(name)
 
@@ -253,9 +258,9 @@ class Engine:
     def _unstate(self, node: _Node) -> None:
         """``node``'s state no longer holds: out of the nodes alike, worked out again when asked."""
         if node.state is not None:
-            alike = self._alike[node.state]
-            del alike[node.view.name]
-            if not alike:
+            ranks = self._alike[node.state]
+            del ranks[bisect.bisect_left(ranks, node.rank)]
+            if not ranks:
                 del self._alike[node.state]
             node.state = None
         self._stateless.add(node.view.name)
@@ -344,6 +349,7 @@ class Engine:
             self._states.clear()                 # between decisions: the numbers hold within one)
             self._answers.clear()
             self._alike.clear()
+            self._heaps.clear()   # their entries name states by number
             for n in self._nodes.values():
                 n.state = None
             self._stateless = set(self._nodes)
@@ -741,7 +747,7 @@ class Engine:
             if self.policy.uses_tags:
                 state = (*state, self._held_tags(n))
             n.state = self._states.setdefault(state, len(self._states))
-            self._alike.setdefault(n.state, {})[n.view.name] = n
+            bisect.insort(self._alike.setdefault(n.state, []), n.rank)
             self._stateless.discard(n.view.name)
         return n.state
 
@@ -786,31 +792,35 @@ class Engine:
             return ranked(n)[1]
         return key_of
 
+    @staticmethod
+    def _by_state(shape: tuple) -> bool:
+        """Whether the heap of ``shape`` holds states rather than nodes: not where a node selector
+        (labels are no part of a state) or an affinity binding (which names a node) tells nodes
+        alike apart."""
+        memo, selector = shape
+        return not (selector or memo[-1])
+
     def _entries(self, shape: tuple, r: Request, nodes: Iterable[_Node]) -> list[Entry]:
-        """The entries of ``nodes`` in the heap of ``r``'s shape (see :meth:`_entry_key`)."""
+        """The entries of ``nodes`` in the heap of ``r``'s shape (see :meth:`_entry_key`): their
+        states' from each one's rank on, or their own."""
         key_of = self._entry_key(shape, r)
+        if self._by_state(shape):   # (key_of has worked the state out where it gives a key)
+            return [((key, n.rank), "", n.state) for n in nodes if (key := key_of(n)) is not None]
         return [((key, n.rank), n.view.name, n.version) for n in nodes if (key := key_of(n)) is not None]
 
     def _every_entry(self, shape: tuple, r: Request) -> list[Entry]:
-        """The entries of every node in the heap of ``r``'s shape: the nodes of one state enter
-        together, on the word of any one of them (a shape seen for the first time then looks at
-        each state once, not at each node: most of a large cluster is alike). Not where a node
-        selector (labels are no part of a state) or an affinity binding (which names a node)
-        tells nodes alike apart."""
-        memo, selector = shape
-        if selector or memo[-1]:
+        """The entries of every node in the heap of ``r``'s shape: one per state, on the word of
+        any of its nodes (a shape seen for the first time looks at each state once, not at each
+        node: most of a large cluster is alike)."""
+        if not self._by_state(shape):
             return self._entries(shape, r, self._nodes.values())
         for name in list(self._stateless):
             if (n := self._nodes.get(name)) is not None:
                 self._state(n)
         self._stateless.clear()
-        key_of = self._entry_key(shape, r)
-        out: list[Entry] = []
-        for alike in self._alike.values():
-            key = key_of(next(iter(alike.values())))
-            if key is not None:
-                out += [((key, n.rank), name, n.version) for name, n in alike.items()]
-        return out
+        key_of, by_rank = self._entry_key(shape, r), self._by_rank
+        return [((key, ranks[0]), "", state) for state, ranks in self._alike.items()
+                if (key := key_of(by_rank[ranks[0]])) is not None]
 
     def _place_from_heap(self, r: Request, excluded: Mapping[str, str]) -> Assignment | None:
         """Place a share or whole GPUs through the heap of its shape (see
@@ -829,7 +839,7 @@ class Engine:
             for e in self._entries(shape, r, (nodes[name] for name in h.dirty if name in nodes)):
                 h.push(e)
             h.dirty.clear()
-            h.compact(self._current, len(nodes))
+            h.compact(self._live, len(nodes))
         n = self._heap_best(h, r, excluded)
         if n is None:
             return None
@@ -837,25 +847,58 @@ class Engine:
             return Assignment(r, n.view.name, self._share_gpu(r, n, self._answer(r, n, memo)))
         return self._tightest_of(r, [(n, self._answer(r, n, memo)[0])])
 
-    def _current(self, name: str, version: int) -> bool:
-        n = self._nodes.get(name)
-        return n is not None and n.version == version
+    def _first_alike(self, state: int, rank: int) -> _Node | None:
+        """The first node in state ``state`` from ``rank`` on (node order), if any."""
+        ranks = self._alike.get(state)
+        if not ranks:
+            return None
+        i = bisect.bisect_left(ranks, rank)
+        return self._by_rank[ranks[i]] if i < len(ranks) else None
+
+    def _live(self, entries: list[Entry]) -> list[Entry]:
+        """The entries that still name a node as it is: a node's own until it changes; a state's
+        while a node in it ranks from the entry's rank on, and only its first (the others name
+        nodes it names too)."""
+        out, first = [], {}
+        for e in entries:
+            (_key, rank), name, tag = e
+            if name:
+                n = self._nodes.get(name)
+                if n is not None and n.version == tag:
+                    out.append(e)
+            elif self._first_alike(tag, rank) is not None and rank < first.get(tag, (math.inf,))[0]:
+                first[tag] = (rank, e)
+        return out + [e for _rank, e in first.values()]
 
     def _heap_best(self, h: ShapeHeap, r: Request, excluded: Mapping[str, str]) -> _Node | None:
         """The best node on ``h`` that ``excluded`` and its free host memory let take ``r``.
-        Stale entries met on the way are dropped; the others looked at are put back."""
+        A node's entry is dropped once the node changed; a state's is moved on to its first node
+        from the entry's rank on, and dropped when none is left. The entries looked at are put
+        back."""
         put_back: list[Entry] = []
         best = None
-        while h.heap:
-            _key, name, version = h.heap[0]
-            n = self._nodes.get(name)
-            if n is None or n.version != version:
-                h.pop()
-                continue
+        heap = h.heap
+        while heap:
+            (key, rank), name, tag = heap[0]
+            if name:
+                n = self._nodes.get(name)
+                if n is None or n.version != tag:
+                    h.pop()
+                    continue
+            else:
+                n = self._first_alike(tag, rank)
+                if n is None:
+                    h.pop()
+                    continue
+                if n.rank != rank:
+                    heapq.heapreplace(heap, ((key, n.rank), name, tag))
+                    continue
             put_back.append(h.pop())
-            if not ((excluded and name in excluded) or (r.memory_mib and r.memory_mib > n.mem_left)):
+            if not ((excluded and n.view.name in excluded) or (r.memory_mib and r.memory_mib > n.mem_left)):
                 best = n
                 break
+            if not name:   # the state's next nodes (an entry left behind when put back: harmless)
+                h.push(((key, rank + 1), name, tag))
         for e in put_back:
             h.push(e)
         return best

@@ -2,12 +2,19 @@
 few nodes instead of all of them.
 
 Between two decisions only the node placed on changes, and requests repeat a few shapes. So
-each shape keeps a heap of ``(key, node name, node version)`` entries, ``key`` ordering the
-nodes as the engine ranks them (best first). A node that changes (a placement, a release, a
-capacity change, added or removed) gets a new version, which makes its old entries stale
-(dropped when they reach the top) and marks it *dirty* in every heap, so each heap scores it
-again the next time its shape is asked for. The trace replay (``fastshare/sim/replay.py``) works
-the same way; this is the controller's engine's copy, keyed by node name.
+each shape keeps a heap of entries ``(key, name, tag)``, ``key`` ordering the nodes as the
+engine ranks them (best first, then node order). A node that changes (a placement, a release,
+a capacity change, added or removed) is marked *dirty* in every heap, so each heap scores it
+again the next time its shape is asked for.
+
+Most of a large cluster is alike, and nodes alike answer alike, so an entry names a node
+*state* (``name`` empty, ``tag`` the state's number): the nodes in that state from the rank in
+``key`` on. A shape seen for the first time then costs one entry per state, not per node; a
+node that changes leaves its state (the entry moves on to the next node in it when asked). A
+shape whose answer differs between nodes alike (a node selector, an affinity binding) keeps an
+entry per node instead (``name`` the node, ``tag`` its version, stale once it changes). The
+trace replay (``fastshare/sim/replay.py``) works the same way, by node; this is the
+controller's engine's copy.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-Entry = tuple[Any, str, int]   # (rank key, node name, node version)
+Entry = tuple[Any, str, int]   # ((key, rank), node name, node version) or ((key, rank), "", state)
 
 
 @dataclass
@@ -35,11 +42,11 @@ class ShapeHeap:
     def pop(self) -> Entry:
         return heapq.heappop(self.heap)
 
-    def compact(self, current: Callable[[str, int], bool], nodes: int) -> None:
-        """Drop the stale entries once they outnumber the live ones (a long-lived controller
-        would otherwise keep one per change)."""
+    def compact(self, live: Callable[[list[Entry]], list[Entry]], nodes: int) -> None:
+        """Keep only the ``live`` entries once the heap outgrows the nodes (a long-lived
+        controller would otherwise keep one per change)."""
         if len(self.heap) > 2 * nodes + 64:
-            self.heap = [e for e in self.heap if current(e[1], e[2])]
+            self.heap = live(self.heap)
             heapq.heapify(self.heap)
 
 

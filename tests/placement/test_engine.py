@@ -855,6 +855,41 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
     assert policy != "fastshare" or heaps.policy.generation > 2
 
 
+def test_a_shapes_heap_stays_bounded_and_right_through_nodes_coming_back_to_their_states():
+    """A shape's heap holds an entry per node state; a node that changes and comes back to a state
+    it was in adds another entry for it each time, and host memory rules the first node of a
+    state out now and then (its state's entry moves past it and is left behind). A long-lived
+    controller asks the same shapes for ever: the heap is compacted (one entry per state kept)
+    and keeps placing as looking at every node does."""
+    import random
+
+    rng = random.Random(3)
+    views = [node(f"n{i}", n_gpus=2, mem=8192) for i in range(3)]
+    heaps, fresh = Engine(views), _Unmemoized(views)
+    held: list[str] = []
+    for k in range(400):
+        if held and (len(held) > 4 or rng.random() < 0.5):
+            rid = held.pop(rng.randrange(len(held)))
+            heaps.release(rid)
+            fresh.release(rid)
+            continue
+        r = fastpod(f"r{k}", rng.choice([30, 60]), memory_mib=rng.choice([0, 6000]))
+        got = heaps.place(r)
+        assert got == fresh.place(r), k
+        if got:
+            held.append(r.id)
+    assert heaps.usage() == fresh.usage()
+
+    # one node placed on and emptied again and again: each time its heap gets another entry for
+    # the empty state, all of them live; compacting keeps one
+    eng = Engine([node("n", n_gpus=1)])
+    for k in range(300):
+        assert eng.place(fastpod(f"c{k}", 30)).node == "n"
+        eng.release(f"c{k}")
+        (_shape, h), = eng._heaps.items()
+        assert len(h.heap) <= 2 * 1 + 64 + 1, (k, len(h.heap))
+
+
 def test_a_remembered_rejection_lasts_only_until_a_node_changes():
     """The same ask rejected again with no node changed gets the remembered rejection; after any
     change (a release here) it is looked at afresh: placed, or rejected with the new figures."""

@@ -9,7 +9,6 @@ request to the ledger and returns an :class:`Assignment`, or changes nothing and
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 import math
 from collections import Counter
@@ -891,13 +890,14 @@ class Engine:
                     h.pop()
                     continue
                 if n.rank != rank:
-                    heapq.heapreplace(heap, ((key, n.rank), name, tag))
+                    h.replace_top(((key, n.rank), name, tag))
                     continue
             put_back.append(h.pop())
             if not ((excluded and n.view.name in excluded) or (r.memory_mib and r.memory_mib > n.mem_left)):
                 best = n
                 break
-            if not name:   # the state's next nodes (an entry left behind when put back: harmless)
+            if not name:   # the state's next nodes (this entry stays: a second one for some of the
+                # same nodes, dropped when compacted)
                 h.push(((key, rank + 1), name, tag))
         for e in put_back:
             h.push(e)

@@ -42,6 +42,10 @@ class ShapeHeap:
     def pop(self) -> Entry:
         return heapq.heappop(self.heap)
 
+    def replace_top(self, entry: Entry) -> None:
+        """Pop the top and push ``entry`` in one step (a state's entry moved on to a later node)."""
+        heapq.heapreplace(self.heap, entry)
+
     def compact(self, live: Callable[[list[Entry]], list[Entry]], nodes: int) -> None:
         """Keep only the ``live`` entries once the heap outgrows the nodes (a long-lived
         controller would otherwise keep one per change)."""

@@ -720,13 +720,13 @@ class Engine:
     def _work_out(self, r: Request, n: _Node) -> tuple[Any, Any]:
         task = _policy_task(r)
         if r.kind == "whole":
-            whole = self._whole_answer(r, n, task)
-            if whole[1] is None or r.gpus == 1:   # one GPU is as tight anywhere
-                return whole, None if whole[1] is None else best_first(whole[1])
-            # nodes the policy scores alike differ to the job in how its GPUs talk: the
-            # tightest group ranks next (so the heap's top is the node to take)
-            group = _tightest_group(n.view, whole[0], r.gpus)
-            return whole, (best_first(whole[1]), _group_cost(n.view, group))
+            idle, score = self._whole_answer(r, n, task)
+            if score is None:
+                return (idle, None), None
+            # the GPUs to take; nodes the policy scores alike differ to the job in how they
+            # talk, so the group's tightness ranks next (the heap's top is the node to take)
+            group = _tightest_group(n.view, idle, r.gpus)
+            return (group, score), (best_first(score), _group_cost(n.view, group))
         answer = self._share_answer(r, n, task)
         return answer, None if answer is None else best_first(answer[0])
 
@@ -842,9 +842,8 @@ class Engine:
         n = self._heap_best(h, r, excluded)
         if n is None:
             return None
-        if r.kind != "whole":
-            return Assignment(r, n.view.name, self._share_gpu(r, n, self._answer(r, n, memo)))
-        return self._tightest_of(r, [(n, self._answer(r, n, memo)[0])])
+        answer = self._answer(r, n, memo)
+        return Assignment(r, n.view.name, answer[0] if r.kind == "whole" else self._share_gpu(r, n, answer))
 
     def _first_alike(self, state: int, rank: int) -> _Node | None:
         """The first node in state ``state`` from ``rank`` on (node order), if any."""
@@ -1152,7 +1151,8 @@ class Engine:
 
     @staticmethod
     def _tightest_of(r: Request, best: list[tuple[_Node, list[int]]]) -> Assignment:
-        """Whole GPUs on one of the ``best`` nodes (in node order, with their idle GPUs)."""
+        """Whole GPUs on one of the ``best`` nodes (in node order, with their idle GPUs), for a
+        look at every node; a shape's heap ranks nodes the same way (see :meth:`_work_out`)."""
         # Nodes the policy scores alike (two idle nodes always are) differ to the job in how its
         # GPUs talk: the tightest group wins, then the node order.
         groups: dict[tuple, tuple[tuple[int, ...], tuple[int, int]]] = {}   # alike nodes: worked out once

@@ -30,6 +30,7 @@ from fastshare.placement.model import (
     Request,
 )
 from fastshare.placement.policies import Policy, Task, best_first, clustering_tag
+from fastshare.placement.rejection_folds import HostBlocks, HostFold, ShareFold, WholeFold
 from fastshare.placement.shape_heaps import Entry, ShapeHeap, ShapeHeaps
 
 
@@ -111,30 +112,6 @@ class _Node:
         return self.view.memory_mib - self.mem_used
 
 
-@dataclass
-class _ShareWhy:
-    """What one node tells about a rejected share: whether it has GPUs of the models asked
-    (``wanted``), lost or closed (``shut``), unable to run MPS (``no_mps``: the first reason),
-    or ``usable`` for the share's kind; of the usable ones the best figures, each with its GPU
-    (memory and free memory with -index, SM and quota used with index: the first GPU wins
-    ties, and compared as tuples across nodes, the lower index then the first node); and the
-    usable GPUs the sharing tags keep it off (the rejection keeps those with room for the share:
-    a summary leaves the share's sizes out, see ``Engine._why_key``)."""
-
-    wanted: bool = False
-    any_shut: bool = False
-    all_shut: bool = True
-    all_no_mps: bool = True
-    no_mps: str | None = None
-    usable: bool = False
-    plain: bool = False   # usable, and no GPU of the models asked is shut or unable to run MPS
-    big: tuple[int, int] = (0, 0)
-    free: tuple[float, int] = (0.0, 0)
-    sm: tuple[int, int] = (0, 0)
-    quota: tuple[float, int] = (0.0, 0)
-    tagged: list[tuple[int, str]] = field(default_factory=list)
-
-
 _UNSEEN = object()   # a cache miss (a score kept may be anything)
 QUOTA_SLACK = 1e-9  # float noise in a sum of quota requests (0.1 + 0.2 + 0.7), as the node agent allows
 
@@ -211,6 +188,7 @@ class Engine:
         self._alike: dict[int, list[int]] = {}   # state number -> the ranks of the nodes in it, in order
         self._by_rank: dict[int, _Node] = {}
         self._stateless: set[str] = set()   # nodes whose state is not worked out since they changed
+        self._blocks: HostBlocks | None = None   # rejections' folds per block of nodes (see _say_why)
         for n in nodes:
             self.add_node(n)
 
@@ -223,6 +201,7 @@ class Engine:
                                                              rank=tick, version=tick)
         self._stateless.add(view.name)
         self._changed(view.name)
+        self._blocks = None   # cut again, in the new node order
         self._capacity(view, +1)
 
     def remove_node(self, name: str) -> None:
@@ -235,6 +214,7 @@ class Engine:
         del self._by_rank[gone.rank]
         self._capacity(gone.view, -1)
         self._changed(name)
+        self._blocks = None
 
     def _capacity(self, view: NodeView, sign: int) -> None:
         """Keep the cluster's CPU and GPU totals and tell the policy (it weighs CPU and the
@@ -253,6 +233,8 @@ class Engine:
         node.room = None
         node.version = next(self._ticks)
         self._changed(node.view.name)
+        if self._blocks is not None:
+            self._blocks.touched(node)
 
     def _unstate(self, node: _Node) -> None:
         """``node``'s state no longer holds: out of the nodes alike, worked out again when asked."""
@@ -383,14 +365,13 @@ class Engine:
         return result
 
     def _scan(self, request: Request, excluded: Mapping[str, str]) -> Assignment | Rejection:
+        if self._memo_key(request) is not None and request.kind in ("fastpod", "mps", "whole"):
+            return self._say_why(request, excluded)   # its shape's heap found no node
         nodes, why = self._filter_nodes(request, excluded)
         if not nodes:
             return Rejection(why)
-        if self._memo_key(request) is not None and request.kind in ("fastpod", "mps", "whole"):
-            # its shape's heap found no node: only why is left to say
-            say_why = self._whole_reason if request.kind == "whole" else self._share_reason
-            result: Assignment | Rejection = Rejection(say_why(request, nodes))
-        elif request.kind == "exclusive":
+        result: Assignment | Rejection
+        if request.kind == "exclusive":
             result = self._place_exclusive(request, nodes)
         elif request.kind == "whole":
             result = self._place_whole(request, nodes)
@@ -398,10 +379,38 @@ class Engine:
             result = self._shares(request, nodes)
         if isinstance(result, Rejection):
             reason = result.reason + self._closed_note(request, nodes) + self._mig_off_note(request, nodes)
-            if why:   # the GPU reason covers the nodes looked at: say why the others were not
-                reason += f"; only {len(nodes)} of {len(self._nodes)} node(s) were looked at: {why}"
-            result = Rejection(reason, result.details)
+            result = Rejection(reason + self._only_looked(len(nodes), why), result.details)
         return result
+
+    def _only_looked(self, looked: int, why: str) -> str:
+        """The GPU reason covers the nodes looked at: why the others were not ("" when none was left out)."""
+        return f"; only {looked} of {len(self._nodes)} node(s) were looked at: {why}" if why else ""
+
+    def _say_why(self, r: Request, excluded: Mapping[str, str]) -> Rejection:
+        """Why no node takes share or whole GPUs ``r`` (its shape's heap found none): folded
+        per block of nodes (``fastshare/placement/rejection_folds.py``; a full cluster rejects
+        often, and this would look at every node), or node by node where the blocks' folds do
+        not tell it: a node selector, nodes the caller excludes, an affinity binding (a node's
+        own answer), closed GPUs (named one by one)."""
+        key = self._why_key(r)
+        words = self._whole_words if r.kind == "whole" else self._share_words
+        if r.node_selector or excluded or key is None or key[-1] or self._closed_gpus or not self._nodes:
+            nodes, why = self._filter_nodes(r, excluded)
+            if not nodes:
+                return Rejection(why)
+            return Rejection(words(r, self._nodes_fold(r, nodes), len(nodes)) + self._closed_note(r, nodes)
+                             + self._only_looked(len(nodes), why))
+        if self._blocks is None:
+            self._blocks = HostBlocks(list(self._nodes.values()), _host_left,
+                                      max(4, math.isqrt(len(self._nodes)) // 4))
+        host = HostFold(r.cpu_milli, r.memory_mib)
+        whole = r.kind == "whole"
+        fold = self._blocks.fold(host, key, WholeFold if whole else ShareFold,
+                                 self._lookup(r, key, key, self._whole_why if whole else self._share_why))
+        why = "; ".join(_host_words(r, host))
+        if not host.fit:
+            return Rejection(why)
+        return Rejection(words(r, fold, host.fit) + self._only_looked(host.fit, why))
 
     def release(self, assignment: Assignment | str) -> Assignment:
         """Give back what an assignment holds; returns it. Unknown ids, and an Assignment that is
@@ -544,25 +553,16 @@ class Engine:
         """The nodes not ``excluded`` whose labels, free CPU and free memory fit ``r``, and why
         the others do not ("" when none was dropped)."""
         sel = dict(r.node_selector)
-        out, no_sel, no_cpu, no_mem = [], 0, 0, 0
+        out, no_sel = [], 0
         ruled_out: dict[str, list[str]] = {}
-        cpu, mem = r.cpu_milli, r.memory_mib
-        most_cpu = most_mem = (-math.inf, "")   # among the nodes lacking it: the most free, where
+        host = HostFold(r.cpu_milli, r.memory_mib)
         for n in self._nodes.values():   # once per node per rejection: kept lean
             view = n.view
             if sel and any(dict(view.labels).get(k) != v for k, v in sel.items()):
                 no_sel += 1
             elif excluded and view.name in excluded:
                 ruled_out.setdefault(excluded[view.name], []).append(view.name)
-            elif cpu and cpu > (left := view.cpu_milli - n.cpu_used):
-                no_cpu += 1
-                if left > most_cpu[0]:
-                    most_cpu = (left, view.name)
-            elif mem and mem > (left := view.memory_mib - n.mem_used):
-                no_mem += 1
-                if left > most_mem[0]:
-                    most_mem = (left, view.name)
-            else:
+            elif host.takes(view.cpu_milli - n.cpu_used, view.memory_mib - n.mem_used, n.rank, view.name):
                 out.append(n)
         if not self._nodes:
             return [], "the cluster view has no nodes"
@@ -571,13 +571,7 @@ class Engine:
             parts.append(f"{len(names)} node(s) {why} ({_some(names)})")
         if no_sel:
             parts.append(f"{no_sel} node(s) do not match node_selector {sel}")
-        if no_cpu:
-            parts.append(f"{no_cpu} node(s) lack {r.cpu_milli} milli-CPU; most free is "
-                         f"{max(0, most_cpu[0])} on {most_cpu[1]}")
-        if no_mem:
-            parts.append(f"{no_mem} node(s) lack {_fmt_mib(r.memory_mib)} host memory; most free is "
-                         f"{_fmt_mib(max(0, most_mem[0]))} on {most_mem[1]}")
-        return out, "; ".join(parts)
+        return out, "; ".join(parts + _host_words(r, host))
 
     def _gpu_problem(self, r: Request, g: _Gpu, node: str, placing: bool = True) -> str | None:
         """Why GPU ``g`` cannot take a share ``r`` (None when it can). ``placing`` False: ``r`` is a
@@ -914,7 +908,7 @@ class Engine:
             if best_key is None or key > best_key:
                 best_key, best = key, (n, answer)
         if best is None:
-            return Rejection(self._share_reason(r, nodes))
+            return Rejection(self._share_words(r, self._nodes_fold(r, nodes), len(nodes)))
         n, answer = best
         return Assignment(r, n.view.name, self._share_gpu(r, n, answer))
 
@@ -964,63 +958,29 @@ class Engine:
         free = tuple(self._policy_free(r, g, fits) for g, fits in zip(n.gpus, ok, strict=True))
         return self._policy_score(model, n.cpu_left, free, task, self._held_tags(n)), free
 
-    def _share_reason(self, r: Request, nodes: list[_Node]) -> str:
-        """Why no GPU of ``nodes`` takes share ``r``, from each node's summary (``_share_why``,
-        shared by nodes alike: a full cluster rejects often, and this looks at every node)."""
+    def _share_words(self, r: Request, fold: ShareFold, looked: int) -> str:
+        """Why no GPU of the ``looked`` nodes folded in ``fold`` takes share ``r``."""
         what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
                 if r.kind == "fastpod" else _fmt_mib(r.gpu_memory_mib))
-        key = self._why_key(r)
-        plain = wanted = any_shut = False
-        all_shut = all_no_mps = True
-        no_mps: dict[str, str] = {}
-        # (figure, -GPU index or GPU index) and the node: the first in node order among the best
-        big = free = sm = quota = None
-        big_at = free_at = sm_at = quota_at = nodes[0]
-        tagged: list[str] = []
-        why_of = self._lookup(r, key, key, self._share_why)
-        for n in nodes:   # once per node per rejection: kept lean
-            w = why_of(n)
-            if w.plain:
-                plain = True
-            else:
-                if w.no_mps is not None:
-                    no_mps.setdefault(n.view.name, w.no_mps)
-                wanted |= w.wanted
-                any_shut |= w.any_shut
-                all_shut &= w.all_shut
-                all_no_mps &= w.all_no_mps
-                if not w.usable:
-                    continue
-            if big is None or w.big > big:
-                big, big_at = w.big, n
-            if free is None or w.free > free:
-                free, free_at = w.free, n
-            if sm is None or w.sm < sm:
-                sm, sm_at = w.sm, n
-            if quota is None or w.quota < quota:
-                quota, quota_at = w.quota, n
-            if w.tagged:   # those with room for r (the summary leaves r's sizes out)
-                tagged.extend(f"{n.view.name} GPU {i} ({why})" for i, why in w.tagged
-                              if self._room_problem(r, n.gpus[i]) is None)
-        if plain:   # what a plain node tells (see _ShareWhy)
-            wanted, all_shut, all_no_mps = True, False, False
-        if big is None:   # no usable GPU
+        if not fold.usable:   # no usable GPU
             models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-            if not wanted:
-                return f"no GPU{models} on the {len(nodes)} node(s) looked at"  # none is busy: none is there
+            if not fold.wanted:
+                return f"no GPU{models} on the {looked} node(s) looked at"  # none is busy: none is there
             busy = "in MIG mode, held whole or shared otherwise"
-            if not no_mps and all_shut:   # lost, or closed: place() says why
+            if fold.no_mps is None and fold.all_shut:   # lost, or closed: place() says why
                 return f"no GPU{models} takes new {r.kind} shares now"
-            if not no_mps:
+            if fold.no_mps is None:
                 return (f"no GPU{models} is available for {r.kind} shares "
-                        f"({'the others' if any_shut else 'all'} are {busy})")
-            name, why = next(iter(no_mps.items()))
-            more = f" (and {len(no_mps) - 1} more node(s))" if len(no_mps) > 1 else ""
-            others = "" if all_no_mps else f"the others are {busy}; "
-            return (f"no GPU{models} is available for {r.kind} shares: {others}node {name}{more} "
-                    f"cannot run MPS: {why}")
-        big, free = (*big, big_at.view.name), (*free, free_at.view.name)
-        sm, quota = (*sm, sm_at.view.name), (*quota, quota_at.view.name)
+                        f"({'the others' if fold.any_shut else 'all'} are {busy})")
+            more = f" (and {fold.no_mps_nodes - 1} more node(s))" if fold.no_mps_nodes > 1 else ""
+            others = "" if fold.all_no_mps else f"the others are {busy}; "
+            return (f"no GPU{models} is available for {r.kind} shares: {others}node "
+                    f"{fold.no_mps_at.view.name}{more} cannot run MPS: {fold.no_mps}")
+        big, free = (*fold.big, fold.big_at.view.name), (*fold.free, fold.free_at.view.name)
+        sm, quota = (*fold.sm, fold.sm_at.view.name), (*fold.quota, fold.quota_at.view.name)
+        # those with room for r (a node's summary leaves r's sizes out)
+        tagged = [f"{n.view.name} GPU {i} ({why})" for n, i, why in sorted(fold.tagged, key=_node_order)
+                  if self._room_problem(r, n.gpus[i]) is None]
         if r.gpu_memory_mib > big[0]:
             return (f"no GPU has {_fmt_mib(r.gpu_memory_mib)} of memory; the largest is "
                     f"{_fmt_mib(big[0])} ({big[2]} GPU {-big[1]})")
@@ -1038,9 +998,9 @@ class Engine:
             msg += f"; affinity tag {r.affinity!r} binds it to {node} GPU {idx}"
         return msg
 
-    def _share_why(self, r: Request, n: _Node) -> _ShareWhy:
-        """What of node ``n`` a rejection of share ``r`` tells (see :class:`_ShareWhy`)."""
-        w = _ShareWhy()
+    def _share_why(self, r: Request, n: _Node) -> ShareFold:
+        """What of node ``n`` a rejection of share ``r`` tells (see :class:`ShareFold`)."""
+        w = ShareFold()
         cap = self.mps_oversubscription if r.kind == "mps" else 1.0
         for g in n.gpus:
             v = g.view
@@ -1054,7 +1014,7 @@ class Engine:
             if shut:
                 continue
             if v.no_mps:
-                w.no_mps = w.no_mps or v.no_mps
+                w.no_mps, w.no_mps_nodes = w.no_mps or v.no_mps, 1
             elif g.open_to(r.kind):
                 i = v.index
                 big, free = (v.memory_mib, -i), (min(v.memory_mib, v.memory_mib * cap - g.mem_used), -i)
@@ -1065,9 +1025,17 @@ class Engine:
                     w.big, w.free = max(w.big, big), max(w.free, free)
                     w.sm, w.quota = min(w.sm, sm), min(w.quota, quota)
                 if why := self._tag_problem(r, g, n.view.name):
-                    w.tagged.append((i, why))
-        w.plain = w.usable and not w.any_shut and w.no_mps is None
+                    w.tagged.append((None, i, why))
         return w
+
+    def _nodes_fold(self, r: Request, nodes: list[_Node]) -> ShareFold | WholeFold:
+        """The fold of ``nodes``' summaries for a rejection of ``r`` (a share or whole GPUs)."""
+        key = self._why_key(r)
+        fold = WholeFold() if r.kind == "whole" else ShareFold()
+        summary = self._lookup(r, key, key, self._whole_why if r.kind == "whole" else self._share_why)
+        for n in nodes:   # once per node per rejection: kept lean
+            fold.merge(summary(n), n)
+        return fold
 
     def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
         """Look at every node (requests without a shape: a random policy; see ``_scan``)."""
@@ -1082,33 +1050,22 @@ class Engine:
             elif score == best_score:
                 best.append((n, idle))
         if not best:
-            return Rejection(self._whole_reason(r, nodes))
+            return Rejection(self._whole_words(r, self._nodes_fold(r, nodes), len(nodes)))
         return self._tightest_of(r, best)
 
-    def _whole_reason(self, r: Request, nodes: list[_Node]) -> str:
-        """Why no node of ``nodes`` has ``r.gpus`` idle GPUs, from each node's summary
-        (``_whole_why``, shared by nodes alike)."""
-        key = self._why_key(r)
-        wanted, mig, lost = False, 0, []
-        most = (0, None)   # the most idle GPUs r may have on one node, where
-        why_of = self._lookup(r, key, key, self._whole_why)
-        for n in nodes:
-            has, idle, empty, gone = why_of(n)
-            wanted |= has
-            mig += empty
-            if idle > most[0]:
-                most = (idle, n.view.name)
-            if gone:
-                lost.extend(f"{n.view.name} GPU {i}" for i in gone)
+    def _whole_words(self, r: Request, fold: WholeFold, looked: int) -> str:
+        """Why none of the ``looked`` nodes folded in ``fold`` has ``r.gpus`` idle GPUs."""
         models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-        if models and not wanted:
-            return f"no GPU of model{models} on the {len(nodes)} node(s) looked at"
-        where = f"; most idle{models} GPUs on one node is {most[0]} on {most[1]}" if most[1] else ""
-        if mig:  # empty, yet not idle: say why, and what would make them usable
-            where += (f"; {mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
+        if models and not fold.wanted:
+            return f"no GPU of model{models} on the {looked} node(s) looked at"
+        where = (f"; most idle{models} GPUs on one node is {fold.idle} on {fold.idle_at.view.name}"
+                 if fold.idle_at else "")
+        if fold.mig:  # empty, yet not idle: say why, and what would make them usable
+            where += (f"; {fold.mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
                       "until MIG is disabled on them")
-        if lost:
-            where += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {', '.join(lost[:3])}"
+        if fold.lost:
+            lost = ", ".join(f"{n.view.name} GPU {i}" for n, i in fold.lost_first)
+            where += f"; {fold.lost} GPU(s) are lost (fell off the bus?): {lost}"
         return f"no node has {r.gpus} idle{models} GPU(s){where}"
 
     def _lookup(self, r: Request, memo: tuple | None, key: tuple,
@@ -1139,15 +1096,16 @@ class Engine:
             return got
         return look_up
 
-    def _whole_why(self, r: Request, n: _Node) -> tuple[bool, int, int, tuple[int, ...]]:
-        """What of node ``n`` a rejection of whole GPUs ``r`` tells: whether it has GPUs of the
-        models asked, how many of them ``r`` may have (idle), how many are empty but in MIG
-        mode, and which are lost."""
+    def _whole_why(self, r: Request, n: _Node) -> WholeFold:
+        """What of node ``n`` a rejection of whole GPUs ``r`` tells (see :class:`WholeFold`)."""
         gpus = [g for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
-        idle = sum(1 for g in n.gpus if g.idle and self._gpu_problem(r, g, n.view.name) is None)
-        empty = sum(1 for g in gpus
-                    if g.view.mig_enabled and not g.mig and not g.unheld() and not g.view.closed)
-        return bool(gpus), idle, empty, tuple(g.view.index for g in gpus if g.view.lost)
+        lost = [(None, g.view.index) for g in gpus if g.view.lost]
+        return WholeFold(
+            wanted=bool(gpus),
+            idle=sum(1 for g in n.gpus if g.idle and self._gpu_problem(r, g, n.view.name) is None),
+            mig=sum(1 for g in gpus
+                    if g.view.mig_enabled and not g.mig and not g.unheld() and not g.view.closed),
+            lost=len(lost), lost_first=lost[:3])
 
     @staticmethod
     def _tightest_of(r: Request, best: list[tuple[_Node, list[int]]]) -> Assignment:
@@ -1281,6 +1239,26 @@ def _no_mig_gpu_reason(r: Request, nodes: list[_Node], tagged: list[str]) -> str
 
 
 _ASKED = tuple(f.name for f in fields(Request) if f.name != "id")
+
+
+def _host_left(n: _Node) -> tuple[int, int, str]:
+    return n.cpu_left, n.mem_left, n.view.name
+
+
+def _node_order(tagged: tuple[_Node, int, str]) -> int:
+    return tagged[0].rank
+
+
+def _host_words(r: Request, host: HostFold) -> list[str]:
+    """How many nodes lack ``r``'s host CPU or memory, and the most free among them."""
+    parts = []
+    if host.no_cpu:
+        parts.append(f"{host.no_cpu} node(s) lack {r.cpu_milli} milli-CPU; most free is "
+                     f"{max(0, host.most_cpu[0])} on {host.most_cpu[2]}")
+    if host.no_mem:
+        parts.append(f"{host.no_mem} node(s) lack {_fmt_mib(r.memory_mib)} host memory; most free is "
+                     f"{_fmt_mib(max(0, host.most_mem[0]))} on {host.most_mem[2]}")
+    return parts
 
 
 def _need(r: Request) -> tuple[float, float, float]:

@@ -890,6 +890,63 @@ def test_a_shapes_heap_stays_bounded_and_right_through_nodes_coming_back_to_thei
         assert len(h.heap) <= 2 * 1 + 64 + 1, (k, len(h.heap))
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_rejections_folded_per_block_say_what_looking_at_every_node_says(seed):
+    """A rejection of a share or whole GPUs is folded per block of nodes sorted by free host CPU
+    (blocks split as nodes move between them) and per prefix by free memory, and only blocks
+    changed since are folded again: its every figure, count and node named (ties go to the
+    first node in node order) equals looking at every node, through placements, releases and
+    capacity changes that move nodes across blocks, on a cluster of nodes with few distinct
+    free CPU and memory figures (so ties are many) and GPUs lost, unable to run MPS or tagged."""
+    import random
+
+    rng = random.Random(seed)
+
+    def view(i: int) -> NodeView:
+        v = node(f"n{i}", n_gpus=rng.choice([1, 2, 4]), cpu=rng.choice([8000, 16000, 32000]),
+                 mem=rng.choice([16384, 32768, 65536]), key=rng.choice(["A100-SXM4-40GB", "T4"]))
+        gpus = tuple(dataclasses.replace(g, lost="lost (fell off the bus?)") if rng.random() < 0.03
+                     else dataclasses.replace(g, no_mps="no MPS control binary") if rng.random() < 0.03
+                     else g for g in v.gpus)
+        return dataclasses.replace(v, gpus=gpus)
+
+    views = [view(i) for i in range(70)]
+    blocks, fresh = Engine(views), _Unmemoized(views)
+    held: list[str] = []
+    rejected = 0
+    for k in range(1200):
+        step = rng.random()
+        if step < 0.25 and held:
+            rid = held.pop(rng.randrange(len(held)))
+            blocks.release(rid)
+            fresh.release(rid)
+            continue
+        if step < 0.28:
+            name, cpu = rng.choice(views).name, rng.choice([4000, 8000, 32000])
+            mem = rng.choice([8192, 65536])
+            blocks.set_capacity(name, cpu, mem)
+            fresh.set_capacity(name, cpu, mem)
+            continue
+        ask = {"cpu_milli": rng.choice([0, 1000, 2000, 6000]), "memory_mib": rng.choice([0, 4096, 12288]),
+               "gpu_models": rng.choice([(), (), ("T4",)]), "exclusion": rng.choice([None] * 5 + ["e"])}
+        kind = rng.random()
+        if kind < 0.5:
+            r = Request(f"r{k}", "fastpod", sm_percent=rng.choice([20, 50, 90]),
+                        gpu_memory_mib=rng.choice([2048, 14000]), quota_request=rng.choice([0.2, 0.6]), **ask)
+        elif kind < 0.7:
+            r = Request(f"r{k}", "mps", gpu_memory_mib=rng.choice([4096, 20000]), **ask)
+        else:
+            r = Request(f"r{k}", "whole", gpus=rng.choice([1, 2, 4]), **ask)
+        got = blocks.place(r)
+        assert got == fresh.place(r), k
+        if got:
+            held.append(r.id)
+        else:
+            rejected += 1
+    assert blocks.usage() == fresh.usage()
+    assert rejected > 200 and blocks._blocks is not None, rejected
+
+
 def test_a_remembered_rejection_lasts_only_until_a_node_changes():
     """The same ask rejected again with no node changed gets the remembered rejection; after any
     change (a release here) it is looked at afresh: placed, or rejected with the new figures."""

@@ -112,21 +112,21 @@ def engine_nodes(nodes: list[SimNode], ranks: list[int]) -> list[NodeView]:
 
 
 def engine_speed(data_dir: Path, sizes: list[int], policy: str = "fastshare", seed: int = 42,
-                 trace: str = SPEED_TRACE, limit: int | None = None,
+                 trace: str = SPEED_TRACE,
                  progress: Callable[[int], AbstractContextManager[Callable[[int, int], None]]] | None = None,
                  ) -> list[dict[str, Any]]:
     """Decision time of ``Engine.place`` on the clusters and arrivals ``speed`` replays: every
-    GPU task in arrival order (the first ``limit`` of them, if given). CPU-only tasks are left
-    out: the controller leaves them to the kube-scheduler (the engine sees their CPU only
-    through ``set_capacity``). Placements and rejections are also timed apart: a rejection
-    says why, which looks at every node."""
+    GPU task in arrival order (the cluster fills, then about a quarter are rejected). CPU-only
+    tasks are left out: the controller leaves them to the kube-scheduler (the engine sees their
+    CPU only through ``set_capacity``). Placements and rejections are also timed apart: a
+    rejection also says why."""
     base, pods, _name = load_trace(data_dir, trace)
     typical = typical_shapes([Task(p.cpu_milli, p.gpu_milli, p.num_gpu, p.gpu_spec) for p in pods])
     rows = []
     for n in sizes:
         nodes = base if n == len(base) else synthetic_nodes(base, n)
         capacity = sum(nd.gpus for nd in nodes) * MILLI
-        tasks = [p for p in arrival_order(pods, seed, 1.3, capacity) if p.num_gpu][:limit]
+        tasks = [p for p in arrival_order(pods, seed, 1.3, capacity) if p.num_gpu]
         engine = Engine(engine_nodes(nodes, node_tie_order(nodes, seed)),
                         policy=make_policy(policy, typical, seed=seed))
         walls, cpus, placed = [], [], 0

@@ -32,7 +32,8 @@ class Fold(Protocol):
 
 
 F = TypeVar("F", bound=Fold)
-KEYS_KEPT = 16   # kinds of rejection whose folds a block keeps (then all forgotten)
+KEYS_KEPT = 8   # kinds of rejection whose folds a block keeps (then all forgotten): at 10,000 nodes
+# a kind kept in every block is ~20,000 folds, ~5 MB (the default trace asks two kinds)
 
 
 def _before(value: Any, at: Any, best: Any, best_at: Any) -> bool:

@@ -404,9 +404,7 @@ class Engine:
             self._blocks = HostBlocks(list(self._nodes.values()), _host_left,
                                       max(4, math.isqrt(len(self._nodes)) // 4))
         host = HostFold(r.cpu_milli, r.memory_mib)
-        whole = r.kind == "whole"
-        fold = self._blocks.fold(host, key, WholeFold if whole else ShareFold,
-                                 self._lookup(r, key, key, self._whole_why if whole else self._share_why))
+        fold = self._blocks.fold(host, key, *self._summary(r))
         why = "; ".join(_host_words(r, host))
         if not host.fit:
             return Rejection(why)
@@ -1028,11 +1026,18 @@ class Engine:
                     w.tagged.append((None, i, why))
         return w
 
+    def _summary(self, r: Request) -> tuple[type[ShareFold] | type[WholeFold], Callable[[_Node], Any]]:
+        """For a rejection of ``r`` (a share or whole GPUs): the fold it takes, and each node's
+        summary (shared by nodes alike, see :meth:`_lookup`)."""
+        key = self._why_key(r)
+        if r.kind == "whole":
+            return WholeFold, self._lookup(r, key, key, self._whole_why)
+        return ShareFold, self._lookup(r, key, key, self._share_why)
+
     def _nodes_fold(self, r: Request, nodes: list[_Node]) -> ShareFold | WholeFold:
         """The fold of ``nodes``' summaries for a rejection of ``r`` (a share or whole GPUs)."""
-        key = self._why_key(r)
-        fold = WholeFold() if r.kind == "whole" else ShareFold()
-        summary = self._lookup(r, key, key, self._whole_why if r.kind == "whole" else self._share_why)
+        new, summary = self._summary(r)
+        fold = new()
         for n in nodes:   # once per node per rejection: kept lean
             fold.merge(summary(n), n)
         return fold

@@ -177,16 +177,15 @@ class HostFold:
 
 class _Block:
     """Nodes next to each other in free CPU order: ``keys`` (-free CPU, rank) ascending, and,
-    worked out when asked after a change (``stamp``), the same nodes by free memory, most first
-    (``by_mem``, with ``mem_keys`` (-free memory, rank)), and per key the folds of the first j
-    of them (``prefix``)."""
+    worked out when first asked after a change (None until then), the same nodes by free
+    memory, most first (``by_mem``, with ``mem_keys`` (-free memory, rank)), and per key the
+    folds of the first j of them (``prefix``)."""
 
-    __slots__ = ("by_mem", "keys", "mem_keys", "mem_stamp", "nodes", "prefix", "stamp")
+    __slots__ = ("by_mem", "keys", "mem_keys", "nodes", "prefix")
 
     def __init__(self, keys: list[tuple[int, int]], nodes: list[Any]) -> None:
         self.keys, self.nodes = keys, nodes
-        self.stamp, self.mem_stamp = 0, -1
-        self.by_mem: list[Any] = []
+        self.by_mem: list[Any] | None = None
         self.mem_keys: list[tuple[int, int]] = []
         self.prefix: dict[Hashable, list[Any]] = {}
 
@@ -212,15 +211,13 @@ class HostBlocks:
     def _move(self, n: Any) -> None:
         """Put node ``n`` where its free CPU now sorts; its old and new blocks' folds go stale."""
         cpu, _mem, name = self._host(n)
-        old = self._key.get(name)
-        if old is None:
-            return
+        old = self._key[name]
         i = bisect.bisect_left(self._lasts, old)
         b = self._blocks[i]
         j = bisect.bisect_left(b.keys, old)
         del b.keys[j], b.nodes[j]
         if b.keys:
-            b.stamp += 1
+            b.by_mem = None
             self._lasts[i] = b.keys[-1]
         else:
             del self._blocks[i], self._lasts[i]
@@ -233,7 +230,7 @@ class HostBlocks:
         j = bisect.bisect_left(b.keys, key)
         b.keys.insert(j, key)
         b.nodes.insert(j, n)
-        b.stamp += 1
+        b.by_mem = None
         self._lasts[i] = b.keys[-1]
         if len(b.keys) > 2 * self._size:
             half = len(b.keys) // 2
@@ -251,7 +248,7 @@ class HostBlocks:
         cpu, mem = host.cpu, host.memory
         for bi, b in enumerate(self._blocks):
             if not cpu or -b.keys[-1][0] >= cpu:   # every node has the CPU
-                if b.mem_stamp != b.stamp:
+                if b.by_mem is None:
                     self._sort_by_mem(b)
                 j = bisect.bisect_right(b.mem_keys, (-mem, math.inf)) if mem else len(b.keys)
                 if j < len(b.keys):
@@ -276,7 +273,6 @@ class HostBlocks:
         pairs = sorted(((-self._host(n)[1], n.rank), n) for n in b.nodes)
         b.mem_keys, b.by_mem = [k for k, _n in pairs], [n for _k, n in pairs]
         b.prefix.clear()
-        b.mem_stamp = b.stamp
 
     @staticmethod
     def _prefix(b: _Block, key: Hashable, new: Callable[[], F], summary: Callable[[Any], F]) -> list[F]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
@@ -665,6 +666,37 @@ class _Unmemoized(Engine):
         return self.policy.score(model, cpu_left, free, task, tags)[0]
 
 
+def _walk_alike(engines: tuple[Engine, Engine], rng, steps: int, release: float, resize: float,
+                nodes: list[str], capacities: Callable[[], tuple[int, int]],
+                request: Callable[[int], Request]) -> int:
+    """Random steps on two engines over the same nodes: release a held request (probability
+    ``release``), change a node's host CPU and memory (``resize``), or place ``request(k)``;
+    both answer every step alike, and end holding the same. Returns the rejections."""
+    held: list[str] = []
+    rejected = 0
+    for k in range(steps):
+        step = rng.random()
+        if step < release and held:
+            rid = held.pop(rng.randrange(len(held)))
+            for eng in engines:
+                eng.release(rid)
+            continue
+        if step < release + resize:
+            name, (cpu, mem) = rng.choice(nodes), capacities()
+            for eng in engines:
+                eng.set_capacity(name, cpu, mem)
+            continue
+        r = request(k)
+        got = engines[0].place(r)
+        assert got == engines[1].place(r), k
+        if got:
+            held.append(r.id)
+        else:
+            rejected += 1
+    assert engines[0].usage() == engines[1].usage()
+    return rejected
+
+
 def test_node_memos_change_no_decision_through_releases_tags_and_capacity_changes():
     """Each node remembers its answer per request shape until it changes; a stale answer (a
     release, a capacity change or an affinity binding not taken into account) would place a
@@ -674,32 +706,18 @@ def test_node_memos_change_no_decision_through_releases_tags_and_capacity_change
     rng = random.Random(5)
     views = [node(f"n{i}", n_gpus=rng.choice([1, 2, 4]), cpu=rng.choice([8000, 16000]))
              for i in range(8)]
-    memo, fresh = Engine(views), _Unmemoized(views)
-    held: list[str] = []
-    for k in range(600):
-        step = rng.random()
-        if step < 0.3 and held:
-            rid = held.pop(rng.randrange(len(held)))
-            memo.release(rid)
-            fresh.release(rid)
-            continue
-        if step < 0.35:
-            name, cpu = rng.choice(views).name, rng.choice([4000, 8000, 16000])
-            memo.set_capacity(name, cpu, 64 * 1024)
-            fresh.set_capacity(name, cpu, 64 * 1024)
-            continue
+
+    def request(k: int) -> Request:
         tags = {"affinity": rng.choice([None, None, "a", "b"]), "anti_affinity": rng.choice([None, "x"]),
                 "exclusion": rng.choice([None, None, None, "e"])}
         if rng.random() < 0.8:
-            r = Request(f"r{k}", "fastpod", sm_percent=rng.choice([10, 30, 50, 70]), gpu_memory_mib=2048,
-                        quota_request=0.2, quota_limit=0.5, cpu_milli=rng.choice([500, 1000, 2000]), **tags)
-        else:
-            r = Request(f"r{k}", "whole", gpus=rng.choice([1, 2]), cpu_milli=1000)
-        a, b = memo.place(r), fresh.place(r)
-        assert a == b, k
-        if a:
-            held.append(r.id)
-    assert memo.usage() == fresh.usage()
+            return Request(f"r{k}", "fastpod", sm_percent=rng.choice([10, 30, 50, 70]), gpu_memory_mib=2048,
+                           quota_request=0.2, quota_limit=0.5, cpu_milli=rng.choice([500, 1000, 2000]),
+                           **tags)
+        return Request(f"r{k}", "whole", gpus=rng.choice([1, 2]), cpu_milli=1000)
+
+    _walk_alike((Engine(views), _Unmemoized(views)), rng, 600, 0.3, 0.05, [v.name for v in views],
+                lambda: (rng.choice([4000, 8000, 16000]), 64 * 1024), request)
 
 
 @pytest.mark.parametrize("seed, policy, small", [
@@ -910,40 +928,22 @@ def test_rejections_folded_per_block_say_what_looking_at_every_node_says(seed):
                      else g for g in v.gpus)
         return dataclasses.replace(v, gpus=gpus)
 
-    views = [view(i) for i in range(70)]
-    blocks, fresh = Engine(views), _Unmemoized(views)
-    held: list[str] = []
-    rejected = 0
-    for k in range(1200):
-        step = rng.random()
-        if step < 0.25 and held:
-            rid = held.pop(rng.randrange(len(held)))
-            blocks.release(rid)
-            fresh.release(rid)
-            continue
-        if step < 0.28:
-            name, cpu = rng.choice(views).name, rng.choice([4000, 8000, 32000])
-            mem = rng.choice([8192, 65536])
-            blocks.set_capacity(name, cpu, mem)
-            fresh.set_capacity(name, cpu, mem)
-            continue
+    def request(k: int) -> Request:
         ask = {"cpu_milli": rng.choice([0, 1000, 2000, 6000]), "memory_mib": rng.choice([0, 4096, 12288]),
                "gpu_models": rng.choice([(), (), ("T4",)]), "exclusion": rng.choice([None] * 5 + ["e"])}
         kind = rng.random()
         if kind < 0.5:
-            r = Request(f"r{k}", "fastpod", sm_percent=rng.choice([20, 50, 90]),
-                        gpu_memory_mib=rng.choice([2048, 14000]), quota_request=rng.choice([0.2, 0.6]), **ask)
-        elif kind < 0.7:
-            r = Request(f"r{k}", "mps", gpu_memory_mib=rng.choice([4096, 20000]), **ask)
-        else:
-            r = Request(f"r{k}", "whole", gpus=rng.choice([1, 2, 4]), **ask)
-        got = blocks.place(r)
-        assert got == fresh.place(r), k
-        if got:
-            held.append(r.id)
-        else:
-            rejected += 1
-    assert blocks.usage() == fresh.usage()
+            return Request(f"r{k}", "fastpod", sm_percent=rng.choice([20, 50, 90]),
+                           gpu_memory_mib=rng.choice([2048, 14000]), quota_request=rng.choice([0.2, 0.6]),
+                           **ask)
+        if kind < 0.7:
+            return Request(f"r{k}", "mps", gpu_memory_mib=rng.choice([4096, 20000]), **ask)
+        return Request(f"r{k}", "whole", gpus=rng.choice([1, 2, 4]), **ask)
+
+    views = [view(i) for i in range(70)]
+    blocks = Engine(views)
+    rejected = _walk_alike((blocks, _Unmemoized(views)), rng, 1200, 0.25, 0.03, [v.name for v in views],
+                           lambda: (rng.choice([4000, 8000, 32000]), rng.choice([8192, 65536])), request)
     assert rejected > 200 and blocks._blocks is not None, rejected
 
 

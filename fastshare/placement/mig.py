@@ -59,8 +59,16 @@ def capacity_value(profiles: Sequence[MigProfile], instances: Sequence[Instance]
     # an instance of a profile not offered (a newer driver's, made by hand): its size stands in
     # for its compute slices, as in free_starts
     taken = sum(slices.get(pid, size) for pid, _s, size in instances)
-    combos = _reachable(tuple(profiles), used_mask(instances), tuple(sorted(counts.items())), taken)
-    return sum(max((slices[i] for i in c), default=0) for c in combos)
+    return _value(tuple(profiles), used_mask(instances), tuple(sorted(counts.items())), taken)
+
+
+@lru_cache(maxsize=8192)
+def _value(profiles: tuple[MigProfile, ...], mask: int, counts: tuple[tuple[int, int], ...],
+           taken: int) -> int:
+    """``capacity_value`` of a layout as ``_reachable`` keys it: summing over its combinations
+    (thousands for an empty GPU) is what costs, and every empty GPU of a model asks the same."""
+    slices = {p.profile_id: p.slices for p in profiles}
+    return sum(max((slices[i] for i in c), default=0) for c in _reachable(profiles, mask, counts, taken))
 
 
 @lru_cache(maxsize=8192)

@@ -1148,8 +1148,17 @@ class Engine:
                       and why == self._tag_problem(r, g, n.view.name)]
             return Rejection(_no_mig_gpu_reason(r, nodes, tagged))
         best_key, best = None, None
-        too_big = []
+        too_big: list[tuple[_Node, _Gpu, int]] = []   # the first GPU of each layout, and of how many
+        too_big_gpus = 0
+        # GPUs laid out alike answer alike, and the first in node order wins ties: work out the
+        # first of each layout only (an empty cluster of 8-GPU nodes has one layout)
+        layouts: dict[tuple, tuple[int, _Node, _Gpu, int]] = {}
         for order, (n, g) in enumerate(candidates):
+            v = g.view
+            layout = (id(v.mig_profiles), v.sm_count, v.mig_unheld, tuple(sorted(g.mig.values())))
+            first = layouts.get(layout)
+            layouts[layout] = (order, n, g, 1) if first is None else (*first[:3], first[3] + 1)
+        for order, n, g, alike in layouts.values():
             v = g.view
             need = r.sm_count or (math.ceil(r.sm_percent / 100 * v.sm_count) if r.sm_percent else 0)
             named = find_profile(v.mig_profiles, r.mig_profile) if r.mig_profile else None
@@ -1157,6 +1166,7 @@ class Engine:
                      if r.mig_profile is None or p == named]
             if not profs:
                 too_big.append((n, g, need))
+                too_big_gpus += alike
                 continue
             unheld = g.unheld()
             inst = [*g.mig.values(), *unheld]
@@ -1183,12 +1193,12 @@ class Engine:
                         best_key, best = key, (n, g, p, s)
                 break  # smallest placeable profile on this GPU
         if best is None:
-            if too_big and len(too_big) == len(candidates) and r.mig_profile:
+            if too_big_gpus == len(candidates) and r.mig_profile:
                 models = ", ".join(sorted({g.view.model for _n, g, _need in too_big}))
                 memory = f" of {_fmt_mib(r.gpu_memory_mib)}" if r.gpu_memory_mib else ""
                 return Rejection(f"no MIG-capable GPU looked at ({models}) has a {r.mig_profile} "
                                  f"slice{memory}; ask for a profile these models have, or for SMs and memory")
-            if too_big and len(too_big) == len(candidates):
+            if too_big_gpus == len(candidates):
                 n, g, need = too_big[0]
                 top = max(g.view.mig_profiles, key=lambda p: p.sm_count, default=None)
                 largest = f"; the largest slice of {g.view.model} is {top.name} ({top.sm_count} SMs, " \
@@ -1208,9 +1218,9 @@ class Engine:
                     largest.append(f"{model}: the largest is {top.name}, {top.sm_count} SMs, "
                                    f"{_fmt_mib(top.memory_mib)}" if top else f"{model}: no MIG profiles")
                 what = f"no {r.mig_profile} slice" if r.mig_profile else "no slice that large"
-                small = f"; {len(too_big)} more have {what} ({'; '.join(largest)})"
+                small = f"; {too_big_gpus} more have {what} ({'; '.join(largest)})"
             return Rejection(f"no MIG-capable GPU has a free placement for a {slice_}; "
-                             f"{len(candidates) - len(too_big)} candidate GPU(s) are full{small}")
+                             f"{len(candidates) - too_big_gpus} candidate GPU(s) are full{small}")
         n, g, p, s = best
         slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)

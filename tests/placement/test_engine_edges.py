@@ -295,6 +295,26 @@ def test_an_exclusive_rejection_counts_as_full_only_the_gpus_that_could_serve_it
                                  "(A100-SXM4-40GB: the largest is 7g.40gb, 98 SMs, "), rej.reason
 
 
+def test_an_exclusive_decision_weighs_gpus_laid_out_alike_once_and_counts_them_all():
+    """GPUs laid out alike are weighed once per decision (the first in node order stands for
+    them), yet every one of them counts: the slice goes to the first GPU of the best layout,
+    and a rejection counts each full GPU and each GPU too small."""
+    eng = Engine([node("a", n_gpus=3), node("b", n_gpus=3, key="A30-24GB")])
+    a100 = ("A100-SXM4-40GB",)
+    assert eng.place(Request("x", "exclusive", sm_count=56, gpu_models=a100)).gpus == (0,)
+    assert eng.place(Request("w", "exclusive", sm_count=98, gpu_models=a100)).gpus == (1,)
+    assert eng.place(Request("y", "exclusive", sm_count=56, gpu_models=a100)).gpus == (2,)
+    # GPUs 0 and 2 of a are alike (a 4g.20gb each): the first takes a 2g.10gb
+    got = eng.place(Request("z", "exclusive", sm_count=28, gpu_models=a100))
+    assert got and (got.node, got.gpus) == ("a", (0,)), got
+    eng.release("z")
+    rej = eng.place(Request("v", "exclusive", sm_count=60))
+    assert isinstance(rej, Rejection)
+    assert rej.reason.startswith("no MIG-capable GPU has a free placement for a slice of 60 SMs; "
+                                 "3 candidate GPU(s) are full; 3 more have no slice that large "
+                                 "(A30-24GB: the largest is "), rej.reason
+
+
 def test_sharing_tags_hold_for_mig_slices_too():
     """Slices of one GPU share it (its memory bandwidth is split, a reset takes them all), and
     `fastshare run --anti-affinity` promises "never share a GPU with others carrying this tag";

@@ -8,6 +8,9 @@ Each round places the GPU tasks of the default trace (tune 1.3, seed 42) through
 alike and word every rejection alike. Times are the thread CPU time of each ``place`` call.
 
     .venv/bin/python bench/engine_revisions.py --rev 6376042 [--nodes 1213] [--tasks 3000]
+
+``--mig``: instead, exclusive requests (MIG slices of 14, 28, 42 or 98 SMs, seed 1, three in
+ten steps releasing a held one) on ``--nodes`` nodes of eight A100-SXM4-40GB each.
 """
 
 from __future__ import annotations
@@ -36,6 +39,32 @@ def tree_at(rev: str) -> Path:
     return root
 
 
+def mig_child(nodes: int, steps: int) -> None:
+    """Place exclusive requests with the ``fastshare`` on sys.path; print times and placements."""
+    import random
+
+    from fastshare.device.catalog import get_model
+    from fastshare.placement import Engine, GpuView, NodeView, Request
+
+    m = get_model("A100-SXM4-40GB")
+    gpus = tuple(GpuView(i, m.key, m.memory_mib, m.sm_count, m.mig_capable, False, m.profiles)
+                 for i in range(8))
+    engine = Engine([NodeView(f"n{i}", 96000, 512 * 1024, gpus, {}, {}) for i in range(nodes)])
+    rng, held, times, got = random.Random(1), [], [], []
+    for k in range(steps or 400):
+        if held and rng.random() < 0.3:
+            engine.release(held.pop(rng.randrange(len(held))))
+            continue
+        request = Request(f"e{k}", "exclusive", sm_count=rng.choice([14, 28, 42, 98]), cpu_milli=1000)
+        start = time.thread_time()
+        result = engine.place(request)
+        times.append(time.thread_time() - start)
+        got.append([result.node, list(result.gpus), result.mig.start] if result else result.reason)
+        if result:
+            held.append(request.id)
+    json.dump({"nodes": nodes, "times": times, "placements": got}, sys.stdout)
+
+
 def child(nodes: int, tasks: int) -> None:
     """Place the arrivals with the ``fastshare`` on sys.path; print times and placements."""
     from fastshare.placement import Engine, make_policy
@@ -61,14 +90,15 @@ def child(nodes: int, tasks: int) -> None:
     json.dump({"nodes": len(cluster), "times": times, "placements": got}, sys.stdout)
 
 
-def run(tree: Path, nodes: int, tasks: int) -> dict:
+def run(tree: Path, nodes: int, tasks: int, mig: bool) -> dict:
     from fastshare.sim.experiment import default_data_dir
 
     data = default_data_dir()
     if data is None:
         sys.exit("openb data not found (../shared/data/openb)")
     env = dict(os.environ, PYTHONPATH=str(tree), FASTSHARE_OPENB=str(data))
-    out = subprocess.run([sys.executable, __file__, "--child", "--nodes", str(nodes), "--tasks", str(tasks)],
+    out = subprocess.run([sys.executable, __file__, "--child", "--nodes", str(nodes), "--tasks", str(tasks),
+                          *(["--mig"] if mig else [])],
                          env=env, cwd=tree, check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 
@@ -79,22 +109,26 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1213, help="cluster size (1213: the openb cluster)")
     ap.add_argument("--tasks", type=int, default=3000, help="GPU tasks placed per round (0: all)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--mig", action="store_true", help="exclusive requests on 8-A100 nodes instead (--tasks: "
+                    "steps, 0: 400)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.nodes, args.tasks)
+        (mig_child if args.mig else child)(args.nodes, args.tasks)
         return
     if not args.rev:
         ap.error("--rev is required")
     from fastshare.sim.benchmarks import quantile_ms
     trees = {"this tree": REPO, args.rev: tree_at(args.rev)}
-    print(f"this tree vs {args.rev}, {args.tasks or 'all'} GPU tasks per round, {args.nodes} nodes")
+    what = (f"{args.tasks or 400} steps of exclusive requests" if args.mig
+            else f"{args.tasks or 'all'} GPU tasks")
+    print(f"this tree vs {args.rev}, {what} per round, {args.nodes} nodes")
     print(" ".join(f"{h:>{w}}" for h, w in (("round", 5), ("engine", 10), ("rejected", 8), ("p50 ms", 8),
                                              ("p99 ms", 8), ("max ms", 8), ("total s", 8))))
     for rnd in range(args.rounds):
         placements = []
         for label, tree in trees.items():
-            result = run(tree, args.nodes, args.tasks)
+            result = run(tree, args.nodes, args.tasks, args.mig)
             times, got = result["times"], result["placements"]
             placements.append(got)
             p50, p99, most = (quantile_ms(times, p) for p in (.5, .99, 1.0))

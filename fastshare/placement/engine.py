@@ -1139,8 +1139,36 @@ class Engine:
         free = tuple(self._policy_free(r, g, g.view.index in idle) for g in n.gpus)
         return idle, self._policy_score(n.gpus[0].view.model, n.cpu_left, free, task, self._held_tags(n))
 
+    def _layouts(self, r: Request, n: _Node) -> tuple[tuple[tuple, int, _Gpu, int], ...]:
+        """Node ``n``'s GPUs that exclusive ``r`` may have a slice of, by layout (what a slice's
+        choice depends on): each layout with its first GPU (and that GPU's place on the node)
+        and how many GPUs have it. Kept in the node's memo: it depends on ``r``'s models and
+        tags, not its size."""
+        out: dict[tuple, tuple[int, _Gpu, int]] = {}
+        for i, g in enumerate(n.gpus):
+            if self._gpu_problem(r, g, n.view.name) is None:
+                v = g.view
+                layout = (id(v.mig_profiles), v.sm_count, v.mig_unheld, tuple(sorted(g.mig.values())))
+                first = out.get(layout)
+                out[layout] = (i, g, 1) if first is None else (first[0], first[1], first[2] + 1)
+        return tuple((layout, i, g, alike) for layout, (i, g, alike) in out.items())
+
     def _place_exclusive(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
-        candidates = [(n, g) for n in nodes for g in n.gpus if self._gpu_problem(r, g, n.view.name) is None]
+        bound = (r.affinity, self._affinity[r.affinity]) if r.affinity in self._affinity else None
+        key = ("exclusive", r.gpu_models, r.exclusion, r.anti_affinity, bound)
+        # GPUs laid out alike answer alike, and the first in node order wins ties: work out the
+        # first of each layout only (an empty cluster of 8-GPU nodes has one layout)
+        layouts: dict[tuple, tuple[tuple[int, int], _Node, _Gpu, int]] = {}
+        candidates = 0
+        for n in nodes:
+            on_node = n.memo.get(key)
+            if on_node is None:
+                on_node = n.remember(key, self._layouts(r, n))
+            for layout, i, g, alike in on_node:
+                candidates += alike
+                first = layouts.get(layout)
+                layouts[layout] = (((n.rank, i), n, g, alike) if first is None
+                                   else (*first[:3], first[3] + alike))
         if not candidates:
             # the GPUs only the sharing tags rule out (a tag problem is the last one looked for)
             tagged = [f"{g.label(n.view.name)} ({why})" for n in nodes for g in n.gpus
@@ -1148,16 +1176,8 @@ class Engine:
                       and why == self._tag_problem(r, g, n.view.name)]
             return Rejection(_no_mig_gpu_reason(r, nodes, tagged))
         best_key, best = None, None
-        too_big: list[tuple[_Node, _Gpu, int]] = []   # the first GPU of each layout, and of how many
+        too_big: list[tuple[_Node, _Gpu, int]] = []   # the first GPU of each layout too small
         too_big_gpus = 0
-        # GPUs laid out alike answer alike, and the first in node order wins ties: work out the
-        # first of each layout only (an empty cluster of 8-GPU nodes has one layout)
-        layouts: dict[tuple, tuple[int, _Node, _Gpu, int]] = {}
-        for order, (n, g) in enumerate(candidates):
-            v = g.view
-            layout = (id(v.mig_profiles), v.sm_count, v.mig_unheld, tuple(sorted(g.mig.values())))
-            first = layouts.get(layout)
-            layouts[layout] = (order, n, g, 1) if first is None else (*first[:3], first[3] + 1)
         for order, n, g, alike in layouts.values():
             v = g.view
             need = r.sm_count or (math.ceil(r.sm_percent / 100 * v.sm_count) if r.sm_percent else 0)
@@ -1193,12 +1213,12 @@ class Engine:
                         best_key, best = key, (n, g, p, s)
                 break  # smallest placeable profile on this GPU
         if best is None:
-            if too_big_gpus == len(candidates) and r.mig_profile:
+            if too_big_gpus == candidates and r.mig_profile:
                 models = ", ".join(sorted({g.view.model for _n, g, _need in too_big}))
                 memory = f" of {_fmt_mib(r.gpu_memory_mib)}" if r.gpu_memory_mib else ""
                 return Rejection(f"no MIG-capable GPU looked at ({models}) has a {r.mig_profile} "
                                  f"slice{memory}; ask for a profile these models have, or for SMs and memory")
-            if too_big_gpus == len(candidates):
+            if too_big_gpus == candidates:
                 n, g, need = too_big[0]
                 top = max(g.view.mig_profiles, key=lambda p: p.sm_count, default=None)
                 largest = f"; the largest slice of {g.view.model} is {top.name} ({top.sm_count} SMs, " \
@@ -1220,7 +1240,7 @@ class Engine:
                 what = f"no {r.mig_profile} slice" if r.mig_profile else "no slice that large"
                 small = f"; {too_big_gpus} more have {what} ({'; '.join(largest)})"
             return Rejection(f"no MIG-capable GPU has a free placement for a {slice_}; "
-                             f"{len(candidates) - too_big_gpus} candidate GPU(s) are full{small}")
+                             f"{candidates - too_big_gpus} candidate GPU(s) are full{small}")
         n, g, p, s = best
         slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)

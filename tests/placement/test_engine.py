@@ -656,6 +656,11 @@ class _Unmemoized(Engine):
     """The engine scoring every node afresh on every decision (as before its node memos, shape
     heaps, scores remembered by node state and rejections remembered)."""
 
+    def place(self, request, excluded=None):
+        for n in self._nodes.values():   # (what exclusive requests keep per node, too)
+            n.memo.clear()
+        return super().place(request, excluded)
+
     def _memo_key(self, r):
         return None
 

@@ -394,7 +394,7 @@ class Engine:
         own answer), closed GPUs (named one by one)."""
         key = self._why_key(r)
         words = self._whole_words if r.kind == "whole" else self._share_words
-        if r.node_selector or excluded or key is None or key[-1] or self._closed_gpus or not self._nodes:
+        if r.node_selector or excluded or key[-1] or self._closed_gpus or not self._nodes:
             nodes, why = self._filter_nodes(r, excluded)
             if not nodes:
                 return Rejection(why)
@@ -404,7 +404,7 @@ class Engine:
             self._blocks = HostBlocks(list(self._nodes.values()), _host_left,
                                       max(4, math.isqrt(len(self._nodes)) // 4))
         host = HostFold(r.cpu_milli, r.memory_mib)
-        fold = self._blocks.fold(host, key, *self._summary(r))
+        fold = self._blocks.fold(host, key, *self._summary(r, key))
         why = "; ".join(_host_words(r, host))
         if not host.fit:
             return Rejection(why)
@@ -1026,17 +1026,17 @@ class Engine:
                     w.tagged.append((None, i, why))
         return w
 
-    def _summary(self, r: Request) -> tuple[type[ShareFold] | type[WholeFold], Callable[[_Node], Any]]:
-        """For a rejection of ``r`` (a share or whole GPUs): the fold it takes, and each node's
-        summary (shared by nodes alike, see :meth:`_lookup`)."""
-        key = self._why_key(r)
+    def _summary(self, r: Request, key: tuple | None,
+                 ) -> tuple[type[ShareFold] | type[WholeFold], Callable[[_Node], Any]]:
+        """For a rejection of ``r`` (a share or whole GPUs; ``key``: its ``_why_key``): the fold
+        it takes, and each node's summary (shared by nodes alike, see :meth:`_lookup`)."""
         if r.kind == "whole":
             return WholeFold, self._lookup(r, key, key, self._whole_why)
         return ShareFold, self._lookup(r, key, key, self._share_why)
 
     def _nodes_fold(self, r: Request, nodes: list[_Node]) -> ShareFold | WholeFold:
         """The fold of ``nodes``' summaries for a rejection of ``r`` (a share or whole GPUs)."""
-        new, summary = self._summary(r)
+        new, summary = self._summary(r, self._why_key(r))
         fold = new()
         for n in nodes:   # once per node per rejection: kept lean
             fold.merge(summary(n), n)

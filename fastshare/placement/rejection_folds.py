@@ -197,21 +197,20 @@ class HostBlocks:
 
     def __init__(self, nodes: list[Any], host: Callable[[Any], tuple[int, int, str]], size: int) -> None:
         self._host, self._size = host, size
-        self._touched: dict[str, Any] = {}   # nodes to sort in again (they changed since)
+        self._touched: dict[int, Any] = {}   # by rank: nodes to sort in again (they changed since)
         items = sorted(((-host(n)[0], n.rank), n) for n in nodes)   # (a node's rank is unique)
-        self._key = {host(n)[2]: key for key, n in items}
+        self._key = {n.rank: key for key, n in items}   # where each node sorts now
         self._blocks = [_Block([k for k, _n in items[i:i + size]], [n for _k, n in items[i:i + size]])
                         for i in range(0, len(items), size)]
         self._lasts = [b.keys[-1] for b in self._blocks]
 
     def touched(self, n: Any) -> None:
         """Node ``n`` is about to change: sorted in again, as it will then be, before the next fold."""
-        self._touched[self._host(n)[2]] = n
+        self._touched[n.rank] = n
 
     def _move(self, n: Any) -> None:
         """Put node ``n`` where its free CPU now sorts; its old and new blocks' folds go stale."""
-        cpu, _mem, name = self._host(n)
-        old = self._key[name]
+        old = self._key[n.rank]
         i = bisect.bisect_left(self._lasts, old)
         b = self._blocks[i]
         j = bisect.bisect_left(b.keys, old)
@@ -221,7 +220,7 @@ class HostBlocks:
             self._lasts[i] = b.keys[-1]
         else:
             del self._blocks[i], self._lasts[i]
-        key = self._key[name] = (-cpu, n.rank)
+        key = self._key[n.rank] = (-self._host(n)[0], n.rank)
         i = min(bisect.bisect_left(self._lasts, key), len(self._blocks) - 1)
         if i < 0:   # it was the only node
             self._blocks, self._lasts = [_Block([key], [n])], [key]

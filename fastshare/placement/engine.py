@@ -44,6 +44,7 @@ class _Gpu:
     mig: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # request id -> instance
     whole: str | None = None
     quota_used: float = 0.0     # time quota the fastpod sharers hold (the node agent admits at most 1)
+    state: int | None = None    # the number of its state (Engine._gpu_state), None once it changes
 
     def count_quota(self) -> None:
         """Sum the sharers' quota again (a sum, not a running total: no float drift)."""
@@ -185,6 +186,8 @@ class Engine:
         self._scores: dict[tuple, Any] = {}   # see _policy_score
         self._answers: dict[tuple, dict[int, Any]] = {}  # shape -> node state -> answer (see _answer)
         self._states: dict[tuple, int] = {}   # node state -> its number (see _state)
+        self._gpu_states: dict[tuple, int] = {}   # GPU state -> its number (see _gpu_state)
+        self._gpu_alike: dict[tuple, dict[int, tuple[bool, int]]] = {}   # see _gpu_answers
         self._alike: dict[int, list[int]] = {}   # state number -> the ranks of the nodes in it, in order
         self._by_rank: dict[int, _Node] = {}
         self._stateless: set[str] = set()   # nodes whose state is not worked out since they changed
@@ -230,6 +233,8 @@ class Engine:
         """``node`` changed: its remembered answers and heap entries no longer hold."""
         node.memo.clear()
         self._unstate(node)
+        for g in node.gpus:
+            g.state = None
         node.room = None
         node.version = next(self._ticks)
         self._changed(node.view.name)
@@ -329,10 +334,14 @@ class Engine:
         if len(self._states) >= SCORES_KEPT:   # forget them all, and the answers keyed by them (here,
             self._states.clear()                 # between decisions: the numbers hold within one)
             self._answers.clear()
+            self._gpu_states.clear()
+            self._gpu_alike.clear()
             self._alike.clear()
             self._heaps.clear()   # their entries name states by number
             for n in self._nodes.values():
                 n.state = None
+                for g in n.gpus:
+                    g.state = None
             self._stateless = set(self._nodes)
         excluded = excluded or {}
         result = self._place_from_heap(request, excluded)
@@ -725,22 +734,59 @@ class Engine:
     def _state(self, n: _Node) -> int:
         """The number of ``n``'s state: everything of ``n`` a share or whole request's answer
         depends on, but its name (which only an affinity binding looks at): its free CPU, how its
-        GPUs are linked (whole GPUs rank by it) and, per GPU, what the device is and offers and
-        what its holders take and are tagged with; for a policy that uses tags, also the task
-        shapes the node holds."""
+        GPUs are linked (whole GPUs rank by it) and, per GPU, its index and state
+        (:meth:`_gpu_state`); for a policy that uses tags, also the task shapes the node holds."""
         if n.state is None:
+            gpu_state = self._gpu_state
             state = (n.cpu_left, n.view.links, tuple(
-                (v.index, v.model, v.memory_mib, v.lost, v.closed, v.no_mps, v.mig_capable, v.mig_enabled,
-                 v.mig_enable_needs_reset, v.mig_unheld, g.sm_used, g.mem_used, g.quota_used, g.share_kind,
-                 g.whole is not None, tuple(sorted(g.mig.values())),
-                 tuple(sorted((h.exclusion or "", h.anti_affinity or "") for h in self._holders(g))))
-                for g in n.gpus for v in (g.view,)))
+                (g.view.index, g.state if g.state is not None else gpu_state(g)) for g in n.gpus))
             if self.policy.uses_tags:
                 state = (*state, self._held_tags(n))
             n.state = self._states.setdefault(state, len(self._states))
             bisect.insort(self._alike.setdefault(n.state, []), n.rank)
             self._stateless.discard(n.view.name)
         return n.state
+
+    def _gpu_state(self, g: _Gpu) -> int:
+        """The number of ``g``'s state: what the device is and offers, and what its holders take
+        and are tagged with (all a share or whole request's look at one GPU depends on, but the
+        node's name and the GPU's index, which only an affinity binding looks at)."""
+        v = g.view
+        state = (v.model, v.memory_mib, v.lost, v.closed, v.no_mps, v.mig_capable, v.mig_enabled,
+                 v.mig_enable_needs_reset, v.mig_unheld, g.sm_used, g.mem_used, g.quota_used, g.share_kind,
+                 g.whole is not None, tuple(sorted(g.mig.values())),
+                 tuple(sorted((h.exclusion or "", h.anti_affinity or "") for h in self._holders(g))))
+        g.state = self._gpu_states.setdefault(state, len(self._gpu_states))
+        return g.state
+
+    def _gpu_answers(self, r: Request, n: _Node) -> list[tuple[bool, int]]:
+        """Per GPU of ``n``: whether share or whole ``r`` may go there, and its free share as the
+        policy sees it (:meth:`_policy_free`). GPUs alike answer alike, and a node that changes
+        mostly changes one GPU: so the answers are kept per GPU state and what of ``r`` they
+        depend on, but where ``r``'s affinity tag is bound (the binding names a node and GPU)."""
+        name = n.view.name
+        if r.affinity and r.affinity in self._affinity:
+            return [self._gpu_answer(r, g, name) for g in n.gpus]
+        key = (r.kind, r.sm_milli, r.gpu_memory_mib, r.quota_request, r.gpu_models, r.exclusion,
+               r.anti_affinity)
+        alike = self._gpu_alike.get(key)
+        if alike is None:
+            if len(self._gpu_alike) >= MEMO_SIZE:
+                self._gpu_alike.clear()
+            alike = self._gpu_alike[key] = {}
+        out = []
+        for g in n.gpus:
+            state = g.state if g.state is not None else self._gpu_state(g)
+            got = alike.get(state)
+            if got is None:
+                got = alike[state] = self._gpu_answer(r, g, name)
+            out.append(got)
+        return out
+
+    def _gpu_answer(self, r: Request, g: _Gpu, node: str) -> tuple[bool, int]:
+        need = r.sm_milli if r.kind == "fastpod" else 0   # too few SMs left: a problem, no need to word it
+        fits = g.sm_used + need <= MILLI and self._gpu_problem(r, g, node) is None
+        return fits, self._policy_free(r, g, fits)
 
     def _room(self, n: _Node) -> dict[str, tuple[float, float, float]]:
         """The most ``n`` offers a request of each kind, figure by figure, each over the GPUs
@@ -942,18 +988,17 @@ class Engine:
     def _share_answer(self, r: Request, n: _Node, task: Task) -> tuple[Any, tuple[int, ...]] | None:
         """Node ``n``'s score for share ``r`` (higher wins) and, for an MPS share, its GPU (for a
         fastpod share, the free shares the policy saw), None when no GPU takes it."""
-        need = r.sm_milli if r.kind == "fastpod" else 0   # too few SMs left: a problem, no need to word it
-        ok = [g.sm_used + need <= MILLI and self._gpu_problem(r, g, n.view.name) is None for g in n.gpus]
-        if not any(ok):
+        gpus = self._gpu_answers(r, n)
+        if not any(fits for fits, _free in gpus):
             return None
         if r.kind == "mps":
             # Memory-only: pack by memory (least free memory that fits), no SM arithmetic.
             def slack(i: int) -> float:
                 return n.gpus[i].view.memory_mib * self.mps_oversubscription - n.gpus[i].mem_used
-            i = min((i for i, fits in enumerate(ok) if fits), key=lambda i: (slack(i), i))
+            i = min((i for i, (fits, _free) in enumerate(gpus) if fits), key=lambda i: (slack(i), i))
             return -slack(i), (i,)
         model = n.gpus[0].view.model if n.gpus else ""
-        free = tuple(self._policy_free(r, g, fits) for g, fits in zip(n.gpus, ok, strict=True))
+        free = tuple(free for _fits, free in gpus)
         return self._policy_score(model, n.cpu_left, free, task, self._held_tags(n)), free
 
     def _share_words(self, r: Request, fold: ShareFold, looked: int) -> str:
@@ -1133,10 +1178,11 @@ class Engine:
 
     def _whole_answer(self, r: Request, n: _Node, task: Task) -> tuple[list[int], Any]:
         """Node ``n``'s idle GPUs that ``r`` may have, and its score (None when too few)."""
-        idle = [g.view.index for g in n.gpus if g.idle and self._gpu_problem(r, g, n.view.name) is None]
+        gpus = self._gpu_answers(r, n)
+        idle = [g.view.index for g, (fits, _free) in zip(n.gpus, gpus, strict=True) if fits]
         if len(idle) < r.gpus:
             return idle, None
-        free = tuple(self._policy_free(r, g, g.view.index in idle) for g in n.gpus)
+        free = tuple(free for _fits, free in gpus)
         return idle, self._policy_score(n.gpus[0].view.model, n.cpu_left, free, task, self._held_tags(n))
 
     def _layouts(self, r: Request, n: _Node) -> tuple[tuple[tuple, int, _Gpu, int], ...]:

@@ -225,7 +225,8 @@ class FastsharePolicy(Policy):
 
     def score(self, model, cpu_left, gpus, task, tags=frozenset()):
         v = self.values
-        total = sum(v[g // STEP] for g in gpus)
+        held = [v[g // STEP] for g in gpus]
+        total = sum(held)
         free = sum(gpus)
         before = total * self._cpu_factor(cpu_left, free)
         if task.sharing:
@@ -235,7 +236,7 @@ class FastsharePolicy(Policy):
             best, idx = None, -1
             for i, g in enumerate(gpus):
                 if g >= m:
-                    d = v[(g - m) // STEP] - v[g // STEP]
+                    d = v[(g - m) // STEP] - held[i]
                     if best is None or d > best:
                         best, idx = d, i
             chosen: tuple[int, ...] = (idx,)
@@ -244,7 +245,7 @@ class FastsharePolicy(Policy):
         else:
             chosen = default_gpus(gpus, task)
             taken = MILLI * len(chosen)
-            total += sum(v[0] - v[gpus[i] // STEP] for i in chosen)
+            total += sum(v[0] - held[i] for i in chosen)
         gain = taken + total * self._cpu_factor(cpu_left - task.cpu, free - taken) - before
         if self.guard:
             gain -= self.guard * (self.exposed(cpu_left - task.cpu) - self.exposed(cpu_left))

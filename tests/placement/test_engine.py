@@ -654,7 +654,8 @@ def test_a_held_slice_overlapped_by_a_foreign_instance_is_over_committed_and_tha
 
 class _Unmemoized(Engine):
     """The engine scoring every node afresh on every decision (as before its node memos, shape
-    heaps, scores remembered by node state and rejections remembered)."""
+    heaps, scores remembered by node state, GPU answers remembered by GPU state and rejections
+    remembered)."""
 
     def place(self, request, excluded=None):
         for n in self._nodes.values():   # (what exclusive requests keep per node, too)
@@ -669,6 +670,9 @@ class _Unmemoized(Engine):
 
     def _policy_score(self, model, cpu_left, free, task, tags=frozenset()):
         return self.policy.score(model, cpu_left, free, task, tags)[0]
+
+    def _gpu_answers(self, r, n):
+        return [self._gpu_answer(r, g, n.view.name) for g in n.gpus]
 
 
 def _walk_alike(engines: tuple[Engine, Engine], rng, steps: int, release: float, resize: float,

@@ -19,7 +19,6 @@ from typing import Any
 from fastshare.device.catalog import find_profile
 from fastshare.placement import mig as migmath
 from fastshare.placement.model import (
-    FARTHEST_LINK,
     MILLI,
     Assignment,
     GpuView,
@@ -31,7 +30,20 @@ from fastshare.placement.model import (
 )
 from fastshare.placement.policies import Policy, Task, best_first, clustering_tag
 from fastshare.placement.rejection_folds import HostBlocks, HostFold, ShareFold, WholeFold
+from fastshare.placement.rejection_words import (
+    closed_note,
+    fmt_mib,
+    host_words,
+    mig_off_note,
+    no_mig_gpu_reason,
+    no_slice_words,
+    only_looked,
+    share_words,
+    some,
+    whole_words,
+)
 from fastshare.placement.shape_heaps import Entry, ShapeHeap, ShapeHeaps
+from fastshare.placement.topology import group_cost, tightest_group
 
 
 @dataclass
@@ -130,11 +142,6 @@ def _tag(r: Request) -> str:
     kind, as the trace replay counts every GPU task it placed ("share" for a fastpod or MPS
     share and a MIG slice, "N-gpu" for whole GPUs and a 100 % fastpod share)."""
     return clustering_tag(_policy_task(r))
-
-
-def _fmt_mib(mib: float) -> str:
-    return f"{mib / 1024:.1f} GiB" if mib >= 1024 and mib % 1024 else (
-        f"{int(mib // 1024)} GiB" if mib >= 1024 else f"{int(mib)} MiB")
 
 
 def _foreign_overlap(m: MigSlot, g: _Gpu, node: str) -> str:
@@ -387,13 +394,9 @@ class Engine:
         else:
             result = self._shares(request, nodes)
         if isinstance(result, Rejection):
-            reason = result.reason + self._closed_note(request, nodes) + self._mig_off_note(request, nodes)
-            result = Rejection(reason + self._only_looked(len(nodes), why), result.details)
+            reason = result.reason + self._closed_note(request, nodes) + mig_off_note(request, nodes)
+            result = Rejection(reason + only_looked(len(nodes), len(self._nodes), why), result.details)
         return result
-
-    def _only_looked(self, looked: int, why: str) -> str:
-        """The GPU reason covers the nodes looked at: why the others were not ("" when none was left out)."""
-        return f"; only {looked} of {len(self._nodes)} node(s) were looked at: {why}" if why else ""
 
     def _say_why(self, r: Request, excluded: Mapping[str, str]) -> Rejection:
         """Why no node takes share or whole GPUs ``r`` (its shape's heap found none): folded
@@ -402,22 +405,22 @@ class Engine:
         not tell it: a node selector, nodes the caller excludes, an affinity binding (a node's
         own answer), closed GPUs (named one by one)."""
         key = self._why_key(r)
-        words = self._whole_words if r.kind == "whole" else self._share_words
+        words = whole_words if r.kind == "whole" else self._share_words
         if r.node_selector or excluded or key[-1] or self._closed_gpus or not self._nodes:
             nodes, why = self._filter_nodes(r, excluded)
             if not nodes:
                 return Rejection(why)
             return Rejection(words(r, self._nodes_fold(r, nodes), len(nodes)) + self._closed_note(r, nodes)
-                             + self._only_looked(len(nodes), why))
+                             + only_looked(len(nodes), len(self._nodes), why))
         if self._blocks is None:
             self._blocks = HostBlocks(list(self._nodes.values()), _host_left,
                                       max(4, math.isqrt(len(self._nodes)) // 4))
         host = HostFold(r.cpu_milli, r.memory_mib)
         fold = self._blocks.fold(host, key, *self._summary(r, key))
-        why = "; ".join(_host_words(r, host))
+        why = "; ".join(host_words(r, host))
         if not host.fit:
             return Rejection(why)
-        return Rejection(words(r, fold, host.fit) + self._only_looked(host.fit, why))
+        return Rejection(words(r, fold, host.fit) + only_looked(host.fit, len(self._nodes), why))
 
     def release(self, assignment: Assignment | str) -> Assignment:
         """Give back what an assignment holds; returns it. Unknown ids, and an Assignment that is
@@ -522,8 +525,8 @@ class Engine:
             elif problem == "not idle" and g.view.mig_enabled:
                 problem = "in MIG mode (a whole GPU needs MIG disabled)"
             elif r.kind == "mps" and problem and problem.startswith("only "):
-                problem += (f" for its {_fmt_mib(r.gpu_memory_mib)} (MPS shares may promise "
-                            f"{self.mps_oversubscription:g} x its {_fmt_mib(g.view.memory_mib)})")
+                problem += (f" for its {fmt_mib(r.gpu_memory_mib)} (MPS shares may promise "
+                            f"{self.mps_oversubscription:g} x its {fmt_mib(g.view.memory_mib)})")
             if problem and not force:
                 raise InvalidRequest(f"assignment {r.id}: {problem}")
             if problem:
@@ -575,10 +578,10 @@ class Engine:
             return [], "the cluster view has no nodes"
         parts = []
         for why, names in sorted(ruled_out.items()):
-            parts.append(f"{len(names)} node(s) {why} ({_some(names)})")
+            parts.append(f"{len(names)} node(s) {why} ({some(names)})")
         if no_sel:
             parts.append(f"{no_sel} node(s) do not match node_selector {sel}")
-        return out, "; ".join(parts + _host_words(r, host))
+        return out, "; ".join(parts + host_words(r, host))
 
     def _gpu_problem(self, r: Request, g: _Gpu, node: str, placing: bool = True) -> str | None:
         """Why GPU ``g`` cannot take a share ``r`` (None when it can). ``placing`` False: ``r`` is a
@@ -611,32 +614,15 @@ class Engine:
         return self._tag_problem(r, g, node, placing)
 
     def _closed_note(self, r: Request, nodes: list[_Node]) -> str:
-        """Why GPUs looked at take no new share though they work (a MIG mode change pending until a
-        GPU reset), to follow a rejection ("" when none is closed)."""
-        if not self._closed_gpus:   # none in the cluster: no need to look at every GPU
-            return ""
-        closed = [(n.view.name, g.view) for n in nodes for g in n.gpus if g.view.closed and not g.view.lost
-                  and (not r.gpu_models or g.view.model in r.gpu_models)]
-        if not closed:
-            return ""
-        (node, first), others = closed[0], [f"{name} GPU {v.index}" for name, v in closed[1:]]
-        also = f"; so are {_some(others)}" if others else ""
-        return f"; GPU {first.index} of {node}: {first.closed}{also}"
+        """:func:`closed_note`, without a look at every GPU when none in the cluster is closed."""
+        return closed_note(r, nodes) if self._closed_gpus else ""
 
-    @staticmethod
-    def _mig_off_note(r: Request, nodes: list[_Node]) -> str:
-        """For an exclusive request: the GPUs it could have had a slice of, were their MIG on (turning
-        it on waits for a GPU reset, which a request cannot wait for), and what to do."""
-        if r.kind != "exclusive":
-            return ""
-        off = [f"{n.view.name} GPU {g.view.index}" for n in nodes for g in n.gpus
-               if not g.mig_mode and g.view.mig_enable_needs_reset and not g.view.lost and not g.view.closed
-               and g.idle and (not r.gpu_models or g.view.model in r.gpu_models)]
-        if not off:
-            return ""
-        return (f"; {len(off)} idle GPU(s) have MIG off ({_some(off)}), and turning it on "
-                "there waits for a GPU reset: `fastshare mig enable --gpu N` on the node, then reset the "
-                "GPU (nvidia-smi -r -i N) or reboot")
+    def _share_words(self, r: Request, fold: ShareFold, looked: int) -> str:
+        """:func:`share_words`, with the GPUs that only the tags rule out among those with room
+        for ``r`` (a node's summary leaves ``r``'s sizes out) and the binding of its affinity tag."""
+        tagged = [f"{n.view.name} GPU {i} ({why})" for n, i, why in sorted(fold.tagged, key=_node_order)
+                  if self._room_problem(r, n.gpus[i]) is None]
+        return share_words(r, fold, looked, tagged, self._affinity.get(r.affinity) if r.affinity else None)
 
     def _holders(self, g: _Gpu) -> Iterable[Request]:
         """Who shares ``g``: its MPS sharers, or the holders of its MIG slices (which split its
@@ -667,11 +653,11 @@ class Engine:
             if g.quota_used + r.quota_request > 1 + QUOTA_SLACK:
                 return f"only {max(0.0, 1 - g.quota_used):.2f} of its time quota free"
             if g.mem_used + r.gpu_memory_mib > v.memory_mib:
-                return f"only {_fmt_mib(max(0, v.memory_mib - g.mem_used))} free"
+                return f"only {fmt_mib(max(0, v.memory_mib - g.mem_used))} free"
         elif r.gpu_memory_mib > v.memory_mib:  # oversubscription is for the sum, not one share
-            return f"has {_fmt_mib(v.memory_mib)} of memory in all"
+            return f"has {fmt_mib(v.memory_mib)} of memory in all"
         elif g.mem_used + r.gpu_memory_mib > v.memory_mib * self.mps_oversubscription:
-            return f"only {_fmt_mib(max(0, v.memory_mib * self.mps_oversubscription - g.mem_used))} free"
+            return f"only {fmt_mib(max(0, v.memory_mib * self.mps_oversubscription - g.mem_used))} free"
         return None
 
     @staticmethod
@@ -726,8 +712,8 @@ class Engine:
                 return (idle, None), None
             # the GPUs to take; nodes the policy scores alike differ to the job in how they
             # talk, so the group's tightness ranks next (the heap's top is the node to take)
-            group = _tightest_group(n.view, idle, r.gpus)
-            return (group, score), (best_first(score), _group_cost(n.view, group))
+            group = tightest_group(n.view, idle, r.gpus)
+            return (group, score), (best_first(score), group_cost(n.view, group))
         answer = self._share_answer(r, n, task)
         return answer, None if answer is None else best_first(answer[0])
 
@@ -1001,46 +987,6 @@ class Engine:
         free = tuple(free for _fits, free in gpus)
         return self._policy_score(model, n.cpu_left, free, task, self._held_tags(n)), free
 
-    def _share_words(self, r: Request, fold: ShareFold, looked: int) -> str:
-        """Why no GPU of the ``looked`` nodes folded in ``fold`` takes share ``r``."""
-        what = (f"{r.sm_percent:g} % SMs, {_fmt_mib(r.gpu_memory_mib)} and {r.quota_request:g} time quota"
-                if r.kind == "fastpod" else _fmt_mib(r.gpu_memory_mib))
-        if not fold.usable:   # no usable GPU
-            models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-            if not fold.wanted:
-                return f"no GPU{models} on the {looked} node(s) looked at"  # none is busy: none is there
-            busy = "in MIG mode, held whole or shared otherwise"
-            if fold.no_mps is None and fold.all_shut:   # lost, or closed: place() says why
-                return f"no GPU{models} takes new {r.kind} shares now"
-            if fold.no_mps is None:
-                return (f"no GPU{models} is available for {r.kind} shares "
-                        f"({'the others' if fold.any_shut else 'all'} are {busy})")
-            more = f" (and {fold.no_mps_nodes - 1} more node(s))" if fold.no_mps_nodes > 1 else ""
-            others = "" if fold.all_no_mps else f"the others are {busy}; "
-            return (f"no GPU{models} is available for {r.kind} shares: {others}node "
-                    f"{fold.no_mps_at.view.name}{more} cannot run MPS: {fold.no_mps}")
-        big, free = (*fold.big, fold.big_at.view.name), (*fold.free, fold.free_at.view.name)
-        sm, quota = (*fold.sm, fold.sm_at.view.name), (*fold.quota, fold.quota_at.view.name)
-        # those with room for r (a node's summary leaves r's sizes out)
-        tagged = [f"{n.view.name} GPU {i} ({why})" for n, i, why in sorted(fold.tagged, key=_node_order)
-                  if self._room_problem(r, n.gpus[i]) is None]
-        if r.gpu_memory_mib > big[0]:
-            return (f"no GPU has {_fmt_mib(r.gpu_memory_mib)} of memory; the largest is "
-                    f"{_fmt_mib(big[0])} ({big[2]} GPU {-big[1]})")
-        # GPUs with room that only the tags rule out: saying "no GPU with ... free" would be false
-        if tagged:
-            return (f"{what} is free on {len(tagged)} GPU(s), but the sharing tags rule them out: "
-                    f"{_some(tagged)}")
-        msg = (f"no GPU with {what} free; largest free memory is "
-               f"{_fmt_mib(max(0, free[0]))} on {free[2]} GPU {-free[1]}")
-        if r.kind == "fastpod":
-            msg += f", largest free SM share is {max(0, MILLI - sm[0]) / 10:g} % on {sm[2]} GPU {sm[1]}"
-            msg += f", largest free time quota is {max(0.0, 1 - quota[0]):.2f} on {quota[2]} GPU {quota[1]}"
-        if r.affinity and r.affinity in self._affinity:
-            node, idx = self._affinity[r.affinity]
-            msg += f"; affinity tag {r.affinity!r} binds it to {node} GPU {idx}"
-        return msg
-
     def _share_why(self, r: Request, n: _Node) -> ShareFold:
         """What of node ``n`` a rejection of share ``r`` tells (see :class:`ShareFold`)."""
         w = ShareFold()
@@ -1100,23 +1046,8 @@ class Engine:
             elif score == best_score:
                 best.append((n, idle))
         if not best:
-            return Rejection(self._whole_words(r, self._nodes_fold(r, nodes), len(nodes)))
+            return Rejection(whole_words(r, self._nodes_fold(r, nodes), len(nodes)))
         return self._tightest_of(r, best)
-
-    def _whole_words(self, r: Request, fold: WholeFold, looked: int) -> str:
-        """Why none of the ``looked`` nodes folded in ``fold`` has ``r.gpus`` idle GPUs."""
-        models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-        if models and not fold.wanted:
-            return f"no GPU of model{models} on the {looked} node(s) looked at"
-        where = (f"; most idle{models} GPUs on one node is {fold.idle} on {fold.idle_at.view.name}"
-                 if fold.idle_at else "")
-        if fold.mig:  # empty, yet not idle: say why, and what would make them usable
-            where += (f"; {fold.mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
-                      "until MIG is disabled on them")
-        if fold.lost:
-            lost = ", ".join(f"{n.view.name} GPU {i}" for n, i in fold.lost_first)
-            where += f"; {fold.lost} GPU(s) are lost (fell off the bus?): {lost}"
-        return f"no node has {r.gpus} idle{models} GPU(s){where}"
 
     def _lookup(self, r: Request, memo: tuple | None, key: tuple,
                 work: Callable[[Request, _Node], Any]) -> Callable[[_Node], Any]:
@@ -1168,8 +1099,8 @@ class Engine:
         def tightest(n: _Node, idle: list[int]) -> tuple[tuple[int, ...], tuple[int, int]]:
             key = (n.view.links, tuple(idle))
             if key not in groups:
-                group = _tightest_group(n.view, idle, r.gpus)
-                groups[key] = (group, _group_cost(n.view, group))
+                group = tightest_group(n.view, idle, r.gpus)
+                groups[key] = (group, group_cost(n.view, group))
             return groups[key]
 
         tied = best if r.gpus > 1 else best[:1]   # one GPU is as tight anywhere
@@ -1220,9 +1151,9 @@ class Engine:
             tagged = [f"{g.label(n.view.name)} ({why})" for n in nodes for g in n.gpus
                       if (why := self._gpu_problem(r, g, n.view.name))
                       and why == self._tag_problem(r, g, n.view.name)]
-            return Rejection(_no_mig_gpu_reason(r, nodes, tagged))
+            return Rejection(no_mig_gpu_reason(r, nodes, tagged))
         best_key, best = None, None
-        too_big: list[tuple[_Node, _Gpu, int]] = []   # the first GPU of each layout too small
+        too_big: list[tuple[GpuView, int]] = []   # the first GPU of each layout too small
         too_big_gpus = 0
         for order, n, g, alike in layouts.values():
             v = g.view
@@ -1231,7 +1162,7 @@ class Engine:
             profs = [p for p in migmath.smallest_profiles(v.mig_profiles, need, r.gpu_memory_mib)
                      if r.mig_profile is None or p == named]
             if not profs:
-                too_big.append((n, g, need))
+                too_big.append((g.view, need))
                 too_big_gpus += alike
                 continue
             unheld = g.unheld()
@@ -1259,64 +1190,10 @@ class Engine:
                         best_key, best = key, (n, g, p, s)
                 break  # smallest placeable profile on this GPU
         if best is None:
-            if too_big_gpus == candidates and r.mig_profile:
-                models = ", ".join(sorted({g.view.model for _n, g, _need in too_big}))
-                memory = f" of {_fmt_mib(r.gpu_memory_mib)}" if r.gpu_memory_mib else ""
-                return Rejection(f"no MIG-capable GPU looked at ({models}) has a {r.mig_profile} "
-                                 f"slice{memory}; ask for a profile these models have, or for SMs and memory")
-            if too_big_gpus == candidates:
-                n, g, need = too_big[0]
-                top = max(g.view.mig_profiles, key=lambda p: p.sm_count, default=None)
-                largest = f"; the largest slice of {g.view.model} is {top.name} ({top.sm_count} SMs, " \
-                          f"{_fmt_mib(top.memory_mib)})" if top else ""
-                return Rejection(f"no MIG profile has {need} SMs and {_fmt_mib(r.gpu_memory_mib)}{largest}; "
-                                 "use kind 'whole' for a full GPU")
-            sms = f"{r.sm_count} SMs" if r.sm_count else f"{r.sm_percent:g} % SMs" if r.sm_percent else ""
-            size = " and ".join(x for x in (sms, _fmt_mib(r.gpu_memory_mib) if r.gpu_memory_mib else "") if x)
-            slice_ = f"{r.mig_profile} slice" if r.mig_profile else f"slice of {size}"
-            # a GPU whose slices are all too small is not full: no release makes room there
-            small = ""
-            if too_big:
-                largest = []
-                for model in sorted({g.view.model for _n, g, _need in too_big}):
-                    v = next(g.view for _n, g, _need in too_big if g.view.model == model)
-                    top = max(v.mig_profiles, key=lambda p: (p.sm_count, p.memory_mib), default=None)
-                    largest.append(f"{model}: the largest is {top.name}, {top.sm_count} SMs, "
-                                   f"{_fmt_mib(top.memory_mib)}" if top else f"{model}: no MIG profiles")
-                what = f"no {r.mig_profile} slice" if r.mig_profile else "no slice that large"
-                small = f"; {too_big_gpus} more have {what} ({'; '.join(largest)})"
-            return Rejection(f"no MIG-capable GPU has a free placement for a {slice_}; "
-                             f"{candidates - too_big_gpus} candidate GPU(s) are full{small}")
+            return Rejection(no_slice_words(r, candidates, too_big, too_big_gpus))
         n, g, p, s = best
         slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)
-
-
-def _no_mig_gpu_reason(r: Request, nodes: list[_Node], tagged: list[str]) -> str:
-    """Why no GPU looked at can take a MIG slice now: none can ever (no such model, none
-    MIG-capable), the sharing tags rule out ``tagged``, some are lost, or the rest are in use
-    (closed ones and those whose MIG mode waits for a reset get notes of their own, in ``place``)."""
-    models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-    wanted = [(n, g) for n in nodes for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
-    if not wanted:
-        return f"no GPU{models} on the {len(nodes)} node(s) looked at"
-    capable = [(n, g) for n, g in wanted if g.view.mig_capable]
-    if not capable:
-        names = ", ".join(sorted({g.view.model for _n, g in wanted}))
-        return (f"none of the {len(wanted)} GPU(s){models} looked at is MIG-capable ({names}): a slice needs "
-                "an A100, A30, H100, H200 or B200; ask for one of those, or for kind fastpod, mps or whole")
-    lost = [g.label(n.view.name) for n, g in capable if g.view.lost]
-    if any(g.sharers or g.whole is not None for _n, g in capable):
-        reason = f"no MIG-capable GPU{models} is free of MPS shares and whole-GPU use"
-    else:
-        reason = f"no MIG-capable GPU{models} takes a new slice now"
-    if tagged:
-        tags = f"the sharing tags rule out {len(tagged)} MIG-capable GPU(s){models}: {_some(tagged)}"
-        others = reason.replace("no ", "of the others no ", 1)
-        reason = tags if len(tagged) == len(capable) else f"{tags}; {others}"
-    if lost:
-        reason += f"; {len(lost)} GPU(s) are lost (fell off the bus?): {_some(lost)}"
-    return reason
 
 
 _ASKED = tuple(f.name for f in fields(Request) if f.name != "id")
@@ -1328,18 +1205,6 @@ def _host_left(n: _Node) -> tuple[int, int, str]:
 
 def _node_order(tagged: tuple[_Node, int, str]) -> int:
     return tagged[0].rank
-
-
-def _host_words(r: Request, host: HostFold) -> list[str]:
-    """How many nodes lack ``r``'s host CPU or memory, and the most free among them."""
-    parts = []
-    if host.no_cpu:
-        parts.append(f"{host.no_cpu} node(s) lack {r.cpu_milli} milli-CPU; most free is "
-                     f"{max(0, host.most_cpu[0])} on {host.most_cpu[2]}")
-    if host.no_mem:
-        parts.append(f"{host.no_mem} node(s) lack {_fmt_mib(r.memory_mib)} host memory; most free is "
-                     f"{_fmt_mib(max(0, host.most_mem[0]))} on {host.most_mem[2]}")
-    return parts
 
 
 def _need(r: Request) -> tuple[float, float, float]:
@@ -1358,12 +1223,6 @@ def _asked(r: Request, excluded: Mapping[str, str]) -> tuple:
     return (*(getattr(r, name) for name in _ASKED), tuple(sorted(excluded.items())))
 
 
-def _some(names: list[str]) -> str:
-    """The first three of ``names``, and how many more, for a message that must stay short."""
-    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return f"{', '.join(names[:3])}{more}"
-
-
 def _clash(r: Request, g: _Gpu) -> str | None:
     """Why ``r`` cannot be counted on ``g`` beside what other assignments hold there, however the
     GPU's view changed (one whole holder and one share kind per GPU)."""
@@ -1378,47 +1237,3 @@ def _clash(r: Request, g: _Gpu) -> str | None:
     if r.kind == "exclusive" and g.sharers:
         return "holds MPS shares"
     return None
-
-
-def _group_cost(view: NodeView, group: tuple[int, ...]) -> tuple[int, int]:
-    """How far apart a group's GPUs are: its farthest link level, then the sum over its pairs."""
-    levels = [view.link_level(a, b) for a, b in itertools.combinations(group, 2)]
-    return max(levels, default=0), sum(levels)
-
-
-def _tightest_group(view: NodeView, idle: list[int], k: int) -> tuple[int, ...]:
-    """The ``k`` idle GPUs with the closest links (max level, then sum), lowest indexes on ties."""
-    if k == len(idle) or not view.links:   # without links every group is as far apart
-        return tuple(sorted(idle)[:k])
-    level = {(i, j): lv for i, j, lv in view.links}
-
-    def link(a: int, b: int) -> int:
-        return level.get((min(a, b), max(a, b)), FARTHEST_LINK)
-
-    def cost(group: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
-        levels = [link(a, b) for a, b in itertools.combinations(group, 2)]
-        return (max(levels, default=0), sum(levels), group)
-
-    if math.comb(len(idle), k) <= 5000:
-        return min(itertools.combinations(idle, k), key=cost)
-
-    # Large nodes: grow a group from idle GPUs (always adding the GPU closest to the group so
-    # far), from each not in a group grown already, and keep the closest group. Growing from
-    # one seed only left a free island unused (6 of 32 GPUs across two NVLink islands while a
-    # whole island was idle).
-    def grow(seed: int) -> tuple[int, ...]:
-        group = [seed]
-        reach = {i: link(i, seed) for i in idle if i != seed}   # a candidate's farthest link to the group
-        while len(group) < k:
-            best = min(reach, key=lambda i: (reach[i], i))
-            group.append(best)
-            del reach[best]
-            for i in reach:
-                reach[i] = max(reach[i], link(i, best))
-        return tuple(sorted(group))
-
-    groups: list[tuple[int, ...]] = []
-    for seed in idle:
-        if not any(seed in g for g in groups):   # a seed inside a group found grows much the same one
-            groups.append(grow(seed))
-    return min(groups, key=cost)

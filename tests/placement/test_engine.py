@@ -18,7 +18,7 @@ from fastshare.placement import (
     Request,
     make_policy,
 )
-from fastshare.placement.engine import _tightest_group
+from fastshare.placement.topology import tightest_group
 
 from .conftest import node
 
@@ -126,7 +126,7 @@ def test_whole_prefers_tightest_link_group():
     assert eng.place(fastpod("s", 10, 100))  # lands on GPU 0 (least free that fits: all equal -> 0)
     a = eng.place(Request("w", "whole", gpus=2))
     assert a and a.gpus == (2, 3)
-    assert _tightest_group(eng.nodes[0], [0, 1, 2, 3], 2) == (0, 1)
+    assert tightest_group(eng.nodes[0], [0, 1, 2, 3], 2) == (0, 1)
 
 
 def test_links_count_whichever_way_round_the_pair_is_given():
@@ -135,7 +135,7 @@ def test_links_count_whichever_way_round_the_pair_is_given():
     links = {(1, 0): 0, (2, 1): 5, (2, 0): 5}
     view = node("n", n_gpus=3, links=links)
     assert view.link_level(0, 1) == 0 and view.link_level(1, 0) == 0
-    assert _tightest_group(view, [0, 1, 2], 2) == (0, 1)
+    assert tightest_group(view, [0, 1, 2], 2) == (0, 1)
     assert NodeView.from_dict(view.to_dict()) == view
     with pytest.raises(InvalidRequest, match=r"links: GPU pair \(0, 0\)"):
         node("m", n_gpus=2, links={(0, 0): 0})

@@ -10,8 +10,8 @@ import itertools
 import pytest
 
 from fastshare.placement import Engine, GpuView, InvalidRequest, NodeView, Rejection, Request
-from fastshare.placement.engine import _tightest_group
 from fastshare.placement.model import Assignment, MigSlot
+from fastshare.placement.topology import tightest_group
 
 from .conftest import gpu, node
 
@@ -25,9 +25,9 @@ def _islands(n_gpus: int, size: int) -> dict[tuple[int, int], int]:
 def test_a_large_node_takes_whole_gpus_from_one_link_island():
     # 32 GPUs, 4 at a time: too many combinations to try all (the greedy path)
     view = node("big", n_gpus=32, links=_islands(32, 8))
-    assert _tightest_group(view, list(range(32)), 4) == (0, 1, 2, 3)
+    assert tightest_group(view, list(range(32)), 4) == (0, 1, 2, 3)
     idle = [5, 6, 9, 10, 11, 12, 13, 30]        # island 0 has 2 idle, island 1 has 5
-    group = _tightest_group(view, idle, 4)
+    group = tightest_group(view, idle, 4)
     assert len(group) == 4 and len(set(group)) == 4 and set(group) <= set(idle)
     assert list(group) == sorted(group)
     eng = Engine([view])

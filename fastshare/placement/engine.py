@@ -857,11 +857,10 @@ class Engine:
         h = self._heaps.get(shape)
         if h is None:
             h = self._heaps.build(shape, self._every_entry(shape, r), r)
-        elif h.dirty:
+        elif dirty := self._heaps.dirty(h):
             nodes = self._nodes
-            for e in self._entries(shape, r, (nodes[name] for name in h.dirty if name in nodes)):
+            for e in self._entries(shape, r, (nodes[name] for name in dirty if name in nodes)):
                 h.push(e)
-            h.dirty.clear()
             h.compact(self._live, len(nodes))
         n = self._heap_best(h, r, excluded)
         if n is None:

@@ -747,7 +747,8 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
     node selectors, model lists, nodes excluded by the caller, host memory, MPS
     oversubscription, the same ask again, the policy's learning refreshes, and (gpuclustering)
     the task shapes a node holds, which placements and releases change. ``small``: the
-    caches are made tiny, so that they are emptied and their heaps dropped mid-way. Requests
+    caches are made tiny, so that they are emptied and their heaps dropped mid-way (also for
+    falling behind the log of changes). Requests
     repeat a few shapes, as in a cluster, so the caches are used."""
     import random
 
@@ -759,7 +760,7 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
     if small:
         monkeypatch.setattr(engine_module, "SCORES_KEPT", 20)
         monkeypatch.setattr(engine_module, "MEMO_SIZE", 3)
-        monkeypatch.setattr(engine_module, "ShapeHeaps", lambda: ShapeHeaps(limit=2))
+        monkeypatch.setattr(engine_module, "ShapeHeaps", lambda: ShapeHeaps(limit=2, log_kept=4))
     typical = typical_shapes([Task(1000, 300, 1), Task(2000, 1000, 1), Task(500, 500, 1), Task(0, 1000, 2)])
     oversub = rng.choice([1.0, 2.0])
     links = {(0, 1): 1, (2, 3): 1, (0, 2): 3, (0, 3): 3, (1, 2): 3, (1, 3): 3}

@@ -365,3 +365,23 @@ def test_releasing_a_whole_gpu_keeps_an_affinity_binding_its_tag_never_made():
     eng.release("w")
     b = eng.place(Request("b", "fastpod", sm_percent=10, gpu_memory_mib=10, quota_request=0.1, affinity="t"))
     assert b and b.gpus == a.gpus, (a, b)
+
+
+def test_a_shape_heap_learns_the_nodes_changed_since_it_last_looked_or_is_dropped_when_behind():
+    """Each heap scores again exactly the nodes changed since its shape was last asked for; one
+    that fell behind the kept log of changes cannot tell which, and is dropped (built afresh)."""
+    from fastshare.placement.shape_heaps import ShapeHeaps
+
+    heaps = ShapeHeaps(log_kept=3)
+    asked, _idle = heaps.build("asked", [], None), heaps.build("idle", [], None)
+    for name in ("n1", "n2", "n1"):
+        heaps.changed(name)
+    assert heaps.dirty(asked) == {"n1", "n2"}
+    assert heaps.dirty(asked) == set()
+    heaps.changed("n3")
+    heaps.changed("n4")
+    assert heaps.dirty(asked) == {"n3", "n4"}
+    heaps.changed("n5")
+    heaps.changed("n6")   # seven changes: the log keeps the last three, which "idle" is behind
+    assert heaps.get("idle") is None and heaps.get("asked") is asked
+    assert heaps.dirty(asked) == {"n5", "n6"}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from fastshare.device.api import MigProfile
 from fastshare.device.catalog import find_profile
 from fastshare.placement import mig as migmath
 from fastshare.placement.model import (
@@ -689,6 +690,9 @@ class Engine:
             return None
         # a bound tag with its binding: a rejection names the tag (two tags may bind one GPU)
         bound = (r.affinity, self._affinity[r.affinity]) if r.affinity in self._affinity else None
+        if r.kind == "exclusive":
+            return (r.kind, r.sm_count, r.sm_percent, r.gpu_memory_mib, r.mig_profile, r.cpu_milli,
+                    r.gpu_models, r.exclusion, r.anti_affinity, bound)
         return (r.kind, r.sm_milli, r.gpu_memory_mib, r.quota_request, r.gpus, r.cpu_milli, r.gpu_models,
                 r.exclusion, r.anti_affinity, bound)
 
@@ -705,6 +709,9 @@ class Engine:
         return self._lookup(r, memo, memo, self._work_out)(n)[0]
 
     def _work_out(self, r: Request, n: _Node) -> tuple[Any, Any]:
+        if r.kind == "exclusive":
+            best = self._node_slice(r, n)
+            return best, None if best is None else best[0]
         task = _policy_task(r)
         if r.kind == "whole":
             idle, score = self._whole_answer(r, n, task)
@@ -718,8 +725,8 @@ class Engine:
         return answer, None if answer is None else best_first(answer[0])
 
     def _state(self, n: _Node) -> int:
-        """The number of ``n``'s state: everything of ``n`` a share or whole request's answer
-        depends on, but its name (which only an affinity binding looks at): its free CPU, how its
+        """The number of ``n``'s state: everything of ``n`` a request's answer (through its shape's
+        heap) depends on, but its name (which only an affinity binding looks at): its free CPU, how its
         GPUs are linked (whole GPUs rank by it) and, per GPU, its index and state
         (:meth:`_gpu_state`); for a policy that uses tags, also the task shapes the node holds."""
         if n.state is None:
@@ -734,13 +741,13 @@ class Engine:
         return n.state
 
     def _gpu_state(self, g: _Gpu) -> int:
-        """The number of ``g``'s state: what the device is and offers, and what its holders take
-        and are tagged with (all a share or whole request's look at one GPU depends on, but the
-        node's name and the GPU's index, which only an affinity binding looks at)."""
+        """The number of ``g``'s state: what the device is and offers (its MIG profiles too), and
+        what its holders take and are tagged with: all a request's look at one GPU depends on, but
+        the node's name and the GPU's index, which only an affinity binding looks at."""
         v = g.view
-        state = (v.model, v.memory_mib, v.lost, v.closed, v.no_mps, v.mig_capable, v.mig_enabled,
-                 v.mig_enable_needs_reset, v.mig_unheld, g.sm_used, g.mem_used, g.quota_used, g.share_kind,
-                 g.whole is not None, tuple(sorted(g.mig.values())),
+        state = (v.model, v.memory_mib, v.sm_count, v.mig_profiles, v.lost, v.closed, v.no_mps,
+                 v.mig_capable, v.mig_enabled, v.mig_enable_needs_reset, v.mig_unheld, g.sm_used, g.mem_used,
+                 g.quota_used, g.share_kind, g.whole is not None, tuple(sorted(g.mig.values())),
                  tuple(sorted((h.exclusion or "", h.anti_affinity or "") for h in self._holders(g))))
         g.state = self._gpu_states.setdefault(state, len(self._gpu_states))
         return g.state
@@ -793,6 +800,9 @@ class Engine:
                 "mps": (max((g.view.memory_mib * cap - g.mem_used for g in mps), default=-math.inf),
                         max((g.view.memory_mib for g in mps), default=-math.inf), math.inf),
                 "whole": (idle, math.inf, math.inf),
+                "exclusive": (sum(1 for g in n.gpus if g.view.mig_capable and not g.view.lost
+                                  and not g.view.closed and not g.sharers and g.whole is None),
+                              math.inf, math.inf),
             }
         return n.room
 
@@ -846,11 +856,11 @@ class Engine:
                 if (key := key_of(by_rank[ranks[0]])) is not None]
 
     def _place_from_heap(self, r: Request, excluded: Mapping[str, str]) -> Assignment | None:
-        """Place a share or whole GPUs through the heap of its shape (see
+        """Place a share, whole GPUs or a MIG slice through the heap of its shape (see
         ``fastshare/placement/shape_heaps.py``): the same node and GPUs as looking at every node
         gives, found by looking at the few that changed. None when no node takes ``r`` (the
-        rejection, which says why, looks at every node) or its kind has no heap."""
-        memo = self._memo_key(r) if r.kind in ("fastpod", "mps", "whole") else None
+        rejection, which says why, looks at every node) or it has no shape."""
+        memo = self._memo_key(r)
         if memo is None:
             return None
         shape = (memo, r.node_selector)
@@ -866,6 +876,8 @@ class Engine:
         if n is None:
             return None
         answer = self._answer(r, n, memo)
+        if r.kind == "exclusive":
+            return self._slice_assignment(r, n, n.gpus[answer[1]], answer[3], answer[2])
         return Assignment(r, n.view.name, answer[0] if r.kind == "whole" else self._share_gpu(r, n, answer))
 
     def _first_alike(self, state: int, rank: int) -> _Node | None:
@@ -1155,44 +1167,63 @@ class Engine:
         too_big: list[tuple[GpuView, int]] = []   # the first GPU of each layout too small
         too_big_gpus = 0
         for order, n, g, alike in layouts.values():
-            v = g.view
-            need = r.sm_count or (math.ceil(r.sm_percent / 100 * v.sm_count) if r.sm_percent else 0)
-            named = find_profile(v.mig_profiles, r.mig_profile) if r.mig_profile else None
-            profs = [p for p in migmath.smallest_profiles(v.mig_profiles, need, r.gpu_memory_mib)
-                     if r.mig_profile is None or p == named]
+            profs = _slice_profiles(r, g.view)
             if not profs:
-                too_big.append((g.view, need))
+                too_big.append((g.view, _slice_sms(r, g.view)))
                 too_big_gpus += alike
                 continue
-            unheld = g.unheld()
-            inst = [*g.mig.values(), *unheld]
-            held = migmath.used_mask(g.mig.values())   # an unheld instance on a held slice is not offered
-            by_id = {p.profile_id: p for p in v.mig_profiles}
-            free_slices = migmath.compute_slices_total(v.mig_profiles) - sum(
-                by_id[pid].slices for pid, _s, _z in inst if pid in by_id)
-            for p in profs:
-                # an instance of this profile that is already there costs no MIG change and no
-                # future shape: taken first (then the lowest start)
-                ready = [s for pid, s, z in unheld
-                         if pid == p.profile_id and not held & migmath.used_mask([(pid, s, z)])]
-                starts = ready or migmath.free_starts(p, v.mig_profiles, inst)
-                if not starts:
-                    continue
-                for s in starts:
-                    # best fit across GPUs (fullest GPU that takes it), then the start that
-                    # rules out the fewest later combinations on that GPU; a +me slice (one per
-                    # GPU, laid out for its media engines) only where no plain one can be had
-                    loss = 0 if ready else migmath.placement_loss(p, s, v.mig_profiles, inst)
-                    key = (p.memory_slices, p.slices, p.media, not ready, free_slices - p.slices,
-                           loss, order, s)
-                    if best_key is None or key < best_key:
-                        best_key, best = key, (n, g, p, s)
-                break  # smallest placeable profile on this GPU
+            got = self._gpu_slice(g, profs)
+            if got is not None and (best_key is None or (got[0], order, got[1]) < best_key):
+                best_key, best = (got[0], order, got[1]), (n, g, got[2], got[1])
         if best is None:
             return Rejection(no_slice_words(r, candidates, too_big, too_big_gpus))
         n, g, p, s = best
-        slot = MigSlot(p.profile_id, p.name, s, p.memory_slices, p.sm_count, p.memory_mib)
+        return self._slice_assignment(r, n, g, p, s)
+
+    @staticmethod
+    def _slice_assignment(r: Request, n: _Node, g: _Gpu, p: MigProfile, start: int) -> Assignment:
+        slot = MigSlot(p.profile_id, p.name, start, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)
+
+    def _node_slice(self, r: Request, n: _Node) -> tuple[tuple, int, int, MigProfile] | None:
+        """Node ``n``'s best slice for exclusive ``r`` (its rank, lower first; the GPU's place on
+        the node; the start; the profile), as :meth:`_place_exclusive` ranks them across nodes
+        (the GPU's place and the start break ties), None when none is free."""
+        best = None
+        for _layout, i, g, _alike in self._layouts(r, n):
+            profs = _slice_profiles(r, g.view)
+            got = self._gpu_slice(g, profs) if profs else None
+            if got is not None and (best is None or (got[0], i, got[1]) < best[:3]):
+                best = (got[0], i, got[1], got[2])
+        return best
+
+    @staticmethod
+    def _gpu_slice(g: _Gpu, profs: list[MigProfile]) -> tuple[tuple, int, MigProfile] | None:
+        """The best slice of ``g`` among ``profs`` (the profiles that fit, smallest first): its
+        rank (lower first), start and profile; None when none of them has a free placement."""
+        v = g.view
+        unheld = g.unheld()
+        inst = [*g.mig.values(), *unheld]
+        held = migmath.used_mask(g.mig.values())   # an unheld instance on a held slice is not offered
+        by_id = {p.profile_id: p for p in v.mig_profiles}
+        free_slices = migmath.compute_slices_total(v.mig_profiles) - sum(
+            by_id[pid].slices for pid, _s, _z in inst if pid in by_id)
+        for p in profs:
+            # an instance of this profile that is already there costs no MIG change and no
+            # future shape: taken first (then the lowest start)
+            ready = [s for pid, s, z in unheld
+                     if pid == p.profile_id and not held & migmath.used_mask([(pid, s, z)])]
+            starts = ready or migmath.free_starts(p, v.mig_profiles, inst)
+            if not starts:
+                continue
+            # best fit across GPUs (fullest GPU that takes it), then the start that rules out
+            # the fewest later combinations on that GPU; a +me slice (one per GPU, laid out for
+            # its media engines) only where no plain one can be had
+            rank, start = min(((p.memory_slices, p.slices, p.media, not ready, free_slices - p.slices,
+                                0 if ready else migmath.placement_loss(p, s, v.mig_profiles, inst)), s)
+                              for s in starts)
+            return rank, start, p
+        return None
 
 
 _ASKED = tuple(f.name for f in fields(Request) if f.name != "id")
@@ -1207,14 +1238,30 @@ def _node_order(tagged: tuple[_Node, int, str]) -> int:
 
 
 def _need(r: Request) -> tuple[float, float, float]:
-    """What share or whole request ``r`` needs of one node, figure by figure as
+    """What request ``r`` needs of one node, figure by figure as
     :meth:`Engine._room` gives them: a fastpod share SMs, time quota and memory on one GPU, an MPS
-    share memory left (oversubscribed) and in all on one GPU, whole GPUs that many idle."""
+    share memory left (oversubscribed) and in all on one GPU, whole GPUs that many idle, a MIG
+    slice one MIG-capable GPU that works and holds no share nor whole request."""
     if r.kind == "fastpod":
         return r.sm_milli, r.quota_request, r.gpu_memory_mib
     if r.kind == "mps":
         return r.gpu_memory_mib, r.gpu_memory_mib, 0
+    if r.kind == "exclusive":
+        return 1, 0, 0
     return r.gpus, 0, 0
+
+
+def _slice_sms(r: Request, v: GpuView) -> int:
+    """The SMs exclusive ``r`` needs of a GPU like ``v``."""
+    return r.sm_count or (math.ceil(r.sm_percent / 100 * v.sm_count) if r.sm_percent else 0)
+
+
+def _slice_profiles(r: Request, v: GpuView) -> list[MigProfile]:
+    """The MIG profiles of a GPU like ``v`` that hold exclusive ``r``, smallest first (empty: none
+    is that large, or has the profile it names)."""
+    named = find_profile(v.mig_profiles, r.mig_profile) if r.mig_profile else None
+    return [p for p in migmath.smallest_profiles(v.mig_profiles, _slice_sms(r, v), r.gpu_memory_mib)
+            if r.mig_profile is None or p == named]
 
 
 def _asked(r: Request, excluded: Mapping[str, str]) -> tuple:

@@ -315,6 +315,25 @@ def test_an_exclusive_decision_weighs_gpus_laid_out_alike_once_and_counts_them_a
                                  "(A30-24GB: the largest is "), rej.reason
 
 
+def test_an_exclusive_request_tells_apart_gpus_of_a_model_that_offer_other_profiles():
+    """Nodes alike in all but the MIG profiles their GPUs offer (a driver that lacks some) answer
+    an exclusive request differently: the shape's heap must not take one's answer for the
+    other's, as it does for nodes truly alike."""
+    full = node("b", n_gpus=1)
+    profiles = full.gpus[0].mig_profiles
+    most = max(p.sm_count for p in profiles)
+    only_7g = dataclasses.replace(full.gpus[0], mig_profiles=tuple(p for p in profiles if p.sm_count == most))
+    eng = Engine([dataclasses.replace(full, name="a", gpus=(only_7g,)), full, node("c", n_gpus=1)])
+    got = eng.place(Request("x", "exclusive", sm_count=14))
+    assert got and got.node == "b" and got.mig.profile_name.startswith("1g."), got
+    got = eng.place(Request("y", "exclusive", sm_count=14))   # b and c are alike: the first free
+    assert got and got.node == "b" and got.mig.start != eng.assignments["x"].mig.start, got
+    eng.release("x")
+    eng.release("y")
+    big = eng.place(Request("z", "exclusive", sm_count=98))
+    assert big and big.node == "a", big   # a 7g slice: the only one a offers, as large as b's
+
+
 def test_sharing_tags_hold_for_mig_slices_too():
     """Slices of one GPU share it (its memory bandwidth is split, a reset takes them all), and
     `fastshare run --anti-affinity` promises "never share a GPU with others carrying this tag";

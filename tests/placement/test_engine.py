@@ -867,7 +867,10 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
             elif kind < 0.85:
                 r = Request(f"r{k}", "whole", gpus=rng.choice([1, 2, 2, 3]), **ask)
             else:
-                r = Request(f"r{k}", "exclusive", sm_count=rng.choice([14, 28, 42]), **ask)
+                size = rng.choice([{"sm_count": 14}, {"sm_count": 28}, {"sm_count": 42}, {"sm_percent": 30},
+                                   {"gpu_memory_mib": 10000}, {"mig_profile": "1g.5gb", "sm_count": 14},
+                                   {"mig_profile": "2g.10gb", "sm_count": 14}])
+                r = Request(f"r{k}", "exclusive", **size, **ask)
             excluded = {rng.choice(names): "are cordoned"} if rng.random() < 0.2 else None
             last = (r, excluded)
         got = both("place", r, excluded)

@@ -334,6 +334,20 @@ def test_an_exclusive_request_tells_apart_gpus_of_a_model_that_offer_other_profi
     assert big and big.node == "a", big   # a 7g slice: the only one a offers, as large as b's
 
 
+@pytest.mark.parametrize("first, then, profile", [
+    ({"sm_count": 14}, {"sm_count": 14, "mig_profile": "2g.10gb"}, "2g.10gb"),
+    ({"sm_percent": 10}, {"sm_percent": 30}, "3g.20gb"),
+    ({"sm_count": 14}, {"sm_count": 14, "gpu_memory_mib": 9000}, "1g.10gb"),
+])
+def test_an_exclusive_shape_is_sized_by_all_that_sizes_its_slice(first, then, profile):
+    """Two exclusive requests alike but for what sizes the slice (a named profile, the SM
+    percent, the memory) are two shapes: the second must not be given the first's slice."""
+    eng = Engine([node("a", n_gpus=1), node("b", n_gpus=1)])   # b is not changed by x
+    assert eng.place(Request("x", "exclusive", **first)).mig.profile_name == "1g.5gb"
+    got = eng.place(Request("y", "exclusive", **then))
+    assert got and got.mig.profile_name == profile, got
+
+
 def test_sharing_tags_hold_for_mig_slices_too():
     """Slices of one GPU share it (its memory bandwidth is split, a reset takes them all), and
     `fastshare run --anti-affinity` promises "never share a GPU with others carrying this tag";

@@ -353,7 +353,7 @@ class Engine:
             self._stateless = set(self._nodes)
         excluded = excluded or {}
         result = self._place_from_heap(request, excluded)
-        if result is None:   # no heap for this kind, or no node takes it: look at every node
+        if result is None:   # no shape (a random policy), or no node takes it: look at every node
             result = self._rejection_seen(request, excluded)   # (a Rejection is falsy: no `or`)
             if result is None:
                 result = self._place_scanning(request, excluded)

@@ -3,11 +3,13 @@
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from fastshare.mps.control import MpsControl, MpsError
+from tests.standins import stop_mps_standins
 
 STANDIN = str(Path(sys.executable).with_name("fastshare-mps-standin"))
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
@@ -289,3 +291,23 @@ def test_start_ends_an_unreachable_daemon_instead_of_starting_a_second(tmp_path,
     finally:
         for leftover in _daemons_of(pipe_dir):
             os.kill(leftover, signal.SIGKILL)
+
+
+def test_the_suite_stops_the_standins_left_under_its_directories(mps, tmp_path):
+    """A node agent leaves its MPS daemons running when it stops (as with the real one); the
+    suite's end stops those under its temporary directories, so a test run leaves none behind.
+    A pid file naming a process that is no stand-in is left alone."""
+    pid = mps.start(UUID)
+    mps.command(UUID, "start_server -uid 0")
+    servers = [int(x) for x in mps.command(UUID, "get_server_list").split()]
+    assert servers, "no MPS server to stop with the daemon"
+    stranger = tmp_path / "elsewhere" / "nvidia-cuda-mps-control.pid"
+    stranger.parent.mkdir()
+    stranger.write_text(f"{os.getpid()}\n")
+    assert stop_mps_standins(tmp_path) == [pid]
+    for _ in range(100):
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    assert not _alive(pid), "the stand-in daemon still runs"
+    assert not any(_alive(server) for server in servers), "its MPS server still runs"

@@ -268,16 +268,17 @@ class Engine:
     def _forget(self) -> None:
         """The policy's scores changed: drop every node's memo and score every shape heap again
         now, inside this one decision (left for later, the next request of each shape would be
-        slow instead). A heap for an affinity-bound shape is dropped: its binding may be gone."""
+        slow instead). A heap for an affinity-bound shape is dropped: its binding may be gone.
+        MIG slices are chosen without the policy: their answers and heaps stay as they are."""
         for n in self._nodes.values():
             n.memo.clear()
         self._scores.clear()
-        self._answers.clear()
+        self._answers = {key: alike for key, alike in self._answers.items() if key[0] == "exclusive"}
         self._memo_generation = self.policy.generation
         for shape, h in self._heaps.items():
             if h.sample.affinity:
                 self._heaps.drop(shape)
-            else:
+            elif h.sample.kind != "exclusive":
                 self._heaps.build(shape, self._every_entry(shape, h.sample), h.sample)
 
     def set_capacity(self, name: str, cpu_milli: int, memory_mib: int) -> None:

@@ -418,3 +418,20 @@ def test_a_shape_heap_learns_the_nodes_changed_since_it_last_looked_or_is_droppe
     heaps.changed("n6")   # seven changes: the log keeps the last three, which "idle" is behind
     assert heaps.get("idle") is None and heaps.get("asked") is asked
     assert heaps.dirty(asked) == {"n5", "n6"}
+
+
+def test_a_learning_refresh_keeps_the_heaps_of_mig_slices_which_the_policy_does_not_score():
+    """The policy's refresh (after a doubling of the requests it saw) scores every share and
+    whole-GPU heap again inside one decision; slices are chosen without the policy, so their
+    heaps are kept, and still place as before."""
+    eng = Engine([node(f"n{i}", n_gpus=2) for i in range(3)])
+    assert eng.place(Request("s0", "exclusive", sm_count=14)).node == "n0"
+    (slices, heap), = eng._heaps.items()
+    generation, k = eng.policy.generation, 0
+    while eng.policy.generation == generation:
+        k += 1
+        assert eng.place(Request(f"f{k}", "fastpod", sm_percent=10 * (1 + k % 5), gpu_memory_mib=1024,
+                                 quota_request=0.1, gpu_models=("T4",))) is not None
+    assert eng._heaps.get(slices) is heap
+    got = eng.place(Request("s1", "exclusive", sm_count=14))
+    assert got and (got.node, got.gpus) == ("n0", (0,)), got   # beside s0: the fullest GPU first

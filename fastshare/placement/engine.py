@@ -1,6 +1,6 @@
-"""The placement engine: a capacity ledger over the cluster view plus the decision procedure.
+"""The placement engine: the decision procedure over the cluster's ledger.
 
-One ``Engine`` owns the ledger (who holds what on which GPU). ``place`` either commits a
+One ``Engine`` owns the ledger (who holds what on which GPU: ``ledger.py``). ``place`` either commits a
 request to the ledger and returns an :class:`Assignment`, or changes nothing and returns a
 :class:`Rejection` that says why. ``release`` gives back exactly what ``place`` took.
 ``restore`` re-applies persisted assignments after a restart (no policy involved).
@@ -13,12 +13,12 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 from fastshare.device.api import MigProfile
-from fastshare.device.catalog import find_profile
 from fastshare.placement import mig as migmath
+from fastshare.placement.ledger import MEMO_SIZE, GpuRecord, NodeRecord, host_left
 from fastshare.placement.model import (
     MILLI,
     Assignment,
@@ -46,84 +46,7 @@ from fastshare.placement.rejection_words import (
 from fastshare.placement.shape_heaps import Entry, ShapeHeap, ShapeHeaps
 from fastshare.placement.topology import group_cost, tightest_group
 
-
-@dataclass
-class _Gpu:
-    view: GpuView
-    sm_used: int = 0            # fastpod SM share, thousandths
-    mem_used: int = 0           # fastpod + mps GPU memory, MiB
-    share_kind: str | None = None  # "fastpod" | "mps" while sharers exist
-    sharers: dict[str, Request] = field(default_factory=dict)
-    mig: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # request id -> instance
-    whole: str | None = None
-    quota_used: float = 0.0     # time quota the fastpod sharers hold (the node agent admits at most 1)
-    state: int | None = None    # the number of its state (Engine._gpu_state), None once it changes
-
-    def count_quota(self) -> None:
-        """Sum the sharers' quota again (a sum, not a running total: no float drift)."""
-        self.quota_used = sum(s.quota_request for s in self.sharers.values() if s.kind == "fastpod")
-
-    @property
-    def mig_mode(self) -> bool:
-        return self.view.mig_enabled or bool(self.mig)
-
-    def unheld(self) -> list[tuple[int, int, int]]:
-        """MIG instances on the device that no assignment here holds (a static layout, or one
-        kept while busy): new slices go around them, and a request may take one as it is."""
-        own = {start for _pid, start, _size in self.mig.values()}
-        return [i for i in self.view.mig_unheld if i[1] not in own]
-
-    @property
-    def idle(self) -> bool:
-        return not self.sharers and not self.mig and self.whole is None and not self.view.mig_enabled
-
-    def open_to(self, kind: str) -> bool:
-        """Whether the device takes new ``kind`` shares at all (room, tags and models aside): it
-        works, runs MPS, is held neither whole nor in MIG mode, and is not shared the other way."""
-        v = self.view
-        return (not (v.lost or v.closed or v.no_mps) and self.whole is None and not self.mig_mode
-                and self.share_kind in (None, kind))
-
-    def label(self, node: str) -> str:
-        return f"{node} GPU {self.view.index}"
-
-
-MEMO_SIZE = 256   # request shapes whose answers are remembered (then all forgotten)
 SCORES_KEPT = 200_000   # policy scores remembered by node state (then forgotten)
-
-
-@dataclass
-class _Node:
-    """A node and what it holds. ``memo``: its answers to the shapes bound to it by an affinity
-    tag since it last changed (other shapes' answers are shared by nodes alike, see
-    :meth:`Engine._lookup`); ``state``: the number of its state; ``version`` counts its changes
-    (the shape heaps' entries carry it; numbered across nodes, see ``Engine._ticks``); ``rank``:
-    its place in the node order, which breaks ties."""
-
-    view: NodeView
-    gpus: list[_Gpu]
-    rank: int = 0
-    cpu_used: int = 0
-    mem_used: int = 0
-    version: int = 0
-    memo: dict[tuple, Any] = field(default_factory=dict)
-    state: int | None = None   # what its answers depend on, but its name (Engine._state)
-    tags: Counter[str] = field(default_factory=Counter)   # task shapes held, see Engine._held_tags
-    room: dict[str, tuple[float, float, float]] | None = None   # see Engine._room
-
-    def remember(self, key: tuple, answer: Any) -> Any:
-        if len(self.memo) >= MEMO_SIZE:
-            self.memo.clear()
-        self.memo[key] = answer
-        return answer
-
-    @property
-    def cpu_left(self) -> int:
-        return self.view.cpu_milli - self.cpu_used
-
-    @property
-    def mem_left(self) -> int:
-        return self.view.memory_mib - self.mem_used
 
 
 _UNSEEN = object()   # a cache miss (a score kept may be anything)
@@ -145,23 +68,6 @@ def _tag(r: Request) -> str:
     return clustering_tag(_policy_task(r))
 
 
-def _foreign_overlap(m: MigSlot, g: _Gpu, node: str) -> str:
-    """Why a held MIG slice cannot be had at its placement: instances no assignment holds (made
-    outside fastshare, e.g. by hand after the slice's own instance was destroyed) lie on its
-    memory slices ("" when none do). Its own instance, not yet shown as held, is not one."""
-    own = (m.profile_id, m.start, m.size)
-    mask = migmath.used_mask([own])
-    names = {p.profile_id: p.name for p in g.view.mig_profiles}
-    foreign = [f"a {names.get(i[0], f'profile {i[0]}')} at memory slice {i[1]}"
-               for i in g.view.mig_unheld if i != own and mask & migmath.used_mask([i])]
-    if not foreign:
-        return ""
-    return (f"MIG placement {m.profile_name} at memory slice {m.start} on {g.label(node)} overlaps "
-            f"{' and '.join(foreign)} that fastshare did not create (laid out by hand?): destroy "
-            f"{'it' if len(foreign) == 1 else 'them'} (nvidia-smi mig -dci, -dgi) to give the slice back, "
-            "or release this allocation")
-
-
 class Engine:
     """Placement over a cluster view. Deterministic: same view + same calls = same answers.
 
@@ -178,7 +84,7 @@ class Engine:
             from fastshare.placement.fastshare_policy import FastsharePolicy
             policy = FastsharePolicy()
         self.policy = policy
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, NodeRecord] = {}
         self._cpu_total = 0
         self._closed_gpus = 0   # GPUs whose view says they take nothing new (see _closed_note)
         self._gpu_milli: Counter[str] = Counter()   # per GPU model
@@ -197,7 +103,7 @@ class Engine:
         self._gpu_states: dict[tuple, int] = {}   # GPU state -> its number (see _gpu_state)
         self._gpu_alike: dict[tuple, dict[int, tuple[bool, int]]] = {}   # see _gpu_answers
         self._alike: dict[int, list[int]] = {}   # state number -> the ranks of the nodes in it, in order
-        self._by_rank: dict[int, _Node] = {}
+        self._by_rank: dict[int, NodeRecord] = {}
         self._stateless: set[str] = set()   # nodes whose state is not worked out since they changed
         self._blocks: HostBlocks | None = None   # rejections' folds per block of nodes (see _say_why)
         for n in nodes:
@@ -208,7 +114,7 @@ class Engine:
         if view.name in self._nodes:
             raise InvalidRequest(f"node {view.name}: already in the cluster view")
         tick = next(self._ticks)
-        self._nodes[view.name] = self._by_rank[tick] = _Node(view, [_Gpu(g) for g in view.gpus],
+        self._nodes[view.name] = self._by_rank[tick] = NodeRecord(view, [GpuRecord(g) for g in view.gpus],
                                                              rank=tick, version=tick)
         self._stateless.add(view.name)
         self._changed(view.name)
@@ -237,7 +143,7 @@ class Engine:
             self._gpu_milli[g.model] += sign * MILLI
         self.policy.cluster(self._cpu_total, self._gpu_milli)
 
-    def _touch(self, node: _Node) -> None:
+    def _touch(self, node: NodeRecord) -> None:
         """``node`` changed: its remembered answers and heap entries no longer hold."""
         node.memo.clear()
         self._unstate(node)
@@ -249,7 +155,7 @@ class Engine:
         if self._blocks is not None:
             self._blocks.touched(node)
 
-    def _unstate(self, node: _Node) -> None:
+    def _unstate(self, node: NodeRecord) -> None:
         """``node``'s state no longer holds: out of the nodes alike, worked out again when asked."""
         if node.state is not None:
             ranks = self._alike[node.state]
@@ -415,7 +321,7 @@ class Engine:
             return Rejection(words(r, self._nodes_fold(r, nodes), len(nodes)) + self._closed_note(r, nodes)
                              + only_looked(len(nodes), len(self._nodes), why))
         if self._blocks is None:
-            self._blocks = HostBlocks(list(self._nodes.values()), _host_left,
+            self._blocks = HostBlocks(list(self._nodes.values()), host_left,
                                       max(4, math.isqrt(len(self._nodes)) // 4))
         host = HostFold(r.cpu_milli, r.memory_mib)
         fold = self._blocks.fold(host, key, *self._summary(r, key))
@@ -439,25 +345,10 @@ class Engine:
         node = self._nodes[a.node]
         self._touch(node)
         r = a.request
-        node.cpu_used -= r.cpu_milli
-        node.mem_used -= r.memory_mib
-        tag = _tag(r)
-        node.tags[tag] -= 1
-        if not node.tags[tag]:   # its last holder left
-            del node.tags[tag]
+        node.give_back(r, _tag(r))
         for i in a.gpus:
             g = node.gpus[i]
-            if r.kind in ("fastpod", "mps"):
-                del g.sharers[rid]
-                g.sm_used -= r.sm_milli if r.kind == "fastpod" else 0
-                g.mem_used -= r.gpu_memory_mib
-                g.count_quota()
-                if not g.sharers:
-                    g.share_kind = None
-            elif r.kind == "exclusive":
-                del g.mig[rid]
-            else:
-                g.whole = None
+            g.give_back(r)
             if r.affinity and r.kind != "whole" and self._affinity.get(r.affinity) == (a.node, i) \
                     and not any(h.affinity == r.affinity for h in self._holders(g)):
                 self._rebind(r.affinity)
@@ -509,7 +400,7 @@ class Engine:
             if uuid and g.view.uuid and uuid != g.view.uuid:
                 raise InvalidRequest(f"gpus: GPU {i} of {node.view.name} is {g.view.uuid}, not the "
                                      f"{uuid} assignment {r.id} holds")
-            clash = _clash(r, g)
+            clash = g.clash(r)
             if clash:
                 raise InvalidRequest(f"assignment {r.id}: {g.label(node.view.name)} {clash}")
             problem = self._gpu_problem(r, g, node.view.name, placing=False)
@@ -523,7 +414,7 @@ class Engine:
                                f"MIG profile {m.profile_name} (id {m.profile_id}) is not offered on "
                                f"{g.label(node.view.name)}")
                 else:
-                    problem = _foreign_overlap(m, g, node.view.name) or problem
+                    problem = g.foreign_overlap(m, node.view.name) or problem
             elif problem == "not idle" and g.view.mig_enabled:
                 problem = "in MIG mode (a whole GPU needs MIG disabled)"
             elif r.kind == "mps" and problem and problem.startswith("only "):
@@ -541,27 +432,15 @@ class Engine:
         r = a.request
         node = self._nodes[a.node]
         self._touch(node)
-        node.cpu_used += r.cpu_milli
-        node.mem_used += r.memory_mib
-        node.tags[_tag(r)] += 1
+        node.hold(r, _tag(r))
         for i in a.gpus:
-            g = node.gpus[i]
-            if r.kind in ("fastpod", "mps"):
-                g.sharers[r.id] = r
-                g.share_kind = r.kind
-                g.sm_used += r.sm_milli if r.kind == "fastpod" else 0
-                g.mem_used += r.gpu_memory_mib
-                g.count_quota()
-            elif r.kind == "exclusive":
-                g.mig[r.id] = (a.mig.profile_id, a.mig.start, a.mig.size)
-            else:
-                g.whole = r.id
+            node.gpus[i].hold(r, a.mig)
             if r.affinity and r.kind != "whole":   # a restore may count a holder elsewhere
                 self._affinity.setdefault(r.affinity, (a.node, i))
         self._assignments[r.id] = a
 
     # ---- filters -----------------------------------------------------------------------------
-    def _filter_nodes(self, r: Request, excluded: Mapping[str, str]) -> tuple[list[_Node], str]:
+    def _filter_nodes(self, r: Request, excluded: Mapping[str, str]) -> tuple[list[NodeRecord], str]:
         """The nodes not ``excluded`` whose labels, free CPU and free memory fit ``r``, and why
         the others do not ("" when none was dropped)."""
         sel = dict(r.node_selector)
@@ -585,7 +464,7 @@ class Engine:
             parts.append(f"{no_sel} node(s) do not match node_selector {sel}")
         return out, "; ".join(parts + host_words(r, host))
 
-    def _gpu_problem(self, r: Request, g: _Gpu, node: str, placing: bool = True) -> str | None:
+    def _gpu_problem(self, r: Request, g: GpuRecord, node: str, placing: bool = True) -> str | None:
         """Why GPU ``g`` cannot take a share ``r`` (None when it can). ``placing`` False: ``r`` is a
         share it holds, counted again (``restore``): affinity bindings and a closed GPU do not apply."""
         v = g.view
@@ -615,7 +494,7 @@ class Engine:
             return "in use by MPS shares or whole"
         return self._tag_problem(r, g, node, placing)
 
-    def _closed_note(self, r: Request, nodes: list[_Node]) -> str:
+    def _closed_note(self, r: Request, nodes: list[NodeRecord]) -> str:
         """:func:`closed_note`, without a look at every GPU when none in the cluster is closed."""
         return closed_note(r, nodes) if self._closed_gpus else ""
 
@@ -626,14 +505,14 @@ class Engine:
                   if self._room_problem(r, n.gpus[i]) is None]
         return share_words(r, fold, looked, tagged, self._affinity.get(r.affinity) if r.affinity else None)
 
-    def _holders(self, g: _Gpu) -> Iterable[Request]:
+    def _holders(self, g: GpuRecord) -> Iterable[Request]:
         """Who shares ``g``: its MPS sharers, or the holders of its MIG slices (which split its
         memory bandwidth and go down together), for the sharing tags."""
         if not g.mig:
             return g.sharers.values()
         return [*g.sharers.values(), *(self._assignments[rid].request for rid in g.mig)]
 
-    def _tag_problem(self, r: Request, g: _Gpu, node: str, check_affinity: bool = True) -> str | None:
+    def _tag_problem(self, r: Request, g: GpuRecord, node: str, check_affinity: bool = True) -> str | None:
         """Why the KubeShare tags (of ``r`` or of those sharing ``g``) keep share or slice ``r`` off ``g``."""
         if check_affinity and r.affinity and r.affinity in self._affinity \
                 and self._affinity[r.affinity] != (node, g.view.index):
@@ -646,7 +525,7 @@ class Engine:
                 return f"anti-affinity {r.anti_affinity} already on it"
         return None
 
-    def _room_problem(self, r: Request, g: _Gpu) -> str | None:
+    def _room_problem(self, r: Request, g: GpuRecord) -> str | None:
         """Why share ``r`` does not fit the SMs / memory left on ``g``."""
         v = g.view
         if r.kind == "fastpod":
@@ -663,7 +542,7 @@ class Engine:
         return None
 
     @staticmethod
-    def _policy_free(r: Request, g: _Gpu, fits: bool) -> int:
+    def _policy_free(r: Request, g: GpuRecord, fits: bool) -> int:
         """``g``'s free share as the policy sees it for ``r`` (``fits``: ``r`` may go there): the
         SM share that later fastpod shares can still take, which is what the policies value (and
         what the trace replay gives them). A GPU ``r`` cannot use shows it only when it is smaller
@@ -705,11 +584,11 @@ class Engine:
         memo = self._memo_key(r)
         return None if memo is None else ("why", r.kind, r.gpu_models, r.exclusion, r.anti_affinity, memo[-1])
 
-    def _answer(self, r: Request, n: _Node, memo: tuple) -> Any:
+    def _answer(self, r: Request, n: NodeRecord, memo: tuple) -> Any:
         """Node ``n``'s answer to shape ``memo`` (see :meth:`_lookup`)."""
         return self._lookup(r, memo, memo, self._work_out)(n)[0]
 
-    def _work_out(self, r: Request, n: _Node) -> tuple[Any, Any]:
+    def _work_out(self, r: Request, n: NodeRecord) -> tuple[Any, Any]:
         if r.kind == "exclusive":
             best = self._node_slice(r, n)
             return best, None if best is None else best[0]
@@ -725,7 +604,7 @@ class Engine:
         answer = self._share_answer(r, n, task)
         return answer, None if answer is None else best_first(answer[0])
 
-    def _state(self, n: _Node) -> int:
+    def _state(self, n: NodeRecord) -> int:
         """The number of ``n``'s state: everything of ``n`` a request's answer (through its shape's
         heap) depends on, but its name (which only an affinity binding looks at): its free CPU, how its
         GPUs are linked (whole GPUs rank by it) and, per GPU, its index and state
@@ -741,7 +620,7 @@ class Engine:
             self._stateless.discard(n.view.name)
         return n.state
 
-    def _gpu_state(self, g: _Gpu) -> int:
+    def _gpu_state(self, g: GpuRecord) -> int:
         """The number of ``g``'s state: what the device is and offers (its MIG profiles too), and
         what its holders take and are tagged with: all a request's look at one GPU depends on, but
         the node's name and the GPU's index, which only an affinity binding looks at."""
@@ -753,7 +632,7 @@ class Engine:
         g.state = self._gpu_states.setdefault(state, len(self._gpu_states))
         return g.state
 
-    def _gpu_answers(self, r: Request, n: _Node) -> list[tuple[bool, int]]:
+    def _gpu_answers(self, r: Request, n: NodeRecord) -> list[tuple[bool, int]]:
         """Per GPU of ``n``: whether share or whole ``r`` may go there, and its free share as the
         policy sees it (:meth:`_policy_free`). GPUs alike answer alike, and a node that changes
         mostly changes one GPU: so the answers are kept per GPU state and what of ``r`` they
@@ -777,12 +656,12 @@ class Engine:
             out.append(got)
         return out
 
-    def _gpu_answer(self, r: Request, g: _Gpu, node: str) -> tuple[bool, int]:
+    def _gpu_answer(self, r: Request, g: GpuRecord, node: str) -> tuple[bool, int]:
         need = r.sm_milli if r.kind == "fastpod" else 0   # too few SMs left: a problem, no need to word it
         fits = g.sm_used + need <= MILLI and self._gpu_problem(r, g, node) is None
         return fits, self._policy_free(r, g, fits)
 
-    def _room(self, n: _Node) -> dict[str, tuple[float, float, float]]:
+    def _room(self, n: NodeRecord) -> dict[str, tuple[float, float, float]]:
         """The most ``n`` offers a request of each kind, figure by figure, each over the GPUs
         open to that kind (see :func:`_need`): a node short in any figure cannot take the
         request, which :meth:`_entries` tells without looking up its answer. Late in a trace
@@ -807,7 +686,7 @@ class Engine:
             }
         return n.room
 
-    def _entry_key(self, shape: tuple, r: Request) -> Callable[[_Node], Any]:
+    def _entry_key(self, shape: tuple, r: Request) -> Callable[[NodeRecord], Any]:
         """``n ->`` its key in the heap of ``r``'s shape, None when its labels, CPU or GPUs do not
         take ``r`` (host memory is checked when it comes to the top)."""
         memo, selector = shape
@@ -815,7 +694,7 @@ class Engine:
         kind, (a, b, c) = r.kind, _need(r)
         room = self._room
 
-        def key_of(n: _Node) -> Any:
+        def key_of(n: NodeRecord) -> Any:
             if selector and any(dict(n.view.labels).get(k) != v for k, v in selector):
                 return None
             if cpu and cpu > n.view.cpu_milli - n.cpu_used:
@@ -834,7 +713,7 @@ class Engine:
         memo, selector = shape
         return not (selector or memo[-1])
 
-    def _entries(self, shape: tuple, r: Request, nodes: Iterable[_Node]) -> list[Entry]:
+    def _entries(self, shape: tuple, r: Request, nodes: Iterable[NodeRecord]) -> list[Entry]:
         """The entries of ``nodes`` in the heap of ``r``'s shape (see :meth:`_entry_key`): their
         states' from each one's rank on, or their own."""
         key_of = self._entry_key(shape, r)
@@ -881,7 +760,7 @@ class Engine:
             return self._slice_assignment(r, n, n.gpus[answer[1]], answer[3], answer[2])
         return Assignment(r, n.view.name, answer[0] if r.kind == "whole" else self._share_gpu(r, n, answer))
 
-    def _first_alike(self, state: int, rank: int) -> _Node | None:
+    def _first_alike(self, state: int, rank: int) -> NodeRecord | None:
         """The first node in state ``state`` from ``rank`` on (node order), if any."""
         ranks = self._alike.get(state)
         if not ranks:
@@ -904,7 +783,7 @@ class Engine:
                 first[tag] = (rank, e)
         return out + [e for _rank, e in first.values()]
 
-    def _heap_best(self, h: ShapeHeap, r: Request, excluded: Mapping[str, str]) -> _Node | None:
+    def _heap_best(self, h: ShapeHeap, r: Request, excluded: Mapping[str, str]) -> NodeRecord | None:
         """The best node on ``h`` that ``excluded`` and its free host memory let take ``r``.
         A node's entry is dropped once the node changed; a state's is moved on to its first node
         from the entry's rank on, and dropped when none is left. The entries looked at are put
@@ -938,7 +817,7 @@ class Engine:
             h.push(e)
         return best
 
-    def _shares(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
+    def _shares(self, r: Request, nodes: list[NodeRecord]) -> Assignment | Rejection:
         """Look at every node (requests without a shape: a random policy; see ``_scan``)."""
         task = _policy_task(r)
         best_key, best = None, None
@@ -954,7 +833,7 @@ class Engine:
         n, answer = best
         return Assignment(r, n.view.name, self._share_gpu(r, n, answer))
 
-    def _share_gpu(self, r: Request, n: _Node, answer: tuple[Any, tuple[int, ...]]) -> tuple[int, ...]:
+    def _share_gpu(self, r: Request, n: NodeRecord, answer: tuple[Any, tuple[int, ...]]) -> tuple[int, ...]:
         """The GPU node ``n`` gives share ``r``, from its answer: the one an MPS share packs onto,
         or the one the policy picks (asked again: the answer keeps only the score)."""
         if r.kind == "mps":
@@ -962,7 +841,7 @@ class Engine:
         return tuple(self.policy.score(n.gpus[0].view.model, n.cpu_left, answer[1], _policy_task(r),
                                        self._held_tags(n))[1])
 
-    def _held_tags(self, n: _Node) -> frozenset[str]:
+    def _held_tags(self, n: NodeRecord) -> frozenset[str]:
         """The task shapes ``n`` holds, for a policy that uses them (GpuClustering; as the trace
         replay gives them); none for the others, whose scores and caches must not depend on them."""
         return frozenset(n.tags) if self.policy.uses_tags else frozenset()
@@ -983,7 +862,7 @@ class Engine:
             score = self._scores[key] = self.policy.score(model, cpu_left, free, task, tags)[0]
         return score
 
-    def _share_answer(self, r: Request, n: _Node, task: Task) -> tuple[Any, tuple[int, ...]] | None:
+    def _share_answer(self, r: Request, n: NodeRecord, task: Task) -> tuple[Any, tuple[int, ...]] | None:
         """Node ``n``'s score for share ``r`` (higher wins) and, for an MPS share, its GPU (for a
         fastpod share, the free shares the policy saw), None when no GPU takes it."""
         gpus = self._gpu_answers(r, n)
@@ -999,7 +878,7 @@ class Engine:
         free = tuple(free for _fits, free in gpus)
         return self._policy_score(model, n.cpu_left, free, task, self._held_tags(n)), free
 
-    def _share_why(self, r: Request, n: _Node) -> ShareFold:
+    def _share_why(self, r: Request, n: NodeRecord) -> ShareFold:
         """What of node ``n`` a rejection of share ``r`` tells (see :class:`ShareFold`)."""
         w = ShareFold()
         cap = self.mps_oversubscription if r.kind == "mps" else 1.0
@@ -1030,14 +909,14 @@ class Engine:
         return w
 
     def _summary(self, r: Request, key: tuple | None,
-                 ) -> tuple[type[ShareFold] | type[WholeFold], Callable[[_Node], Any]]:
+                 ) -> tuple[type[ShareFold] | type[WholeFold], Callable[[NodeRecord], Any]]:
         """For a rejection of ``r`` (a share or whole GPUs; ``key``: its ``_why_key``): the fold
         it takes, and each node's summary (shared by nodes alike, see :meth:`_lookup`)."""
         if r.kind == "whole":
             return WholeFold, self._lookup(r, key, key, self._whole_why)
         return ShareFold, self._lookup(r, key, key, self._share_why)
 
-    def _nodes_fold(self, r: Request, nodes: list[_Node]) -> ShareFold | WholeFold:
+    def _nodes_fold(self, r: Request, nodes: list[NodeRecord]) -> ShareFold | WholeFold:
         """The fold of ``nodes``' summaries for a rejection of ``r`` (a share or whole GPUs)."""
         new, summary = self._summary(r, self._why_key(r))
         fold = new()
@@ -1045,7 +924,7 @@ class Engine:
             fold.merge(summary(n), n)
         return fold
 
-    def _place_whole(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
+    def _place_whole(self, r: Request, nodes: list[NodeRecord]) -> Assignment | Rejection:
         """Look at every node (requests without a shape: a random policy; see ``_scan``)."""
         task = _policy_task(r)
         best_score, best = None, []
@@ -1062,7 +941,7 @@ class Engine:
         return self._tightest_of(r, best)
 
     def _lookup(self, r: Request, memo: tuple | None, key: tuple,
-                work: Callable[[Request, _Node], Any]) -> Callable[[_Node], Any]:
+                work: Callable[[Request, NodeRecord], Any]) -> Callable[[NodeRecord], Any]:
         """``n -> work(r, n)`` as any node in ``n``'s state gave it for ``key`` (nodes alike
         answer alike, and most of a cluster is alike: a shape seen for the first time then costs
         a lookup per node), worked out when none was asked yet; ``n``'s own (its memo) when the
@@ -1071,7 +950,7 @@ class Engine:
         if memo is None:
             return lambda n: work(r, n)
         if memo[-1]:
-            def own(n: _Node) -> Any:
+            def own(n: NodeRecord) -> Any:
                 got = n.memo.get(key)
                 return got if got is not None else n.remember(key, work(r, n))
             return own
@@ -1082,14 +961,14 @@ class Engine:
             alike = self._answers[key] = {}
         state = self._state
 
-        def look_up(n: _Node) -> Any:
+        def look_up(n: NodeRecord) -> Any:
             got = alike.get(n.state if n.state is not None else state(n))
             if got is None:
                 got = alike[n.state] = work(r, n)
             return got
         return look_up
 
-    def _whole_why(self, r: Request, n: _Node) -> WholeFold:
+    def _whole_why(self, r: Request, n: NodeRecord) -> WholeFold:
         """What of node ``n`` a rejection of whole GPUs ``r`` tells (see :class:`WholeFold`)."""
         gpus = [g for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
         lost = [(None, g.view.index) for g in gpus if g.view.lost]
@@ -1101,14 +980,14 @@ class Engine:
             lost=len(lost), lost_first=lost[:3])
 
     @staticmethod
-    def _tightest_of(r: Request, best: list[tuple[_Node, list[int]]]) -> Assignment:
+    def _tightest_of(r: Request, best: list[tuple[NodeRecord, list[int]]]) -> Assignment:
         """Whole GPUs on one of the ``best`` nodes (in node order, with their idle GPUs), for a
         look at every node; a shape's heap ranks nodes the same way (see :meth:`_work_out`)."""
         # Nodes the policy scores alike (two idle nodes always are) differ to the job in how its
         # GPUs talk: the tightest group wins, then the node order.
         groups: dict[tuple, tuple[tuple[int, ...], tuple[int, int]]] = {}   # alike nodes: worked out once
 
-        def tightest(n: _Node, idle: list[int]) -> tuple[tuple[int, ...], tuple[int, int]]:
+        def tightest(n: NodeRecord, idle: list[int]) -> tuple[tuple[int, ...], tuple[int, int]]:
             key = (n.view.links, tuple(idle))
             if key not in groups:
                 group = tightest_group(n.view, idle, r.gpus)
@@ -1119,7 +998,7 @@ class Engine:
         n, (group, _cost) = min(((n, tightest(n, idle)) for n, idle in tied), key=lambda x: x[1][1])
         return Assignment(r, n.view.name, group)
 
-    def _whole_answer(self, r: Request, n: _Node, task: Task) -> tuple[list[int], Any]:
+    def _whole_answer(self, r: Request, n: NodeRecord, task: Task) -> tuple[list[int], Any]:
         """Node ``n``'s idle GPUs that ``r`` may have, and its score (None when too few)."""
         gpus = self._gpu_answers(r, n)
         idle = [g.view.index for g, (fits, _free) in zip(n.gpus, gpus, strict=True) if fits]
@@ -1128,12 +1007,12 @@ class Engine:
         free = tuple(free for _fits, free in gpus)
         return idle, self._policy_score(n.gpus[0].view.model, n.cpu_left, free, task, self._held_tags(n))
 
-    def _layouts(self, r: Request, n: _Node) -> tuple[tuple[tuple, int, _Gpu, int], ...]:
+    def _layouts(self, r: Request, n: NodeRecord) -> tuple[tuple[tuple, int, GpuRecord, int], ...]:
         """Node ``n``'s GPUs that exclusive ``r`` may have a slice of, by layout (what a slice's
         choice depends on): each layout with its first GPU (and that GPU's place on the node)
         and how many GPUs have it. Kept in the node's memo: it depends on ``r``'s models and
         tags, not its size."""
-        out: dict[tuple, tuple[int, _Gpu, int]] = {}
+        out: dict[tuple, tuple[int, GpuRecord, int]] = {}
         for i, g in enumerate(n.gpus):
             if self._gpu_problem(r, g, n.view.name) is None:
                 v = g.view
@@ -1142,12 +1021,12 @@ class Engine:
                 out[layout] = (i, g, 1) if first is None else (first[0], first[1], first[2] + 1)
         return tuple((layout, i, g, alike) for layout, (i, g, alike) in out.items())
 
-    def _place_exclusive(self, r: Request, nodes: list[_Node]) -> Assignment | Rejection:
+    def _place_exclusive(self, r: Request, nodes: list[NodeRecord]) -> Assignment | Rejection:
         bound = (r.affinity, self._affinity[r.affinity]) if r.affinity in self._affinity else None
         key = ("exclusive", r.gpu_models, r.exclusion, r.anti_affinity, bound)
         # GPUs laid out alike answer alike, and the first in node order wins ties: work out the
         # first of each layout only (an empty cluster of 8-GPU nodes has one layout)
-        layouts: dict[tuple, tuple[tuple[int, int], _Node, _Gpu, int]] = {}
+        layouts: dict[tuple, tuple[tuple[int, int], NodeRecord, GpuRecord, int]] = {}
         candidates = 0
         for n in nodes:
             on_node = n.memo.get(key)
@@ -1168,12 +1047,12 @@ class Engine:
         too_big: list[tuple[GpuView, int]] = []   # the first GPU of each layout too small
         too_big_gpus = 0
         for order, n, g, alike in layouts.values():
-            profs = _slice_profiles(r, g.view)
+            profs = migmath.request_profiles(r, g.view)
             if not profs:
-                too_big.append((g.view, _slice_sms(r, g.view)))
+                too_big.append((g.view, migmath.request_sms(r, g.view)))
                 too_big_gpus += alike
                 continue
-            got = self._gpu_slice(g, profs)
+            got = g.best_slice(profs)
             if got is not None and (best_key is None or (got[0], order, got[1]) < best_key):
                 best_key, best = (got[0], order, got[1]), (n, g, got[2], got[1])
         if best is None:
@@ -1182,59 +1061,28 @@ class Engine:
         return self._slice_assignment(r, n, g, p, s)
 
     @staticmethod
-    def _slice_assignment(r: Request, n: _Node, g: _Gpu, p: MigProfile, start: int) -> Assignment:
+    def _slice_assignment(r: Request, n: NodeRecord, g: GpuRecord, p: MigProfile, start: int) -> Assignment:
         slot = MigSlot(p.profile_id, p.name, start, p.memory_slices, p.sm_count, p.memory_mib)
         return Assignment(r, n.view.name, (g.view.index,), mig=slot, enable_mig=not g.mig_mode)
 
-    def _node_slice(self, r: Request, n: _Node) -> tuple[tuple, int, int, MigProfile] | None:
+    def _node_slice(self, r: Request, n: NodeRecord) -> tuple[tuple, int, int, MigProfile] | None:
         """Node ``n``'s best slice for exclusive ``r`` (its rank, lower first; the GPU's place on
         the node; the start; the profile), as :meth:`_place_exclusive` ranks them across nodes
         (the GPU's place and the start break ties), None when none is free."""
         best = None
         for _layout, i, g, _alike in self._layouts(r, n):
-            profs = _slice_profiles(r, g.view)
-            got = self._gpu_slice(g, profs) if profs else None
+            profs = migmath.request_profiles(r, g.view)
+            got = g.best_slice(profs) if profs else None
             if got is not None and (best is None or (got[0], i, got[1]) < best[:3]):
                 best = (got[0], i, got[1], got[2])
         return best
 
-    @staticmethod
-    def _gpu_slice(g: _Gpu, profs: list[MigProfile]) -> tuple[tuple, int, MigProfile] | None:
-        """The best slice of ``g`` among ``profs`` (the profiles that fit, smallest first): its
-        rank (lower first), start and profile; None when none of them has a free placement."""
-        v = g.view
-        unheld = g.unheld()
-        inst = [*g.mig.values(), *unheld]
-        held = migmath.used_mask(g.mig.values())   # an unheld instance on a held slice is not offered
-        by_id = {p.profile_id: p for p in v.mig_profiles}
-        free_slices = migmath.compute_slices_total(v.mig_profiles) - sum(
-            by_id[pid].slices for pid, _s, _z in inst if pid in by_id)
-        for p in profs:
-            # an instance of this profile that is already there costs no MIG change and no
-            # future shape: taken first (then the lowest start)
-            ready = [s for pid, s, z in unheld
-                     if pid == p.profile_id and not held & migmath.used_mask([(pid, s, z)])]
-            starts = ready or migmath.free_starts(p, v.mig_profiles, inst)
-            if not starts:
-                continue
-            # best fit across GPUs (fullest GPU that takes it), then the start that rules out
-            # the fewest later combinations on that GPU; a +me slice (one per GPU, laid out for
-            # its media engines) only where no plain one can be had
-            rank, start = min(((p.memory_slices, p.slices, p.media, not ready, free_slices - p.slices,
-                                0 if ready else migmath.placement_loss(p, s, v.mig_profiles, inst)), s)
-                              for s in starts)
-            return rank, start, p
-        return None
 
 
 _ASKED = tuple(f.name for f in fields(Request) if f.name != "id")
 
 
-def _host_left(n: _Node) -> tuple[int, int, str]:
-    return n.cpu_left, n.mem_left, n.view.name
-
-
-def _node_order(tagged: tuple[_Node, int, str]) -> int:
+def _node_order(tagged: tuple[NodeRecord, int, str]) -> int:
     return tagged[0].rank
 
 
@@ -1252,35 +1100,6 @@ def _need(r: Request) -> tuple[float, float, float]:
     return r.gpus, 0, 0
 
 
-def _slice_sms(r: Request, v: GpuView) -> int:
-    """The SMs exclusive ``r`` needs of a GPU like ``v``."""
-    return r.sm_count or (math.ceil(r.sm_percent / 100 * v.sm_count) if r.sm_percent else 0)
-
-
-def _slice_profiles(r: Request, v: GpuView) -> list[MigProfile]:
-    """The MIG profiles of a GPU like ``v`` that hold exclusive ``r``, smallest first (empty: none
-    is that large, or has the profile it names)."""
-    named = find_profile(v.mig_profiles, r.mig_profile) if r.mig_profile else None
-    return [p for p in migmath.smallest_profiles(v.mig_profiles, _slice_sms(r, v), r.gpu_memory_mib)
-            if r.mig_profile is None or p == named]
-
-
 def _asked(r: Request, excluded: Mapping[str, str]) -> tuple:
     """What ``r`` asks (all of it but its id) and the nodes ruled out: a rejection's key."""
     return (*(getattr(r, name) for name in _ASKED), tuple(sorted(excluded.items())))
-
-
-def _clash(r: Request, g: _Gpu) -> str | None:
-    """Why ``r`` cannot be counted on ``g`` beside what other assignments hold there, however the
-    GPU's view changed (one whole holder and one share kind per GPU)."""
-    if g.whole is not None:
-        return f"is held whole by {g.whole}"
-    if r.kind == "whole" and (g.sharers or g.mig):
-        return "holds shares or MIG slices"
-    if r.kind in ("fastpod", "mps") and g.mig:
-        return "holds MIG slices"
-    if r.kind in ("fastpod", "mps") and g.share_kind not in (None, r.kind):
-        return f"is shared as {g.share_kind}"
-    if r.kind == "exclusive" and g.sharers:
-        return "holds MPS shares"
-    return None

@@ -10,11 +10,14 @@ what still fits later; ``placement_loss`` measures that so the engine can pick t
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 from fastshare.device.api import MigProfile
+from fastshare.device.catalog import find_profile
+from fastshare.placement.model import GpuView, Request
 
 Instance = tuple[int, int, int]  # (profile_id, start, size)
 
@@ -105,3 +108,46 @@ def smallest_profiles(profiles: Sequence[MigProfile], sm_needed: int, memory_mib
     The ``+me`` media-extension variants are kept last because they are scarce (max 1)."""
     fit = [p for p in profiles if p.sm_count >= sm_needed and p.memory_mib >= memory_mib]
     return sorted(fit, key=lambda p: (p.memory_slices, p.slices, p.memory_mib, p.media, p.profile_id))
+
+
+def request_sms(r: Request, v: GpuView) -> int:
+    """The SMs exclusive request ``r`` needs of a GPU like ``v``."""
+    return r.sm_count or (math.ceil(r.sm_percent / 100 * v.sm_count) if r.sm_percent else 0)
+
+
+def request_profiles(r: Request, v: GpuView) -> list[MigProfile]:
+    """The MIG profiles of a GPU like ``v`` that hold exclusive request ``r``, smallest first
+    (empty: none is that large, or has the profile it names)."""
+    named = find_profile(v.mig_profiles, r.mig_profile) if r.mig_profile else None
+    return [p for p in smallest_profiles(v.mig_profiles, request_sms(r, v), r.gpu_memory_mib)
+            if r.mig_profile is None or p == named]
+
+
+def best_slice(profiles: Sequence[MigProfile], held: Iterable[Instance], unheld: Sequence[Instance],
+               fitting: Sequence[MigProfile]) -> tuple[tuple, int, MigProfile] | None:
+    """The best slice among ``fitting`` (the profiles that fit a request, smallest first) on a
+    GPU offering ``profiles`` whose assignments hold instances ``held``, beside instances
+    ``unheld`` that none holds: its rank (lower first), start and profile; None when none of
+    them has a free placement."""
+    held = list(held)
+    inst = [*held, *unheld]
+    held_mask = used_mask(held)   # an unheld instance on a held slice is not offered
+    by_id = {p.profile_id: p for p in profiles}
+    free_slices = compute_slices_total(profiles) - sum(
+        by_id[pid].slices for pid, _s, _z in inst if pid in by_id)
+    for p in fitting:
+        # an instance of this profile that is already there costs no MIG change and no
+        # future shape: taken first (then the lowest start)
+        ready = [s for pid, s, z in unheld
+                 if pid == p.profile_id and not held_mask & used_mask([(pid, s, z)])]
+        starts = ready or free_starts(p, profiles, inst)
+        if not starts:
+            continue
+        # best fit across GPUs (fullest GPU that takes it), then the start that rules out
+        # the fewest later combinations on that GPU; a +me slice (one per GPU, laid out for
+        # its media engines) only where no plain one can be had
+        rank, start = min(((p.memory_slices, p.slices, p.media, not ready, free_slices - p.slices,
+                            0 if ready else placement_loss(p, s, profiles, inst)), s)
+                          for s in starts)
+        return rank, start, p
+    return None

@@ -8,13 +8,10 @@ engine found it (a shape's heap, a fold per block of nodes, a look at every node
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from fastshare.placement.ledger import GpuRecord, NodeRecord
 from fastshare.placement.model import MILLI, GpuView, Request
 from fastshare.placement.rejection_folds import HostFold, ShareFold, WholeFold
-
-if TYPE_CHECKING:   # the engine's ledger records (the engine imports this module)
-    from fastshare.placement.engine import _Gpu, _Node
 
 
 def fmt_mib(mib: float) -> str:
@@ -103,7 +100,7 @@ def whole_words(r: Request, fold: WholeFold, looked: int) -> str:
     return f"no node has {r.gpus} idle{models} GPU(s){where}"
 
 
-def closed_note(r: Request, nodes: Iterable[_Node]) -> str:
+def closed_note(r: Request, nodes: Iterable[NodeRecord]) -> str:
     """Why GPUs looked at take no new share though they work (a MIG mode change pending until a
     GPU reset), to follow a rejection ("" when none is closed)."""
     closed = [(n.view.name, g.view) for n in nodes for g in n.gpus if g.view.closed and not g.view.lost
@@ -115,7 +112,7 @@ def closed_note(r: Request, nodes: Iterable[_Node]) -> str:
     return f"; GPU {first.index} of {node}: {first.closed}{also}"
 
 
-def mig_off_note(r: Request, nodes: Iterable[_Node]) -> str:
+def mig_off_note(r: Request, nodes: Iterable[NodeRecord]) -> str:
     """For an exclusive request: the GPUs it could have had a slice of, were their MIG on (turning
     it on waits for a GPU reset, which a request cannot wait for), and what to do."""
     if r.kind != "exclusive":
@@ -130,12 +127,12 @@ def mig_off_note(r: Request, nodes: Iterable[_Node]) -> str:
             "GPU (nvidia-smi -r -i N) or reboot")
 
 
-def no_mig_gpu_reason(r: Request, nodes: list[_Node], tagged: list[str]) -> str:
+def no_mig_gpu_reason(r: Request, nodes: list[NodeRecord], tagged: list[str]) -> str:
     """Why no GPU looked at can take a MIG slice now: none can ever (no such model, none
     MIG-capable), the sharing tags rule out ``tagged``, some are lost, or the rest are in use
     (closed ones and those whose MIG mode waits for a reset get notes of their own, in ``place``)."""
     models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-    wanted: list[tuple[_Node, _Gpu]] = [(n, g) for n in nodes for g in n.gpus
+    wanted: list[tuple[NodeRecord, GpuRecord]] = [(n, g) for n in nodes for g in n.gpus
                                         if not r.gpu_models or g.view.model in r.gpu_models]
     if not wanted:
         return f"no GPU{models} on the {len(nodes)} node(s) looked at"

@@ -336,6 +336,8 @@ def test_rhel_driver_version_change_moves_only_the_driver_locks(collections_path
     assert install["register"] == "gpu_node_driver_dnf"    # what the reboot decision reads
     dnf_args = {"ansible.builtin.debug": {"msg": install["ansible.builtin.dnf"]}, "when": install["when"]}
     os_vars = yaml.safe_load((REPO / "roles" / "gpu_node" / "vars" / "RedHat.yml").read_text())
+    new_source = yaml.safe_load((REPO / "roles" / "gpu_node" / "vars" / "main.yml").read_text())[
+        "gpu_node_driver_new_source"]   # no repository added by these runs
     locklist = tmp_path / "versionlock.list"
     others = ["kernel-0:5.14.0-503.11.1.el9_5.*", "nvidia-container-toolkit-0:1.16.2-1.*",
               "dnf-plugin-nvidia-0:2.0-1.el9.*"]
@@ -353,7 +355,8 @@ def test_rhel_driver_version_change_moves_only_the_driver_locks(collections_path
         facts = {"os_family": "RedHat", "distribution_major_version": "9", "packages": packages}
         role_vars = {**os_vars, "ansible_facts": facts, "gpu_node_driver_branch": "550",
                      "gpu_node_driver_version": wanted, "gpu_node_dnf_versionlock_list": str(locklist),
-                     "gpu_node_driver_wanted": os_vars["gpu_node_driver_packages"]}
+                     "gpu_node_driver_wanted": os_vars["gpu_node_driver_packages"],
+                     "gpu_node_driver_new_source": new_source}
         return run_tasks(collections_path, [{**t, "vars": role_vars} for t in tasks], tmp_path,
                          extra_args=list(extra_args))
 
@@ -387,6 +390,48 @@ def test_rhel_driver_version_change_moves_only_the_driver_locks(collections_path
     fresh = run([release, dnf_args], _rpm("bash", "5.1.8", epoch=None), "550.127.08")
     assert fresh[0].get("skipped"), fresh
     assert fresh[1]["msg"]["name"] == ["@nvidia-driver:550-dkms", "nvidia-driver-550.127.08"]
+
+
+def test_rhel_check_mode_on_a_new_host_reports_the_driver_of_the_repository_it_would_add(
+        collections_path: Path, tmp_path: Path):
+    """A new RHEL host: the driver and the fabric manager come from NVIDIA's repository, which the
+    role adds first and check mode does not add. dnf, asked in check mode, could not know them
+    and `--check` failed, as apt did on Debian. Now the install is reported as coming from the new
+    repository. The role's tasks run with the facts of a RHEL 9 host: the repository task for real
+    (its file in tmp_path), the dnf and package installs rendered, as dnf cannot run here."""
+    by_name = _driver_tasks()
+    repo = by_name["Add NVIDIA's CUDA repository (RHEL family)"]
+    repo = {**repo, "ansible.builtin.yum_repository": {**repo["ansible.builtin.yum_repository"],
+                                                        "reposdir": str(tmp_path)}}
+    install = by_name["Install the NVIDIA driver (RHEL family)"]
+    fabric = by_name["Install the fabric manager"]
+    rendered = [{"name": t["name"], "ansible.builtin.debug": {"msg": t[module]}, "when": t["when"]}
+                for t, module in ((install, "ansible.builtin.dnf"), (fabric, "ansible.builtin.package"))]
+    report = by_name["Report the driver that would come from the package source this run adds (check mode)"]
+    role_vars = {}
+    for file in ("defaults/main.yml", "vars/main.yml", "vars/RedHat.yml"):
+        role_vars |= yaml.safe_load((REPO / "roles" / "gpu_node" / file).read_text())
+    role_vars |= {"ansible_facts": {"os_family": "RedHat", "distribution": "RedHat", "architecture": "x86_64",
+                                    "distribution_major_version": "9", "packages": _rpm("bash", "5.1.8", epoch=None)},
+                  "gpu_node_driver_branch": "550", "gpu_node_fabric_manager": True}
+
+    def run(*extra_args: str) -> list[dict]:
+        return run_tasks(collections_path, [{**t, "vars": role_vars} for t in (repo, *rendered, report)],
+                         tmp_path, extra_args=list(extra_args))
+
+    preview = run("--check")
+    assert not any(r.get("failed") for r in preview), preview
+    assert preview[0]["changed"] is True and not list(tmp_path.glob("*.repo")), "check mode added the repository"
+    assert preview[1].get("skipped") and preview[2].get("skipped"), preview   # dnf is not asked
+    assert preview[3]["changed"] is True, preview
+    assert "@nvidia-driver:550-dkms and nvidia-fabric-manager-550" in preview[3]["msg"], preview[3]
+    assert "NVIDIA's CUDA repository" in preview[3]["msg"] and "cannot ask dnf" in preview[3]["msg"]
+
+    assert run()[0]["changed"] is True     # the repository is added (a real run installs too)
+    known = run("--check")
+    assert known[0]["changed"] is False and known[3].get("skipped"), known
+    assert known[1]["msg"]["name"] == ["@nvidia-driver:550-dkms"], known[1]    # dnf is asked
+    assert known[2]["msg"]["name"] == "nvidia-fabric-manager-550", known[2]
 
 
 # Directory names with the characters systemd treats specially in a command line; an

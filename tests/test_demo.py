@@ -32,7 +32,7 @@ def test_the_demo_places_every_kind_rejects_with_reasons_and_leaves_nothing_behi
     assert done.returncode == 0, out[-3000:]
     for kind in ("whole", "fastpod", "mps", "exclusive"):
         assert re.search(rf" {kind} +active ", out), f"no active {kind} allocation shown:\n{out}"
-    assert "rejected: no node has 2 idle GPU(s)" in out
+    assert "rejected: no node has 2 idle GPU(s); none of the 2 node(s) looked at has an idle GPU" in out
     assert "spec.quota_limit (--quota): must be >= quota_request (0.9), got 0.3" in out
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in out
     assert not re.search(r" (whole|fastpod|mps|exclusive) +active ", out.split("release everything")[1]), \

@@ -90,7 +90,8 @@ def whole_words(r: Request, fold: WholeFold, looked: int) -> str:
     if models and not fold.wanted:
         return f"no GPU of model{models} on the {looked} node(s) looked at"
     where = (f"; most idle{models} GPUs on one node is {fold.idle} on {fold.idle_at.view.name}"
-             if fold.idle_at else "")
+             if fold.idle_at else f"; none of the {looked} node(s) looked at has an idle{models} GPU"
+             if r.gpus > 1 else "")
     if fold.mig:  # empty, yet not idle: say why, and what would make them usable
         where += (f"; {fold.mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
                   "until MIG is disabled on them")

@@ -411,9 +411,9 @@ def test_rhel_check_mode_on_a_new_host_reports_the_driver_of_the_repository_it_w
     role_vars = {}
     for file in ("defaults/main.yml", "vars/main.yml", "vars/RedHat.yml"):
         role_vars |= yaml.safe_load((REPO / "roles" / "gpu_node" / file).read_text())
-    role_vars |= {"ansible_facts": {"os_family": "RedHat", "distribution": "RedHat", "architecture": "x86_64",
-                                    "distribution_major_version": "9", "packages": _rpm("bash", "5.1.8", epoch=None)},
-                  "gpu_node_driver_branch": "550", "gpu_node_fabric_manager": True}
+    facts = {"os_family": "RedHat", "distribution": "RedHat", "architecture": "x86_64",
+             "distribution_major_version": "9", "packages": _rpm("bash", "5.1.8", epoch=None)}
+    role_vars |= {"ansible_facts": facts, "gpu_node_driver_branch": "550", "gpu_node_fabric_manager": True}
 
     def run(*extra_args: str) -> list[dict]:
         return run_tasks(collections_path, [{**t, "vars": role_vars} for t in (repo, *rendered, report)],
@@ -421,7 +421,8 @@ def test_rhel_check_mode_on_a_new_host_reports_the_driver_of_the_repository_it_w
 
     preview = run("--check")
     assert not any(r.get("failed") for r in preview), preview
-    assert preview[0]["changed"] is True and not list(tmp_path.glob("*.repo")), "check mode added the repository"
+    assert preview[0]["changed"] is True, preview[0]
+    assert not list(tmp_path.glob("*.repo")), "check mode added the repository"
     assert preview[1].get("skipped") and preview[2].get("skipped"), preview   # dnf is not asked
     assert preview[3]["changed"] is True, preview
     assert "@nvidia-driver:550-dkms and nvidia-fabric-manager-550" in preview[3]["msg"], preview[3]

@@ -147,6 +147,11 @@ def test_whole_rejection_counts_idle_gpus():
     eng = Engine([node("node-1", n_gpus=2)])
     rej = eng.place(Request("w", "whole", gpus=3))
     assert not rej and rej.reason == "no node has 3 idle GPU(s); most idle GPUs on one node is 2 on node-1"
+    for i in range(2):   # a share on each GPU (two do not fit one)
+        assert eng.place(Request(f"s{i}", "fastpod", sm_percent=60, gpu_memory_mib=1024))
+    rej = eng.place(Request("w2", "whole", gpus=2))   # not even one: say so
+    assert not rej
+    assert rej.reason == "no node has 2 idle GPU(s); none of the 1 node(s) looked at has an idle GPU"
 
 
 def test_node_cpu_memory_selector_and_models():

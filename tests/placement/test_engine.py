@@ -758,6 +758,7 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
     import random
 
     from fastshare.placement import engine as engine_module
+    from fastshare.placement import ledger as ledger_module
     from fastshare.placement.policies import Task, typical_shapes
     from fastshare.placement.shape_heaps import ShapeHeaps
 
@@ -765,6 +766,7 @@ def test_shape_heaps_place_as_looking_at_every_node(seed, policy, small, monkeyp
     if small:
         monkeypatch.setattr(engine_module, "SCORES_KEPT", 20)
         monkeypatch.setattr(engine_module, "MEMO_SIZE", 3)
+        monkeypatch.setattr(ledger_module, "MEMO_SIZE", 3)   # (a node's memo of bound shapes)
         monkeypatch.setattr(engine_module, "ShapeHeaps", lambda: ShapeHeaps(limit=2, log_kept=4))
     typical = typical_shapes([Task(1000, 300, 1), Task(2000, 1000, 1), Task(500, 500, 1), Task(0, 1000, 2)])
     oversub = rng.choice([1.0, 2.0])

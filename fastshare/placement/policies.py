@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 MILLI = 1000
-MAX_SPEC_CPU = 128_000  # the artifact's normalisers for BestFit
+MAX_SPEC_CPU = 128_000  # the artifact's normalisers (BestFit, DotProd)
 MAX_SPEC_GPU = 8_000
 
 
@@ -196,30 +196,18 @@ class GpuClusteringPolicy(Policy):
 
 
 class DotProductPolicy(Policy):
-    """Tetris-style alignment of free and requested (CPU, GPU) vectors, normalised by node
-    capacity; the GPU giving the best score is used. An approximation of the artifact's (its
-    vectors come from a configurable dimension extension not reproduced here): it ends about
-    2 points below the published DotProd means (BENCHMARKS.md)."""
+    """Tetris's alignment of a node's free and a task's requested (CPU, GPU) vectors, as the
+    artifact's published DotProd runs configure it (GPU dimensions merged: the node's free GPU
+    milli summed; both vectors normalised by the largest node spec; best-fit GPU): a node scores
+    ``100 x (1 - dot / 2)``, truncated, and the task takes its least-free fitting GPU (whole
+    GPUs: the lowest-index free ones)."""
 
     name = "dotprod"
 
-    def __init__(self, cpu_capacity: dict[str, int] | None = None) -> None:
-        self.cpu_capacity = cpu_capacity or {}
-
     def score(self, model, cpu_left, gpus, task, tags=frozenset()):
-        cap = self.cpu_capacity.get(model, MAX_SPEC_CPU)
-        if task.sharing:
-            best, idx = -1.0, -1
-            for i, g in enumerate(gpus):
-                if g >= task.milli:
-                    s = 1 - ((cpu_left / cap) * (task.cpu / cap) + (g / MILLI) * (task.milli / MILLI)) / 2
-                    if s > best:
-                        best, idx = s, i
-            return int(100 * best), (idx,)
-        slots = MILLI * max(1, len(gpus))
-        dot = (cpu_left / cap) * (task.cpu / cap) + (sum(gpus) / slots) * (task.num_gpu * task.milli / slots)
-        s = 1 - dot / 2
-        return int(100 * s), default_gpus(gpus, task)
+        dot = ((cpu_left / MAX_SPEC_CPU) * (task.cpu / MAX_SPEC_CPU)
+               + (sum(gpus) / MAX_SPEC_GPU) * (task.milli * task.num_gpu / MAX_SPEC_GPU))
+        return int(100 * (1 - dot / 2)), default_gpus(gpus, task)
 
 
 # --- Fragmentation (FGD) ---------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The placement engine: the decision procedure over the cluster's ledger.
 
-One ``Engine`` owns the ledger (who holds what on which GPU: ``ledger.py``). ``place`` either commits a
-request to the ledger and returns an :class:`Assignment`, or changes nothing and returns a
-:class:`Rejection` that says why. ``release`` gives back exactly what ``place`` took.
+One ``Engine`` owns the ledger (who holds what on which GPU: ``ledger.py``). ``place`` either
+commits a request to the ledger and returns an :class:`Assignment`, or changes nothing and
+returns a :class:`Rejection` that says why. ``release`` gives back exactly what ``place`` took.
 ``restore`` re-applies persisted assignments after a restart (no policy involved).
 """
 
@@ -114,8 +114,8 @@ class Engine:
         if view.name in self._nodes:
             raise InvalidRequest(f"node {view.name}: already in the cluster view")
         tick = next(self._ticks)
-        self._nodes[view.name] = self._by_rank[tick] = NodeRecord(view, [GpuRecord(g) for g in view.gpus],
-                                                             rank=tick, version=tick)
+        record = NodeRecord(view, [GpuRecord(g) for g in view.gpus], rank=tick, version=tick)
+        self._nodes[view.name] = self._by_rank[tick] = record
         self._stateless.add(view.name)
         self._changed(view.name)
         self._blocks = None   # cut again, in the new node order

@@ -89,9 +89,12 @@ def whole_words(r: Request, fold: WholeFold, looked: int) -> str:
     models = f" {'/'.join(r.gpu_models)}" if r.gpu_models else ""
     if models and not fold.wanted:
         return f"no GPU of model{models} on the {looked} node(s) looked at"
-    where = (f"; most idle{models} GPUs on one node is {fold.idle} on {fold.idle_at.view.name}"
-             if fold.idle_at else f"; none of the {looked} node(s) looked at has an idle{models} GPU"
-             if r.gpus > 1 else "")
+    if fold.idle_at:
+        where = f"; most idle{models} GPUs on one node is {fold.idle} on {fold.idle_at.view.name}"
+    elif r.gpus > 1:   # not even one: a GPU freed here or there would not do
+        where = f"; none of the {looked} node(s) looked at has an idle{models} GPU"
+    else:
+        where = ""
     if fold.mig:  # empty, yet not idle: say why, and what would make them usable
         where += (f"; {fold.mig} empty GPU(s) are in MIG mode, which a whole-GPU request cannot use "
                   "until MIG is disabled on them")
@@ -133,8 +136,8 @@ def no_mig_gpu_reason(r: Request, nodes: list[NodeRecord], tagged: list[str]) ->
     MIG-capable), the sharing tags rule out ``tagged``, some are lost, or the rest are in use
     (closed ones and those whose MIG mode waits for a reset get notes of their own, in ``place``)."""
     models = f" of model {'/'.join(r.gpu_models)}" if r.gpu_models else ""
-    wanted: list[tuple[NodeRecord, GpuRecord]] = [(n, g) for n in nodes for g in n.gpus
-                                        if not r.gpu_models or g.view.model in r.gpu_models]
+    wanted: list[tuple[NodeRecord, GpuRecord]] = [
+        (n, g) for n in nodes for g in n.gpus if not r.gpu_models or g.view.model in r.gpu_models]
     if not wanted:
         return f"no GPU{models} on the {len(nodes)} node(s) looked at"
     capable = [(n, g) for n, g in wanted if g.view.mig_capable]

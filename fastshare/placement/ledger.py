@@ -118,7 +118,7 @@ class GpuRecord:
     def best_slice(self, fitting: list[MigProfile]) -> tuple[tuple, int, MigProfile] | None:
         """:func:`fastshare.placement.mig.best_slice` of this GPU: beside what is held and what
         lies on the device unheld."""
-        return migmath.best_slice(self.view.mig_profiles, self.mig.values(), self.unheld(), fitting)
+        return migmath.best_slice(self.view.mig_profiles, list(self.mig.values()), self.unheld(), fitting)
 
     def label(self, node: str) -> str:
         return f"{node} GPU {self.view.index}"

@@ -123,13 +123,12 @@ def request_profiles(r: Request, v: GpuView) -> list[MigProfile]:
             if r.mig_profile is None or p == named]
 
 
-def best_slice(profiles: Sequence[MigProfile], held: Iterable[Instance], unheld: Sequence[Instance],
+def best_slice(profiles: Sequence[MigProfile], held: Sequence[Instance], unheld: Sequence[Instance],
                fitting: Sequence[MigProfile]) -> tuple[tuple, int, MigProfile] | None:
     """The best slice among ``fitting`` (the profiles that fit a request, smallest first) on a
     GPU offering ``profiles`` whose assignments hold instances ``held``, beside instances
     ``unheld`` that none holds: its rank (lower first), start and profile; None when none of
     them has a free placement."""
-    held = list(held)
     inst = [*held, *unheld]
     held_mask = used_mask(held)   # an unheld instance on a held slice is not offered
     by_id = {p.profile_id: p for p in profiles}

@@ -9,6 +9,7 @@ returns a :class:`Rejection` that says why. ``release`` gives back exactly what 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections import Counter
@@ -57,8 +58,16 @@ def _policy_task(r: Request) -> Task:
     """A request as the policy sees it: whole GPUs, an SM share, or (memory-only MPS) the
     least share, with the models it may run on."""
     if r.kind == "whole":
-        return Task(r.cpu_milli, MILLI, r.gpus, frozenset(r.gpu_models))
-    return Task(r.cpu_milli, r.sm_milli if r.kind == "fastpod" else 1, 1, frozenset(r.gpu_models))
+        return _task(r.cpu_milli, MILLI, r.gpus, r.gpu_models)
+    return _task(r.cpu_milli, r.sm_milli if r.kind == "fastpod" else 1, 1, r.gpu_models)
+
+
+@functools.lru_cache(maxsize=4096)
+def _task(cpu: int, milli: int, gpus: int, models: tuple[str, ...]) -> Task:
+    """One Task per shape: requests repeat a few shapes, and the scores kept are keyed by the
+    Task, so each key would otherwise hold a Task (and a frozenset) of its own for the garbage
+    collector to walk."""
+    return Task(cpu, milli, gpus, frozenset(models))
 
 
 def _tag(r: Request) -> str:

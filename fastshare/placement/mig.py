@@ -5,7 +5,8 @@ profile can be created at an allowed start when its memory range is free, its in
 is below ``max_instances`` and enough compute slices remain. Because later requests need
 particular starts (a 3g only at 0 or 4, a 7g only at 0), the position chosen now decides
 what still fits later; ``placement_loss`` measures that so the engine can pick the start
-(and the GPU) that destroys the least future capacity.
+(and the GPU) that destroys the least future capacity; ``request_profiles`` and ``best_slice``
+turn an exclusive request into the profiles that hold it and the best slice of one GPU.
 """
 
 from __future__ import annotations

@@ -111,17 +111,20 @@ def test_first_3000_decisions_match_the_published_run(policy, minimum):
 
 
 def test_dotprod_scores_the_merged_free_vector_against_the_largest_node_spec():
-    """Tetris's dot product as the published DotProd runs compute it: (CPU left, all free GPU
-    milli of the node) and (CPU, GPU milli asked), each over (128 cores, 8 GPUs); the score is
-    100 x (1 - dot / 2), truncated, so the node whose free vector aligns least wins."""
-    dotprod, task = make_policy("dotprod"), Task(4000, 250, 1)
-    # 64 cores and two free GPUs: dot = 0.5 * 1/32 + 0.25 * 1/32, score int(98.83)
-    assert dotprod.score("T4", 64000, (1000, 1000), task) == (98, (0,))
-    # 8 cores and 300 milli free: dot = 1/16 * 1/32 + 0.0375 * 1/32, score int(99.84); the
-    # share takes the least free GPU that fits
-    assert dotprod.score("T4", 8000, (1000, 300), task) == (99, (1,))
-    # two whole GPUs: dot = 1/16 * 1/32 + 0.25 * 0.25, score int(96.78); the lowest free GPUs
-    assert dotprod.score("T4", 8000, (1000, 1000), Task(4000, 1000, 2)) == (96, (0, 1))
+    """Tetris's dot product as the published DotProd runs compute it: the node's free (CPU, all
+    its free GPU milli) against the task's ask, both over the largest node spec, so the node
+    whose free vector aligns least wins; the share takes the least free GPU that fits. (The
+    exact figures are checked against the published run, seed 42, below.)"""
+    dotprod, share = make_policy("dotprod"), Task(4000, 250, 1)
+    roomy = dotprod.score("T4", 64000, (1000, 1000), share)
+    tight = dotprod.score("T4", 8000, (1000, 300), share)
+    assert tight[0] > roomy[0] and tight[1] == (1,) and roomy[1] == (0,)
+    # merged: only the node's total free milli counts, however its GPUs split it (the old
+    # per-GPU scoring told these apart) ...
+    assert dotprod.score("T4", 8000, (600, 700), share)[0] == dotprod.score("T4", 8000, (1000, 300), share)[0]
+    # ... and normalised by the largest spec, not the node's own: a model or more GPUs change nothing
+    assert dotprod.score("A100", 8000, (600, 700, 0, 0), share)[0] == tight[0]
+    assert dotprod.score("T4", 8000, (1000, 1000), Task(4000, 1000, 2))[1] == (0, 1)
 
 
 @needs_data

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid as uuidlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from fastshare import __version__
@@ -150,6 +150,7 @@ class Agent:
         self._file_locks = _Locks("share files of")
         self._state = threading.Condition()
         self._generation = 1
+        self._stopping = False   # see stop_waits
         self._gpus: list[GpuInfo] = []
         self._lost_logged: set[int] = set()   # indexes of the lost GPUs already logged
         self._named_by_journal: dict[int, str] = {}   # see _name_lost
@@ -177,11 +178,25 @@ class Agent:
             self._generation += 1
             self._state.notify_all()
 
-    def wait_for_change(self, since: int, timeout: float) -> int:
-        """Block until the generation differs from ``since`` or ``timeout`` passes."""
+    def wait_for_change(self, since: int, timeout: float, gone: Callable[[], bool] = lambda: False) -> int:
+        """Block until the generation differs from ``since``, ``timeout`` passes, the agent
+        stops (``stop_waits``) or ``gone()`` says the waiter left (``wake`` makes it look)."""
         with self._state:
-            self._state.wait_for(lambda: self._generation != since, timeout=timeout)
+            self._state.wait_for(lambda: self._generation != since or self._stopping or gone(),
+                                 timeout=timeout)
             return self._generation
+
+    def wake(self) -> None:
+        """Make every waiter look again (a caller of ``wait_for_change`` may have left)."""
+        with self._state:
+            self._state.notify_all()
+
+    def stop_waits(self) -> None:
+        """End every wait now and let none begin: a stopping agent does not sit out its callers'
+        long polls (up to 30 s each, in threads the process waits for before it exits)."""
+        with self._state:
+            self._stopping = True
+            self._state.notify_all()
 
     def refresh_devices(self) -> list[GpuInfo]:
         """Re-read GPUs and MIG devices (after MIG changes and periodically)."""

@@ -79,6 +79,7 @@ class Running:
         self.stop_event.set()
         with contextlib.suppress(Exception):
             sd_notify("STOPPING=1")
+        self.agent.stop_waits()
         self.server.stop(grace).wait(grace + 1)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()  # type: ignore[attr-defined]

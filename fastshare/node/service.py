@@ -202,7 +202,10 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
                                  f"{self.max_watch_waits} Watch calls are waiting for a change, as many as "
                                  "this agent lets wait at once; retry later, or with wait_ms 0")
             try:
-                generation = self.agent.wait_for_change(request.since_generation, wait)
+                # a caller that cancels or times out leaves at once, and so frees its slot
+                context.add_callback(self.agent.wake)
+                generation = self.agent.wait_for_change(request.since_generation, wait,
+                                                        gone=lambda: not context.is_active())
             finally:
                 self._watch_slots.release()
         if boot_changed or generation != request.since_generation:

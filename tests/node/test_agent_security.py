@@ -1,8 +1,10 @@
 """Who may change the node: mTLS clients of the cluster CA and the local unix socket."""
 
 import os
+import signal
 import stat
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -139,3 +141,43 @@ def test_anonymous_long_polls_cannot_take_every_worker(agent):
     finally:
         for p in polls:
             p.cancel()
+
+
+def test_a_cancelled_long_poll_frees_its_place_at_once(agent):
+    """A Watch the caller cancels (or lets time out) stops waiting: its place among the waits
+    the agent allows is free for the next caller, not held for the rest of its 30 s."""
+    agent.start()
+    reply = agent.unix().Watch(agent_pb2.WatchRequest(), timeout=30)
+    wait = agent_pb2.WatchRequest(since_generation=reply.generation, boot_id=reply.boot_id, wait_ms=30_000)
+    anon = agent.no_client_cert("readonly_listen")
+    first = [anon.Watch.future(wait, timeout=60) for _ in range(8)]
+    time.sleep(1)
+    assert not any(p.done() for p in first)
+    for p in first:
+        p.cancel()
+    time.sleep(1)
+    second = [anon.Watch.future(wait, timeout=60) for _ in range(8)]
+    try:
+        time.sleep(1)
+        refused = [p.details() for p in second if p.done()]
+        assert refused == [], refused
+    finally:
+        for p in second:
+            p.cancel()
+
+
+def test_the_agent_stops_promptly_while_long_polls_wait(agent):
+    """SIGTERM with Watch calls waiting: the agent ends them and exits in seconds, instead of
+    sitting out each wait (up to 30 s) in threads the process joins before it exits."""
+    agent.start()
+    reply = agent.unix().Watch(agent_pb2.WatchRequest(), timeout=30)
+    wait = agent_pb2.WatchRequest(since_generation=reply.generation, boot_id=reply.boot_id, wait_ms=30_000)
+    polls = [agent.unix().Watch.future(wait, timeout=60) for _ in range(4)]
+    time.sleep(1)
+    assert not any(p.done() for p in polls)
+    began = time.monotonic()
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.wait_exit(timeout=60) == 0
+    took = time.monotonic() - began
+    assert took < 15, f"the agent took {took:.1f} s to stop"
+    assert all(p.done() for p in polls)

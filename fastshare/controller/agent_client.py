@@ -345,6 +345,7 @@ class AgentPool:
         self._lock = threading.Lock()
         self._stamp = self._tls_stamp()
         self._stamp_checked = time.monotonic()
+        self._closed = False   # see close
 
     def _tls_stamp(self) -> tuple[tuple[int, int], ...] | None:
         try:
@@ -363,6 +364,8 @@ class AgentPool:
             if stamp is not None and stamp != self._stamp and not self._tls.pair_matches():
                 stamp = None   # mid-rotation (new key, old certificate): decided at the next check
         with self._lock:
+            if self._closed:
+                return self._clients.get(node) or self._closed_client(node, address)
             if stamp is not None and stamp != self._stamp:
                 # Renewed certificate files: a channel presents the certificate it was built
                 # with, which expires. New clients from now on; calls in flight on the old
@@ -386,7 +389,14 @@ class AgentPool:
             client.close()
 
     def close(self) -> None:
+        """Cancel the calls in flight; a call made from now on is refused at once (a stopping
+        controller must not dial an agent again and wait out its deadline)."""
         with self._lock:
+            self._closed = True
             for client in self._clients.values():
                 client.close("the controller is stopping")
-            self._clients.clear()
+
+    def _closed_client(self, node: str, address: str) -> AgentClient:
+        client = AgentClient(AgentTarget(node, address), self._tls, self._deadline)
+        client.close("the controller is stopping")
+        return client

@@ -404,8 +404,8 @@ class ControllerServer:
             self.reconciler = Reconciler(self.core)
             report = self.reconciler.start()
             log.info("state rebuilt: %s", report)
-            server = grpc.server(ThreadPoolExecutor(max_workers=cfg.workers),
-                                 options=[("grpc.so_reuseport", 0)])
+            self._workers = ThreadPoolExecutor(max_workers=cfg.workers)
+            server = grpc.server(self._workers, options=[("grpc.so_reuseport", 0)])
             pb_grpc.add_ControllerServicer_to_server(
                 ControllerServicer(self.core, auth, max_watches=max(1, cfg.workers // 2)), server)
             pb_grpc.add_NodeRegistryServicer_to_server(RegistryServicer(self.core, self._reconcile_soon),
@@ -446,10 +446,17 @@ class ControllerServer:
                 next_reconcile = time.monotonic() + s.reconcile_interval
 
     def stop(self, grace: float = 5.0) -> None:
+        """Calls get ``grace`` seconds to end; then the agent calls still waiting are cancelled
+        (and later ones refused), and the store and the lock are let go only once every call's
+        thread has written what it did: a controller started next (the lock is free) never works
+        beside this one, nor after it writes to the store."""
         self._stop.set()
         if self.server is not None:
             self.server.stop(grace).wait()
         self.agents.close()
+        if self.server is not None:
+            self._workers.shutdown(wait=True)
+            self._thread.join()
         self.store.close()
         self.lock.release()
 

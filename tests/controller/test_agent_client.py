@@ -83,12 +83,18 @@ def _prepare(client: AgentClient, outcomes: dict, share_id: str,
 
 def _prepare_many(client: AgentClient, servicer: OldAgent, ids: list[str],
                   kind: int = common_pb2.SHARE_KIND_FASTPOD) -> dict:
-    """The first MAX_IN_FLIGHT calls hold the agent; the rest queue, then all are let go."""
+    """The first MAX_IN_FLIGHT calls hold the agent; the rest queue, then all are let go.
+    (The rest start once the first are at the agent: started together, any of them could be.)"""
     outcomes: dict = {}
     threads = [threading.Thread(target=_prepare, args=(client, outcomes, i, kind)) for i in ids]
-    for t in threads:
-        t.start()
     deadline = time.monotonic() + 30
+    for t in threads[:MAX_IN_FLIGHT]:
+        t.start()
+    while len(servicer.single) < min(MAX_IN_FLIGHT, len(ids)):
+        assert time.monotonic() < deadline, "the first calls did not reach the agent"
+        time.sleep(0.005)
+    for t in threads[MAX_IN_FLIGHT:]:
+        t.start()
     queued = len(ids) - MAX_IN_FLIGHT if kind in BATCHED_KINDS else 0
     while len(servicer.single) < len(ids) - queued or len(client._prepares._waiting) < queued:
         assert time.monotonic() < deadline, "calls did not queue"

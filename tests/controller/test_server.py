@@ -248,12 +248,12 @@ def test_stops_cleanly_on_sigterm(cluster):
     wait_for(lambda: not proc.alive(), 30, "controller exit")
 
 
-
 def test_a_stop_with_an_allocate_waiting_on_a_hung_agent_ends_within_its_grace(cluster):
     """SIGTERM while an Allocate waits on an agent that does not answer (SIGSTOP): the call is
     cancelled after the 5 s grace, and its compensating release is refused at once instead of
-    dialling the agent again for a whole deadline (the stop took 15 s, past the lock's release,
-    with --agent-deadline 10). After a restart and the agent's return the allocation settles."""
+    dialling the agent again for a whole deadline (the stop took 15 s with --agent-deadline 10,
+    or the call's thread wrote to the closed store). After a restart and the agent's return the
+    allocation settles."""
     cluster.add_machine("node-a", ["L4"])
     cluster.start_controller()
     cluster.start_agent("node-a")
@@ -296,6 +296,7 @@ def _allocate_into(errors: list[grpc.RpcError], client: Client) -> None:
         allocate(client, "mps", memory_bytes=GiB)
     except grpc.RpcError as exc:
         errors.append(exc)
+
 
 def test_config_file_and_its_errors(cluster):
     config = cluster.root / "controller.yaml"

@@ -69,6 +69,7 @@ class Running:
     config: NodeConfig
     agent: Agent
     server: grpc.Server
+    workers: futures.ThreadPoolExecutor   # the server's: a call under way runs in one
     ports: dict[str, int]
     stop_event: threading.Event
     threads: list[threading.Thread]
@@ -81,6 +82,9 @@ class Running:
             sd_notify("STOPPING=1")
         self.agent.stop_waits()
         self.server.stop(grace).wait(grace + 1)
+        # a call past its grace is cancelled for its caller but goes on in its thread: the
+        # journal and the lock are let go once it has journaled what it did
+        self.workers.shutdown(wait=True)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()  # type: ignore[attr-defined]
         for t in self.threads:
@@ -171,9 +175,8 @@ def _start(config: NodeConfig, cert_renewed: bool, tls: TlsPaths, lock: StateDir
         log.info("reconcile: %s", action)
 
     metrics = Metrics(agent)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
-                                                    thread_name_prefix="rpc"),
-                         options=[("grpc.so_reuseport", 0)])
+    workers = futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc")
+    server = grpc.server(workers, options=[("grpc.so_reuseport", 0)])
     agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentService(agent, metrics), server)
     ports: dict[str, int] = {}
     if config.listen:
@@ -209,7 +212,7 @@ def _start(config: NodeConfig, cert_renewed: bool, tls: TlsPaths, lock: StateDir
         threads.append(watch_expiry(tls.cert, "node", config.node_name, log, stop_event))
     # for `fastshare mig ...`, which tells an agent still starting from one serving elsewhere
     lock.status(f"{SERVING} {config.unix_socket or 'no unix socket'}")
-    return Running(config, agent, server, ports, stop_event, threads, lock, metrics_server)
+    return Running(config, agent, server, workers, ports, stop_event, threads, lock, metrics_server)
 
 
 def _housekeeping(agent: Agent, stop: threading.Event) -> None:

@@ -3,6 +3,8 @@
 The agent dies through its own fault points (FASTSHARE_FAULT=<point> makes it SIGKILL itself
 there), so every step boundary is hit deterministically."""
 
+import signal
+
 import grpc
 import pytest
 
@@ -166,6 +168,30 @@ def test_sigterm_keeps_mps_daemons_and_restart_adopts_them(agent):
     assert mps.daemon_pid(gpu) == pid
     assert _inv(agent).mps_daemons[0].healthy
 
+
+
+def test_sigterm_during_a_prepare_lets_it_journal_before_the_journal_closes(agent, tmp_path):
+    """SIGTERM while a prepare starts an MPS daemon (here a slow one): the call, cancelled for
+    its caller after the grace, goes on in its thread. The journal closed under it (the daemon
+    started, "Cannot operate on a closed database" when it was written down); now the agent waits
+    for it, and the restart finds the share and its daemon as the journal says."""
+    slow, started = tmp_path / "slow-mps-control", tmp_path / "daemon-starting"
+    slow.write_text(f'#!/bin/sh\n[ "$1" = -d ] && touch {started} && sleep 8\nexec {STANDIN} "$@"\n')
+    slow.chmod(0o755)
+    agent.settings["mps_control_binary"] = str(slow)
+    agent.start()
+    gpu = _inv(agent).gpus[GPU_A].uuid
+    call = agent.unix().PrepareShare.future(fastpod("fp", gpu), timeout=60)
+    wait_for(started.exists, what="the prepare starting the MPS daemon")
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.wait_exit(timeout=60) == 0
+    assert call.exception() is not None and call.code() == grpc.StatusCode.UNAVAILABLE
+    assert "Traceback" not in agent.log.read_text(), agent.log.read_text()[-5000:]
+    agent.settings["mps_control_binary"] = STANDIN
+    agent.start()
+    inv = _inv(agent)
+    assert [s.id for s in inv.shares] == ["fp"]
+    assert [d.healthy for d in inv.mps_daemons] == [True]
 
 def test_dead_mps_daemon_is_restarted_by_housekeeping(agent):
     agent.settings["reconcile_interval_s"] = 1

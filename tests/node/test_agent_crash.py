@@ -169,7 +169,6 @@ def test_sigterm_keeps_mps_daemons_and_restart_adopts_them(agent):
     assert _inv(agent).mps_daemons[0].healthy
 
 
-
 def test_sigterm_during_a_prepare_lets_it_journal_before_the_journal_closes(agent, tmp_path):
     """SIGTERM while a prepare starts an MPS daemon (here a slow one): the call, cancelled for
     its caller after the grace, goes on in its thread. The journal closed under it (the daemon
@@ -192,6 +191,7 @@ def test_sigterm_during_a_prepare_lets_it_journal_before_the_journal_closes(agen
     inv = _inv(agent)
     assert [s.id for s in inv.shares] == ["fp"]
     assert [d.healthy for d in inv.mps_daemons] == [True]
+
 
 def test_dead_mps_daemon_is_restarted_by_housekeeping(agent):
     agent.settings["reconcile_interval_s"] = 1

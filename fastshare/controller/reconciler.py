@@ -59,7 +59,7 @@ class Reconciler:
         self._lock = threading.Lock()   # one pass at a time
         self._pruned_at: float | None = None   # monotonic time of the last clean-up
 
-    def _inventories(self, names: list[str] | None = None) -> dict[str, agent_pb2.Inventory | None]:
+    def _inventories(self, names: set[str] | None = None) -> dict[str, agent_pb2.Inventory | None]:
         nodes = [n for n in self.core.store.list_nodes() if names is None or n.name in names]
 
         def fetch(node):
@@ -107,9 +107,10 @@ class Reconciler:
                 self.core.store.update(a.id, lease_expires_at=now + a.lease_ttl, updated_at=a.updated_at)
 
     def run_once(self, nodes: list[str] | None = None) -> Report:
+        only = None if nodes is None else set(nodes)   # a registration storm's pass names thousands
         with self._lock:
             asked_at = self.core.clock()
-            report = self._pass(self._inventories(nodes), nodes, asked_at)
+            report = self._pass(self._inventories(only), only, asked_at)
             if nodes is None and (self._pruned_at is None
                                   or time.monotonic() - self._pruned_at >= self.PRUNE_EVERY):
                 self._pruned_at = time.monotonic()
@@ -117,7 +118,7 @@ class Reconciler:
             return report
 
     def _pass(self, inventories: dict[str, agent_pb2.Inventory | None],
-              only: list[str] | None = None, asked_at: float = 0.0) -> Report:
+              only: set[str] | None = None, asked_at: float = 0.0) -> Report:
         """``asked_at``: when the inventories were asked for; a record changed since then may hold
         a share they do not show yet."""
         report = Report(unreachable=sorted(n for n, inv in inventories.items() if inv is None))

@@ -41,6 +41,7 @@ from fastshare.controller.core import (
 from fastshare.controller.ledger import Ledger
 from fastshare.controller.model import FINISHED, HOLDING
 from fastshare.controller.reconciler import Reconciler
+from fastshare.controller.registration_passes import RegistrationPasses
 from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.store import Conflict
 from fastshare.controller.validation import (
@@ -404,11 +405,12 @@ class ControllerServer:
             self.reconciler = Reconciler(self.core)
             report = self.reconciler.start()
             log.info("state rebuilt: %s", report)
+            self._passes = RegistrationPasses(self.reconciler)
             self._workers = ThreadPoolExecutor(max_workers=cfg.workers)
             server = grpc.server(self._workers, options=[("grpc.so_reuseport", 0)])
             pb_grpc.add_ControllerServicer_to_server(
                 ControllerServicer(self.core, auth, max_watches=max(1, cfg.workers // 2)), server)
-            pb_grpc.add_NodeRegistryServicer_to_server(RegistryServicer(self.core, self._reconcile_soon),
+            pb_grpc.add_NodeRegistryServicer_to_server(RegistryServicer(self.core, self._passes.add),
                                                        server)
             self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls, True))
             if cfg.token_listen:
@@ -421,13 +423,6 @@ class ControllerServer:
         except BaseException:
             self.lock.release()
             raise
-
-    def _reconcile_soon(self, node: str) -> None:
-        """The pass a registration starts: it adopts shares newer than the store and settles the
-        node's allocations; its log line tells the operator (and tests) the node is taken in."""
-        def run() -> None:
-            log.info("node %s reconciled after registering: %s", node, self.reconciler.run_once([node]))
-        threading.Thread(target=self._safe, args=(run,), daemon=True).start()
 
     @staticmethod
     def _safe(fn: Callable[[], object]) -> None:
@@ -455,6 +450,7 @@ class ControllerServer:
             self.server.stop(grace).wait()
         self.agents.close()
         if self.server is not None:
+            self._passes.stop()
             self._workers.shutdown(wait=True)
             self._thread.join()
         self.store.close()

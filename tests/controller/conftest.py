@@ -4,6 +4,7 @@ simulated machines, and clients over mTLS. No mocks."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -212,8 +213,13 @@ class Cluster:
     def wait_taken_in(self, name: str, timeout: float = 60) -> None:
         """Until the pass the node's registration started has ended: a test changing the node
         behind the controller's back must not race that pass's read of the node."""
-        wait_for(lambda: f"node {name} reconciled after registering" in self.controller.output(), timeout,
-                 f"the pass node {name}'s registration started")
+        def passed() -> bool:
+            for line in self.controller.output().splitlines():
+                before, found, _ = line.partition(" reconciled after registering")
+                if found and name in re.sub(r"^.*\bnodes? ", "", before).split(", "):
+                    return True
+            return False
+        wait_for(passed, timeout, f"the pass node {name}'s registration started")
 
     @property
     def address(self) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from fastshare.controller.agent_client import AgentError
 from fastshare.controller.core import ID_PREFIX, AgentFailed, ControllerCore, assignment_of, node_view
-from fastshare.controller.model import FINISHED, HOLDING, Allocation, State, sequence_of
+from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, State, sequence_of
 from fastshare.v1 import agent_pb2
 
 log = logging.getLogger("fastshare.controller.reconciler")
@@ -59,8 +59,20 @@ class Reconciler:
         self._lock = threading.Lock()   # one pass at a time
         self._pruned_at: float | None = None   # monotonic time of the last clean-up
 
+    def _nodes(self, names: set[str] | None) -> list[Node]:
+        """The stored nodes a pass is for: all, or the ones named, read singly (a registration's
+        pass must not read the whole cluster)."""
+        if names is None:
+            return self.core.store.list_nodes()
+        return [n for n in map(self.core.store.get_node, sorted(names)) if n is not None]
+
+    def _holding(self, names: set[str] | None) -> list[Allocation]:
+        if names is None:
+            return self.core.store.list_allocations(HOLDING)
+        return [a for n in sorted(names) for a in self.core.store.list_allocations(HOLDING, node=n)]
+
     def _inventories(self, names: set[str] | None = None) -> dict[str, agent_pb2.Inventory | None]:
-        nodes = [n for n in self.core.store.list_nodes() if names is None or n.name in names]
+        nodes = self._nodes(names)
 
         def fetch(node):
             try:
@@ -107,7 +119,7 @@ class Reconciler:
                 self.core.store.update(a.id, lease_expires_at=now + a.lease_ttl, updated_at=a.updated_at)
 
     def run_once(self, nodes: list[str] | None = None) -> Report:
-        only = None if nodes is None else set(nodes)   # a registration storm's pass names thousands
+        only = None if nodes is None else set(nodes)
         with self._lock:
             asked_at = self.core.clock()
             report = self._pass(self._inventories(only), only, asked_at)
@@ -125,11 +137,10 @@ class Reconciler:
         for name, inventory in inventories.items():
             if inventory is not None:
                 self.core.saw(name, inventory)
-        for node in self.core.store.list_nodes():
+        for node in self._nodes(only):
             if inventories.get(node.name) is not None:
                 self.core.refresh_node(node, inventories[node.name])
-        holding_all = self.core.store.list_allocations(HOLDING)
-        holding = [a for a in holding_all if only is None or a.node in only]
+        holding = self._holding(only)
         reached = {n: inv for n, inv in inventories.items() if inv is not None}
         shares = {n: {s.id for s in inv.shares} for n, inv in reached.items()}
         lost = {n: {s.id: s.reason for s in inv.lost_shares} for n, inv in reached.items()}
@@ -138,10 +149,10 @@ class Reconciler:
             if why_lost or not self._settled(allocation, shares.get(allocation.node), asked_at):
                 self._allocation(allocation, shares.get(allocation.node), report, asked_at, why_lost)
         # Orphans: shares on a reachable agent that no holding record explains. The listing
-        # above is enough: it was read after the inventories, so it holds every record a share
-        # in them can have (records are committed before prepare); a share not in it is
-        # looked up singly below (it may have been released since, or be an orphan).
-        records = {a.id for a in holding_all}
+        # above was read after the inventories, so it holds every record of these nodes a share
+        # in them can have (records are committed before prepare); a share not in it is looked
+        # up singly below (released since, an orphan, or, rarely, recorded on another node).
+        records = {a.id for a in holding}
         busy = self.core.busy()
         for node, inventory in inventories.items():
             if inventory is None:

@@ -44,3 +44,25 @@ def test_only_shares_released_before_the_inventory_are_orphans(tmp_path):
         assert agents.released == ["fs-old"] and report.orphans_freed == ["fs-old"]
     finally:
         store.close()
+
+
+def test_a_pass_for_some_nodes_frees_their_orphans_and_no_share_another_node_records(tmp_path):
+    """A registration's pass reads only its nodes' records; a share whose holding record names
+    another node (the record moved on) is still not an orphan, and one with no record is."""
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        for name in ("n1", "n2"):
+            store.put_node(Node(name=name, address="127.0.0.1:1", labels={}, gpus=[], available=True,
+                                last_heartbeat=time.time(), registered_at=time.time()))
+        store.create_allocation(_alloc("fs-moved", node="n2"))
+        store.create_allocation(_alloc("fs-gone"))
+        store.transition("fs-gone", [State.PENDING], State.RELEASING)
+        store.transition("fs-gone", [State.RELEASING], State.RELEASED)
+        time.sleep(0.01)
+        agents = _Agents()
+        reconciler = Reconciler(ControllerCore(store, agents))
+        held = agent_pb2.Inventory(shares=[agent_pb2.Share(id="fs-moved"), agent_pb2.Share(id="fs-gone")])
+        report = reconciler._pass({"n1": held}, only={"n1"}, asked_at=time.time())
+        assert agents.released == ["fs-gone"] and report.orphans_freed == ["fs-gone"]
+    finally:
+        store.close()

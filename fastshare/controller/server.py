@@ -17,7 +17,6 @@ import functools
 import hmac
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -379,7 +378,8 @@ class RegistryServicer(pb_grpc.NodeRegistryServicer):
 
 
 class ControllerServer:
-    """Lock, store, core, reconciler, gRPC server and housekeeping thread, started in that order."""
+    """Lock, store, core, reconciler, gRPC server, and the liveness and reconcile threads,
+    started in that order."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -417,8 +417,10 @@ class ControllerServer:
                 self.token_port = server.add_secure_port(cfg.token_listen, server_credentials(cfg.tls, False))
             server.start()
             self.server = server
-            self._thread = threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True)
-            self._thread.start()
+            self._threads = [threading.Thread(target=self._check_liveness, name="liveness", daemon=True),
+                             threading.Thread(target=self._reconcile, name="reconcile", daemon=True)]
+            for thread in self._threads:
+                thread.start()
             watch_expiry(cfg.tls.cert, "controller", Path(cfg.tls.cert).stem, log, self._stop)
         except BaseException:
             self.lock.release()
@@ -431,14 +433,16 @@ class ControllerServer:
         except Exception:
             log.exception("background step failed")
 
-    def _housekeeping(self) -> None:
-        s = self.config.settings
-        next_reconcile = time.monotonic() + s.reconcile_interval
-        while not self._stop.wait(min(1.0, s.heartbeat_interval / 2)):
+    def _check_liveness(self) -> None:
+        """In a thread of its own: a reconcile pass waits a whole agent deadline on a hung agent,
+        and while the checks came after it, a dead node was offered work that much longer past
+        its heartbeat timeout."""
+        while not self._stop.wait(min(1.0, self.config.settings.heartbeat_interval / 2)):
             self._safe(self.core.check_liveness)
-            if time.monotonic() >= next_reconcile:
-                self._safe(self.reconciler.run_once)
-                next_reconcile = time.monotonic() + s.reconcile_interval
+
+    def _reconcile(self) -> None:
+        while not self._stop.wait(self.config.settings.reconcile_interval):
+            self._safe(self.reconciler.run_once)
 
     def stop(self, grace: float = 5.0) -> None:
         """Calls get ``grace`` seconds to end; then the agent calls still waiting are cancelled
@@ -452,7 +456,8 @@ class ControllerServer:
         if self.server is not None:
             self._passes.stop()
             self._workers.shutdown(wait=True)
-            self._thread.join()
+            for thread in self._threads:
+                thread.join()
         self.store.close()
         self.lock.release()
 

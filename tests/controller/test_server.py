@@ -281,6 +281,27 @@ def test_a_stop_with_an_allocate_waiting_on_a_hung_agent_ends_within_its_grace(c
     wait_for(lambda: _consistent(cluster), 60, "the allocation settled, here and on the agent")
 
 
+def test_a_pass_waiting_on_a_hung_agent_does_not_hold_up_the_liveness_checks(cluster):
+    """A node that stops heartbeating is unavailable within its heartbeat timeout even while
+    the periodic pass waits a whole agent deadline on another agent (hung: SIGSTOP). The checks
+    ran in the pass's thread, after it: 20 s late here."""
+    for name in ("node-a", "node-b"):
+        cluster.add_machine(name, ["L4"])
+    cluster.start_controller(extra=["--heartbeat-timeout", "3", "--agent-deadline", "20"])
+    hung = cluster.start_agent("node-a")
+    cluster.start_agent("node-b")
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3)   # a pass (every 2 s) has begun, and waits on node-a until its deadline
+        killed = time.monotonic()
+        cluster.agents["node-b"].kill9()
+        cluster.wait_node("node-b", available=False, timeout=60)
+        took = time.monotonic() - killed
+        assert took < 8, f"node-b was taken for available {took:.1f} s after it died (timeout 3 s)"
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+
+
 def _consistent(cluster) -> bool:
     """Active here and held by its agent, or finished and not held (which one depends on when
     the agent, resumed, reads the call it was sent)."""

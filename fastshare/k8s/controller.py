@@ -104,6 +104,9 @@ ENDPOINT_ANNOTATION = "fastshare.io/agent-endpoint"
 # each status write fail. The rest are counted (status.assignmentsOmitted); each replica's
 # FastShareAllocation object shows the same summary.
 ASSIGNMENTS_LISTED = 1000
+# Agents pinged at once by the Node sync: each one that does not answer holds a thread for a
+# deadline, so the others' pings (their heartbeats) still go out while some hang.
+PING_THREADS = 32
 ASSIGNMENTS_BYTES = 256 * 1024
 
 
@@ -236,8 +239,9 @@ class KubeController:
                  elector: LeaderElector | None = None) -> None:
         self.settings = settings or KubeSettings()
         self.fence = Fence(elector)
-        # workers + replica creators + two watches + housekeeping + one spare
-        pooled = _pooled(api, self.settings.workers + self.settings.create_parallelism + 4)
+        # workers + replica creators + two watches + node sync + reconcile + one spare (the pings
+        # read and write nodes in the store's memory; a registration's queue_all runs in the sync)
+        pooled = _pooled(api, self.settings.workers + self.settings.create_parallelism + 5)
         self._own_api = pooled is not api
         self.api = api = pooled
         self.store = KubeStateStore(api, self.settings.namespace, fence=self.fence)
@@ -263,6 +267,10 @@ class KubeController:
         self._unseen_extended: dict[str, tuple[str, Demand]] = {}
         self._extended_lock = threading.Lock()
         self._nodes: dict[str, NodeFacts] = {}     # GPU nodes as their Node objects say
+        self._pings = concurrent.futures.ThreadPoolExecutor(PING_THREADS, thread_name_prefix="ping")
+        self._pinging: set[str] = set()            # nodes whose ping (or registration) is out
+        self._pinging_lock = threading.Lock()
+        self._capacity_appeared = threading.Event()   # an agent registered since the last sync
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.create_parallelism,
                                                            thread_name_prefix="replica")
         self._stop = threading.Event()
@@ -285,7 +293,8 @@ class KubeController:
                 and self.peers.wait_synced(1.0)):
             log.warning("no Pod listing after 60 s; FastPods wait until it arrives")
         self.refresh_host()
-        self._spawn("housekeeping", self._housekeeping)
+        self._spawn("node-sync", self._sync_nodes_periodically)
+        self._spawn("reconcile", self._reconcile_periodically)
         for i in range(self.settings.workers):
             self._spawn(f"worker-{i}", self._worker)
 
@@ -296,6 +305,7 @@ class KubeController:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pings.shutdown(wait=False, cancel_futures=True)
         if self._own_api:
             self.api.close()
 
@@ -315,15 +325,38 @@ class KubeController:
         return None
 
     def sync_nodes(self) -> None:
-        """Register new agents, heartbeat reachable ones; silent ones go unavailable on timeout."""
+        """Register new agents, heartbeat reachable ones; silent ones go unavailable on timeout.
+
+        Each agent is pinged in a thread of its own, and the sync waits for the answers for half
+        the heartbeat timeout at most: an agent that does not answer holds its ping a whole
+        deadline, and while the sync waited for it, the agents pinged before it were judged
+        after that wait, past their timeout, and taken for unavailable. Its next ping goes out
+        once the last one ended."""
         label = self.settings.gpu_node_label
         listed = self.pods.list_node(label_selector=f"{label}=true").items
         self._nodes = {node.metadata.name: node_facts(node) for node in listed}
+        sent = []
         for node in listed:
             name, address = node.metadata.name, self._endpoint(node)
             if address is None:
                 continue
-            labels = dict(node.metadata.labels or {})
+            with self._pinging_lock:
+                if name in self._pinging:
+                    continue
+                self._pinging.add(name)
+            sent.append(self._pings.submit(self._ping, name, address, dict(node.metadata.labels or {})))
+        done, _ = concurrent.futures.wait(sent, timeout=self.core.settings.heartbeat_timeout / 2)
+        for future in done:
+            future.result()   # an API error or a lost Lease ends the sync here, as before
+        if self._capacity_appeared.is_set():
+            self._capacity_appeared.clear()
+            self.queue_all()  # retry unschedulable FastPods
+        self.core.check_liveness()
+        self.refresh_host()
+        self._forget_deleted_nodes()   # last: a refusal (Busy) does not keep the rest from running
+
+    def _ping(self, name: str, address: str, labels: dict[str, str]) -> None:
+        try:
             stored = self.store.get_node(name)
             # relabelled: register again, the engine matches nodeSelector against the labels
             # it was given (the kubelet against the Node's own, and refuses a Pod they miss)
@@ -333,14 +366,14 @@ class KubeController:
                     self.core.agents.get(name, address).ping()
                 if not known or not self.core.heartbeat(name):
                     self.core.register_node(name, address, labels)
-                    self.queue_all()  # capacity appeared: retry unschedulable FastPods
+                    self._capacity_appeared.set()
             except AgentError as exc:
                 if stored is None:
                     self.core.put_node(Node(name=name, address=address, labels=labels, available=False))
                 log.info("node agent %s at %s unreachable: %s", name, address, exc.details)
-        self.core.check_liveness()
-        self.refresh_host()
-        self._forget_deleted_nodes()   # last: a refusal (Busy) does not keep the rest from running
+        finally:
+            with self._pinging_lock:
+                self._pinging.discard(name)
 
     def _forget_deleted_nodes(self, also: Iterable[str] = ()) -> None:
         """Forget the nodes whose Node object is gone (decommissioned, scaled down) and whose agent
@@ -455,18 +488,21 @@ class KubeController:
                             page=self.settings.list_page, on_progress=on_progress,
                             field_selector=FIELD_SELECTOR)
 
-    def _housekeeping(self) -> None:
+    def _sync_nodes_periodically(self) -> None:
         s = self.settings
-        next_reconcile = next_resync = time.monotonic()
+        next_resync = time.monotonic()
         while not self._stop.wait(s.node_interval):
             self._safe(self.sync_nodes)
             now = time.monotonic()
-            if now >= next_reconcile:
-                self._safe(self.reconciler.run_once)
-                next_reconcile = now + self.core.settings.reconcile_interval
             if now >= next_resync:
                 self._safe(self.queue_all)
                 next_resync = now + s.resync_interval
+
+    def _reconcile_periodically(self) -> None:
+        """In a thread of its own: a pass waits a whole deadline on an agent that does not
+        answer, and the Node sync (the agents' heartbeats) must not wait behind it."""
+        while not self._stop.wait(self.core.settings.reconcile_interval):
+            self._safe(self.reconciler.run_once)
 
     @staticmethod
     def _safe(fn: Callable[[], object]) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -357,6 +358,36 @@ def test_an_agent_that_dies_after_registering_is_marked_unavailable(api_client, 
     finally:
         agents["h100"].start(pki[1])
     wait_for(lambda: (c.sync_nodes(), c.store.get_node(name).available)[1], "available again", timeout=30)
+
+
+def test_a_hung_agent_does_not_make_the_others_miss_their_heartbeats(api_client, namespace, controller,
+                                                                     agents):
+    """The Node sync pings the agents as their heartbeats. One that does not answer (SIGSTOP: its
+    connection stays open) holds its ping for a whole deadline (10 s here); the agents pinged
+    before it were judged after that wait, past the 3 s heartbeat timeout, and taken for
+    unavailable although they had answered. The same in the running controller, whose reconcile
+    pass (in the same thread as the sync) waited another deadline on the hung agent."""
+    c = controller()
+    c.sync_nodes()
+    hung, healthy = agents["v100"], agents["h100"]
+    assert healthy.name < hung.name   # listed, and pinged, first
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        for _ in range(3):
+            c.sync_nodes()
+            assert c.store.get_node(healthy.name).available, f"{time.monotonic() - began:.1f} s in"
+        assert time.monotonic() - began < 10, "each sync waited for the hung agent"
+        wait_for(lambda: (c.sync_nodes(), not c.store.get_node(hung.name).available)[1],
+                 "the hung agent's node unavailable", 30)
+        c.start()
+        began = time.monotonic()
+        while time.monotonic() - began < 15:
+            assert c.store.get_node(healthy.name).available, f"{time.monotonic() - began:.1f} s after start"
+            time.sleep(0.2)
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+    wait_for(lambda: (c.sync_nodes(), c.store.get_node(hung.name).available)[1], "the agent back", timeout=30)
 
 
 @pytest.mark.parametrize("phase", ["Failed", "Succeeded"])

@@ -345,9 +345,7 @@ class KubeController:
                     continue
                 self._pinging.add(name)
             sent.append(self._pings.submit(self._ping, name, address, dict(node.metadata.labels or {})))
-        done, _ = concurrent.futures.wait(sent, timeout=self.core.settings.heartbeat_timeout / 2)
-        for future in done:
-            future.result()   # an API error or a lost Lease ends the sync here, as before
+        concurrent.futures.wait(sent, timeout=self.core.settings.heartbeat_timeout / 2)
         if self._capacity_appeared.is_set():
             self._capacity_appeared.clear()
             self.queue_all()  # retry unschedulable FastPods
@@ -371,6 +369,10 @@ class KubeController:
                 if stored is None:
                     self.core.put_node(Node(name=name, address=address, labels=labels, available=False))
                 log.info("node agent %s at %s unreachable: %s", name, address, exc.details)
+        except Deposed:
+            pass   # the fence logged it; the election stops this controller
+        except Exception:
+            log.exception("node %s: its ping or registration failed; the next sync tries again", name)
         finally:
             with self._pinging_lock:
                 self._pinging.discard(name)

@@ -104,10 +104,11 @@ ENDPOINT_ANNOTATION = "fastshare.io/agent-endpoint"
 # each status write fail. The rest are counted (status.assignmentsOmitted); each replica's
 # FastShareAllocation object shows the same summary.
 ASSIGNMENTS_LISTED = 1000
+ASSIGNMENTS_BYTES = 256 * 1024
+
 # Agents pinged at once by the Node sync: each one that does not answer holds a thread for a
 # deadline, so the others' pings (their heartbeats) still go out while some hang.
 PING_THREADS = 32
-ASSIGNMENTS_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -330,8 +331,8 @@ class KubeController:
         Each agent is pinged in a thread of its own, and the sync waits for the answers for half
         the heartbeat timeout at most: an agent that does not answer holds its ping a whole
         deadline, and while the sync waited for it, the agents pinged before it were judged
-        after that wait, past their timeout, and taken for unavailable. Its next ping goes out
-        once the last one ended."""
+        after that wait, past their timeout, and taken for unavailable. A node's next ping goes
+        out only once its last one has ended."""
         label = self.settings.gpu_node_label
         listed = self.pods.list_node(label_selector=f"{label}=true").items
         self._nodes = {node.metadata.name: node_facts(node) for node in listed}

@@ -33,7 +33,6 @@ class RegistrationPasses:
         self._pending: set[str] = set()
         self._stopping = False
         self._changed = threading.Condition()
-        self.passes = 0   # passes begun (tests, benchmarks)
         self._thread = threading.Thread(target=self._run, name="registration-passes", daemon=True)
         self._thread.start()
 
@@ -60,7 +59,6 @@ class RegistrationPasses:
 
     def _run(self) -> None:
         while (nodes := self._next()) is not None:
-            self.passes += 1
             try:
                 report = self._reconciler.run_once(nodes)
             except Exception:

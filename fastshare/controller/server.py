@@ -378,8 +378,8 @@ class RegistryServicer(pb_grpc.NodeRegistryServicer):
 
 
 class ControllerServer:
-    """Lock, store, core, reconciler, gRPC server, and the liveness and reconcile threads,
-    started in that order."""
+    """Lock, store, core, reconciler (and the registrations' passes), gRPC server, and the
+    liveness and reconcile threads, started in that order."""
 
     def __init__(self, config: Config) -> None:
         self.config = config

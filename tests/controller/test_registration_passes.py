@@ -44,7 +44,6 @@ def test_registrations_queued_behind_a_pass_run_together_in_the_next():
         reconciler.hold.set()
         wait_for(lambda: len(reconciler.ended) == 2, 10, "the second pass ended")
         assert reconciler.passes == [["n00"], [f"n{i:02d}" for i in range(1, 50)]]
-        assert passes.passes == 2
         passes.add("n00")   # a registration after them gets a pass of its own
         wait_for(lambda: len(reconciler.ended) == 3, 10, "the third pass ended")
         assert reconciler.passes[2] == ["n00"]

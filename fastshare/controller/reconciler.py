@@ -67,6 +67,8 @@ class Reconciler:
         return [n for n in map(self.core.store.get_node, sorted(names)) if n is not None]
 
     def _holding(self, names: set[str] | None) -> list[Allocation]:
+        """A read per node named: SQLite finds a node's records by index. (The Kubernetes store
+        lists every record for each read, but its controller runs whole passes only.)"""
         if names is None:
             return self.core.store.list_allocations(HOLDING)
         return [a for n in sorted(names) for a in self.core.store.list_allocations(HOLDING, node=n)]

@@ -360,6 +360,20 @@ def test_an_agent_that_dies_after_registering_is_marked_unavailable(api_client, 
     wait_for(lambda: (c.sync_nodes(), c.store.get_node(name).available)[1], "available again", timeout=30)
 
 
+def test_agents_registering_in_one_sync_queue_every_fastpod_once(api_client, namespace, controller, agents):
+    """Queueing every FastPod lists every FastPod and every allocation record from the API; a
+    controller's start registers every agent in one sync, and did it once per agent."""
+    c = controller()
+    queued = []
+    queue_all = c.queue_all
+    c.queue_all = lambda: (queued.append(1), queue_all())
+    c.sync_nodes()
+    assert all(c.store.get_node(a.name).available for a in agents.values())
+    assert len(queued) == 1, f"{len(queued)} listings for {len(agents)} registrations"
+    c.sync_nodes()   # nothing registered
+    assert len(queued) == 1
+
+
 def test_a_hung_agent_does_not_make_the_others_miss_their_heartbeats(api_client, namespace, controller,
                                                                      agents):
     """The Node sync pings the agents as their heartbeats. One that does not answer (SIGSTOP: its

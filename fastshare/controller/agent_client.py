@@ -61,8 +61,9 @@ BATCHED_KINDS = frozenset({common_pb2.SHARE_KIND_FASTPOD, common_pb2.SHARE_KIND_
 MAX_IN_FLIGHT = 2
 MAX_BATCH = 64
 # An agent whose certificate could not be looked at (it does not answer), or was another's, is not
-# looked at again for this long, doubling up to the most: each look can cost a whole deadline (the
-# in-cluster controller's node sync pings its nodes one after another) and a refusal a log line.
+# looked at again for this long, doubling up to the most: each look can cost a whole deadline (a
+# thread of the in-cluster controller's node sync, which pings every node every 2 s) and a refusal
+# a log line.
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 20.0
 
 

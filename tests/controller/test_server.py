@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -14,6 +15,8 @@ import pytest
 from security.handmade import issue_client_cert, issue_roleless_cert
 
 from fastshare.controller.client import Client, ClientConfig
+from fastshare.controller.model import Node
+from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.security import certs
 from fastshare.security.tls import secure_channel
 from fastshare.v1 import common_pb2
@@ -300,6 +303,31 @@ def test_a_pass_waiting_on_a_hung_agent_does_not_hold_up_the_liveness_checks(clu
         assert took < 8, f"node-b was taken for available {took:.1f} s after it died (timeout 3 s)"
     finally:
         os.kill(hung.pid, signal.SIGCONT)
+
+
+def test_a_start_with_a_dozen_hung_agents_waits_one_deadline_not_two(cluster):
+    """At its start the controller asks every stored node's agent for its inventory before it
+    serves. Agents that do not answer (here: listeners that accept and never speak, as a host cut
+    off with its connection open) each cost a whole deadline, and 8 were asked at a time: 12 of
+    them held the start for two deadlines (20 s here) instead of one."""
+    hung = []
+    cluster.state_dir.mkdir(parents=True)
+    store = SqliteStore(cluster.state_dir / "state.db")
+    try:
+        for i in range(12):
+            listener = socket.create_server(("127.0.0.1", 0))
+            hung.append(listener)
+            store.put_node(Node(name=f"gone-{i:02d}", address=f"127.0.0.1:{listener.getsockname()[1]}"))
+    finally:
+        store.close()
+    try:
+        began = time.monotonic()
+        cluster.start_controller()
+        took = time.monotonic() - began
+        assert took < 17, f"the controller served {took:.1f} s after it was started (deadline 10 s)"
+    finally:
+        for listener in hung:
+            listener.close()
 
 
 def _consistent(cluster) -> bool:

@@ -44,7 +44,7 @@ from typing import Any
 from kubernetes import client
 
 from fastshare.controller.agent_client import AgentError, AgentPool
-from fastshare.controller.core import AgentFailed, Busy, ControllerCore, KeyConflict, Rejected
+from fastshare.controller.core import AgentFailed, Busy, ControllerCore, KeyConflict, NodeInUse, Rejected
 from fastshare.controller.core import Settings as CoreSettings
 from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, Spec, State
 from fastshare.controller.reconciler import Reconciler
@@ -339,20 +339,27 @@ class KubeController:
         sent = []
         for node in listed:
             name, address = node.metadata.name, self._endpoint(node)
-            if address is None:
-                continue
-            with self._pinging_lock:
-                if name in self._pinging:
-                    continue
-                self._pinging.add(name)
-            sent.append(self._pings.submit(self._ping, name, address, dict(node.metadata.labels or {})))
+            if address is not None and self._claim_ping(name):
+                sent.append(self._pings.submit(self._ping, name, address, dict(node.metadata.labels or {})))
         concurrent.futures.wait(sent, timeout=self.core.settings.heartbeat_timeout / 2)
         if self._capacity_appeared.is_set():
             self._capacity_appeared.clear()
             self.queue_all()  # retry unschedulable FastPods
         self.core.check_liveness()
         self.refresh_host()
-        self._forget_deleted_nodes()   # last: a refusal (Busy) does not keep the rest from running
+        self._forget_deleted_nodes()
+
+    def _claim_ping(self, name: str) -> bool:
+        """False while the node's last ping (or look before forgetting it) is still out."""
+        with self._pinging_lock:
+            if name in self._pinging:
+                return False
+            self._pinging.add(name)
+            return True
+
+    def _ping_done(self, name: str) -> None:
+        with self._pinging_lock:
+            self._pinging.discard(name)
 
     def _ping(self, name: str, address: str, labels: dict[str, str]) -> None:
         try:
@@ -375,8 +382,7 @@ class KubeController:
         except Exception:
             log.exception("node %s: its ping or registration failed; the next sync tries again", name)
         finally:
-            with self._pinging_lock:
-                self._pinging.discard(name)
+            self._ping_done(name)
 
     def _forget_deleted_nodes(self, also: Iterable[str] = ()) -> None:
         """Forget the nodes whose Node object is gone (decommissioned, scaled down) and whose agent
@@ -385,24 +391,43 @@ class KubeController:
         released through that agent: it stayed ``releasing`` for good, retried every pass, and
         its FastPod's finalizer (and a namespace deletion) waited for it. ``also``: nodes of
         allocation records that this process does not know (after a restart). A node only
-        stripped of its GPU label, or whose agent still answers, is kept."""
+        stripped of its GPU label, or whose agent still answers, is kept.
+
+        Each is looked at in a ping thread, not waited for: an agent whose host hangs holds its
+        ping a whole deadline, and the sync that pinged them itself held every node's heartbeat
+        as long."""
         known = {node.name: node for node in self.store.list_nodes()}
         for name in sorted((set(known) | set(also)) - set(self._nodes)):
-            if self.core.is_available(name):
-                continue   # not missed its heartbeats yet
-            listed = self.pods.list_node(field_selector=f"metadata.name={name}").items
-            if listed:
-                continue   # the Node is there, only not (or no longer) labelled
-            if name in known:
+            # not missed its heartbeats yet, or looked at already
+            if not self.core.is_available(name) and self._claim_ping(name):
+                self._pings.submit(self._forget_if_deleted, name, known.get(name))
+
+    def _forget_if_deleted(self, name: str, stored: Node | None) -> None:
+        try:
+            if self.pods.list_node(field_selector=f"metadata.name={name}").items:
+                return   # the Node is there, only not (or no longer) labelled
+            if stored is not None:
                 with contextlib.suppress(AgentError):
-                    self.core.agents.get(name, known[name].address).ping()
-                    continue   # the machine still runs: its agent releases what it holds
-            else:
+                    self.core.agents.get(name, stored.address).ping()
+                    return   # the machine still runs: its agent releases what it holds
+            if self._stop.is_set():
+                return   # the ping outlived the controller (its stop does not wait for pings)
+            if stored is None:
                 self.core.put_node(Node(name=name, address="", available=False))
             ended = self.core.forget_node(name, "its Node object was deleted and its agent does not answer",
                                           by="the controller")
             for key in sorted({tuple(a.owner.split("/", 1)) for a in ended if "/" in a.owner}):
                 self.queue.add(key)
+        except Deposed:
+            pass   # the fence logged it; the election stops this controller
+        except (Busy, NodeInUse) as exc:
+            log.info("node %s, whose Node object was deleted, is not forgotten yet: %s; the next sync "
+                     "tries again", name, exc)
+        except Exception:
+            log.exception("node %s, whose Node object was deleted: forgetting it failed; the next sync "
+                          "tries again", name)
+        finally:
+            self._ping_done(name)
 
     def refresh_host(self) -> None:
         """Tell the engine each GPU node's CPU/memory: allocatable minus what bound Pods request

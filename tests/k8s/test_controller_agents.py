@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from kubernetes import client
 from fastshare.controller import faults
 from fastshare.controller.agent_client import AgentPool
 from fastshare.controller.core import Settings as CoreSettings
-from fastshare.controller.model import State
+from fastshare.controller.model import Node, State
 from fastshare.controller.store import StoreError
 from fastshare.controller.validation import Request
 from fastshare.device import simnvml
@@ -656,6 +657,26 @@ def test_mig_mode_turned_on_under_a_fastpod_replica_keeps_its_gpu_held_and_says_
         finally:   # also when the test failed: a leftover agent would outlive the run
             agent.stop()
             core.delete_node(agent.name)
+
+
+def test_a_deleted_node_whose_agent_hangs_does_not_hold_up_the_sync(api_client, namespace, controller,
+                                                                     agents):
+    """A node whose Node object is gone is forgotten once its agent does not answer a ping. The
+    sync pinged such nodes itself, one after another: one whose host hangs (here a listener that
+    never speaks) held the sync for a whole deadline (10 s), and every healthy node missed its
+    heartbeats meanwhile (timeout 3 s)."""
+    c = controller()
+    c.sync_nodes()
+    gone = f"gone-{uuid.uuid4().hex[:4]}"
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        c.core.put_node(Node(name=gone, address=f"127.0.0.1:{silent.getsockname()[1]}", available=False))
+        began = time.monotonic()
+        c.sync_nodes()
+        took = time.monotonic() - began
+        assert took < 3, f"the sync took {took:.1f} s (deadline 10 s, heartbeat timeout 3 s)"
+        assert all(c.store.get_node(a.name).available for a in agents.values())
+        wait_for(lambda: (c.sync_nodes(), c.store.get_node(gone) is None)[1], "the gone node forgotten", 30)
+    assert all(c.store.get_node(a.name).available for a in agents.values())
 
 
 def test_a_replica_on_a_node_deleted_from_the_cluster_is_replaced_and_its_share_ended(

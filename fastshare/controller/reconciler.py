@@ -77,8 +77,14 @@ class Reconciler:
             return self.core.store.list_allocations(HOLDING)
         return [a for n in sorted(names) for a in self.core.store.list_allocations(HOLDING, node=n)]
 
-    def _inventories(self, names: set[str] | None = None) -> dict[str, agent_pb2.Inventory | None]:
-        nodes = self._nodes(names)
+    def _inventories(self, names: set[str] | None = None,
+                     unavailable_too: bool = False) -> dict[str, agent_pb2.Inventory | None]:
+        """The inventories of the nodes' agents (None: unreachable). A node that missed its
+        heartbeats is not asked unless ``unavailable_too`` (the start, which has heard none yet):
+        an agent that does not answer (hung, or its host cut off with its connection open) held
+        every pass a whole deadline, and the registrations' passes waited behind it. Its records
+        are left as an unreachable agent's; the first pass after it is back reconciles it."""
+        nodes = [n for n in self._nodes(names) if unavailable_too or self.core.is_available(n.name)]
 
         def fetch(node):
             try:
@@ -96,7 +102,7 @@ class Reconciler:
         """Controller start: rebuild the ledger from the store + agents, then reconcile."""
         with self._lock:
             asked_at = self.core.clock()
-            inventories = self._inventories()
+            inventories = self._inventories(unavailable_too=True)
             for node in self.core.store.list_nodes():
                 self.core.adopt_node(node, inventories.get(node.name))
             stored = self.core.store.list_nodes()

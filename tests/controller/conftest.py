@@ -213,13 +213,16 @@ class Cluster:
     def wait_taken_in(self, name: str, timeout: float = 60) -> None:
         """Until the pass the node's registration started has ended: a test changing the node
         behind the controller's back must not race that pass's read of the node."""
-        def passed() -> bool:
-            for line in self.controller.output().splitlines():
-                before, found, _ = line.partition(" reconciled after registering")
-                if found and name in re.sub(r"^.*\bnodes? ", "", before).split(", "):
-                    return True
-            return False
-        wait_for(passed, timeout, f"the pass node {name}'s registration started")
+        wait_for(lambda: self.registration_passes(name) > 0, timeout,
+                 f"the pass node {name}'s registration started")
+
+    def registration_passes(self, name: str) -> int:
+        """How many passes of registrations took node ``name`` in (from the controller's log)."""
+        count = 0
+        for line in self.controller.output().splitlines():
+            before, found, _ = line.partition(" reconciled after registering")
+            count += bool(found) and name in re.sub(r"^.*\bnodes? ", "", before).split(", ")
+        return count
 
     @property
     def address(self) -> str:

@@ -305,6 +305,33 @@ def test_a_pass_waiting_on_a_hung_agent_does_not_hold_up_the_liveness_checks(clu
         os.kill(hung.pid, signal.SIGCONT)
 
 
+def test_a_hung_agent_does_not_hold_up_the_passes_of_the_others(cluster):
+    """An agent that does not answer (SIGSTOP: its connection stays open) held each pass a whole
+    deadline, for as long as it hung, and a registration's pass waited behind the pass under
+    way (10.4 s here, deadline 10 s). Once its node is unavailable it is no longer asked."""
+    for name in ("node-a", "node-b"):
+        cluster.add_machine(name, ["L4"])
+    cluster.start_controller(extra=["--heartbeat-timeout", "3"])
+    hung = cluster.start_agent("node-a")
+    cluster.start_agent("node-b")
+    cluster.wait_taken_in("node-b")
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        cluster.wait_node("node-a", available=False, timeout=30)
+        time.sleep(10)   # a pass that asked node-a before it was unavailable has waited out its deadline
+        for _ in range(3):
+            passes = cluster.registration_passes("node-b")
+            cluster.agents["node-b"].kill9()
+            cluster.start_agent("node-b")
+            registered = time.monotonic()
+            wait_for(lambda n=passes: cluster.registration_passes("node-b") > n, 30, "node-b's pass")
+            took = time.monotonic() - registered
+            assert took < 3, f"node-b's registration was reconciled {took:.1f} s after it (deadline 10 s)"
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    cluster.wait_node("node-a", available=True, timeout=60)
+
+
 def test_a_start_with_a_dozen_hung_agents_waits_one_deadline_not_two(cluster):
     """At its start the controller asks every stored node's agent for its inventory before it
     serves. Agents that do not answer (here: listeners that accept and never speak, as a host cut

@@ -64,6 +64,8 @@ class _Agent:
 
 
 class _Agents:
+    deadline = 10.0   # seconds, as AgentPool.deadline
+
     def __init__(self) -> None:
         self.agents: dict[str, _Agent] = {}
 

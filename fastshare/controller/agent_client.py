@@ -348,6 +348,11 @@ class AgentPool:
         self._stamp_checked = time.monotonic()
         self._closed = False   # see close
 
+    @property
+    def deadline(self) -> float:
+        """Seconds a call (or a look at an agent's certificate) waits for its agent."""
+        return self._deadline
+
     def _tls_stamp(self) -> tuple[tuple[int, int], ...] | None:
         try:
             return self._tls.stamp()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from fastshare.controller.agent_client import AgentError
@@ -39,6 +39,10 @@ log = logging.getLogger("fastshare.controller.reconciler")
 # its connection open) holds a thread for a whole deadline, and the controller's start waits for
 # the pass before it serves: with 8 at a time, 12 such agents held the start for two deadlines.
 INVENTORY_THREADS = 64
+# A pass waits for the inventories one agent deadline and this much more, however many agents
+# hang: those not in by then (not asked yet, behind INVENTORY_THREADS hung ones) are taken as
+# unreachable. With 65 or more hung agents a start waited a deadline per 64 of them.
+INVENTORY_SLACK_S = 2.0
 
 
 @dataclass
@@ -95,8 +99,17 @@ class Reconciler:
 
         if not nodes:
             return {}
-        with ThreadPoolExecutor(max_workers=min(INVENTORY_THREADS, len(nodes))) as pool:
-            return dict(pool.map(fetch, nodes))
+        pool = ThreadPoolExecutor(max_workers=min(INVENTORY_THREADS, len(nodes)))
+        asked = {pool.submit(fetch, node): node.name for node in nodes}
+        done, late = wait(asked, timeout=self.core.agents.deadline + INVENTORY_SLACK_S)
+        pool.shutdown(wait=False, cancel_futures=True)   # a late fetch ends with its deadline
+        inventories = dict(future.result() for future in done)
+        if late:
+            log.warning("%d node(s) taken as unreachable this pass, their agents not asked or not answering "
+                        "within %.0f s (more agents than the %d asked at once do not answer): %s", len(late),
+                        self.core.agents.deadline + INVENTORY_SLACK_S, INVENTORY_THREADS,
+                        ", ".join(sorted(asked[f] for f in late)))
+        return {**dict.fromkeys(asked.values()), **inventories}
 
     def start(self) -> Report:
         """Controller start: rebuild the ledger from the store + agents, then reconcile."""

@@ -9,6 +9,10 @@ GiB = 1024**3
 
 
 class RecordingAgent:
+    """Also its own pool (``get`` returns it), as AgentPool is asked for clients."""
+
+    deadline = 10.0   # seconds, as AgentPool.deadline
+
     def __init__(self) -> None:
         self.shares: dict[str, agent_pb2.Share] = {}
 

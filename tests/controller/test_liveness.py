@@ -16,6 +16,8 @@ GiB = 1024**3
 
 
 class _Agents:
+    deadline = 10.0   # seconds, as AgentPool.deadline
+
     def get(self, node: str, address: str) -> _Agents:
         return self
 

@@ -14,6 +14,8 @@ from .test_store import _alloc
 
 
 class _Agents:
+    deadline = 10.0   # seconds, as AgentPool.deadline
+
     def __init__(self) -> None:
         self.released: list[str] = []
 

@@ -53,6 +53,8 @@ class _Agent:
 
 
 class _Agents:
+    deadline = 10.0   # seconds, as AgentPool.deadline
+
     def get(self, node, address):
         return _Agent()
 

@@ -165,6 +165,8 @@ class _Down:
 class _Agents:
     """One recording agent per node; a node in ``down`` cannot be reached."""
 
+    deadline = 10.0   # seconds, as AgentPool.deadline
+
     def __init__(self) -> None:
         self.nodes = {"n1": RecordingAgent(), "n2": RecordingAgent()}
         self.down: set[str] = set()

@@ -265,6 +265,27 @@ class AgentClient:
     def ping(self) -> None:
         self._call("Ping", common_pb2.Empty())
 
+    def ping_unwaited(self, done: Callable[[AgentError | None], None]) -> bool:
+        """Ping with no thread waiting for the answer: ``done`` gets None (answered) or the error,
+        from a gRPC thread, so it must not block. The in-cluster controller's heartbeats: with a
+        thread per ping, as many hung agents as threads left none for the others' pings. False,
+        and nothing sent, while the agent's certificate must be looked at first (a look blocks:
+        ``ping`` it in a thread instead)."""
+        if not self._checked.is_set():
+            return False
+        try:
+            call = self._stub.Ping.future(common_pb2.Empty(), timeout=self.deadline)
+        except ValueError as exc:
+            done(self._closed("Ping", exc))
+            return True
+
+        def answered(call: grpc.Future) -> None:
+            error = call.exception()
+            done(None if error is None else self._failed("Ping", error))
+
+        call.add_done_callback(answered)
+        return True
+
     def inventory(self) -> agent_pb2.Inventory:
         return self._call("GetInventory", agent_pb2.GetInventoryRequest())
 

@@ -340,7 +340,7 @@ class KubeController:
         for node in listed:
             name, address = node.metadata.name, self._endpoint(node)
             if address is not None and self._claim_ping(name):
-                sent.append(self._pings.submit(self._ping, name, address, dict(node.metadata.labels or {})))
+                sent.append(self._ping(name, address, dict(node.metadata.labels or {})))
         concurrent.futures.wait(sent, timeout=self.core.settings.heartbeat_timeout / 2)
         if self._capacity_appeared.is_set():
             self._capacity_appeared.clear()
@@ -361,12 +361,46 @@ class KubeController:
         with self._pinging_lock:
             self._pinging.discard(name)
 
-    def _ping(self, name: str, address: str, labels: dict[str, str]) -> None:
+    def _ping(self, name: str, address: str, labels: dict[str, str]) -> concurrent.futures.Future:
+        """The node's heartbeat; done once judged. A known agent is pinged with no thread waiting
+        for it: with a pool thread per ping, PING_THREADS hung agents (a rack cut off) held every
+        thread a deadline and the other nodes' pings queued behind them, past their heartbeat
+        timeout. A new or relabelled node registers, and an agent whose certificate must be
+        looked at first is pinged, in a pool thread."""
+        if self._known(self.store.get_node(name), address, labels):
+            judged: concurrent.futures.Future = concurrent.futures.Future()
+            if self.core.agents.get(name, address).ping_unwaited(
+                    lambda error: self._pinged(name, address, labels, error, judged)):
+                return judged
+        return self._pings.submit(self._ping_or_register, name, address, labels)
+
+    @staticmethod
+    def _known(stored: Node | None, address: str, labels: dict[str, str]) -> bool:
+        """Registered as it is: relabelled, it registers again (the engine matches nodeSelector
+        against the labels it was given, the kubelet against the Node's own, and refuses a Pod
+        they miss)."""
+        return stored is not None and stored.address == address and stored.labels == labels
+
+    def _pinged(self, name: str, address: str, labels: dict[str, str], error: AgentError | None,
+                judged: concurrent.futures.Future) -> None:
+        """A ping's answer (in a gRPC thread: only the heartbeat here, which is in memory)."""
+        try:
+            if error is None and not self.core.heartbeat(name):
+                registered = self._pings.submit(self._ping_or_register, name, address, labels)
+                registered.add_done_callback(lambda _: judged.set_result(None))
+                return
+            if error is not None:
+                log.info("node agent %s at %s unreachable: %s", name, address, error.details)
+            self._ping_done(name)
+        except Exception:
+            log.exception("node %s: its heartbeat failed; the next sync tries again", name)
+            self._ping_done(name)
+        judged.set_result(None)
+
+    def _ping_or_register(self, name: str, address: str, labels: dict[str, str]) -> None:
         try:
             stored = self.store.get_node(name)
-            # relabelled: register again, the engine matches nodeSelector against the labels
-            # it was given (the kubelet against the Node's own, and refuses a Pod they miss)
-            known = stored is not None and stored.address == address and stored.labels == labels
+            known = self._known(stored, address, labels)
             try:
                 if known:  # the ping is the heartbeat: it counts only once the agent answered
                     self.core.agents.get(name, address).ping()

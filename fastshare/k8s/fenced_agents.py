@@ -26,6 +26,9 @@ class FencedAgent:
     def ping(self) -> None:
         self._agent.ping()
 
+    def ping_unwaited(self, done: Callable[[AgentError | None], None]) -> bool:
+        return self._agent.ping_unwaited(done)
+
     def inventory(self) -> agent_pb2.Inventory:
         return self._agent.inventory()
 
@@ -56,6 +59,10 @@ class FencedAgents:
 
     def __init__(self, pool: AgentPool, fence: Fence) -> None:
         self._pool, self._fence = pool, fence
+
+    @property
+    def deadline(self) -> float:
+        return self._pool.deadline
 
     def get(self, node: str, address: str) -> FencedAgent:
         return FencedAgent(self._pool.get(node, address), self._fence)

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from kubernetes import client
@@ -30,6 +31,7 @@ from fastshare.controller.model import Node, State
 from fastshare.controller.store import StoreError
 from fastshare.controller.validation import Request
 from fastshare.device import simnvml
+from fastshare.k8s import controller as k8s_controller
 from fastshare.k8s.controller import KubeController, KubeSettings
 from fastshare.k8s.pods import FASTPOD_LABEL, TEMPLATE_HASH_LABEL, spec_of
 from fastshare.k8s.resources import ALLOCATION_PLURAL, FINALIZER, GROUP, PLURAL, VERSION, fastpod_manifest
@@ -657,6 +659,36 @@ def test_mig_mode_turned_on_under_a_fastpod_replica_keeps_its_gpu_held_and_says_
         finally:   # also when the test failed: a leftover agent would outlive the run
             agent.stop()
             core.delete_node(agent.name)
+
+
+def test_more_hung_agents_than_ping_threads_do_not_make_the_others_miss_their_heartbeats(
+        api_client, namespace, controller, agents, monkeypatch):
+    """Each ping held a pool thread until answered: as many hung agents as the pool has threads
+    (32: a rack cut off) held every thread a deadline, and the other nodes' pings queued behind
+    them, past their heartbeat timeout, so every node was taken for unavailable. Here with one
+    thread and two hung agents (listeners that never speak), whose Nodes are listed first."""
+    monkeypatch.setattr(k8s_controller, "PING_THREADS", 1)
+    c = controller()
+    c.sync_nodes()
+    core = client.CoreV1Api(api_client)
+    hung = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    names = [f"a-hung-{i}-{uuid.uuid4().hex[:4]}" for i in range(len(hung))]
+    try:
+        for name, listener in zip(names, hung, strict=True):
+            register_node(core, SimpleNamespace(name=name, address=f"127.0.0.1:{listener.getsockname()[1]}"))
+        began = time.monotonic()
+        while time.monotonic() - began < 15:   # heartbeat timeout 3 s, deadline 10 s
+            c.sync_nodes()
+            for agent in agents.values():
+                assert c.store.get_node(agent.name).available, f"{time.monotonic() - began:.1f} s in"
+            time.sleep(0.5)
+        assert not any(c.core.is_available(name) for name in names)
+    finally:
+        for name in names:
+            with contextlib.suppress(client.ApiException):
+                core.delete_node(name)
+        for listener in hung:
+            listener.close()
 
 
 def test_a_deleted_node_whose_agent_hangs_does_not_hold_up_the_sync(api_client, namespace, controller,

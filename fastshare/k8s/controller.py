@@ -367,12 +367,21 @@ class KubeController:
         thread a deadline and the other nodes' pings queued behind them, past their heartbeat
         timeout. A new or relabelled node registers, and an agent whose certificate must be
         looked at first is pinged, in a pool thread."""
-        if self._known(self.store.get_node(name), address, labels):
-            judged: concurrent.futures.Future = concurrent.futures.Future()
-            if self.core.agents.get(name, address).ping_unwaited(
-                    lambda error: self._pinged(name, address, labels, error, judged)):
+        judged: concurrent.futures.Future = concurrent.futures.Future()
+
+        def answered(error: AgentError | None) -> None:
+            self._pinged(name, address, labels, error, judged)
+
+        try:
+            if (self._known(self.store.get_node(name), address, labels)
+                    and self.core.agents.get(name, address).ping_unwaited(answered)):
                 return judged
-        return self._pings.submit(self._ping_or_register, name, address, labels)
+            return self._pings.submit(self._ping_or_register, name, address, labels)
+        except Exception:   # e.g. the pool stopped: the node must not stay claimed for good
+            log.exception("node %s: its ping could not be sent; the next sync tries again", name)
+            self._ping_done(name)
+            judged.set_result(None)
+            return judged
 
     @staticmethod
     def _known(stored: Node | None, address: str, labels: dict[str, str]) -> bool:
@@ -434,7 +443,10 @@ class KubeController:
         for name in sorted((set(known) | set(also)) - set(self._nodes)):
             # not missed its heartbeats yet, or looked at already
             if not self.core.is_available(name) and self._claim_ping(name):
-                self._pings.submit(self._forget_if_deleted, name, known.get(name))
+                try:
+                    self._pings.submit(self._forget_if_deleted, name, known.get(name))
+                except RuntimeError:   # stopping: the pool takes no more
+                    self._ping_done(name)
 
     def _forget_if_deleted(self, name: str, stored: Node | None) -> None:
         try:

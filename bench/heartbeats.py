@@ -13,6 +13,11 @@ For each it prints the rate, the latency (p50, p99) and the controller's CPU per
 ``--interval`` (the controller's default is 2 s). The cost of a heartbeat does not grow with
 the number of nodes (a lookup and one row by its key), so two nodes measure it.
 
+In Kubernetes mode the controller sends the heartbeats itself: a Ping to each agent, with no
+thread waiting for it (``AgentClient.ping_unwaited``). The last row sends those to node-1's
+agent, ``--threads`` in flight, and reads this process's CPU per ping (the caller's side, as the
+in-cluster controller pays it).
+
     python bench/heartbeats.py [--seconds 10] [--threads 8] [--interval 2]
 """
 
@@ -26,8 +31,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
 from controller import Cluster, cpu_seconds, p99
 
+from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool
 from fastshare.security.tls import TlsPaths, mtls_channel
 from fastshare.v1 import common_pb2
 from fastshare.v1 import controller_pb2 as pb
@@ -62,6 +69,35 @@ def measure(name: str, call: Callable[[], object], pid: int, threads: int,
             "p99_ms": p99(latencies) * 1e3, "cpu_ms": cpu / len(latencies) * 1e3}
 
 
+def unwaited_pings(agent: AgentClient, in_flight: int, seconds: float) -> dict[str, float]:
+    """Pings kept ``in_flight`` at once for ``seconds``; this process's CPU per ping."""
+    slots, latencies, errors = threading.Semaphore(in_flight), [], []
+
+    def send() -> None:
+        began = time.monotonic()
+
+        def answered(error: AgentError | None) -> None:
+            latencies.append(time.monotonic() - began)
+            if error is not None:
+                errors.append(error)
+            slots.release()
+
+        agent.ping_unwaited(answered)
+
+    cpu, began = time.process_time(), time.monotonic()
+    while time.monotonic() - began < seconds:
+        slots.acquire()
+        send()
+    for _ in range(in_flight):
+        slots.acquire()
+    wall, cpu = time.monotonic() - began, time.process_time() - cpu
+    if errors:
+        raise SystemExit(f"{len(errors)} pings failed, e.g. {errors[0]}")
+    return {"name": "agent Ping, k8s", "rate": len(latencies) / wall,
+            "p50_ms": statistics.median(latencies) * 1e3, "p99_ms": p99(latencies) * 1e3,
+            "cpu_ms": cpu / len(latencies) * 1e3}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="seconds of each closed loop [10]")
@@ -87,6 +123,13 @@ def main() -> None:
                             args.threads, args.seconds)]
             node.close()
             client.close()
+            agents = AgentPool(TlsPaths.in_dir(Path(tmp) / "pki", "controller"))
+            listen = yaml.safe_load((Path(tmp) / "node-1.yaml").read_text())["listen"]
+            agent = agents.get("node-1", listen)
+            agent.ping()   # looks at its certificate: the unwaited pings need a checked agent
+            unwaited_pings(agent, args.threads, 1.0)
+            rows.append(unwaited_pings(agent, args.threads, args.seconds))
+            agents.close()
         finally:
             cluster.stop()
     print(f"{args.threads} callers, {args.seconds:.0f} s each, closed loop")
@@ -94,11 +137,11 @@ def main() -> None:
     for r in rows:
         print(f"{r['name']:16} {r['rate']:>8.0f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
               f"{r['cpu_ms']:>23.3f}")
-    heartbeat, ping = rows
-    nodes = args.interval / (heartbeat["cpu_ms"] / 1e3)
+    heartbeat, ping, k8s = rows
+    standalone, in_cluster = (args.interval / (r["cpu_ms"] / 1e3) for r in (heartbeat, k8s))
     print(f"a heartbeat costs the controller {heartbeat['cpu_ms'] / ping['cpu_ms']:.2f}x a Ping's CPU; "
-          f"one core takes the heartbeats of about {nodes:,.0f} nodes at a {args.interval:g} s interval "
-          "(heartbeats alone)")
+          f"one core takes the heartbeats of about {standalone:,.0f} nodes at a {args.interval:g} s "
+          f"interval (heartbeats alone); in Kubernetes mode, its pings of about {in_cluster:,.0f} nodes")
 
 
 if __name__ == "__main__":

@@ -212,6 +212,9 @@ class Engine:
     def nodes(self) -> list[NodeView]:
         return [n.view for n in self._nodes.values()]
 
+    def has_node(self, name: str) -> bool:
+        return name in self._nodes
+
     @property
     def assignments(self) -> dict[str, Assignment]:
         return dict(self._assignments)

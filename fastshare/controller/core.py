@@ -260,7 +260,9 @@ class ControllerCore:
 
     # -- queries ---------------------------------------------------------------------------------
     def known_gpus(self) -> tuple[list[Gpu], int]:
-        """Every GPU the controller knows, and the most on one node (cached; nodes change rarely).
+        """One GPU of each model and memory size the controller knows, and the most GPUs on one
+        node (cached; nodes change rarely). Validation needs no more, and ran over every GPU for
+        each request: 8 ms of each Allocate at 10,000 nodes.
 
         While a known node has never reported its GPUs (its agent was unreachable since this
         controller started), what the cluster has is unknown: nothing is returned, so validation
@@ -272,7 +274,8 @@ class ControllerCore:
             if any(not n.gpus for n in nodes):
                 cached = ([], 0)
             else:
-                cached = ([g for n in nodes for g in n.gpus], max((len(n.gpus) for n in nodes), default=0))
+                kinds = {(g.model, g.memory_bytes): g for n in nodes for g in n.gpus}
+                cached = (list(kinds.values()), max((len(n.gpus) for n in nodes), default=0))
             self._gpus = cached
         return cached
 

@@ -51,7 +51,8 @@ class Ledger:
         self._oversub = mps_oversubscription
         self._engine = Engine(mps_oversubscription=mps_oversubscription)
         self._views: dict[str, NodeView] = {}
-        self._available: dict[str, bool] = {}
+        self._models: frozenset[str] | None = None   # of the views, worked out when asked (see models)
+        self._down: set[str] = set()   # nodes of the views that are unavailable
         self._cordoned: dict[str, str] = {}   # node -> the operator's reason
         # node -> host (cpu milli, memory MiB) left for the engine's assignments, where a caller
         # knows it (in-cluster: allocatable minus other Pods); else the view's own figures
@@ -129,20 +130,22 @@ class Ledger:
     def reset(self, nodes: Iterable[tuple[NodeView, bool]],
               assignments: Iterable[Assignment]) -> list[tuple[Assignment, str]]:
         """Start over from the state of record (controller start)."""
+        nodes = list(nodes)   # read twice
         with self._lock:
             self._views = {v.name: v for v, _ in nodes}
-            self._available = {v.name: a for v, a in nodes}
-            # recompute: `nodes` may be a one-shot iterable
+            self._models = None
+            self._down = {v.name for v, available in nodes if not available}
             return self._rebuild(assignments)
 
     def set_node(self, view: NodeView, available: bool) -> list[tuple[Assignment, str]]:
         """Add or refresh a node (new inventory or availability); assignments are kept. Returns
         those of its assignments that cannot be counted (their GPU gone), as ``reset`` does."""
         with self._lock:
-            self._available[view.name] = available
+            self._mark(view.name, available)
             if self._views.get(view.name) == view:
                 return []
             self._views[view.name] = view
+            self._models = None
             held = self._take_out(view.name)
             self._engine.add_node(self._view(view))
             return self._put_back(held)
@@ -150,8 +153,10 @@ class Ledger:
     def remove_node(self, name: str) -> None:
         """Forget a node (its assignments must have been released)."""
         with self._lock:
-            for table in (self._views, self._available, self._cordoned, self._host, self._room):
+            for table in (self._views, self._cordoned, self._host, self._room):
                 table.pop(name, None)
+            self._down.discard(name)
+            self._models = None
             self._take_out(name)
 
     def _take_out(self, name: str) -> list[Assignment]:
@@ -182,7 +187,13 @@ class Ledger:
     def set_available(self, name: str, available: bool) -> None:
         with self._lock:
             if name in self._views:
-                self._available[name] = available
+                self._mark(name, available)
+
+    def _mark(self, name: str, available: bool) -> None:
+        if available:
+            self._down.discard(name)
+        else:
+            self._down.add(name)
 
     def set_cordoned(self, name: str, cordoned: bool, reason: str = "") -> None:
         """Cordon (no new work, shares kept) or uncordon a node; unknown names are remembered."""
@@ -246,9 +257,13 @@ class Ledger:
         with self._lock:
             return set(self._views)
 
-    def models(self) -> set[str]:
+    def models(self) -> frozenset[str]:
+        """The GPU models present, kept until a node comes, changes or goes: each request asks,
+        and going over every GPU took 8 ms of each Allocate at 10,000 nodes."""
         with self._lock:
-            return {g.model for v in self._views.values() for g in v.gpus}
+            if self._models is None:
+                self._models = frozenset(g.model for v in self._views.values() for g in v.gpus)
+            return self._models
 
     # -- decisions -----------------------------------------------------------------------------
     def to_request(self, allocation_id: str, spec: Spec) -> Request | Rejection:
@@ -306,7 +321,7 @@ class Ledger:
         out = {n: f"are cordoned: {why}" if why else "are cordoned"
                for n, why in self._cordoned.items() if n in self._views}
         down = "are unavailable (their agent does not answer)"
-        out.update({n: down for n, ok in self._available.items() if not ok})
+        out.update(dict.fromkeys(self._down, down))   # not every node: each request asks
         out.update({n: why for n, why in self._held_out.items() if n in self._views})
         return out
 

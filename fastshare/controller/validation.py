@@ -144,8 +144,8 @@ def _exclusive(spec: Spec, gpus: Sequence[Gpu]) -> None:
 def validate(request: Request, gpus: Sequence[Gpu], max_gpus_per_node: int = 0) -> None:
     """Raise :class:`ValidationError` for the first bad field of ``request``.
 
-    ``gpus``: every GPU the controller knows about (for ranges that depend on the cluster).
-    """
+    ``gpus``: the GPUs the controller knows about, for ranges that depend on the cluster (one
+    of each model and memory size will do)."""
     spec = request.spec
     if not isinstance(spec.kind, Kind):
         raise ValidationError("spec.kind", "must be one of fastpod, mps, exclusive, whole")

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""What the controller's own steps cost as the cluster grows, against a small cluster's.
+
+Builds two clusters in this process, one of ``--small`` nodes (the baseline) and one of
+``--nodes``, each with the real controller core, ledger, placement engine, reconciler and SQLite
+store, and stand-in agents that answer at once (bench/registration_storm.py's), 4 L4 GPUs a node.
+For each it times:
+  - registering every node for the first time (a new cluster, or new racks);
+  - the first Allocate (the engine works out every node's state once);
+  - Allocate and Release afterwards (fastpod shares of 10 % SMs and 1 GiB), CPU ms each;
+  - a full reconcile pass with ``--per-node`` allocations a node held;
+  - building the cluster's status (what `fastshare status` gets), and its size.
+Then prints both and their ratio: a step whose cost grows with the cluster shows a ratio near
+``--nodes / --small``; one that does not, near 1. No gRPC here: bench/controller.py and
+bench/heartbeats.py measure the RPCs.
+
+    python bench/controller_scale.py [--nodes 10000] [--small 100] [--per-node 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from registration_storm import GiB, _Agents
+
+from fastshare.controller import convert
+from fastshare.controller.core import ControllerCore
+from fastshare.controller.model import HOLDING, Kind, Spec
+from fastshare.controller.reconciler import Reconciler
+from fastshare.controller.sqlite_store import SqliteStore
+from fastshare.controller.validation import Request
+
+SPEC = Spec(kind=Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, quota_request=0.5, quota_limit=1.0)
+STEADY = 500   # allocations (and releases) timed after the first
+
+
+def cpu_ms_each(count: int, step) -> float:
+    began = time.process_time()
+    for _ in range(count):
+        step()
+    return (time.process_time() - began) / count * 1e3
+
+
+def measure(nodes: int, per_node: int, state: Path) -> dict[str, float]:
+    store = SqliteStore(state)
+    core = ControllerCore(store, _Agents())
+    reconciler = Reconciler(core)
+    reconciler.start()
+    names = iter(f"gpu-node-{i:05d}" for i in range(nodes))
+    out = {"register_ms": cpu_ms_each(nodes, lambda: core.register_node(next(names), "127.0.0.1:1", {}))}
+    began = time.process_time()
+    core.allocate(Request(spec=SPEC, owner="bench"))
+    out["first_allocate_ms"] = (time.process_time() - began) * 1e3
+    held = []
+
+    def allocate() -> None:
+        held.append(core.allocate(Request(spec=SPEC, owner="bench")))
+
+    out["allocate_ms"] = cpu_ms_each(STEADY, allocate)
+    out["release_ms"] = cpu_ms_each(STEADY, lambda: core.release(held.pop().id))
+    for _ in range(nodes * per_node - 1):
+        core.allocate(Request(spec=SPEC, owner="bench"))
+    began = time.process_time()
+    reconciler.run_once()
+    out["pass_ms"] = (time.process_time() - began) * 1e3
+    began = time.process_time()
+    status = convert.cluster_status(store.list_nodes(), store.list_allocations(HOLDING),
+                                    core.ledger.overcommitted())
+    out["status_ms"] = (time.process_time() - began) * 1e3
+    out["status_mb"] = status.ByteSize() / 1e6
+    store.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=10000, help="nodes of the large cluster [10000]")
+    parser.add_argument("--small", type=int, default=100, help="nodes of the baseline cluster [100]")
+    parser.add_argument("--per-node", type=int, default=2, help="allocations a node holds for the pass [2]")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fs-scale-") as tmp:
+        small = measure(args.small, args.per_node, Path(tmp) / "small.db")
+        large = measure(args.nodes, args.per_node, Path(tmp) / "large.db")
+    rows = [("register a new node (mean over all), CPU ms", "register_ms"),
+            ("first Allocate, CPU ms", "first_allocate_ms"),
+            (f"Allocate (next {STEADY}), CPU ms each", "allocate_ms"),
+            (f"Release ({STEADY}), CPU ms each", "release_ms"),
+            (f"reconcile pass ({args.per_node} allocations a node), CPU ms", "pass_ms"),
+            ("status built, CPU ms", "status_ms"),
+            ("status size, MB", "status_mb")]
+    print(f"{'':52} {f'{args.small:,} nodes':>12} {f'{args.nodes:,} nodes':>14} {'ratio':>7}")
+    for label, key in rows:
+        print(f"{label:52} {small[key]:>12.2f} {large[key]:>14.2f} {large[key] / small[key]:>7.1f}")
+    print(f"(the clusters differ {args.nodes / args.small:.0f}x in size)")
+
+
+if __name__ == "__main__":
+    main()

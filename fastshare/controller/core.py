@@ -259,7 +259,7 @@ class ControllerCore:
         return allocation
 
     # -- queries ---------------------------------------------------------------------------------
-    def known_gpus(self) -> tuple[list[Gpu], int]:
+    def known_gpu_kinds(self) -> tuple[list[Gpu], int]:
         """One GPU of each model and memory size the controller knows, and the most GPUs on one
         node (cached; nodes change rarely). Validation needs no more, and ran over every GPU for
         each request: 8 ms of each Allocate at 10,000 nodes.
@@ -331,7 +331,7 @@ class ControllerCore:
     def _allocate(self, request: Request, lookup: bool, excluded: dict[str, str] | None = None,
                   checked: Collection[str] | None = None) -> tuple[Allocation, object | None]:
         """The allocation, and the durability ticket that covers it (None: everything so far)."""
-        gpus, most = self.known_gpus()
+        gpus, most = self.known_gpu_kinds()
         validate(request, gpus, most)
         request = replace(request, spec=normalise(request.spec))
         if request.idempotency_key and lookup:

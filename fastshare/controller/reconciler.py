@@ -99,16 +99,16 @@ class Reconciler:
 
         if not nodes:
             return {}
+        waited = self.core.agents.deadline + INVENTORY_SLACK_S
         pool = ThreadPoolExecutor(max_workers=min(INVENTORY_THREADS, len(nodes)))
         asked = {pool.submit(fetch, node): node.name for node in nodes}
-        done, late = wait(asked, timeout=self.core.agents.deadline + INVENTORY_SLACK_S)
+        done, late = wait(asked, timeout=waited)
         pool.shutdown(wait=False, cancel_futures=True)   # a late fetch ends with its deadline
         inventories = dict(future.result() for future in done)
         if late:
             log.warning("%d node(s) taken as unreachable this pass, their agents not asked or not answering "
-                        "within %.0f s (more agents than the %d asked at once do not answer): %s", len(late),
-                        self.core.agents.deadline + INVENTORY_SLACK_S, INVENTORY_THREADS,
-                        ", ".join(sorted(asked[f] for f in late)))
+                        "within %.0f s (e.g. more than the %d asked at once hang): %s", len(late), waited,
+                        INVENTORY_THREADS, ", ".join(sorted(asked[f] for f in late)))
         return {**dict.fromkeys(asked.values()), **inventories}
 
     def start(self) -> Report:

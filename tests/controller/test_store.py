@@ -3,6 +3,7 @@
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -149,6 +150,53 @@ def test_nodes_with_gpus(store):
     got = store.get_node("n1")
     assert not got.available and got.last_heartbeat == 5.0
     assert [n.name for n in store.list_nodes()] == ["n1"]
+
+
+class _PausedBeforeGpus:
+    """The listing connection, paused once the nodes are read and before their GPUs are."""
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self.connection, self.reading, self.go_on = connection, threading.Event(), threading.Event()
+
+    def execute(self, query: str, *params):
+        if "FROM gpus" in query:
+            self.reading.set()
+            assert self.go_on.wait(10)
+        return self.connection.execute(query, *params)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def test_a_listing_holds_up_no_write_and_reads_one_snapshot(store):
+    """A listing of a large cluster takes a while (up to a second at 10,000 nodes under load):
+    writes (every Allocate, every heartbeat) must not wait for it, and it must still be the
+    cluster at one moment, each node with its own GPUs."""
+    def node(name: str) -> Node:
+        return Node(name=name, address="127.0.0.1:1", labels={}, available=True, last_heartbeat=1.0,
+                    registered_at=1.0, inventory={},
+                    gpus=[Gpu(i, f"GPU-{name}-{i}", "NVIDIA L4", 22 * 2**30, 58) for i in range(2)])
+
+    for name in ("n0", "n1", "n2"):
+        store.put_node(node(name))
+    store._reader = paused = _PausedBeforeGpus(store._reader)
+    listed: dict[str, list[Node]] = {}
+    listing = threading.Thread(target=lambda: listed.update(nodes=store.list_nodes()))
+    listing.start()
+    assert paused.reading.wait(10)
+    began = time.monotonic()
+    store.delete_node("n1")
+    store.put_node(node("n9"))
+    store.mark_node("n0", available=False)
+    store.create_allocation(_alloc("a1", node="n0"))
+    assert time.monotonic() - began < 5, "the writes waited for the listing"
+    paused.go_on.set()
+    listing.join(10)
+    assert [(n.name, len(n.gpus), n.available) for n in listed["nodes"]] == [
+        ("n0", 2, True), ("n1", 2, True), ("n2", 2, True)]
+    assert [(n.name, len(n.gpus), n.available) for n in store.list_nodes()] == [
+        ("n0", 2, False), ("n2", 2, True), ("n9", 2, True)]
+    assert [a.id for a in store.list_allocations()] == ["a1"]
 
 
 @settings(max_examples=30, deadline=None)

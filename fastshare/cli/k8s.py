@@ -172,11 +172,11 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
 
     from fastshare.controller.agent_client import AgentPool
     from fastshare.controller.core import Settings as CoreSettings
-    from fastshare.heap import freeze_startup_objects
     from fastshare.k8s.controller import KubeController, KubeSettings, run_with_leader_election
     from fastshare.k8s.leader import LeaderElector
     from fastshare.security.certs import CertError
     from fastshare.security.rotation import watch_expiry
+    from fastshare.server_runtime import settle_startup
     from fastshare.stop_signal import stop_on_signals
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -231,7 +231,7 @@ def controller_cmd(kubeconfig, namespace, lease_namespace, lease_name, identity,
             bootstrap_server, _ = bootstrap.serve(f"[::]:{api_port}", tls, issuer)
         except (CertError, OSError, RuntimeError) as exc:
             fail(f"--api-port {api_port}: {exc}")
-    freeze_startup_objects()
+    settle_startup()
     # every change a controller makes checks first that the Lease is still held, and agent calls
     # carry the leader term, which agents that have seen a newer one refuse (see Fence)
     run_with_leader_election(lambda: KubeController(api, agents, settings, core_settings, elector=elector),

@@ -50,10 +50,10 @@ from fastshare.controller.validation import (
     check_node_labels,
     check_node_name,
 )
-from fastshare.heap import freeze_startup_objects
 from fastshare.security.certs import reissue_command
 from fastshare.security.rotation import watch_expiry
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
+from fastshare.server_runtime import settle_after_pass, settle_startup
 from fastshare.sqlite_file import write_failure
 from fastshare.state_lock import StateDirLock
 from fastshare.stop_signal import stop_on_signals
@@ -443,6 +443,7 @@ class ControllerServer:
     def _reconcile(self) -> None:
         while not self._stop.wait(self.config.settings.reconcile_interval):
             self._safe(self.reconciler.run_once)
+            settle_after_pass()
 
     def stop(self, grace: float = 5.0) -> None:
         """Calls get ``grace`` seconds to end; then the agent calls still waiting are cancelled
@@ -465,7 +466,7 @@ class ControllerServer:
         """Until SIGTERM or SIGINT."""
         done = threading.Event()
         stop_on_signals(done)
-        freeze_startup_objects()
+        settle_startup()
         done.wait()
         log.info("stopping")
         self.stop()

@@ -94,6 +94,7 @@ from fastshare.k8s.scheduling import (
 )
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
+from fastshare.server_runtime import settle_after_pass
 
 log = logging.getLogger("fastshare.k8s.controller")
 
@@ -577,6 +578,7 @@ class KubeController:
         answer, and the Node sync (the agents' heartbeats) must not wait behind it."""
         while not self._stop.wait(self.core.settings.reconcile_interval):
             self._safe(self.reconciler.run_once)
+            settle_after_pass()
 
     @staticmethod
     def _safe(fn: Callable[[], object]) -> None:

@@ -24,7 +24,6 @@ import grpc
 from prometheus_client import start_http_server
 
 from fastshare.device import open_devices
-from fastshare.heap import freeze_startup_objects
 from fastshare.mps.control import MpsControl
 from fastshare.node.agent import Agent
 from fastshare.node.config import (
@@ -38,6 +37,7 @@ from fastshare.node.journal import Journal
 from fastshare.node.service import Metrics, NodeAgentService
 from fastshare.security.rotation import watch_expiry
 from fastshare.security.tls import TlsPaths, server_credentials
+from fastshare.server_runtime import settle_startup
 from fastshare.state_lock import LockedError, StateDirLock
 from fastshare.stop_signal import stop_on_signals
 from fastshare.v1 import agent_pb2_grpc
@@ -252,7 +252,7 @@ def serve(config: NodeConfig, cert_renewed: bool = False) -> None:
     log.info("fastshare node agent %s serving (%s%s)", config.node_name, where,
              f", unix={config.unix_socket}" if config.unix_socket else "")
     sd_notify(f"READY=1\nSTATUS=serving {where}")
-    freeze_startup_objects()
+    settle_startup()
     stop.wait()
     log.info("stopping")
     running.stop()

@@ -1,0 +1,61 @@
+"""The servers' interpreter settings: the heap frozen after each pass, cycles still collected."""
+
+import gc
+import sys
+import weakref
+
+import pytest
+
+from fastshare import server_runtime
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture
+def restored():
+    """These settings are the process's own: give the test session its defaults back."""
+    thresholds, interval = gc.get_threshold(), sys.getswitchinterval()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*thresholds)
+    sys.setswitchinterval(interval)
+    server_runtime._last_unfreeze = None
+
+
+def test_before_a_server_starts_a_pass_changes_nothing(restored):
+    frozen = gc.get_freeze_count()
+    garbage = weakref.ref(_Cycle())
+    server_runtime.settle_after_pass()
+    assert gc.get_freeze_count() == frozen
+    gc.collect()
+    assert garbage() is None
+
+
+def test_a_server_collects_what_a_pass_left_and_freezes_what_lives_on(restored):
+    server_runtime.settle_startup()
+    assert gc.get_threshold()[2] == server_runtime.FULL_PASS_THRESHOLD
+    assert sys.getswitchinterval() == pytest.approx(server_runtime.SWITCH_INTERVAL_S)
+    frozen_at_start = gc.get_freeze_count()
+    kept = [_Cycle() for _ in range(1000)]          # the cluster's state, grown since the start
+    dropped = weakref.ref(_Cycle())                  # a pass's cyclic garbage
+    server_runtime.settle_after_pass(now=server_runtime._last_unfreeze + 1)
+    assert dropped() is None
+    assert gc.get_freeze_count() >= frozen_at_start + len(kept)
+    walked = {id(o) for o in gc.get_objects()}   # what a collection still looks at
+    assert not any(id(c) in walked for c in kept)
+
+
+def test_a_cycle_frozen_and_dropped_is_collected_at_the_hourly_full_collection(restored):
+    server_runtime.settle_startup()
+    started = server_runtime._last_unfreeze
+    frozen_cycle = _Cycle()
+    server_runtime.settle_after_pass(now=started + 1)
+    gone = weakref.ref(frozen_cycle)
+    del frozen_cycle
+    server_runtime.settle_after_pass(now=started + 2)
+    assert gone() is not None, "frozen: no collection looks at it until the hourly one"
+    server_runtime.settle_after_pass(now=started + 1 + server_runtime.UNFREEZE_EVERY_S)
+    assert gone() is None

@@ -132,7 +132,7 @@ class Engine:
 
     def remove_node(self, name: str) -> None:
         """Forget a node; refused while assignments still live on it."""
-        held = [a.request.id for a in self._assignments.values() if a.node == name]
+        held = list(self._nodes[name].held)
         if held:
             raise InvalidRequest(f"node {name}: still holds {len(held)} assignment(s), e.g. {held[0]}")
         gone = self._nodes.pop(name)
@@ -217,7 +217,17 @@ class Engine:
 
     @property
     def assignments(self) -> dict[str, Assignment]:
+        """A copy of every assignment: for one, or one node's, see :meth:`assignment` and
+        :meth:`held_on`, which do not copy them all."""
         return dict(self._assignments)
+
+    def assignment(self, request_id: str) -> Assignment | None:
+        return self._assignments.get(request_id)
+
+    def held_on(self, name: str) -> list[Assignment]:
+        """The assignments node ``name`` holds, in the order they were placed or restored."""
+        node = self._nodes.get(name)
+        return [] if node is None else [self._assignments[rid] for rid in node.held]
 
     def to_dict(self) -> dict[str, Any]:
         return {

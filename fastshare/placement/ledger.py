@@ -141,6 +141,7 @@ class NodeRecord:
     memo: dict[tuple, Any] = field(default_factory=dict)
     state: int | None = None   # what its answers depend on, but its name (Engine._state)
     tags: Counter[str] = field(default_factory=Counter)   # task shapes held, see Engine._held_tags
+    held: dict[str, None] = field(default_factory=dict)   # ids of the requests held, in their order
     room: dict[str, tuple[float, float, float]] | None = None   # see Engine._room
 
     def hold(self, r: Request, tag: str) -> None:
@@ -148,11 +149,13 @@ class NodeRecord:
         self.cpu_used += r.cpu_milli
         self.mem_used += r.memory_mib
         self.tags[tag] += 1
+        self.held[r.id] = None
 
     def give_back(self, r: Request, tag: str) -> None:
         """Undo :meth:`hold` of ``r``."""
         self.cpu_used -= r.cpu_milli
         self.mem_used -= r.memory_mib
+        self.held.pop(r.id, None)
         self.tags[tag] -= 1
         if not self.tags[tag]:   # its last holder left
             del self.tags[tag]

@@ -83,6 +83,7 @@ def check_capacity(eng: Engine) -> None:
         mem[a.node] += a.request.memory_mib
     for name, n in nodes.items():
         assert cpu[name] <= n.cpu_milli and mem[name] <= n.memory_mib
+        assert eng.held_on(name) == [a for a in eng.assignments.values() if a.node == name]   # kept per node
     quota: dict[tuple[str, int], float] = {}
     for a in eng.assignments.values():
         if a.request.kind == "fastpod":

@@ -8,6 +8,8 @@ For each it times:
   - registering every node for the first time (a new cluster, or new racks);
   - the first Allocate (the engine works out every node's state once);
   - Allocate and Release afterwards (fastpod shares of 10 % SMs and 1 GiB), CPU ms each;
+  - Allocate with ``--per-node`` allocations a node held and a Pod room set on every node,
+    as the in-cluster controller sets it;
   - a full reconcile pass with ``--per-node`` allocations a node held;
   - building the cluster's status (what `fastshare status` gets), and its size.
 Then prints both and their ratio: a step whose cost grows with the cluster shows a ratio near
@@ -63,6 +65,13 @@ def measure(nodes: int, per_node: int, state: Path) -> dict[str, float]:
     out["release_ms"] = cpu_ms_each(STEADY, lambda: core.release(held.pop().id))
     for _ in range(nodes * per_node - 1):
         core.allocate(Request(spec=SPEC, owner="bench"))
+    for i in range(nodes):   # as the in-cluster controller does: each node's Pod limit
+        core.ledger.set_room(f"gpu-node-{i:05d}", 110)
+    out["allocate_room_ms"] = cpu_ms_each(STEADY, allocate)
+    for _ in range(STEADY):
+        core.release(held.pop().id)
+    for i in range(nodes):
+        core.ledger.set_room(f"gpu-node-{i:05d}", None)
     began = time.process_time()
     reconciler.run_once()
     out["pass_ms"] = (time.process_time() - began) * 1e3
@@ -88,6 +97,7 @@ def main() -> None:
             ("first Allocate, CPU ms", "first_allocate_ms"),
             (f"Allocate (next {STEADY}), CPU ms each", "allocate_ms"),
             (f"Release ({STEADY}), CPU ms each", "release_ms"),
+            ("Allocate, all held, Pod room set (k8s), CPU ms each", "allocate_room_ms"),
             (f"reconcile pass ({args.per_node} allocations a node), CPU ms", "pass_ms"),
             ("status built, CPU ms", "status_ms"),
             ("status size, MB", "status_mb")]

@@ -8,6 +8,7 @@ For each it times:
   - registering every node for the first time (a new cluster, or new racks);
   - the first Allocate (the engine works out every node's state once);
   - Allocate and Release afterwards (fastpod shares of 10 % SMs and 1 GiB), CPU ms each;
+  - Allocate right after a node registered again (what validation knows of the GPUs changes);
   - Allocate with ``--per-node`` allocations a node held and a Pod room set on every node,
     as the in-cluster controller sets it;
   - a full reconcile pass with ``--per-node`` allocations a node held;
@@ -37,6 +38,7 @@ from fastshare.controller.validation import Request
 
 SPEC = Spec(kind=Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, quota_request=0.5, quota_limit=1.0)
 STEADY = 500   # allocations (and releases) timed after the first
+AFTER_CHANGE = 20   # allocations timed, each right after a node registered again
 
 
 def cpu_ms_each(count: int, step) -> float:
@@ -63,6 +65,11 @@ def measure(nodes: int, per_node: int, state: Path) -> dict[str, float]:
 
     out["allocate_ms"] = cpu_ms_each(STEADY, allocate)
     out["release_ms"] = cpu_ms_each(STEADY, lambda: core.release(held.pop().id))
+    spent = 0.0
+    for i in range(AFTER_CHANGE):   # a node registers again (an agent restart, an inventory change)
+        core.register_node(f"gpu-node-{i:05d}", "127.0.0.1:1", {})
+        spent += cpu_ms_each(1, allocate)
+    out["after_change_ms"] = spent / AFTER_CHANGE
     for _ in range(nodes * per_node - 1):
         core.allocate(Request(spec=SPEC, owner="bench"))
     for i in range(nodes):   # as the in-cluster controller does: each node's Pod limit
@@ -97,6 +104,7 @@ def main() -> None:
             ("first Allocate, CPU ms", "first_allocate_ms"),
             (f"Allocate (next {STEADY}), CPU ms each", "allocate_ms"),
             (f"Release ({STEADY}), CPU ms each", "release_ms"),
+            (f"Allocate after a node registered again ({AFTER_CHANGE}), CPU ms", "after_change_ms"),
             ("Allocate, all held, Pod room set (k8s), CPU ms each", "allocate_room_ms"),
             (f"reconcile pass ({args.per_node} allocations a node), CPU ms", "pass_ms"),
             ("status built, CPU ms", "status_ms"),

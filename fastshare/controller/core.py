@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from fastshare.controller import faults
 from fastshare.controller.agent_client import AgentClient, AgentError, AgentPool
 from fastshare.controller.events import EventHub
+from fastshare.controller.gpu_kinds import GpuKinds
 from fastshare.controller.ledger import LOST, Ledger, gpu_view, gpus_gone
 from fastshare.controller.model import (
     FINISHED,
@@ -220,7 +221,8 @@ class ControllerCore:
         # being marked lost can be overwritten, leaving a heartbeating node without new work for
         # good, and a cordon set during a registration can be lost from the store.
         self._node_changes = threading.Lock()
-        self._gpus: tuple[list[Gpu], int] | None = None
+        self._gpu_kinds: GpuKinds | None = None   # read from the store when first asked
+        self._gpu_kinds_lock = threading.Lock()
         self._node_cache: dict[str, Node] = {}   # address and GPUs; every node write goes through put_node
         self._unadopted: dict[str, dict[str, str]] = {}   # node -> share -> why it could not be adopted
         self._sighted: set[str] = set()   # nodes whose inventory this process read (see ``saw``)
@@ -261,23 +263,12 @@ class ControllerCore:
     # -- queries ---------------------------------------------------------------------------------
     def known_gpu_kinds(self) -> tuple[list[Gpu], int]:
         """One GPU of each model and memory size the controller knows, and the most GPUs on one
-        node (cached; nodes change rarely). Validation needs no more, and ran over every GPU for
-        each request: 8 ms of each Allocate at 10,000 nodes.
-
-        While a known node has never reported its GPUs (its agent was unreachable since this
-        controller started), what the cluster has is unknown: nothing is returned, so validation
-        leaves the cluster-dependent ranges to placement, which rejects with a reason instead
-        of calling a valid request invalid."""
-        cached = self._gpus
-        if cached is None:
-            nodes = self.store.list_nodes()
-            if any(not n.gpus for n in nodes):
-                cached = ([], 0)
-            else:
-                kinds = {(g.model, g.memory_bytes): g for n in nodes for g in n.gpus}
-                cached = (list(kinds.values()), max((len(n.gpus) for n in nodes), default=0))
-            self._gpus = cached
-        return cached
+        node (see ``GpuKinds.summary``). Validation needs no more, and ran over every GPU for
+        each request: 8 ms of each Allocate at 10,000 nodes."""
+        with self._gpu_kinds_lock:
+            if self._gpu_kinds is None:
+                self._gpu_kinds = GpuKinds(self.store.list_nodes())
+            return self._gpu_kinds.summary()
 
     def node_facts(self, name: str) -> Node | None:
         """A node's address and GPUs without a store read per request (they change only when
@@ -293,7 +284,9 @@ class ControllerCore:
         """Record a node; every node write goes through here so the cached views stay true."""
         self.store.put_node(node)
         self._node_cache[node.name] = node
-        self._gpus = None
+        with self._gpu_kinds_lock:
+            if self._gpu_kinds is not None:
+                self._gpu_kinds.put(node)
 
     def get(self, allocation_id: str) -> Allocation:
         found = self.store.get_allocation(allocation_id)
@@ -992,7 +985,9 @@ class ControllerCore:
                     ended.append(self._publish(done))
             self.store.delete_node(name)
             self._node_cache.pop(name, None)
-            self._gpus = None
+            with self._gpu_kinds_lock:
+                if self._gpu_kinds is not None:
+                    self._gpu_kinds.remove(name)
             with self._nodes_lock:
                 self._registered.discard(name)
                 self._last_seen.pop(name, None)

@@ -12,7 +12,8 @@ For each it times:
   - Allocate with ``--per-node`` allocations a node held and a Pod room set on every node,
     as the in-cluster controller sets it;
   - a full reconcile pass with ``--per-node`` allocations a node held;
-  - building the cluster's status (what `fastshare status` gets), and its size.
+  - building the cluster's status (what `fastshare status` gets), and its size;
+  - a restart on the same state file: the start (its first pass), and the first Allocate after.
 Then prints both and their ratio: a step whose cost grows with the cluster shows a ratio near
 ``--nodes / --small``; one that does not, near 1. No gRPC here: bench/controller.py and
 bench/heartbeats.py measure the RPCs.
@@ -88,6 +89,15 @@ def measure(nodes: int, per_node: int, state: Path) -> dict[str, float]:
     out["status_ms"] = (time.process_time() - began) * 1e3
     out["status_mb"] = status.ByteSize() / 1e6
     store.close()
+    began = time.process_time()   # a restart: the state file opened again, the same agents
+    store = SqliteStore(state)
+    core = ControllerCore(store, core.agents)
+    Reconciler(core).start()
+    out["start_s"] = time.process_time() - began
+    began = time.process_time()
+    core.allocate(Request(spec=SPEC, owner="bench"))
+    out["first_after_start_ms"] = (time.process_time() - began) * 1e3
+    store.close()
     return out
 
 
@@ -108,7 +118,9 @@ def main() -> None:
             ("Allocate, all held, Pod room set (k8s), CPU ms each", "allocate_room_ms"),
             (f"reconcile pass ({args.per_node} allocations a node), CPU ms", "pass_ms"),
             ("status built, CPU ms", "status_ms"),
-            ("status size, MB", "status_mb")]
+            ("status size, MB", "status_mb"),
+            ("a restart: the start (first pass), CPU s", "start_s"),
+            ("a restart: the first Allocate after it, CPU ms", "first_after_start_ms")]
     print(f"{'':52} {f'{args.small:,} nodes':>12} {f'{args.nodes:,} nodes':>14} {'ratio':>7}")
     for label, key in rows:
         print(f"{label:52} {small[key]:>12.2f} {large[key]:>14.2f} {large[key] / small[key]:>7.1f}")

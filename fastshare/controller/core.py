@@ -270,6 +270,13 @@ class ControllerCore:
                 self._gpu_kinds = GpuKinds(self.store.list_nodes())
             return self._gpu_kinds.summary()
 
+    def warm(self) -> None:
+        """Work out now what the first Allocate would have to (0.7 s at 10,000 nodes): the GPU
+        kinds validation needs, every node's state in the engine. A controller's start does it,
+        so that the first request after it is as quick as the others."""
+        self.known_gpu_kinds()
+        self.ledger.work_out_states()
+
     def node_facts(self, name: str) -> Node | None:
         """A node's address and GPUs without a store read per request (they change only when
         the core itself writes the node; liveness fields of the copy may be stale)."""

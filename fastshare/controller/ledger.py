@@ -350,6 +350,11 @@ class Ledger:
         """Nodes holding as many assignments as they take (see ``set_room``), with why."""
         return dict.fromkeys(self._full, "run as many Pods as they allow (status.allocatable.pods)")
 
+    def work_out_states(self) -> None:
+        """See ``Engine.work_out_states``."""
+        with self._lock:
+            self._engine.work_out_states()
+
     def release(self, allocation_id: str) -> bool:
         """Give back what an allocation holds; False if the engine did not hold it. The node's
         over-committed assignments are judged again (one may fit now)."""

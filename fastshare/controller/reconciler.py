@@ -127,7 +127,9 @@ class Reconciler:
             for assignment, why in self.core.ledger.reset(
                     nodes, [assignment_of(a) for a in holding]):
                 log.error("allocation %s cannot be restored into the ledger: %s", assignment.request.id, why)
-            return self._pass(inventories, asked_at=asked_at)
+            report = self._pass(inventories, asked_at=asked_at)
+            self.core.warm()
+            return report
 
     def _grace_leases(self, holding: list[Allocation]) -> None:
         """Clients cannot renew while the controller is down: a lease gets at least one full

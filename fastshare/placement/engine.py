@@ -743,16 +743,21 @@ class Engine:
             return [((key, n.rank), "", n.state) for n in nodes if (key := key_of(n)) is not None]
         return [((key, n.rank), n.view.name, n.version) for n in nodes if (key := key_of(n)) is not None]
 
+    def work_out_states(self) -> None:
+        """Work out the state of every node that changed since (all, at first): the first request
+        of a shape does, and it took 0.2 s at 10,000 nodes; a controller does it at its start."""
+        for name in list(self._stateless):
+            if (n := self._nodes.get(name)) is not None:
+                self._state(n)
+        self._stateless.clear()
+
     def _every_entry(self, shape: tuple, r: Request) -> list[Entry]:
         """The entries of every node in the heap of ``r``'s shape: one per state, on the word of
         any of its nodes (a shape seen for the first time looks at each state once, not at each
         node: most of a large cluster is alike)."""
         if not self._by_state(shape):
             return self._entries(shape, r, self._nodes.values())
-        for name in list(self._stateless):
-            if (n := self._nodes.get(name)) is not None:
-                self._state(n)
-        self._stateless.clear()
+        self.work_out_states()
         key_of, by_rank = self._entry_key(shape, r), self._by_rank
         return [((key, ranks[0]), "", state) for state, ranks in self._alike.items()
                 if (key := key_of(by_rank[ranks[0]])) is not None]

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from fastshare.controller.core import ControllerCore, Settings
 from fastshare.controller.gpu_kinds import GpuKinds
 from fastshare.controller.model import Gpu, Kind, Node, Spec
+from fastshare.controller.reconciler import Reconciler
 from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.validation import Request, ValidationError
 from fastshare.v1 import agent_pb2
@@ -126,3 +127,28 @@ def test_requests_are_judged_against_the_nodes_as_they_come_and_go_without_readi
         assert len(listings) <= 1
     finally:
         core.store.close()
+
+
+def test_the_first_allocate_after_a_start_finds_the_gpu_kinds_worked_out(tmp_path):
+    """The start works out what the first Allocate would (0.7 s at 10,000 nodes)."""
+    listings = []
+
+    class Store(SqliteStore):
+        def list_nodes(self):
+            listings.append(1)
+            return super().list_nodes()
+
+    agents = _Agents()
+    agents.kind.update(a="l4", b="a100")
+    store = Store(tmp_path / "state.db")
+    core = ControllerCore(store, agents)
+    for name in ("a", "b"):
+        core.register_node(name, f"127.0.0.1:{len(name)}", {})
+    try:
+        restarted = ControllerCore(store, agents)
+        Reconciler(restarted).start()
+        listings.clear()
+        assert restarted.allocate(Request(spec=Spec(Kind.MPS, memory_bytes=30 * GiB), owner="t")).node == "b"
+        assert listings == []
+    finally:
+        store.close()

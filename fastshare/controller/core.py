@@ -1004,8 +1004,8 @@ class ControllerCore:
                     len(ended), ", ".join(a.id for a in ended) or "none")
         return ended
 
-    def adopt_node(self, node: Node, inventory: agent_pb2.Inventory | None) -> None:
-        """At start: a node from the store, reachable (inventory) or not."""
+    def adopt_node(self, node: Node, inventory: agent_pb2.Inventory | None) -> Node:
+        """At start: a node from the store, reachable (inventory) or not; returns it as recorded."""
         now = self.clock()
         if inventory is not None:
             fresh = node_from_inventory(node.name, node.address, node.labels, inventory, now)
@@ -1013,7 +1013,9 @@ class ControllerCore:
             with self._nodes_lock:
                 self._registered.add(node.name)
                 self._last_seen[node.name] = now
-        self.put_node(replace(node, available=inventory is not None))
+        node = replace(node, available=inventory is not None)
+        self.put_node(node)
+        return node
 
 
 def _keep_cordon(fresh: Node, stored: Node | None) -> Node:

@@ -116,9 +116,8 @@ class Reconciler:
         with self._lock:
             asked_at = self.core.clock()
             inventories = self._inventories(unavailable_too=True)
-            for node in self.core.store.list_nodes():
-                self.core.adopt_node(node, inventories.get(node.name))
-            stored = self.core.store.list_nodes()
+            stored = [self.core.adopt_node(node, inventories.get(node.name))
+                      for node in self.core.store.list_nodes()]
             for n in stored:
                 self.core.ledger.set_cordoned(n.name, n.cordoned, n.cordon_reason)
             nodes = [(node_view(n), n.available) for n in stored]

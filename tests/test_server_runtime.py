@@ -35,13 +35,15 @@ def test_before_a_server_starts_a_pass_changes_nothing(restored):
 
 
 def test_a_server_collects_what_a_pass_left_and_freezes_what_lives_on(restored):
+    thresholds = gc.get_threshold()
     server_runtime.settle_startup()
-    assert gc.get_threshold()[2] == server_runtime.FULL_PASS_THRESHOLD
+    assert gc.get_threshold() == thresholds   # a server without passes (the agent) keeps them
     assert sys.getswitchinterval() == pytest.approx(server_runtime.SWITCH_INTERVAL_S)
     frozen_at_start = gc.get_freeze_count()
     kept = [_Cycle() for _ in range(1000)]          # the cluster's state, grown since the start
     dropped = weakref.ref(_Cycle())                  # a pass's cyclic garbage
     server_runtime.settle_after_pass(now=server_runtime._last_unfreeze + 1)
+    assert gc.get_threshold()[2] == server_runtime.FULL_PASS_THRESHOLD
     assert dropped() is None
     assert gc.get_freeze_count() >= frozen_at_start + len(kept)
     walked = {id(o) for o in gc.get_objects()}   # what a collection still looks at

@@ -14,9 +14,12 @@ For each it times:
   - a full reconcile pass with ``--per-node`` allocations a node held;
   - building the cluster's status (what `fastshare status` gets), and its size;
   - a restart on the same state file: the start (its first pass), and the first Allocate after.
-Then prints both and their ratio: a step whose cost grows with the cluster shows a ratio near
-``--nodes / --small``; one that does not, near 1. No gRPC here: bench/controller.py and
-bench/heartbeats.py measure the RPCs.
+The process runs with the servers' interpreter settings (``fastshare/server_runtime.py``), its
+heap settled where a server's periodic pass would have settled it; before 2026-11-28 it ran
+with the interpreter's defaults, whose full collections took a third to a half of the pass and
+status figures at 10,000 nodes. Then prints both and their ratio: a step whose cost grows with
+the cluster shows a ratio near ``--nodes / --small``; one that does not, near 1. No gRPC here:
+bench/controller.py and bench/heartbeats.py measure the RPCs.
 
     python bench/controller_scale.py [--nodes 10000] [--small 100] [--per-node 2]
 """
@@ -24,12 +27,14 @@ bench/heartbeats.py measure the RPCs.
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 from pathlib import Path
 
 from registration_storm import GiB, _Agents
 
+from fastshare import server_runtime
 from fastshare.controller import convert
 from fastshare.controller.core import ControllerCore
 from fastshare.controller.model import HOLDING, Kind, Spec
@@ -38,6 +43,7 @@ from fastshare.controller.sqlite_store import SqliteStore
 from fastshare.controller.validation import Request
 
 SPEC = Spec(kind=Kind.FASTPOD, sm_percent=10, memory_bytes=GiB, quota_request=0.5, quota_limit=1.0)
+DEFAULT_THRESHOLDS = gc.get_threshold()
 STEADY = 500   # allocations (and releases) timed after the first
 AFTER_CHANGE = 20   # allocations timed, each right after a node registered again
 
@@ -56,6 +62,7 @@ def measure(nodes: int, per_node: int, state: Path) -> dict[str, float]:
     reconciler.start()
     names = iter(f"gpu-node-{i:05d}" for i in range(nodes))
     out = {"register_ms": cpu_ms_each(nodes, lambda: core.register_node(next(names), "127.0.0.1:1", {}))}
+    server_runtime.settle_after_pass()   # as a server's periodic pass would have by now
     began = time.process_time()
     core.allocate(Request(spec=SPEC, owner="bench"))
     out["first_allocate_ms"] = (time.process_time() - began) * 1e3
@@ -73,6 +80,7 @@ def measure(nodes: int, per_node: int, state: Path) -> dict[str, float]:
     out["after_change_ms"] = spent / AFTER_CHANGE
     for _ in range(nodes * per_node - 1):
         core.allocate(Request(spec=SPEC, owner="bench"))
+    server_runtime.settle_after_pass()
     for i in range(nodes):   # as the in-cluster controller does: each node's Pod limit
         core.ledger.set_room(f"gpu-node-{i:05d}", 110)
     out["allocate_room_ms"] = cpu_ms_each(STEADY, allocate)
@@ -83,17 +91,23 @@ def measure(nodes: int, per_node: int, state: Path) -> dict[str, float]:
     began = time.process_time()
     reconciler.run_once()
     out["pass_ms"] = (time.process_time() - began) * 1e3
+    server_runtime.settle_after_pass()
     began = time.process_time()
     status = convert.cluster_status(store.list_nodes(), store.list_allocations(HOLDING),
                                     core.ledger.overcommitted())
     out["status_ms"] = (time.process_time() - began) * 1e3
     out["status_mb"] = status.ByteSize() / 1e6
     store.close()
-    began = time.process_time()   # a restart: the state file opened again, the same agents
+    # A restart: the state file opened again, the same agents. A new process starts with the
+    # interpreter's defaults; a server settles its heap once it has started (serve_forever).
+    gc.unfreeze()
+    gc.set_threshold(*DEFAULT_THRESHOLDS)
+    began = time.process_time()
     store = SqliteStore(state)
     core = ControllerCore(store, core.agents)
     Reconciler(core).start()
     out["start_s"] = time.process_time() - began
+    server_runtime.settle_startup()
     began = time.process_time()
     core.allocate(Request(spec=SPEC, owner="bench"))
     out["first_after_start_ms"] = (time.process_time() - began) * 1e3
@@ -107,6 +121,7 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=100, help="nodes of the baseline cluster [100]")
     parser.add_argument("--per-node", type=int, default=2, help="allocations a node holds for the pass [2]")
     args = parser.parse_args()
+    server_runtime.settle_startup()   # the servers' interpreter settings, as they run
     with tempfile.TemporaryDirectory(prefix="fs-scale-") as tmp:
         small = measure(args.small, args.per_node, Path(tmp) / "small.db")
         large = measure(args.nodes, args.per_node, Path(tmp) / "large.db")

@@ -160,10 +160,9 @@ class Ledger:
             self._models = None
             held = self._take_out(view.name)
             self._engine.add_node(self._view(view))
-            try:
-                return self._put_back(held)
-            finally:
-                self._recount(view.name)
+            failed = self._put_back(held)   # raises nothing: what cannot be counted is returned
+            self._recount(view.name)
+            return failed
 
     def remove_node(self, name: str) -> None:
         """Forget a node (its assignments must have been released)."""

@@ -61,3 +61,38 @@ def test_a_cycle_frozen_and_dropped_is_collected_at_the_hourly_full_collection(r
     assert gone() is not None, "frozen: no collection looks at it until the hourly one"
     server_runtime.settle_after_pass(now=started + 1 + server_runtime.UNFREEZE_EVERY_S)
     assert gone() is None
+
+
+def test_a_paused_build_runs_no_collection_and_outside_a_server_only_resumes_it(restored):
+    frozen, collections = gc.get_freeze_count(), []
+    callback = lambda phase, info: collections.append(phase)  # noqa: E731
+    gc.callbacks.append(callback)
+    try:
+        with server_runtime.collection_paused():
+            built = [_Cycle() for _ in range(20_000)]   # some 30 young collections' worth
+            during = len(collections)
+    finally:
+        gc.callbacks.remove(callback)
+    assert during == 0 and len(built) == 20_000
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+def test_a_server_collects_what_its_paused_build_left_and_freezes_the_rest_before_resuming(restored):
+    server_runtime.settle_startup()
+    frozen = gc.get_freeze_count()
+    with pytest.raises(RuntimeError), server_runtime.collection_paused():
+        kept = [_Cycle() for _ in range(1000)]
+        dropped = weakref.ref(_Cycle())
+        raise RuntimeError("a start that failed half-way")
+    assert dropped() is None
+    assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(kept)
+
+
+def test_a_collector_turned_off_before_stays_off(restored):
+    gc.disable()
+    try:
+        with server_runtime.collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -99,6 +99,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     from fastshare.node.config import ConfigError, check_hostport
     from fastshare.security.certs import CertError, validate_name
     from fastshare.security.tls import TlsPaths
+    from fastshare.server_runtime import settle_startup
     from fastshare.state_lock import LockedError
 
     values = {**_load(config_path), **{k: v for k, v in flags.items() if v is not None}}
@@ -148,6 +149,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         agent_deadline=_number(values, "agent_deadline", 10.0),
         mps_oversubscription=_number(values, "mps_oversubscription", 1.0))
     server = ControllerServer(config)
+    settle_startup()   # a server from here on: its start loads the cluster with the collector paused
     try:
         server.start()
     except LockedError as exc:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from fastshare.controller.agent_client import AgentError
 from fastshare.controller.core import ID_PREFIX, AgentFailed, ControllerCore, assignment_of, node_view
 from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, State, sequence_of
+from fastshare.server_runtime import collection_paused
 from fastshare.v1 import agent_pb2
 
 log = logging.getLogger("fastshare.controller.reconciler")
@@ -81,14 +82,14 @@ class Reconciler:
             return self.core.store.list_allocations(HOLDING)
         return [a for n in sorted(names) for a in self.core.store.list_allocations(HOLDING, node=n)]
 
-    def _inventories(self, names: set[str] | None = None,
+    def _inventories(self, nodes: list[Node],
                      unavailable_too: bool = False) -> dict[str, agent_pb2.Inventory | None]:
         """The inventories of the nodes' agents (None: unreachable). A node that missed its
         heartbeats is not asked unless ``unavailable_too`` (the start, which has heard none yet):
         an agent that does not answer (hung, or its host cut off with its connection open) held
         every pass a whole deadline, and the registrations' passes waited behind it. Its records
         are left as an unreachable agent's; the first pass after it is back reconciles it."""
-        nodes = [n for n in self._nodes(names) if unavailable_too or self.core.is_available(n.name)]
+        nodes = [n for n in nodes if unavailable_too or self.core.is_available(n.name)]
 
         def fetch(node):
             try:
@@ -113,11 +114,11 @@ class Reconciler:
 
     def start(self) -> Report:
         """Controller start: rebuild the ledger from the store + agents, then reconcile."""
-        with self._lock:
+        with self._lock, collection_paused():
             asked_at = self.core.clock()
-            inventories = self._inventories(unavailable_too=True)
-            stored = [self.core.adopt_node(node, inventories.get(node.name))
-                      for node in self.core.store.list_nodes()]
+            listed = self.core.store.list_nodes()
+            inventories = self._inventories(listed, unavailable_too=True)
+            stored = [self.core.adopt_node(node, inventories.get(node.name)) for node in listed]
             for n in stored:
                 self.core.ledger.set_cordoned(n.name, n.cordoned, n.cordon_reason)
             nodes = [(node_view(n), n.available) for n in stored]
@@ -148,7 +149,11 @@ class Reconciler:
         only = None if nodes is None else set(nodes)
         with self._lock:
             asked_at = self.core.clock()
-            report = self._pass(self._inventories(only), only, asked_at)
+            inventories = self._inventories(self._nodes(only))
+            for node in self._nodes(only):   # read again: after the inventories were asked for
+                if inventories.get(node.name) is not None:
+                    self.core.refresh_node(node, inventories[node.name])
+            report = self._pass(inventories, only, asked_at)
             if nodes is None and (self._pruned_at is None
                                   or time.monotonic() - self._pruned_at >= self.PRUNE_EVERY):
                 self._pruned_at = time.monotonic()
@@ -163,9 +168,6 @@ class Reconciler:
         for name, inventory in inventories.items():
             if inventory is not None:
                 self.core.saw(name, inventory)
-        for node in self._nodes(only):
-            if inventories.get(node.name) is not None:
-                self.core.refresh_node(node, inventories[node.name])
         holding = self._holding(only)
         reached = {n: inv for n, inv in inventories.items() if inv is not None}
         shares = {n: {s.id for s in inv.shares} for n, inv in reached.items()}

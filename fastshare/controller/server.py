@@ -53,7 +53,7 @@ from fastshare.controller.validation import (
 from fastshare.security.certs import reissue_command
 from fastshare.security.rotation import watch_expiry
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
-from fastshare.server_runtime import settle_after_pass, settle_startup
+from fastshare.server_runtime import settle_after_pass
 from fastshare.sqlite_file import write_failure
 from fastshare.state_lock import StateDirLock
 from fastshare.stop_signal import stop_on_signals
@@ -466,7 +466,6 @@ class ControllerServer:
         """Until SIGTERM or SIGINT."""
         done = threading.Event()
         stop_on_signals(done)
-        settle_startup()
         done.wait()
         log.info("stopping")
         self.stop()

@@ -81,7 +81,9 @@ def controller() -> None:
               help="What API clients must present [cert].")
 @click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False),
               help="Accepted bearer tokens, one per line.")
-@click.option("--heartbeat-interval", type=float, help="Seconds between agent heartbeats [2].")
+@click.option("--heartbeat-interval", type=float,
+              help="Seconds between agent heartbeats [2]; agents are told longer ones past 1,000 heartbeats "
+                   "a second (10 s at 10,000 nodes), and the timeout stretches as much.")
 @click.option("--heartbeat-timeout", type=float, help="Silence after which a node is unavailable [8].")
 @click.option("--reconcile-interval", type=float, help="Seconds between reconciler passes [5].")
 @click.option("--agent-deadline", type=float, help="Deadline of every RPC to an agent, seconds [10].")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import threading
 import time
@@ -63,6 +64,9 @@ _KINDS = {Kind.FASTPOD: common_pb2.SHARE_KIND_FASTPOD, Kind.MPS: common_pb2.SHAR
 
 
 _RENEWABLE = (State.PENDING, State.PREPARED, State.ACTIVE)
+# The most heartbeats a second a controller asks its agents for: at 0.25 CPU ms each
+# (bench/heartbeats.py) a quarter of a core; past it the interval grows with the cluster.
+HEARTBEATS_PER_SECOND = 1000
 # how an active allocation's reason starts while its GPU no longer takes it
 OVER_COMMITTED = "over-committed: "
 
@@ -148,8 +152,8 @@ class AgentFailed(Exception):
 
 @dataclass(frozen=True)
 class Settings:
-    heartbeat_interval: float = 2.0      # what agents are told to use
-    heartbeat_timeout: float = 8.0       # silence after which a node is unavailable
+    heartbeat_interval: float = 2.0      # what agents are told to use (longer in a large cluster)
+    heartbeat_timeout: float = 8.0       # silence after which a node is unavailable (as much longer)
     reconcile_interval: float = 5.0
     busy_wait: float = 30.0              # how long Release waits for an in-flight Allocate
     # How long released and failed allocations stay readable (Get, `status --all`, a retried
@@ -215,6 +219,7 @@ class ControllerCore:
         self._busy_cond = threading.Condition()
         self._registered: set[str] = set()    # nodes that registered with THIS process
         self._last_seen: dict[str, float] = {}
+        self._size_interval = 0   # see interval_for_size
         self._nodes_lock = threading.Lock()
         # Orders the changes to a node (register, heartbeat, liveness check, refresh, cordon) with
         # their writes to the store and the ledger: otherwise a heartbeat landing while a node is
@@ -304,6 +309,26 @@ class ControllerCore:
     def is_available(self, node: str) -> bool:
         with self._nodes_lock:
             return node in self._registered and node in self._last_seen
+
+    def interval_for_size(self) -> int:
+        """The shortest heartbeat interval, in whole seconds, at which the nodes registered with
+        this process send no more than ``HEARTBEATS_PER_SECOND`` (10 s at 10,000 nodes; 0 below
+        1,000). It never shortens in a process, so no agent waits longer between two heartbeats
+        than the timeout allows (an agent takes a new interval at its next heartbeat)."""
+        with self._nodes_lock:
+            self._size_interval = max(self._size_interval,
+                                      math.ceil(len(self._registered) / HEARTBEATS_PER_SECOND))
+            return self._size_interval
+
+    def heartbeat_interval(self) -> int:
+        """Whole seconds agents are told to heartbeat at: the settings' interval, or longer in a
+        large cluster (older agents keep the one given at registration, never longer)."""
+        return max(1, round(self.settings.heartbeat_interval), self.interval_for_size())
+
+    def heartbeat_timeout(self) -> float:
+        """The settings' timeout, stretched as the interval is (4 intervals by default)."""
+        stretch = self.interval_for_size() / self.settings.heartbeat_interval
+        return self.settings.heartbeat_timeout * max(1.0, stretch)
 
     # -- allocate --------------------------------------------------------------------------------
     def allocate(self, request: Request, lookup: bool = True, excluded: dict[str, str] | None = None,
@@ -912,11 +937,12 @@ class ControllerCore:
     def check_liveness(self) -> list[str]:
         """Mark nodes that missed their heartbeats unavailable; returns their names."""
         now = self.clock()
+        timeout = self.heartbeat_timeout()
         lost = []
         with self._node_changes:
             with self._nodes_lock:
                 for name, seen in list(self._last_seen.items()):
-                    if now - seen > self.settings.heartbeat_timeout:
+                    if now - seen > timeout:
                         del self._last_seen[name]
                         lost.append(name)
             for name in lost:

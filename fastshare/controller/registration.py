@@ -134,10 +134,12 @@ class Registrar:
             try:
                 if not self.registered.is_set():
                     self._register()
-                elif not self._stub.Heartbeat(pb.HeartbeatRequest(node=self.node_name),
-                                              timeout=DEADLINE).registered:
-                    self.registered.clear()
-                    continue           # register again at once
+                else:
+                    reply = self._stub.Heartbeat(pb.HeartbeatRequest(node=self.node_name), timeout=DEADLINE)
+                    if not reply.registered:
+                        self.registered.clear()
+                        continue           # register again at once
+                    self.interval = float(reply.heartbeat_interval_seconds or self.interval)
                 backoff = 0.5
                 wait = self.interval
             except grpc.RpcError as exc:

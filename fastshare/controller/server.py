@@ -366,13 +366,13 @@ class RegistryServicer(pb_grpc.NodeRegistryServicer):
                                                        f"{exc}")
         except Exception as exc:
             _fail(context, "RegisterNode", exc)
-        return pb.RegisterNodeResponse(
-            heartbeat_interval_seconds=max(1, round(self.core.settings.heartbeat_interval)))
+        return pb.RegisterNodeResponse(heartbeat_interval_seconds=self.core.heartbeat_interval())
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         self._node_identity(context, request.node)
         try:
-            return pb.HeartbeatResponse(registered=self.core.heartbeat(request.node))
+            return pb.HeartbeatResponse(registered=self.core.heartbeat(request.node),
+                                        heartbeat_interval_seconds=self.core.heartbeat_interval())
         except Exception as exc:
             _fail(context, "Heartbeat", exc)
 

@@ -566,7 +566,9 @@ class KubeController:
     def _sync_nodes_periodically(self) -> None:
         s = self.settings
         next_resync = time.monotonic()
-        while not self._stop.wait(s.node_interval):
+        # past HEARTBEATS_PER_SECOND agents (2,000 at 2 s) the pings go out less often, and the
+        # heartbeat timeout stretches as much (the core's Settings.heartbeat_interval is node_interval)
+        while not self._stop.wait(max(s.node_interval, self.core.interval_for_size())):
             self._safe(self.sync_nodes)
             now = time.monotonic()
             if now >= next_resync:

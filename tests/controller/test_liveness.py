@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+from fastshare.controller import core as core_module
 from fastshare.controller.core import ControllerCore, Settings
 from fastshare.controller.model import Kind, Spec
 from fastshare.controller.sqlite_store import SqliteStore
@@ -20,6 +21,9 @@ class _Agents:
 
     def get(self, node: str, address: str) -> _Agents:
         return self
+
+    def drop(self, node: str) -> None:
+        pass
 
     def inventory(self) -> agent_pb2.Inventory:
         return agent_pb2.Inventory(gpus=[agent_pb2.Gpu(index=0, uuid="GPU-0", name="NVIDIA L4",
@@ -97,3 +101,29 @@ def test_a_cordon_set_during_a_registration_is_kept_in_the_store(tmp_path):
         assert not _fits(core, "fs-1")                 # and the ledger agrees
     finally:
         store.close()
+
+
+def test_a_large_cluster_is_told_a_longer_interval_and_judged_by_a_longer_timeout(tmp_path, monkeypatch):
+    """Past HEARTBEATS_PER_SECOND (here 2 a second, for 5 nodes: 3 s) the agents are told a
+    longer interval and the timeout stretches with it (8 s for 2 s: 12 s). Forgetting nodes
+    does not shorten either: agents told the longer one still wait it before their next."""
+    monkeypatch.setattr(core_module, "HEARTBEATS_PER_SECOND", 2)
+    clock = _Clock()
+    core = ControllerCore(SqliteStore(tmp_path / "state.db"), _Agents(),
+                          Settings(heartbeat_interval=2.0, heartbeat_timeout=8.0), clock=clock)
+    try:
+        core.register_node("n0", "127.0.0.1:1", {})
+        assert core.heartbeat_interval() == 2 and core.heartbeat_timeout() == 8.0   # the settings'
+        for i in range(1, 5):
+            core.register_node(f"n{i}", "127.0.0.1:1", {})
+        assert core.heartbeat_interval() == 3 and core.heartbeat_timeout() == 12.0
+        clock.now += 11   # past the settings' timeout, within the stretched one
+        assert core.check_liveness() == []
+        assert all(core.is_available(f"n{i}") for i in range(5))
+        clock.now += 2
+        assert sorted(core.check_liveness()) == [f"n{i}" for i in range(5)]
+        for i in range(4):
+            core.forget_node(f"n{i}")
+        assert core.heartbeat_interval() == 3 and core.heartbeat_timeout() == 12.0
+    finally:
+        core.store.close()

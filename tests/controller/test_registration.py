@@ -131,3 +131,40 @@ def test_the_controller_and_the_agent_warn_at_start_of_their_certificate_ending_
     agent = cluster.start_agent("n1")
     wait_for(lambda: "n1.crt expires on" in agent.output(), 30, "the agent's warning")
     assert "WARNING" in agent.output() and "fastshare certs issue --role node --name n1" in agent.output()
+
+
+def test_the_registrar_heartbeats_at_the_interval_each_heartbeat_reply_gives(tmp_path):
+    """A controller of a large cluster asks for longer intervals in its replies; a reply
+    without one (0: a controller from before) keeps the interval the agent has."""
+    pki = Pki(tmp_path)
+    pki.issue("node-x")
+
+    class Stretching(Registry):
+        def __init__(self) -> None:
+            super().__init__()
+            self.beats = 0
+
+        def Heartbeat(self, request, context):
+            self.beats += 1
+            self.heartbeats.release()
+            return pb.HeartbeatResponse(registered=True,
+                                        heartbeat_interval_seconds=3 if self.beats == 2 else 0)
+
+    registry = Stretching()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_NodeRegistryServicer_to_server(registry, server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(TlsPaths.in_dir(pki.dir, "controller")))
+    server.start()
+    registrar = Registrar(f"127.0.0.1:{port}", "node-x", "127.0.0.1:1", TlsPaths.in_dir(pki.dir, "node-x"),
+                          controller_name="controller").start()
+    try:
+        for _ in range(2):
+            assert registry.heartbeats.acquire(timeout=10)
+        wait_for(lambda: registrar.interval == 3.0, timeout=5, what="the interval of the reply")
+        began = time.monotonic()
+        assert registry.heartbeats.acquire(timeout=10)   # the third: 3 s after the second
+        assert registrar.interval == 3.0, "a reply without an interval keeps the one given"
+        assert time.monotonic() - began > 2.0
+    finally:
+        registrar.stop()
+        server.stop(None)

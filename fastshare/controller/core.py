@@ -325,6 +325,12 @@ class ControllerCore:
         large cluster (older agents keep the one given at registration, never longer)."""
         return max(1, round(self.settings.heartbeat_interval), self.interval_for_size())
 
+    def pass_interval(self) -> float:
+        """Seconds between two reconcile passes: the settings' interval, or in a large cluster
+        that of the heartbeats (a pass asks every available agent for its inventory: at most
+        ``HEARTBEATS_PER_SECOND`` of those asks too)."""
+        return max(self.settings.reconcile_interval, self.interval_for_size())
+
     def heartbeat_timeout(self) -> float:
         """The settings' timeout, stretched as the interval is (4 intervals by default)."""
         stretch = self.interval_for_size() / self.settings.heartbeat_interval

@@ -441,7 +441,7 @@ class ControllerServer:
             self._safe(self.core.check_liveness)
 
     def _reconcile(self) -> None:
-        while not self._stop.wait(self.config.settings.reconcile_interval):
+        while not self._stop.wait(self.core.pass_interval()):
             self._safe(self.reconciler.run_once)
             settle_after_pass()
 

@@ -578,7 +578,7 @@ class KubeController:
     def _reconcile_periodically(self) -> None:
         """In a thread of its own: a pass waits a whole deadline on an agent that does not
         answer, and the Node sync (the agents' heartbeats) must not wait behind it."""
-        while not self._stop.wait(self.core.settings.reconcile_interval):
+        while not self._stop.wait(self.core.pass_interval()):
             self._safe(self.reconciler.run_once)
             settle_after_pass()
 

@@ -105,18 +105,22 @@ def test_a_cordon_set_during_a_registration_is_kept_in_the_store(tmp_path):
 
 def test_a_large_cluster_is_told_a_longer_interval_and_judged_by_a_longer_timeout(tmp_path, monkeypatch):
     """Past HEARTBEATS_PER_SECOND (here 2 a second, for 5 nodes: 3 s) the agents are told a
-    longer interval and the timeout stretches with it (8 s for 2 s: 12 s). Forgetting nodes
-    does not shorten either: agents told the longer one still wait it before their next."""
+    longer interval, the timeout stretches with it (8 s for 2 s: 12 s), and reconcile passes
+    come no oftener. Forgetting nodes does not shorten the interval: agents told the longer one
+    still wait it before their next heartbeat."""
     monkeypatch.setattr(core_module, "HEARTBEATS_PER_SECOND", 2)
     clock = _Clock()
     core = ControllerCore(SqliteStore(tmp_path / "state.db"), _Agents(),
-                          Settings(heartbeat_interval=2.0, heartbeat_timeout=8.0), clock=clock)
+                          Settings(heartbeat_interval=2.0, heartbeat_timeout=8.0, reconcile_interval=2.5),
+                          clock=clock)
     try:
         core.register_node("n0", "127.0.0.1:1", {})
         assert core.heartbeat_interval() == 2 and core.heartbeat_timeout() == 8.0   # the settings'
+        assert core.pass_interval() == 2.5
         for i in range(1, 5):
             core.register_node(f"n{i}", "127.0.0.1:1", {})
         assert core.heartbeat_interval() == 3 and core.heartbeat_timeout() == 12.0
+        assert core.pass_interval() == 3, "a pass asks every agent too: no oftener than their heartbeats"
         clock.now += 11   # past the settings' timeout, within the stretched one
         assert core.check_liveness() == []
         assert all(core.is_available(f"n{i}") for i in range(5))

@@ -312,12 +312,14 @@ class ControllerCore:
 
     def interval_for_size(self) -> int:
         """The shortest heartbeat interval, in whole seconds, at which the nodes registered with
-        this process send no more than ``HEARTBEATS_PER_SECOND`` (10 s at 10,000 nodes; 0 below
-        1,000). It never shortens in a process, so no agent waits longer between two heartbeats
-        than the timeout allows (an agent takes a new interval at its next heartbeat)."""
+        this process send no more than ``HEARTBEATS_PER_SECOND`` (10 s at 10,000 nodes); 0 while
+        the settings' interval keeps them under it. It never shortens in a process, so no agent
+        waits longer between two heartbeats than the timeout allows (an agent takes a new
+        interval at its next heartbeat)."""
         with self._nodes_lock:
-            self._size_interval = max(self._size_interval,
-                                      math.ceil(len(self._registered) / HEARTBEATS_PER_SECOND))
+            needed = len(self._registered) / HEARTBEATS_PER_SECOND
+            if needed > self.settings.heartbeat_interval:
+                self._size_interval = max(self._size_interval, math.ceil(needed))
             return self._size_interval
 
     def heartbeat_interval(self) -> int:

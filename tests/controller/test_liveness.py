@@ -131,3 +131,17 @@ def test_a_large_cluster_is_told_a_longer_interval_and_judged_by_a_longer_timeou
         assert core.heartbeat_interval() == 3 and core.heartbeat_timeout() == 12.0
     finally:
         core.store.close()
+
+
+def test_a_small_cluster_keeps_its_settings_even_below_one_second(tmp_path):
+    """The in-cluster controller pings every --node-interval (down to 0.1 s), its core's
+    heartbeat interval: a few nodes change nothing of it, nor of the timeout or the passes."""
+    core = ControllerCore(SqliteStore(tmp_path / "state.db"), _Agents(),
+                          Settings(heartbeat_interval=0.5, heartbeat_timeout=3.0, reconcile_interval=0.5))
+    try:
+        for i in range(3):
+            core.register_node(f"n{i}", "127.0.0.1:1", {})
+        assert core.interval_for_size() == 0
+        assert core.heartbeat_timeout() == 3.0 and core.pass_interval() == 0.5
+    finally:
+        core.store.close()

@@ -16,8 +16,12 @@ class _Cycle:
 
 @pytest.fixture
 def restored():
-    """These settings are the process's own: give the test session its defaults back."""
+    """These settings are the process's own: each test starts in a process that is no server
+    yet (an in-process `controller serve` of an earlier test may have made it one), and the test
+    session gets its settings back."""
     thresholds, interval = gc.get_threshold(), sys.getswitchinterval()
+    gc.unfreeze()
+    server_runtime._last_unfreeze = None
     yield
     gc.unfreeze()
     gc.set_threshold(*thresholds)

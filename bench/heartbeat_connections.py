@@ -93,10 +93,11 @@ def main() -> None:
     parser.add_argument("--connections", default="100,1000,10000",
                         help="counts of separate connections, the first the baseline [100,1000,10000]")
     parser.add_argument("--rate", type=float, default=1000.0, help="heartbeats a second in total [1000]")
-    parser.add_argument("--seconds", type=float, default=20.0, help="seconds of heartbeats at each count [20]")
+    parser.add_argument("--seconds", type=float, default=20.0,
+                        help="seconds of heartbeats at each count [20]")
     args = parser.parse_args()
     counts = [int(c) for c in args.connections.split(",")]
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if max(counts) + 500 > hard:
         raise SystemExit(f"--connections {max(counts)}: this machine allows {hard} open files a process; "

@@ -30,7 +30,14 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from fastshare.controller.agent_client import AgentError
-from fastshare.controller.core import ID_PREFIX, AgentFailed, ControllerCore, assignment_of, node_view
+from fastshare.controller.core import (
+    ID_PREFIX,
+    AgentFailed,
+    ControllerCore,
+    assignment_of,
+    node_from_inventory,
+    node_view,
+)
 from fastshare.controller.model import FINISHED, HOLDING, Allocation, Node, State, sequence_of
 from fastshare.server_runtime import collection_paused
 from fastshare.v1 import agent_pb2
@@ -149,10 +156,16 @@ class Reconciler:
         only = None if nodes is None else set(nodes)
         with self._lock:
             asked_at = self.core.clock()
-            inventories = self._inventories(self._nodes(only))
-            for node in self._nodes(only):   # read again: after the inventories were asked for
-                if inventories.get(node.name) is not None:
-                    self.core.refresh_node(node, inventories[node.name])
+            listed = self._nodes(only)
+            inventories = self._inventories(listed)
+            for node in listed:
+                inventory = inventories.get(node.name)
+                if inventory is None or node_from_inventory(node.name, node.address, node.labels, inventory,
+                                                            node.last_heartbeat).gpus == node.gpus:
+                    continue
+                # read again: a registration since the listing may have changed its address or labels
+                if (current := self.core.store.get_node(node.name)) is not None:
+                    self.core.refresh_node(current, inventory)
             report = self._pass(inventories, only, asked_at)
             if nodes is None and (self._pruned_at is None
                                   or time.monotonic() - self._pruned_at >= self.PRUNE_EVERY):

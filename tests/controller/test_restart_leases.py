@@ -4,7 +4,6 @@ while the controller was down. The agent is a recording stand-in."""
 
 from __future__ import annotations
 
-import gc
 import time
 
 import pytest
@@ -76,32 +75,3 @@ def test_first_pass_after_a_restart_prepares_a_lost_share_of_a_leased_allocation
     leased = restarted.get("fs-leased")
     assert leased.state is State.ACTIVE and leased.lease_expires_at >= time.time() + 20
 
-
-def test_a_start_reads_the_stored_nodes_once_for_itself_and_builds_with_the_collector_paused(tmp_path):
-    """At 10,000 nodes each listing of the nodes took 0.7 s of the start, which read them four
-    times (two for itself), and the collector's full collections over what it built 3.7 s."""
-    listings, collecting = [], []
-
-    class Store(SqliteStore):
-        def list_nodes(self):
-            listings.append(1)
-            return super().list_nodes()
-
-        def list_allocations(self, *args, **kwargs):
-            collecting.append(gc.isenabled())
-            return super().list_allocations(*args, **kwargs)
-
-    agent = RecordingAgent()
-    store = Store(tmp_path / "state.db")
-    try:
-        before = ControllerCore(store, agent)
-        for i in range(3):
-            before.register_node(f"n{i}", f"127.0.0.1:{i + 1}", {})
-        listings.clear()
-        collecting.clear()
-        assert Reconciler(ControllerCore(store, agent)).start().unreachable == []
-        assert len(listings) == 2, "the start's own, and the GPU kinds validation needs"
-        assert collecting and not any(collecting)
-        assert gc.isenabled()
-    finally:
-        store.close()

@@ -153,11 +153,16 @@ def _allocation(row: sqlite3.Row) -> Allocation:
         lease_expires_at=row["lease_expires_at"])
 
 
+def _mig_unheld(text: str) -> tuple[tuple[int, ...], ...]:
+    """Nearly every GPU has none: a listing of 10,000 nodes decoded 40,000 empty lists (0.1 s)."""
+    return () if text == "[]" else tuple(tuple(i) for i in json.loads(text))
+
+
 def _node(row: sqlite3.Row, gpu_rows: list[sqlite3.Row]) -> Node:
     gpus = [Gpu(index=g["idx"], uuid=g["uuid"], model=g["model"], memory_bytes=g["memory_bytes"],
                 sm_count=g["sm_count"], mig_capable=bool(g["mig_capable"]),
                 mig_enabled=bool(g["mig_enabled"]),
-                mig_unheld=tuple(tuple(i) for i in json.loads(g["mig_unheld"])), lost=g["lost"],
+                mig_unheld=_mig_unheld(g["mig_unheld"]), lost=g["lost"],
                 mig_change_pending=bool(g["mig_change_pending"]))
             for g in gpu_rows]
     return Node(name=row["name"], address=row["address"], labels=json.loads(row["labels"]),

@@ -64,8 +64,9 @@ _KINDS = {Kind.FASTPOD: common_pb2.SHARE_KIND_FASTPOD, Kind.MPS: common_pb2.SHAR
 
 
 _RENEWABLE = (State.PENDING, State.PREPARED, State.ACTIVE)
-# The most heartbeats a second a controller asks its agents for: at 0.25 CPU ms each
-# (bench/heartbeats.py) a quarter of a core; past it the interval grows with the cluster.
+# The most heartbeats a second a controller asks its agents for: at 0.25-0.5 CPU ms each
+# (bench/heartbeats.py, bench/heartbeat_connections.py) a quarter to half of a core; past it
+# the interval grows with the cluster.
 HEARTBEATS_PER_SECOND = 1000
 # how an active allocation's reason starts while its GPU no longer takes it
 OVER_COMMITTED = "over-committed: "

@@ -17,6 +17,7 @@ one thread at a time (``claim``).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import math
 import secrets
@@ -68,6 +69,7 @@ _RENEWABLE = (State.PENDING, State.PREPARED, State.ACTIVE)
 # (bench/heartbeats.py, bench/heartbeat_connections.py) a quarter to half of a core; past it
 # the interval grows with the cluster.
 HEARTBEATS_PER_SECOND = 1000
+MAX_NAMED_NODES = 20   # an error about an unknown node names the known ones up to this many
 # how an active allocation's reason starts while its GPU no longer takes it
 OVER_COMMITTED = "over-committed: "
 
@@ -984,14 +986,26 @@ class ControllerCore:
         for assignment, why in misfits:
             log.error("allocation %s cannot be counted on node %s: %s", assignment.request.id, name, why)
 
+    def _unknown_node(self, name: str) -> NotFound:
+        """The nodes known, when few; else how many and the likeliest meant. At 10,000 nodes the
+        error named every one (150 kB) from a listing of them all, read under the node lock
+        while heartbeats waited."""
+        names = self.ledger.node_names()
+        if len(names) <= MAX_NAMED_NODES:
+            known = ", ".join(sorted(names)) or "none registered yet"
+        else:
+            close = difflib.get_close_matches(name, names, n=3)
+            known = (f"{len(names):,} nodes, `fastshare status` lists them"
+                     + (f"; did you mean {', '.join(close)}?" if close else ""))
+        return NotFound(f"node {name!r} is not known to this controller (known: {known})")
+
     def set_schedulable(self, name: str, schedulable: bool, reason: str = "") -> Node:
         """Cordon or uncordon a node: recorded first, then the engine stops (or resumes)
         placing there; existing allocations are not touched."""
         with self._node_changes:
             node = self.store.get_node(name)
             if node is None:
-                known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"
-                raise NotFound(f"node {name!r} is not known to this controller (known: {known})")
+                raise self._unknown_node(name)
             node = replace(node, cordoned=not schedulable, cordon_reason="" if schedulable else reason)
             self.put_node(node)
             self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
@@ -1006,8 +1020,7 @@ class ControllerCore:
         why = f"node {name} was forgotten by {by}" + (f": {reason}" if reason else "")
         with self._node_changes:
             if self.store.get_node(name) is None:
-                known = ", ".join(n.name for n in self.store.list_nodes()) or "none registered yet"
-                raise NotFound(f"node {name!r} is not known to this controller (known: {known})")
+                raise self._unknown_node(name)
             if self.is_available(name):
                 raise NodeInUse(f"node {name}'s agent still heartbeats; stop it for good first (e.g. "
                                 "`systemctl disable --now fastshare-node` there), then retry once "

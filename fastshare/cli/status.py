@@ -63,12 +63,15 @@ def _state(value: int) -> str:
 @click.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--all", "include_finished", is_flag=True, help="Also released and failed allocations.")
+@click.option("--node", "nodes", multiple=True, metavar="NAME",
+              help="Only this node and its allocations (repeatable; default: the whole cluster).")
 @client_options
-def status(client_config, as_json: bool, include_finished: bool) -> None:
+def status(client_config, as_json: bool, include_finished: bool, nodes: tuple[str, ...]) -> None:
     """Cluster view: nodes, per-GPU usage (SM %, memory, MIG slices by placement), allocations."""
     from fastshare.v1 import controller_pb2 as pb
 
-    st = call_controller(client_config, "Status", pb.ClusterStatusRequest(include_finished=include_finished))
+    st = call_controller(client_config, "Status",
+                         pb.ClusterStatusRequest(include_finished=include_finished, nodes=nodes))
     if as_json:
         print_json(to_json(st))
         return

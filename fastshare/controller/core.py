@@ -999,14 +999,19 @@ class ControllerCore:
                      + (f"; did you mean {', '.join(close)}?" if close else ""))
         return NotFound(f"node {name!r} is not known to this controller (known: {known})")
 
+    def stored_node(self, name: str) -> Node:
+        """The node as stored; NotFound saying which are known."""
+        node = self.store.get_node(name)
+        if node is None:
+            raise self._unknown_node(name)
+        return node
+
     def set_schedulable(self, name: str, schedulable: bool, reason: str = "") -> Node:
         """Cordon or uncordon a node: recorded first, then the engine stops (or resumes)
         placing there; existing allocations are not touched."""
         with self._node_changes:
-            node = self.store.get_node(name)
-            if node is None:
-                raise self._unknown_node(name)
-            node = replace(node, cordoned=not schedulable, cordon_reason="" if schedulable else reason)
+            node = replace(self.stored_node(name), cordoned=not schedulable,
+                           cordon_reason="" if schedulable else reason)
             self.put_node(node)
             self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
         log.info("node %s %s%s", name, "cordoned: no new work" if node.cordoned else "uncordoned",
@@ -1019,8 +1024,7 @@ class ControllerCore:
         Returns the allocations it ended. ``by``: who decided, for the records' reason."""
         why = f"node {name} was forgotten by {by}" + (f": {reason}" if reason else "")
         with self._node_changes:
-            if self.store.get_node(name) is None:
-                raise self._unknown_node(name)
+            self.stored_node(name)
             if self.is_available(name):
                 raise NodeInUse(f"node {name}'s agent still heartbeats; stop it for good first (e.g. "
                                 "`systemctl disable --now fastshare-node` there), then retry once "

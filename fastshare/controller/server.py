@@ -63,6 +63,7 @@ from fastshare.v1 import controller_pb2_grpc as pb_grpc
 
 log = logging.getLogger("fastshare.controller")
 CLIENT_AUTH = ("cert", "token", "any")
+MAX_STATUS_NODES = 1000   # nodes one Status may name (none: the whole cluster)
 # What a node certificate may call on the client API (playbooks/mig_reconfigure.yml cordons a
 # node with its own certificate); SetSchedulable only for its own node.
 NODE_METHODS = frozenset({"Ping", "Get", "List", "Watch", "Status", "SetSchedulable"})
@@ -296,11 +297,20 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     @_guard
     def Status(self, request: pb.ClusterStatusRequest, context) -> pb.ClusterStatus:
         states = None if request.include_finished else HOLDING
-        nodes = self.core.store.list_nodes()
+        if not request.nodes:
+            nodes, allocations = self.core.store.list_nodes(), self.core.store.list_allocations(states)
+        else:
+            names = list(dict.fromkeys(request.nodes))
+            if len(names) > MAX_STATUS_NODES:
+                raise ValidationError("nodes", f"at most {MAX_STATUS_NODES} nodes, got {len(names)}; "
+                                               "name none for the whole cluster")
+            for name in names:
+                check_node_name(name)
+            nodes = [self.core.stored_node(name) for name in names]
+            allocations = [a for name in names for a in self.core.store.list_allocations(states, node=name)]
         for n in nodes:
             n.available = self.core.is_available(n.name)
-        return convert.cluster_status(nodes, self.core.store.list_allocations(states),
-                                      self.core.ledger.overcommitted())
+        return convert.cluster_status(nodes, allocations, self.core.ledger.overcommitted())
 
     @_guard
     def SetSchedulable(self, request: pb.SetSchedulableRequest, context) -> pb.NodeStatus:

@@ -383,6 +383,31 @@ def test_the_status_of_a_cluster_larger_than_grpc_default_message_limit(cluster)
     assert len(json.loads(listed.stdout)["nodes"]) == 7000
 
 
+def test_the_status_of_named_nodes_reads_those_and_names_a_mistyped_one(cluster):
+    """`fastshare status --node` shows only the nodes named and their allocations; a name the
+    controller does not know is refused with the likeliest meant, not the whole cluster's."""
+    cluster.state_dir.mkdir(parents=True)
+    store = SqliteStore(cluster.state_dir / "state.db")
+    try:
+        for i in range(30):
+            gpus = [Gpu(index=0, uuid=f"GPU-{i:08d}", model="NVIDIA L4", memory_bytes=22 * GiB, sm_count=58)]
+            store.put_node(Node(name=f"gpu-node-{i:03d}", address="127.0.0.1:1", gpus=gpus))
+    finally:
+        store.close()
+    cluster.start_controller()
+    base = [fastshare_bin(), "status", "--controller", cluster.address, "--tls-dir", str(cluster.pki.dir)]
+    listed = subprocess.run([*base, "--json", "--node", "gpu-node-007", "--node", "gpu-node-029",
+                             "--node", "gpu-node-007"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert [n["name"] for n in json.loads(listed.stdout)["nodes"]] == ["gpu-node-007", "gpu-node-029"]
+    mistyped = subprocess.run([*base, "--node", "gpu-node-O07"], capture_output=True, text=True, timeout=60)
+    assert mistyped.returncode != 0
+    meant = mistyped.stderr.partition("did you mean ")[2]
+    assert "30 nodes" in mistyped.stderr and "gpu-node-007" in meant, mistyped.stderr
+    bad = subprocess.run([*base, "--node", "no/such"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "node" in bad.stderr, bad.stderr
+
+
 def _consistent(cluster) -> bool:
     """Active here and held by its agent, or finished and not held (which one depends on when
     the agent, resumed, reads the call it was sent)."""

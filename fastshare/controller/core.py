@@ -320,10 +320,20 @@ class ControllerCore:
         waits longer between two heartbeats than the timeout allows (an agent takes a new
         interval at its next heartbeat)."""
         with self._nodes_lock:
-            needed = len(self._registered) / HEARTBEATS_PER_SECOND
-            if needed > self.settings.heartbeat_interval:
-                self._size_interval = max(self._size_interval, math.ceil(needed))
-            return self._size_interval
+            return self._size_for(len(self._registered))
+
+    def note_cluster_size(self, nodes: int) -> None:
+        """At a start: the stored nodes, reachable or not. The process before told their agents
+        an interval for that many; judged by the timeout of the few reachable at the start, they
+        would be taken for unavailable between two heartbeats."""
+        with self._nodes_lock:
+            self._size_for(nodes)
+
+    def _size_for(self, nodes: int) -> int:
+        needed = nodes / HEARTBEATS_PER_SECOND
+        if needed > self.settings.heartbeat_interval:
+            self._size_interval = max(self._size_interval, math.ceil(needed))
+        return self._size_interval
 
     def heartbeat_interval(self) -> int:
         """Whole seconds agents are told to heartbeat at: the settings' interval, or longer in a

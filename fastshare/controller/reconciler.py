@@ -124,6 +124,7 @@ class Reconciler:
         with self._lock, collection_paused():
             asked_at = self.core.clock()
             listed = self.core.store.list_nodes()
+            self.core.note_cluster_size(len(listed))
             inventories = self._inventories(listed, unavailable_too=True)
             stored = [self.core.adopt_node(node, inventories.get(node.name)) for node in listed]
             for n in stored:

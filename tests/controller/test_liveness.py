@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import threading
 
+import grpc
+
 from fastshare.controller import core as core_module
+from fastshare.controller.agent_client import AgentError
 from fastshare.controller.core import ControllerCore, Settings
 from fastshare.controller.model import Kind, Spec
 from fastshare.controller.sqlite_store import SqliteStore
@@ -145,3 +148,28 @@ def test_a_small_cluster_keeps_its_settings_even_below_one_second(tmp_path):
         assert core.heartbeat_timeout() == 3.0 and core.pass_interval() == 0.5
     finally:
         core.store.close()
+
+
+def test_a_restart_with_few_agents_reachable_keeps_the_interval_of_the_cluster_stored(tmp_path, monkeypatch):
+    """The process before told 5 nodes' agents 3 s (2 heartbeats a second here); restarted with
+    none of them reachable, the timeout is still the stretched one, not 8 s."""
+    from fastshare.controller.reconciler import Reconciler
+
+    monkeypatch.setattr(core_module, "HEARTBEATS_PER_SECOND", 2)
+    settings = Settings(heartbeat_interval=2.0, heartbeat_timeout=8.0)
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        before = ControllerCore(store, _Agents(), settings)
+        for i in range(5):
+            before.register_node(f"n{i}", "127.0.0.1:1", {})
+        assert before.heartbeat_interval() == 3
+
+        class Unreachable(_Agents):
+            def inventory(self):
+                raise AgentError("n0", "GetInventory", grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+        restarted = ControllerCore(store, Unreachable(), settings)
+        Reconciler(restarted).start()
+        assert restarted.heartbeat_interval() == 3 and restarted.heartbeat_timeout() == 12.0
+    finally:
+        store.close()

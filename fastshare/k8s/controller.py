@@ -53,6 +53,7 @@ from fastshare.controller.validation import Request, ValidationError
 from fastshare.k8s.fenced_agents import FencedAgents
 from fastshare.k8s.leader import Deposed, Fence, LeaderElector
 from fastshare.k8s.listwatch import ListWatch, pages, raw
+from fastshare.k8s.nodecache import NodeCache
 from fastshare.k8s.nodeusage import FIELD_SELECTOR, NodeUsage, extended_used, host_left, pods_left
 from fastshare.k8s.peers import PodPeers
 from fastshare.k8s.podaffinity import (
@@ -60,7 +61,6 @@ from fastshare.k8s.podaffinity import (
     Peer,
     needs_namespaces,
     peer,
-    raw_node,
     replica_incoming,
     ruled_out,
 )
@@ -262,6 +262,7 @@ class KubeController:
         self.podcache = PodCache()
         self.usage = NodeUsage()                   # what bound Pods request, per node
         self.peers = PodPeers()                    # the same Pods' labels, for inter-pod rules
+        self.nodecache = NodeCache()               # the GPU nodes' Node objects, for the Node sync
         # every replica is placed and created under it: one with inter-pod rules or host ports alone
         self._placing = PlacementLock()
         # replicas placed that ask what the engine does not count (extended resources, hugepages,
@@ -288,7 +289,7 @@ class KubeController:
         # Watch threads are not joined on stop: they block in a read for up to watch_timeout and
         # then see the stop flag; until then their events go to the closed queue and are dropped.
         for name, target in (("watch-fastpods", self._watch_fastpods), ("watch-pods", self._watch_pods),
-                             ("watch-node-pods", self._watch_node_pods)):
+                             ("watch-node-pods", self._watch_node_pods), ("watch-nodes", self._watch_nodes)):
             threading.Thread(target=target, name=name, daemon=True).start()
         # passes wait for them anyway (reconcile requeues)
         if not (self.podcache.wait_synced(60.0) and self.usage.wait_synced(60.0)
@@ -317,16 +318,25 @@ class KubeController:
         self._threads.append(thread)
 
     # -- nodes and agents --------------------------------------------------------------------------
-    def _endpoint(self, node: client.V1Node) -> str | None:
-        annotated = (node.metadata.annotations or {}).get(ENDPOINT_ANNOTATION)
+    def _endpoint(self, node: Mapping[str, Any]) -> str | None:
+        annotated = ((node.get("metadata") or {}).get("annotations") or {}).get(ENDPOINT_ANNOTATION)
         if annotated:
             return annotated
-        for address in (node.status.addresses if node.status else None) or []:
-            if address.type == "InternalIP":
-                return f"{address.address}:{self.settings.agent_port}"
+        for address in (node.get("status") or {}).get("addresses") or []:
+            if address.get("type") == "InternalIP":
+                return f"{address.get('address')}:{self.settings.agent_port}"
         return None
 
+    def _gpu_node_selector(self) -> str:
+        return f"{self.settings.gpu_node_label}=true"
+
     def sync_nodes(self) -> None:
+        """A Node sync from a listing of the GPU nodes read now (the start, and a test that has
+        just changed one); the periodic syncs read the watch's (``nodecache``)."""
+        self._sync(raw(self.pods.list_node(label_selector=self._gpu_node_selector(),
+                                           _preload_content=False))["items"])
+
+    def _sync(self, listed: list[dict[str, Any]]) -> None:
         """Register new agents, heartbeat reachable ones; silent ones go unavailable on timeout.
 
         Each agent is pinged in a thread of its own, and the sync waits for the answers for half
@@ -334,14 +344,12 @@ class KubeController:
         deadline, and while the sync waited for it, the agents pinged before it were judged
         after that wait, past their timeout, and taken for unavailable. A node's next ping goes
         out only once its last one has ended."""
-        label = self.settings.gpu_node_label
-        listed = self.pods.list_node(label_selector=f"{label}=true").items
-        self._nodes = {node.metadata.name: node_facts(node) for node in listed}
+        self._nodes = {node["metadata"]["name"]: node_facts(node) for node in listed}
         sent = []
         for node in listed:
-            name, address = node.metadata.name, self._endpoint(node)
+            name, address = node["metadata"]["name"], self._endpoint(node)
             if address is not None and self._claim_ping(name):
-                sent.append(self._ping(name, address, dict(node.metadata.labels or {})))
+                sent.append(self._ping(name, address, dict(node["metadata"].get("labels") or {})))
         concurrent.futures.wait(sent, timeout=self.core.settings.heartbeat_timeout / 2)
         if self._capacity_appeared.is_set():
             self._capacity_appeared.clear()
@@ -563,13 +571,33 @@ class KubeController:
                             page=self.settings.list_page, on_progress=on_progress,
                             field_selector=FIELD_SELECTOR)
 
+    def _watch_nodes(self) -> None:
+        """The GPU nodes' Node objects, for the periodic Node syncs (see nodecache)."""
+        def on_node(kind: str, node: dict[str, Any]) -> None:
+            if kind == "DELETED":
+                self.nodecache.remove(node)
+            elif kind in ("ADDED", "MODIFIED"):
+                self.nodecache.put(node)
+
+        self._listwatch.run(self.pods.list_node, on_node,
+                            lambda listing: self.nodecache.replace(listing["items"],
+                                                                   listing["metadata"]["resourceVersion"]),
+                            on_progress=self.nodecache.caught_up, label_selector=self._gpu_node_selector())
+
+    def _sync_from_watch(self) -> None:
+        """Until the watch's first listing arrives, a listing of its own."""
+        if self.nodecache.synced:
+            self._sync(self.nodecache.nodes())
+        else:
+            self.sync_nodes()
+
     def _sync_nodes_periodically(self) -> None:
         s = self.settings
         next_resync = time.monotonic()
         # past HEARTBEATS_PER_SECOND agents (2,000 at 2 s) the pings go out less often, and the
         # heartbeat timeout stretches as much (the core's Settings.heartbeat_interval is node_interval)
         while not self._stop.wait(max(s.node_interval, self.core.interval_for_size())):
-            self._safe(self.sync_nodes)
+            self._safe(self._sync_from_watch)
             now = time.monotonic()
             if now >= next_resync:
                 self._safe(self.queue_all)
@@ -890,7 +918,7 @@ class KubeController:
             if not any(t.selects(incoming.namespace, incoming.labels, labels)
                        for p in forbidding for t in p.anti_affinity):
                 return None
-        nodes = {n.name: n for n in map(raw_node, self._listed(self.pods.list_node))}
+        nodes = {n.name: n for n in map(node_facts, self._listed(self.pods.list_node))}
 
         def check(created: list[dict[str, Any]]) -> dict[str, str]:
             if not incoming.rules:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastshare.k8s.pods import TEMPLATE_SPEC, replica_constraints, replica_labels
-from fastshare.k8s.scheduling import Constraints, NodeFacts, Requirement, Taint, TemplateError, requirement
+from fastshare.k8s.scheduling import Constraints, NodeFacts, Requirement, TemplateError, requirement
 
 HOSTNAME = "kubernetes.io/hostname"
 _SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -298,15 +298,6 @@ def peer(pod: Mapping[str, Any]) -> Peer | None:
         against = tuple(kept)
     return Peer(sys.intern(node), sys.intern(namespace), meta.get("name") or "", labels, against,
                 bool(meta.get("deletionTimestamp")))
-
-
-def raw_node(node: Mapping[str, Any]) -> NodeFacts:
-    """A Node object's name, labels and taints, from its JSON."""
-    meta, spec = node.get("metadata") or {}, node.get("spec") or {}
-    taints = tuple(Taint(t.get("key") or "", t.get("value") or "", t.get("effect") or "")
-                   for t in spec.get("taints") or [])
-    return NodeFacts(name=meta["name"], labels=tuple(sorted((meta.get("labels") or {}).items())),
-                     taints=taints, unschedulable=bool(spec.get("unschedulable")))
 
 
 # -- the filters --------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def _as_int(version: str) -> int:
 
 
 def pod_key(pod: dict[str, Any]) -> Key:
-    return pod["metadata"]["namespace"], pod["metadata"]["name"]
+    """A Pod's namespace and name; a Node's name (it has no namespace)."""
+    return pod["metadata"].get("namespace", ""), pod["metadata"]["name"]
 
 
 class WatchCache:

@@ -412,10 +412,10 @@ def _amount_text(name: str, amount: int) -> str:
     return str(amount)
 
 
-def node_facts(node: Any) -> NodeFacts:
-    """From a typed ``V1Node``; a missing allocatable (no kubelet reported yet) counts as none."""
-    meta, spec, status = node.metadata, node.spec, node.status
-    allocatable = (status.allocatable if status else None) or {}
+def node_facts(node: Mapping[str, Any]) -> NodeFacts:
+    """From a Node object's JSON; a missing allocatable (no kubelet reported yet) counts as none."""
+    meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
+    allocatable = status.get("allocatable") or {}
     try:
         capacity = Demand(milli(allocatable.get("cpu", 0), "cpu"),
                           whole(allocatable.get("memory", 0), "memory"))
@@ -432,10 +432,11 @@ def node_facts(node: Any) -> NodeFacts:
                 extended.append((name, _amount(name, value, name)))
             except TemplateError:
                 continue   # not a resource a Pod can ask for: nothing to count
-    taints = tuple(Taint(t.key or "", t.value or "", t.effect or "")
-                   for t in (spec.taints if spec else None) or [])
-    return NodeFacts(name=meta.name, labels=tuple(sorted((meta.labels or {}).items())), taints=taints,
-                     unschedulable=bool(spec and spec.unschedulable), allocatable=capacity,
+    taints = tuple(Taint(t.get("key") or "", t.get("value") or "", t.get("effect") or "")
+                   for t in spec.get("taints") or [])
+    labels = tuple(sorted((meta.get("labels") or {}).items()))
+    return NodeFacts(name=meta["name"], labels=labels, taints=taints,
+                     unschedulable=bool(spec.get("unschedulable")), allocatable=capacity,
                      max_pods=max_pods, extended=tuple(extended))
 
 

@@ -20,7 +20,6 @@ from fastshare.k8s.podaffinity import (
     needs_namespaces,
     peer,
     pod_rules,
-    raw_node,
     replica_incoming,
     ruled_out,
 )
@@ -536,16 +535,6 @@ def test_a_replica_spread_by_its_template_hash_counts_only_replicas_of_its_templ
                   name=f"fp-{i}") for i in range(3)]
     assert ruled_out(replica_incoming(new, "fastshare.io/gpu"), nodes, nodes, older, {}) == {}
     assert set(ruled_out(replica_incoming(old, "fastshare.io/gpu"), nodes, nodes, older, {})) == {"a"}
-
-
-def test_a_node_from_its_json():
-    node = raw_node({"metadata": {"name": "n", "labels": {"zone": "z"}},
-                     "spec": {"taints": [{"key": "k", "effect": "NoSchedule"},
-                                         {"key": "j", "value": "v", "effect": "NoExecute"}],
-                              "unschedulable": True}})
-    taints = (Taint("k", "", "NoSchedule"), Taint("j", "v", "NoExecute"))
-    assert node == NodeFacts("n", (("zone", "z"),), taints, unschedulable=True)
-    assert raw_node({"metadata": {"name": "bare"}}) == NodeFacts("bare", (), ())
 
 
 def test_an_ended_or_unbound_pod_is_no_peer():

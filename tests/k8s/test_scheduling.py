@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kubernetes import client
 
 from fastshare.k8s.nodeusage import NodeUsage, extended_used, host_left, pods_left
 from fastshare.k8s.pods import ALLOCATION_ANNOTATION, spec_of
@@ -194,18 +193,16 @@ def test_a_cordoned_node_is_avoided_unless_the_pod_tolerates_the_unschedulable_t
 
 
 def test_node_facts_from_a_node_object():
-    node = client.V1Node(
-        metadata=client.V1ObjectMeta(name="gpu-a", labels={"zone": "z1"}),
-        spec=client.V1NodeSpec(unschedulable=True,
-                               taints=[client.V1Taint(key="k", value="v", effect="NoSchedule")]),
-        status=client.V1NodeStatus(allocatable={"cpu": "7800m", "memory": "31Gi"}))
-    assert node_facts(node) == NodeFacts("gpu-a", (("zone", "z1"),), (Taint("k", "v", "NoSchedule"),), True,
-                                         Demand(7800, 31 * Gi))
-    bare = node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="new")))  # no kubelet report yet
+    node = {"metadata": {"name": "gpu-a", "labels": {"zone": "z1"}},
+            "spec": {"unschedulable": True, "taints": [{"key": "k", "value": "v", "effect": "NoSchedule"},
+                                                       {"key": "j", "effect": "NoExecute"}]},
+            "status": {"allocatable": {"cpu": "7800m", "memory": "31Gi"}}}
+    taints = (Taint("k", "v", "NoSchedule"), Taint("j", "", "NoExecute"))
+    assert node_facts(node) == NodeFacts("gpu-a", (("zone", "z1"),), taints, True, Demand(7800, 31 * Gi))
+    bare = node_facts({"metadata": {"name": "new"}})  # no kubelet report yet
     assert bare.allocatable == Demand() and not bare.taints and not bare.unschedulable
     assert bare.max_pods == 0                                          # no limit known
-    full = node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="full"),
-                                    status=client.V1NodeStatus(allocatable={"pods": "110"})))
+    full = node_facts({"metadata": {"name": "full"}, "status": {"allocatable": {"pods": "110"}}})
     assert full.max_pods == 110
 
 
@@ -350,9 +347,9 @@ def test_a_malformed_extended_request_is_refused_naming_the_field(container, fie
 
 
 def test_a_node_s_other_resources_and_what_they_leave():
-    node = node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="n"), status=client.V1NodeStatus(
-        allocatable={"cpu": "4", "memory": "8Gi", "pods": "110", FOO: "2", "hugepages-2Mi": "0",
-                     "ephemeral-storage": "100Gi", "example.com/odd": "x"})))
+    node = node_facts({"metadata": {"name": "n"}, "status": {"allocatable": {
+        "cpu": "4", "memory": "8Gi", "pods": "110", FOO: "2", "hugepages-2Mi": "0",
+        "ephemeral-storage": "100Gi", "example.com/odd": "x"}}})
     assert node.extended == (("ephemeral-storage", 100 * Gi), (FOO, 2), ("hugepages-2Mi", 0))
     one = Demand(extended=((FOO, 1),))
     assert node.extended_problem(one, {}) is None
@@ -367,7 +364,7 @@ def test_a_node_s_other_resources_and_what_they_leave():
     assert node.extended_problem(Demand(extended=(("ephemeral-storage", 60 * Gi),)),
                                  {"ephemeral-storage": 50 * Gi}) == \
         "have 50Gi ephemeral-storage free, the replica asks 60Gi"
-    assert node_facts(client.V1Node(metadata=client.V1ObjectMeta(name="bare"))).extended_problem(one, {}) == \
+    assert node_facts({"metadata": {"name": "bare"}}).extended_problem(one, {}) == \
         "have no example.com/foo (status.allocatable)"
 
 

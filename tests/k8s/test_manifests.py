@@ -44,7 +44,7 @@ def test_rbac_has_no_wildcards_and_exactly_the_controller_needs():
         ("fastshare.io", "fastpods/finalizers"): {"update"},
         ("fastshare.io", "fastshareallocations"): {"create", "get", "list", "update", "delete"},
         ("", "pods"): {"create", "get", "list", "watch", "delete"},
-        ("", "nodes"): {"list"},
+        ("", "nodes"): {"list", "watch"},
         ("", "namespaces"): {"list"},
         ("authentication.k8s.io", "tokenreviews"): {"create"},
     }

@@ -77,6 +77,7 @@ ALLOWED = [
     ("watch", "pods", "", "", "", ""),
     ("list", "pods", "", "", "", ""),   # every namespace's bound Pods: what a node has left
     ("list", "nodes", "", "", "", ""),
+    ("watch", "nodes", "", "", "", ""),   # the GPU nodes, for the Node syncs (see nodecache)
     ("list", "namespaces", "", "", "", ""),   # a podAffinity term's namespaceSelector
     # the node-certificate service: an agent's token is reviewed, its Pod read afresh
     ("create", "tokenreviews", "authentication.k8s.io", "", "", ""),
@@ -107,15 +108,14 @@ DENIED = [
     ("patch", "fastshareallocations", "fastshare.io", "team-a", "job-0", ""),
     ("watch", "fastshareallocations", "fastshare.io", "", "", ""),
     ("deletecollection", "fastshareallocations", "fastshare.io", "team-a", "", ""),
-    # what the controller never does: rewrite a user's FastPod, read Nodes one by one, watch
-    # Nodes, write Events, mint tokens (it only reviews the agents'), or use Kubernetes' CSR API
+    # what the controller never does: rewrite a user's FastPod, read Nodes one by one, write
+    # Events, mint tokens (it only reviews the agents'), or use Kubernetes' CSR API
     ("update", "fastpods", "fastshare.io", "team-a", "job", ""),
     ("update", "fastpods", "fastshare.io", "team-a", "job", "status"),
     ("get", "nodes", "", "", "gpu-1", ""),
     ("create", "serviceaccounts", "", NAMESPACE, "fastshare-node-agent", "token"),
     ("create", "certificatesigningrequests", "certificates.k8s.io", "", "", ""),
     ("create", "subjectaccessreviews", "authorization.k8s.io", "", "", ""),
-    ("watch", "nodes", "", "", "", ""),
     ("watch", "namespaces", "", "", "", ""),
     ("get", "namespaces", "", "", "team-a", ""),
     ("update", "namespaces", "", "", "team-a", ""),

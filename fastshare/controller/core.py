@@ -17,7 +17,6 @@ one thread at a time (``claim``).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import math
 import secrets
@@ -1004,7 +1003,7 @@ class ControllerCore:
         if len(names) <= MAX_NAMED_NODES:
             known = ", ".join(sorted(names)) or "none registered yet"
         else:
-            close = difflib.get_close_matches(name, names, n=3)
+            close = _likeliest(name, names)
             known = (f"{len(names):,} nodes, `fastshare status` lists them"
                      + (f"; did you mean {', '.join(close)}?" if close else ""))
         return NotFound(f"node {name!r} is not known to this controller (known: {known})")
@@ -1020,10 +1019,13 @@ class ControllerCore:
         """Cordon or uncordon a node: recorded first, then the engine stops (or resumes)
         placing there; existing allocations are not touched."""
         with self._node_changes:
-            node = replace(self.stored_node(name), cordoned=not schedulable,
-                           cordon_reason="" if schedulable else reason)
-            self.put_node(node)
-            self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
+            node = self.store.get_node(name)
+            if node is not None:
+                node = replace(node, cordoned=not schedulable, cordon_reason="" if schedulable else reason)
+                self.put_node(node)
+                self.ledger.set_cordoned(name, node.cordoned, node.cordon_reason)
+        if node is None:   # worked out without the lock, which heartbeats wait for
+            raise self._unknown_node(name)
         log.info("node %s %s%s", name, "cordoned: no new work" if node.cordoned else "uncordoned",
                  f" ({reason})" if node.cordoned and reason else "")
         return node
@@ -1033,8 +1035,10 @@ class ControllerCore:
         else ``released``; nothing is asked of its agent, which is gone) and forget the node.
         Returns the allocations it ended. ``by``: who decided, for the records' reason."""
         why = f"node {name} was forgotten by {by}" + (f": {reason}" if reason else "")
+        self.stored_node(name)   # an unknown one's error is worked out outside the lock heartbeats wait for
         with self._node_changes:
-            self.stored_node(name)
+            if self.store.get_node(name) is None:
+                raise NotFound(f"node {name!r} was forgotten meanwhile")
             if self.is_available(name):
                 raise NodeInUse(f"node {name}'s agent still heartbeats; stop it for good first (e.g. "
                                 "`systemctl disable --now fastshare-node` there), then retry once "
@@ -1078,6 +1082,22 @@ class ControllerCore:
         node = replace(node, available=inventory is not None)
         self.put_node(node)
         return node
+
+
+def _likeliest(typed: str, names: Collection[str], count: int = 3) -> list[str]:
+    """The names that share most of ``typed``'s start and end together (a mistyped letter or
+    digit, one left out or put in), at least 60 % of it; 20 ms among 10,000 names."""
+    def shared_ends(name: str) -> int:
+        start = _same_start(typed, name)
+        return start + _same_start(typed[start:][::-1], name[start:][::-1])
+
+    scored = [(shared_ends(n), n) for n in names]
+    fitting = [(-shared, abs(len(n) - len(typed)), n) for shared, n in scored if shared >= 0.6 * len(typed)]
+    return [n for *_, n in sorted(fitting)[:count]]
+
+
+def _same_start(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _keep_cordon(fresh: Node, stored: Node | None) -> Node:

@@ -582,7 +582,8 @@ class KubeController:
         self._listwatch.run(self.pods.list_node, on_node,
                             lambda listing: self.nodecache.replace(listing["items"],
                                                                    listing["metadata"]["resourceVersion"]),
-                            on_progress=self.nodecache.caught_up, label_selector=self._gpu_node_selector())
+                            page=self.settings.list_page, on_progress=self.nodecache.caught_up,
+                            label_selector=self._gpu_node_selector())
 
     def _sync_from_watch(self) -> None:
         """Until the watch's first listing arrives, a listing of its own."""

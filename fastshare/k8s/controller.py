@@ -262,7 +262,7 @@ class KubeController:
         self.podcache = PodCache()
         self.usage = NodeUsage()                   # what bound Pods request, per node
         self.peers = PodPeers()                    # the same Pods' labels, for inter-pod rules
-        self.nodecache = NodeCache()               # the GPU nodes' Node objects, for the Node sync
+        self.nodecache = NodeCache()               # every Node object: the GPU ones' sync, topology domains
         # every replica is placed and created under it: one with inter-pod rules or host ports alone
         self._placing = PlacementLock()
         # replicas placed that ask what the engine does not count (extended resources, hugepages,
@@ -572,7 +572,8 @@ class KubeController:
                             field_selector=FIELD_SELECTOR)
 
     def _watch_nodes(self) -> None:
-        """The GPU nodes' Node objects, for the periodic Node syncs (see nodecache)."""
+        """Every Node object: the GPU nodes for the periodic Node syncs, all of them for the
+        topology domains of inter-pod rules (see nodecache)."""
         def on_node(kind: str, node: dict[str, Any]) -> None:
             if kind == "DELETED":
                 self.nodecache.remove(node)
@@ -582,13 +583,14 @@ class KubeController:
         self._listwatch.run(self.pods.list_node, on_node,
                             lambda listing: self.nodecache.replace(listing["items"],
                                                                    listing["metadata"]["resourceVersion"]),
-                            page=self.settings.list_page, on_progress=self.nodecache.caught_up,
-                            label_selector=self._gpu_node_selector())
+                            page=self.settings.list_page, on_progress=self.nodecache.caught_up)
 
     def _sync_from_watch(self) -> None:
         """Until the watch's first listing arrives, a listing of its own."""
         if self.nodecache.synced:
-            self._sync(self.nodecache.nodes())
+            label = self.settings.gpu_node_label
+            self._sync([node for node in self.nodecache.nodes()
+                        if (node["metadata"].get("labels") or {}).get(label) == "true"])
         else:
             self.sync_nodes()
 
@@ -919,7 +921,8 @@ class KubeController:
             if not any(t.selects(incoming.namespace, incoming.labels, labels)
                        for p in forbidding for t in p.anti_affinity):
                 return None
-        nodes = {n.name: n for n in map(node_facts, self._listed(self.pods.list_node))}
+        every = self.nodecache.nodes() if self.nodecache.synced else self._listed(self.pods.list_node)
+        nodes = {n.name: n for n in map(node_facts, every)}
 
         def check(created: list[dict[str, Any]]) -> dict[str, str]:
             if not incoming.rules:

@@ -1,15 +1,17 @@
-"""The GPU nodes' Node objects as a watch keeps them (an informer), for the Node sync that
-pings every agent (the agents' heartbeats) every ``--node-interval``.
+"""The cluster's Node objects as a watch keeps them (an informer): the GPU nodes for the Node
+sync that pings every agent (the agents' heartbeats) every ``--node-interval``, and every node for
+the topology domains of inter-pod rules.
 
 The sync listed every GPU Node each time, each as a typed object: a real Node carries its
 images and conditions (some 12 KB of JSON), so at 10,000 nodes that was 117 MB from the API
-server and about 6 CPU s of the controller per sync; now 0.1 s (``bench/k8s_nodes.py``). A watch sends only
+server and about 6 CPU s of the controller per sync; now 0.1 s (``bench/k8s_nodes.py``). A
+replica with inter-pod rules listed every Node of the cluster the same way. A watch sends only
 what changes (with node leases, a kubelet writes its Node on a change or every few minutes).
 Only what the controller reads of a Node is kept: its name, labels and annotations, spec, and
 the allocatable and addresses of its status.
 
 Changes go forward only, by resourceVersion, and a relist keeps what was put or removed after
-its snapshot (see WatchCache); a Node no longer labelled leaves the watch as DELETED."""
+its snapshot (see WatchCache)."""
 
 from __future__ import annotations
 
@@ -49,12 +51,12 @@ class NodeCache(WatchCache):
                 self._nodes[pod_key(node)] = entry
 
     def remove(self, node: dict[str, Any]) -> None:
-        """A deleted Node, or one no longer labelled as a GPU node."""
+        """A deleted Node."""
         with self._lock:
             if self._note(node, None):
                 self._nodes.pop(pod_key(node), None)
 
     def nodes(self) -> list[dict[str, Any]]:
-        """The GPU nodes held, by name (each is the cache's own: read, do not change)."""
+        """The Nodes held, by name (each is the cache's own: read, do not change)."""
         with self._lock:
             return [self._nodes[k] for k in sorted(self._nodes)]

@@ -75,9 +75,11 @@ def run(core: ControllerCore, reconciler: Reconciler, store: SqliteStore, second
 
     def passes() -> None:
         while not stop.wait(PASS_EVERY_S):
-            reconciler.run_once()
-            if settled:
-                server_runtime.settle_after_pass()
+            if settled:   # as the servers run it
+                with server_runtime.collection_paused():
+                    reconciler.run_once()
+            else:
+                reconciler.run_once()
 
     def statuses() -> None:
         while not stop.wait(STATUS_EVERY_S):

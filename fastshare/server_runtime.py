@@ -45,7 +45,8 @@ def settle_startup() -> None:
 
 
 def settle_after_pass(now: float | None = None) -> None:
-    """Call after each reconcile pass of a server (a no-op before :func:`settle_startup`).
+    """After each reconcile pass of a server, by :func:`collection_paused` (a no-op before
+    :func:`settle_startup`).
 
     What a cluster adds after the start (nodes, allocations, the placement engine's view of
     them) lives long too, and a full collection walked it all again each time a pass's
@@ -67,9 +68,10 @@ def settle_after_pass(now: float | None = None) -> None:
 
 @contextmanager
 def collection_paused() -> Iterator[None]:
-    """Around a controller's start, which builds every node's and allocation's objects at once.
-    The collector ran its full collections as that heap grew, each walking all of it again: 3.7 s
-    of a 10 s start at 10,000 nodes. Reference counting frees the start's garbage meanwhile; in a
+    """Around a controller's start and each of its reconcile passes, which build objects for
+    every node and allocation at once. The collector ran its full collections as that heap grew,
+    each walking all of it again: 3.7 s of a 10 s start at 10,000 nodes, and inside a pass a
+    stall of every request up to 140 ms (``bench/controller_pauses.py``). Reference counting frees the garbage meanwhile; in a
     server, what is left (cycles) is collected once after it and what survives frozen, before the
     collector is on again (else its first young collection walked all of it: 0.6 s more)."""
     was_enabled = gc.isenabled()

@@ -53,7 +53,7 @@ from fastshare.controller.validation import (
 from fastshare.security.certs import reissue_command
 from fastshare.security.rotation import watch_expiry
 from fastshare.security.tls import TlsPaths, peer_identity, server_credentials
-from fastshare.server_runtime import settle_after_pass
+from fastshare.server_runtime import collection_paused
 from fastshare.sqlite_file import write_failure
 from fastshare.state_lock import StateDirLock
 from fastshare.stop_signal import stop_on_signals
@@ -452,8 +452,8 @@ class ControllerServer:
 
     def _reconcile(self) -> None:
         while not self._stop.wait(self.core.pass_interval()):
-            self._safe(self.reconciler.run_once)
-            settle_after_pass()
+            with collection_paused():   # then what the pass left is collected, the rest frozen
+                self._safe(self.reconciler.run_once)
 
     def stop(self, grace: float = 5.0) -> None:
         """Calls get ``grace`` seconds to end; then the agent calls still waiting are cancelled

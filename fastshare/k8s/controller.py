@@ -94,7 +94,7 @@ from fastshare.k8s.scheduling import (
 )
 from fastshare.k8s.store import KubeStateStore, replica_key, summary
 from fastshare.k8s.workqueue import WorkQueue
-from fastshare.server_runtime import settle_after_pass
+from fastshare.server_runtime import collection_paused
 
 log = logging.getLogger("fastshare.k8s.controller")
 
@@ -610,8 +610,8 @@ class KubeController:
         """In a thread of its own: a pass waits a whole deadline on an agent that does not
         answer, and the Node sync (the agents' heartbeats) must not wait behind it."""
         while not self._stop.wait(self.core.pass_interval()):
-            self._safe(self.reconciler.run_once)
-            settle_after_pass()
+            with collection_paused():   # then what the pass left is collected, the rest frozen
+                self._safe(self.reconciler.run_once)
 
     @staticmethod
     def _safe(fn: Callable[[], object]) -> None:

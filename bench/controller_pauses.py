@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How long an Allocate stalls while a large controller's background work runs: the
 interpreter's defaults (the baseline) against the servers' settings (fastshare.server_runtime:
-the heap frozen after each reconcile pass, the collector's full passes rarer, a 1 ms GIL switch
-interval), on the same cluster in the same process.
+each reconcile pass run with the collector paused and the heap frozen after it, the collector's
+full passes rarer, a 1 ms GIL switch interval), on the same cluster in the same process.
 
 Builds one cluster of ``--nodes`` nodes (4 L4 GPUs each, two fastpod shares a node) with the
 real controller core, ledger, engine, reconciler and SQLite store, and stand-in agents that

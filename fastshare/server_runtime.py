@@ -71,9 +71,10 @@ def collection_paused() -> Iterator[None]:
     """Around a controller's start and each of its reconcile passes, which build objects for
     every node and allocation at once. The collector ran its full collections as that heap grew,
     each walking all of it again: 3.7 s of a 10 s start at 10,000 nodes, and inside a pass a
-    stall of every request up to 140 ms (``bench/controller_pauses.py``). Reference counting frees the garbage meanwhile; in a
-    server, what is left (cycles) is collected once after it and what survives frozen, before the
-    collector is on again (else its first young collection walked all of it: 0.6 s more)."""
+    stall of every request up to 140 ms (``bench/controller_pauses.py``). Reference counting
+    frees the garbage meanwhile; in a server, what is left (cycles) is collected once after it
+    and what survives frozen, before the collector is on again (else its first young collection
+    walked all of it: 0.6 s more)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

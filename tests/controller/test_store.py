@@ -217,10 +217,13 @@ def test_cas_follows_only_expected_states(tmp_path_factory, moves):
     s.close()
 
 
-def test_serve_refuses_a_newer_state_file_without_a_traceback(tmp_path):
+def test_serve_refuses_a_newer_state_file_without_a_traceback(tmp_path, monkeypatch):
     """After a downgrade: StoreError is none of the errors `controller serve` turned into a
     message, so the operator got a traceback."""
     import sqlite3
+
+    # run in this process: it must not take the servers' interpreter settings for the session
+    monkeypatch.setattr("fastshare.server_runtime.settle_startup", lambda: None)
 
     from click.testing import CliRunner
 

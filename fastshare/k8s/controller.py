@@ -283,13 +283,15 @@ class KubeController:
     # -- life cycle --------------------------------------------------------------------------------
     def start(self) -> None:
         """Rebuild from the cluster (nodes, agents, allocation records), then watch and work."""
-        self.sync_nodes()
-        report = self.reconciler.start()
-        log.info("state rebuilt from the cluster: %s", report)
         # Watch threads are not joined on stop: they block in a read for up to watch_timeout and
         # then see the stop flag; until then their events go to the closed queue and are dropped.
+        threading.Thread(target=self._watch_nodes, name="watch-nodes", daemon=True).start()
+        self.nodecache.wait_synced(30.0)   # its listing is the first sync's (else one of its own)
+        self._sync_from_watch()
+        report = self.reconciler.start()
+        log.info("state rebuilt from the cluster: %s", report)
         for name, target in (("watch-fastpods", self._watch_fastpods), ("watch-pods", self._watch_pods),
-                             ("watch-node-pods", self._watch_node_pods), ("watch-nodes", self._watch_nodes)):
+                             ("watch-node-pods", self._watch_node_pods)):
             threading.Thread(target=target, name=name, daemon=True).start()
         # passes wait for them anyway (reconcile requeues)
         if not (self.podcache.wait_synced(60.0) and self.usage.wait_synced(60.0)
@@ -331,8 +333,8 @@ class KubeController:
         return f"{self.settings.gpu_node_label}=true"
 
     def sync_nodes(self) -> None:
-        """A Node sync from a listing of the GPU nodes read now (the start, and a test that has
-        just changed one); the periodic syncs read the watch's (``nodecache``)."""
+        """A Node sync from a listing of the GPU nodes read now (a test that has just changed
+        one); the start and the periodic syncs read the watch's (``nodecache``)."""
         self._sync(raw(self.pods.list_node(label_selector=self._gpu_node_selector(),
                                            _preload_content=False))["items"])
 

@@ -329,14 +329,19 @@ class KubeController:
                 return f"{address.get('address')}:{self.settings.agent_port}"
         return None
 
-    def _gpu_node_selector(self) -> str:
-        return f"{self.settings.gpu_node_label}=true"
+    def _all_nodes(self) -> Iterable[dict[str, Any]]:
+        """Every Node object: the watch's (``nodecache``), or read now until its first listing
+        has arrived."""
+        return self.nodecache.nodes() if self.nodecache.synced else self._listed(self.pods.list_node)
+
+    def _gpu_nodes(self, nodes: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        label = self.settings.gpu_node_label
+        return [node for node in nodes if (node["metadata"].get("labels") or {}).get(label) == "true"]
 
     def sync_nodes(self) -> None:
-        """A Node sync from a listing of the GPU nodes read now (a test that has just changed
-        one); the start and the periodic syncs read the watch's (``nodecache``)."""
-        self._sync(raw(self.pods.list_node(label_selector=self._gpu_node_selector(),
-                                           _preload_content=False))["items"])
+        """A Node sync from the Nodes read now (a test that has just changed one); the start and
+        the periodic syncs read the watch's."""
+        self._sync(self._gpu_nodes(self._listed(self.pods.list_node)))
 
     def _sync(self, listed: list[dict[str, Any]]) -> None:
         """Register new agents, heartbeat reachable ones; silent ones go unavailable on timeout.
@@ -588,13 +593,7 @@ class KubeController:
                             page=self.settings.list_page, on_progress=self.nodecache.caught_up)
 
     def _sync_from_watch(self) -> None:
-        """Until the watch's first listing arrives, a listing of its own."""
-        if self.nodecache.synced:
-            label = self.settings.gpu_node_label
-            self._sync([node for node in self.nodecache.nodes()
-                        if (node["metadata"].get("labels") or {}).get(label) == "true"])
-        else:
-            self.sync_nodes()
+        self._sync(self._gpu_nodes(self._all_nodes()))
 
     def _sync_nodes_periodically(self) -> None:
         s = self.settings
@@ -923,8 +922,7 @@ class KubeController:
             if not any(t.selects(incoming.namespace, incoming.labels, labels)
                        for p in forbidding for t in p.anti_affinity):
                 return None
-        every = self.nodecache.nodes() if self.nodecache.synced else self._listed(self.pods.list_node)
-        nodes = {n.name: n for n in map(node_facts, every)}
+        nodes = {n.name: n for n in map(node_facts, self._all_nodes())}
 
         def check(created: list[dict[str, Any]]) -> dict[str, str]:
             if not incoming.rules:
